@@ -1,0 +1,1558 @@
+#!/usr/bin/env python3
+"""VESTI: a self-hosted news intake.
+
+Collects RSS/Atom feeds and Telegram channels into one SQLite queue (phase 1),
+classifies the queue in parallel with keywords and a local LLM (phase 3), and
+shows the health of every source and the size of the queue on a web page.
+"""
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Settings", "load_settings", "VestiError", "ConfigError", "FetchError",
+    "ClassifyError", "Database", "SCHEMA", "load_registry", "sync_sources",
+    "canonical_url", "normalize_text", "text_sha256", "store_posts",
+    "queue_sizes", "HostGate", "http_get", "parse_feed", "crawl_rss",
+    "claim_post", "complete_post", "release_post", "expire_leases",
+    "classify_text", "run_workers", "main",
+]
+
+import argparse
+import contextlib
+import dataclasses
+import email.utils
+import hashlib
+import html
+import html.parser
+import http.client
+import json
+import logging
+import os
+import re
+import socket
+import sqlite3
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+log = logging.getLogger("vesti")
+
+
+###############################################################################
+# Settings ####################################################################
+###############################################################################
+
+DEFAULT_USER_AGENT = f"VESTI/{__version__} (self-hosted news intake)"
+
+
+def _number(kind):
+    def parse(name, raw):
+        try:
+            value = kind(raw)
+        except ValueError:
+            raise ConfigError(f"{name}: expected a number, got {raw!r}") from None
+        if value < 0:
+            raise ConfigError(f"{name}: must not be negative, got {raw!r}")
+        return value
+    return parse
+
+
+def _positive(kind):
+    number = _number(kind)
+
+    def parse(name, raw):
+        value = number(name, raw)
+        if not value:
+            raise ConfigError(f"{name}: must be greater than 0, got {raw!r}")
+        return value
+    return parse
+
+
+def _text(name, raw):
+    return raw
+
+
+def _url(name, raw):
+    raw = raw.strip().rstrip("/")
+    if raw and urllib.parse.urlsplit(raw).scheme not in ("http", "https"):
+        raise ConfigError(f"{name}: expected an http:// or https:// URL, got {raw!r}")
+    return raw
+
+
+def _durations(name, raw):
+    """'15m,1h,6h' -> (900, 3600, 21600): crawl intervals by priority."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    values = []
+    for part in raw.split(","):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", part)
+        if not match:
+            raise ConfigError(f"{name}: expected durations like 15m,1h,6h, got {raw!r}")
+        values.append(float(match[1]) * units[match[2] or "s"])
+    return tuple(values)
+
+
+# (environment name, Settings field, parser, default)
+SETTINGS = [
+    ("VESTI_DB", "db", _text, "vesti.db"),
+    ("VESTI_SOURCES", "sources", _text, "sources.yaml"),
+    ("RSS_USER_AGENT", "user_agent", _text, DEFAULT_USER_AGENT),
+    ("RSS_TIMEOUT", "timeout", _positive(float), "20"),
+    ("RSS_MAX_BYTES", "max_bytes", _positive(int), "10485760"),
+    ("RSS_MAX_ENTRIES", "max_entries", _positive(int), "200"),
+    ("RSS_DEAD_AFTER", "dead_after", _positive(int), "5"),
+    ("RSS_HOST_DELAY", "host_delay", _number(float), "1.0"),
+    ("RSS_CONCURRENCY", "concurrency", _positive(int), "8"),
+    ("OLLAMA_URL", "ollama_url", _url, "http://127.0.0.1:11434"),
+    ("OLLAMA_MODEL", "ollama_model", _text, "qwen2.5:7b"),
+    ("OLLAMA_TIMEOUT", "ollama_timeout", _positive(float), "120"),
+    ("VESTI_WORKERS", "workers", _positive(int), "4"),
+    ("VESTI_LEASE_SECONDS", "lease_seconds", _positive(float), "900"),
+    ("VESTI_MAX_ATTEMPTS", "max_attempts", _positive(int), "5"),
+    ("VESTI_RETRY_DELAY", "retry_delay", _number(float), "60"),
+    ("VESTI_CRAWL_EVERY", "crawl_every", _durations, "15m,1h,6h"),
+    ("VESTI_WEB_HOST", "web_host", _text, "127.0.0.1"),
+    ("VESTI_WEB_PORT", "web_port", _number(int), "8080"),
+    ("VESTI_WEB_USER", "web_user", _text, "admin"),
+    ("VESTI_WEB_PASSWORD", "web_password", _text, ""),
+    ("TG_API_ID", "tg_api_id", _text, ""),
+    ("TG_API_HASH", "tg_api_hash", _text, ""),
+    ("TG_SESSION", "tg_session", _text, "vesti.session"),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Every setting of the program, built once and passed down."""
+    db: str
+    sources: str
+    user_agent: str
+    timeout: float
+    max_bytes: int
+    max_entries: int
+    dead_after: int
+    host_delay: float
+    concurrency: int
+    ollama_url: str
+    ollama_model: str
+    ollama_timeout: float
+    workers: int
+    lease_seconds: float
+    max_attempts: int
+    retry_delay: float
+    crawl_every: tuple
+    web_host: str
+    web_port: int
+    web_user: str
+    web_password: str
+    tg_api_id: str
+    tg_api_hash: str
+    tg_session: str
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
+def read_env_file(path):
+    """KEY=VALUE lines of a .env file; comments, blanks and 'export ' allowed."""
+    values = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return values
+    for number, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.removeprefix("export ").partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{path}:{number}: expected KEY=VALUE, got {line!r}")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        values[key.strip()] = value
+    return values
+
+
+def load_settings(environ=None, env_file=".env", **overrides):
+    """Settings from the environment, then `.env` (the environment wins)."""
+    environ = os.environ if environ is None else environ
+    merged = {**read_env_file(env_file), **environ} if env_file else dict(environ)
+    values = {}
+    for name, field, parse, default in SETTINGS:
+        values[field] = parse(name, merged.get(name, default))
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return Settings(**values)
+
+
+###############################################################################
+# Errors ######################################################################
+###############################################################################
+
+class VestiError(Exception):
+    """Base of every error VESTI raises on purpose."""
+
+
+class ConfigError(VestiError):
+    """The user's configuration is wrong: one line, exit code 2."""
+
+
+class FetchError(VestiError):
+    """An HTTP fetch failed; the message is what the source page shows."""
+
+
+class SourceGone(FetchError):
+    """410 Gone: the source is dead at once."""
+
+
+class SourceDeferred(FetchError):
+    """429/503 with Retry-After: try again later, not counted as an error."""
+
+    def __init__(self, message, seconds):
+        super().__init__(message)
+        self.seconds = seconds
+
+
+class FeedError(VestiError):
+    """A body that is not a usable feed."""
+
+
+class ClassifyError(VestiError):
+    """Classification of one post failed."""
+
+
+class OllamaUnreachable(ClassifyError):
+    """No connection to Ollama at all (as opposed to a bad answer)."""
+
+
+class MissingPackage(VestiError):
+    """An optional package a feature needs is not installed."""
+
+    def __init__(self, package, feature):
+        super().__init__(f"{feature} needs the '{package}' package: pip install {package}")
+
+
+###############################################################################
+# Small helpers ###############################################################
+###############################################################################
+
+def utc_text(timestamp=None):
+    """UTC time as SQLite's datetime('now') writes it."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(timestamp))
+
+
+def normalize_text(text):
+    return " ".join((text or "").split())
+
+
+# Shorter than this, a text ("Read more…", an empty caption) cannot tell two
+# articles apart, so such posts are identified by URL alone.
+MIN_IDENTIFYING_TEXT = 40
+
+
+def text_sha256(text):
+    """sha256 of the normalized text, or None for texts too short to identify."""
+    text = normalize_text(text)
+    if len(text) < MIN_IDENTIFYING_TEXT:
+        return None
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def shorten(text, limit):
+    text = text or ""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def import_optional(module, package, feature):
+    """Import a dependency only the feature using it needs."""
+    try:
+        return __import__(module, fromlist=["_"])
+    except ImportError:
+        raise MissingPackage(package, feature) from None
+
+
+class _TextExtractor(html.parser.HTMLParser):
+    BLOCKS = {"p", "br", "div", "li", "h1", "h2", "h3", "h4", "h5", "h6",
+              "blockquote", "pre", "tr", "section", "article", "figure"}
+    SKIP = {"script", "style", "noscript", "template"}
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.parts, self.skipping = [], 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag in self.SKIP:
+            self.skipping += 1
+        elif tag in self.BLOCKS:
+            self.parts.append("\n")
+
+    def handle_endtag(self, tag):
+        if tag in self.SKIP:
+            self.skipping = max(0, self.skipping - 1)
+        elif tag in self.BLOCKS:
+            self.parts.append("\n")
+
+    def handle_data(self, data):
+        if not self.skipping:
+            self.parts.append(data)
+
+
+def html_to_text(markup):
+    """Readable plain text from an HTML fragment: paragraphs kept, tags gone."""
+    if "<" not in (markup or "") and "&" not in (markup or ""):
+        return (markup or "").strip()
+    extractor = _TextExtractor()
+    extractor.feed(markup)
+    extractor.close()
+    lines = (" ".join(line.split()) for line in "".join(extractor.parts).split("\n"))
+    return "\n".join(line for line in lines if line)
+
+
+class Progress:
+    """A self-overwriting status line on a terminal; silent elsewhere."""
+
+    def __init__(self, label, total, stream=None):
+        self.label, self.total, self.done = label, total, 0
+        self.stream = stream or sys.stderr
+        self.live = self.stream.isatty()
+        self.lock = threading.Lock()
+        self.started = time.monotonic()
+
+    def step(self, note=""):
+        with self.lock:
+            self.done += 1
+            if self.live:
+                self.stream.write(f"\r{self.label}: {self.done}/{self.total} {note}\033[K")
+                self.stream.flush()
+
+    def finish(self, summary):
+        """End with one summary line: counts, seconds and rate."""
+        seconds = time.monotonic() - self.started
+        if self.live:
+            self.stream.write("\r\033[K")
+        rate = self.done / seconds if seconds > 0 else 0.0
+        print(f"{self.label}: {summary} in {seconds:.1f} s ({rate:.1f}/s)", flush=True)
+        return seconds
+
+
+###############################################################################
+# Storage #####################################################################
+###############################################################################
+
+SCHEMA = """\
+CREATE TABLE IF NOT EXISTS sources (
+    id INTEGER PRIMARY KEY,
+    slug TEXT NOT NULL UNIQUE,
+    name TEXT NOT NULL DEFAULT '',
+    crawler TEXT NOT NULL DEFAULT 'rss',
+    url TEXT NOT NULL DEFAULT '',
+    direction TEXT,
+    priority INTEGER NOT NULL DEFAULT 0,
+    enabled INTEGER NOT NULL DEFAULT 1,
+    status TEXT NOT NULL DEFAULT 'alive',
+    last_fetch TEXT,
+    last_error TEXT,
+    error_count INTEGER NOT NULL DEFAULT 0,
+    next_fetch_at TEXT,
+    post_count INTEGER NOT NULL DEFAULT 0
+);
+
+CREATE TABLE IF NOT EXISTS posts (
+    id INTEGER PRIMARY KEY,
+    source_id INTEGER,
+    external_id TEXT,
+    url TEXT,
+    canonical_url TEXT,
+    title TEXT NOT NULL DEFAULT '',
+    text TEXT NOT NULL DEFAULT '',
+    content_type TEXT NOT NULL DEFAULT 'full',
+    sha256 TEXT,
+    fetched_at TEXT NOT NULL DEFAULT (datetime('now')),
+    published_at TEXT,
+    status TEXT NOT NULL DEFAULT 'new',
+    classified INTEGER DEFAULT 0,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    claimed_at TEXT,
+    claim_token TEXT,
+    next_attempt_at TEXT,
+    error TEXT,
+    direction TEXT,
+    relevance INTEGER,
+    interest INTEGER,
+    summary TEXT
+);
+-- Queue sizes: pending (NULL/0), processing (-1), failed (-2), done today (1 + fetched_at).
+CREATE INDEX IF NOT EXISTS posts_queue ON posts(classified, fetched_at);
+-- The claim takes the oldest pending post; this index holds only pending ones.
+CREATE INDEX IF NOT EXISTS posts_pending ON posts(id) WHERE classified IS NULL OR classified = 0;
+CREATE INDEX IF NOT EXISTS posts_sha256 ON posts(sha256);
+CREATE INDEX IF NOT EXISTS posts_canonical_url ON posts(canonical_url);
+CREATE INDEX IF NOT EXISTS posts_external_id ON posts(source_id, external_id);
+CREATE INDEX IF NOT EXISTS posts_candidates ON posts(classified, published_at);
+
+CREATE TABLE IF NOT EXISTS rss_state (
+    source_id INTEGER PRIMARY KEY,
+    etag TEXT,
+    modified TEXT,
+    last_build_date TEXT,
+    last_error TEXT,
+    status TEXT,
+    http_status INTEGER,
+    body_sha256 TEXT,
+    moved_to TEXT,
+    keep_fragments INTEGER NOT NULL DEFAULT 0,
+    updated_at TEXT
+);
+
+CREATE TABLE IF NOT EXISTS tg_state (
+    source_id INTEGER PRIMARY KEY,
+    last_message_id INTEGER NOT NULL DEFAULT 0,
+    channel_title TEXT,
+    updated_at TEXT
+);
+
+CREATE TABLE IF NOT EXISTS runs (
+    id INTEGER PRIMARY KEY,
+    source_id INTEGER,
+    task TEXT NOT NULL DEFAULT '',
+    trigger TEXT NOT NULL DEFAULT 'cli',
+    started_at TEXT NOT NULL DEFAULT (datetime('now')),
+    finished_at TEXT,
+    status TEXT NOT NULL DEFAULT 'running',
+    new_posts INTEGER NOT NULL DEFAULT 0,
+    error TEXT
+);
+CREATE INDEX IF NOT EXISTS runs_source ON runs(source_id, id);
+"""
+
+
+def connect(path):
+    """A connection in autocommit mode with the pragmas every connection needs."""
+    conn = sqlite3.connect(path, timeout=30, isolation_level=None,
+                           check_same_thread=False)
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA busy_timeout = 30000")
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = NORMAL")
+    conn.execute("PRAGMA foreign_keys = ON")
+    return conn
+
+
+@contextlib.contextmanager
+def transaction(conn):
+    """BEGIN IMMEDIATE: take the write lock first, so no read-then-write
+    transaction ever fails with 'database is locked'."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+def schema_statements():
+    """SCHEMA split into statements, comments dropped: tables first, then indexes."""
+    statements = ["\n".join(line for line in chunk.splitlines() if not line.startswith("--")).strip()
+                  for chunk in SCHEMA.split(";\n")]
+    tables = [s for s in statements if s.startswith("CREATE TABLE")]
+    return tables, [s for s in statements if s.startswith("CREATE INDEX")]
+
+
+def missing_columns(conn):
+    """(table, column, type, default) for every column SCHEMA has and `conn`
+    lacks, found by comparing with a fresh in-memory copy of SCHEMA."""
+    fresh = sqlite3.connect(":memory:")
+    fresh.executescript(SCHEMA)
+    for (table,) in fresh.execute("SELECT name FROM sqlite_master WHERE type = 'table'"):
+        have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        for _, column, kind, _, default, _ in fresh.execute(f"PRAGMA table_info({table})"):
+            if column not in have:
+                yield table, column, kind, default
+    fresh.close()
+
+
+def add_column(conn, table, column, kind, default):
+    """ALTER TABLE cannot add a column whose default is an expression such as
+    datetime('now'); such a column is added bare and filled in."""
+    if default is not None and "(" in default:
+        conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+        conn.execute(f"UPDATE {table} SET {column} = {default}")
+    else:
+        clause = f" DEFAULT {default}" if default is not None else ""
+        conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}{clause}")
+
+
+def migrate(conn):
+    """Create what is missing, idempotently: tables, then the columns an older
+    database lacks, then indexes."""
+    tables, indexes = schema_statements()
+    with transaction(conn):
+        for statement in tables:
+            conn.execute(statement)
+        for missing in list(missing_columns(conn)):
+            add_column(conn, *missing)
+        for statement in indexes:
+            conn.execute(statement)
+
+
+class Database:
+    """The SQLite file: one connection per thread, schema applied once."""
+
+    def __init__(self, path):
+        self.path = path
+        self._local = threading.local()
+        self._all = []
+        self._lock = threading.Lock()
+        try:
+            migrate(self.conn())
+        except sqlite3.DatabaseError as e:
+            raise ConfigError(f"{path}: cannot open the database: {e}") from None
+
+    def conn(self):
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            try:
+                conn = self._local.conn = connect(self.path)
+            except sqlite3.OperationalError as e:
+                raise ConfigError(f"{self.path}: cannot open the database: {e}") from None
+            with self._lock:
+                self._all.append(conn)
+        return conn
+
+    def close(self):
+        with self._lock:
+            for conn in self._all:
+                conn.close()
+            self._all.clear()
+        self._local = threading.local()
+
+
+# Queue ----------------------------------------------------------------------
+
+PENDING = "(classified IS NULL OR classified = 0)"
+
+
+def queue_sizes(conn):
+    """The four queue numbers, from posts alone."""
+    row = conn.execute(f"""
+        SELECT (SELECT count(*) FROM posts WHERE classified IS NULL)
+             + (SELECT count(*) FROM posts WHERE classified = 0) AS pending,
+               (SELECT count(*) FROM posts WHERE classified = -1) AS processing,
+               (SELECT count(*) FROM posts WHERE classified = 1
+                                           AND fetched_at >= date('now')) AS done_today,
+               (SELECT count(*) FROM posts WHERE classified = -2) AS failed
+    """).fetchone()
+    return dict(row)
+
+
+def claim_post(conn, now=None):
+    """Take the oldest claimable post, or None. One statement, so two workers
+    can never hold the same post."""
+    now_text = utc_text(now)
+    return conn.execute(f"""
+        UPDATE posts SET classified = -1, claimed_at = ?, claim_token = ?,
+                         attempts = attempts + 1
+        WHERE id = (SELECT id FROM posts
+                    WHERE {PENDING} AND (next_attempt_at IS NULL OR next_attempt_at <= ?)
+                    ORDER BY id LIMIT 1)
+        RETURNING id, source_id, url, title, text, content_type, attempts, claim_token
+    """, (now_text, uuid.uuid4().hex, now_text)).fetchone()
+
+
+def complete_post(conn, post_id, token, verdict):
+    """Write the classification, only if the claim is still ours."""
+    cursor = conn.execute("""
+        UPDATE posts SET classified = 1, direction = ?, relevance = ?, interest = ?,
+                         summary = ?, error = NULL, claim_token = NULL
+        WHERE id = ? AND classified = -1 AND claim_token = ?
+    """, (verdict["direction"], verdict["relevance"], verdict["interest"],
+          verdict["summary"], post_id, token))
+    return cursor.rowcount == 1
+
+
+def release_post(conn, post_id, token, error, max_attempts, retry_delay, now=None):
+    """Give a failed post back: pending again after a backoff, or failed for
+    good once it has used its attempts. Returns the new state."""
+    now = time.time() if now is None else now
+    row = conn.execute("""
+        UPDATE posts SET
+            classified = CASE WHEN attempts >= ? THEN -2 ELSE 0 END,
+            next_attempt_at = CASE WHEN attempts >= ? THEN NULL
+                              ELSE strftime('%Y-%m-%d %H:%M:%S', ?, 'unixepoch',
+                                            '+' || (? * (1 << min(attempts - 1, 6))) || ' seconds') END,
+            error = ?, claim_token = NULL
+        WHERE id = ? AND classified = -1 AND claim_token = ?
+        RETURNING classified
+    """, (max_attempts, max_attempts, now, retry_delay, shorten(error, 2000),
+          post_id, token)).fetchone()
+    return None if row is None else row[0]
+
+
+def expire_leases(conn, lease_seconds, max_attempts, now=None):
+    """Take back posts whose worker died: pending at once (the post did not
+    fail), or failed when it has used its attempts. Returns (pending, failed)."""
+    cutoff = utc_text((time.time() if now is None else now) - lease_seconds)
+    with transaction(conn):
+        failed = conn.execute("""
+            UPDATE posts SET classified = -2, claim_token = NULL,
+                   error = coalesce(error || '; ', '') || 'lease expired on the last attempt'
+            WHERE classified = -1 AND claimed_at <= ? AND attempts >= ?
+        """, (cutoff, max_attempts)).rowcount
+        pending = conn.execute("""
+            UPDATE posts SET classified = 0, claim_token = NULL, next_attempt_at = NULL
+            WHERE classified = -1 AND claimed_at <= ?
+        """, (cutoff,)).rowcount
+    return pending, failed
+
+
+def release_claims(conn, tokens):
+    """Put posts claimed under these tokens back to pending, their attempt
+    uncounted: used when a worker is stopped before it could finish them."""
+    with transaction(conn):
+        for token in tokens:
+            conn.execute("""
+                UPDATE posts SET classified = 0, claim_token = NULL,
+                       attempts = max(attempts - 1, 0)
+                WHERE classified = -1 AND claim_token = ?""", (token,))
+
+
+# Posts ----------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Draft:
+    """A post as a crawler found it, before it is stored."""
+    external_id: str
+    url: str
+    canonical_url: str
+    title: str
+    text: str
+    content_type: str
+    published_at: str
+    url_identifies: bool = True
+
+
+def is_stored(conn, source_id, draft, sha):
+    if sha and conn.execute("SELECT 1 FROM posts WHERE sha256 = ? LIMIT 1", (sha,)).fetchone():
+        return True
+    if draft.canonical_url and draft.url_identifies and conn.execute(
+            "SELECT 1 FROM posts WHERE canonical_url = ? LIMIT 1",
+            (draft.canonical_url,)).fetchone():
+        return True
+    if not sha and not (draft.canonical_url and draft.url_identifies):
+        return conn.execute(
+            "SELECT 1 FROM posts WHERE source_id = ? AND external_id = ? LIMIT 1",
+            (source_id, draft.external_id)).fetchone() is not None
+    return False
+
+
+def store_posts(conn, source_id, direction, drafts, fetched_at=None):
+    """Queue the drafts that are new, in one transaction. A draft is new when
+    neither its text hash nor its canonical URL is stored yet."""
+    fetched_at = fetched_at or utc_text()
+    new = 0
+    with transaction(conn):
+        for draft in drafts:
+            sha = text_sha256(f"{draft.title}\n{draft.text}")
+            if is_stored(conn, source_id, draft, sha):
+                continue
+            conn.execute("""
+                INSERT INTO posts (source_id, external_id, url, canonical_url, title, text,
+                                   content_type, sha256, fetched_at, published_at,
+                                   classified, direction)
+                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)
+            """, (source_id, draft.external_id, draft.url, draft.canonical_url,
+                  draft.title, draft.text, draft.content_type, sha, fetched_at,
+                  draft.published_at or fetched_at, direction))
+            new += 1
+        if new:
+            conn.execute("UPDATE sources SET post_count = post_count + ? WHERE id = ?",
+                         (new, source_id))
+    return new
+
+
+# Runs and health ------------------------------------------------------------
+
+def start_run(conn, source_id, task, trigger):
+    return conn.execute(
+        "INSERT INTO runs (source_id, task, trigger, started_at) VALUES (?, ?, ?, ?)",
+        (source_id, task, trigger, utc_text())).lastrowid
+
+
+def finish_run(conn, run_id, status, new_posts=0, error=None):
+    conn.execute("""UPDATE runs SET finished_at = ?, status = ?, new_posts = ?, error = ?
+                    WHERE id = ?""", (utc_text(), status, new_posts, error, run_id))
+
+
+DEAD_PROBE_FIRST = 3600
+DEAD_PROBE_MAX = 86400
+
+
+def record_success(conn, source, now=None):
+    conn.execute("""UPDATE sources SET status = 'alive', error_count = 0, last_error = NULL,
+                    last_fetch = ?, next_fetch_at = NULL WHERE id = ?""",
+                 (utc_text(now), source["id"]))
+    if source["status"] == "dead":
+        log.warning("source %s is alive again", source["slug"])
+
+
+def record_failure(conn, source, error, dead_after, dead_now=False, now=None):
+    """Count a failure; at `dead_after` in a row (or at once for 410) the source
+    is dead, and dead sources are probed with a doubling backoff."""
+    now = time.time() if now is None else now
+    count = source["error_count"] + 1
+    dead = dead_now or source["status"] == "dead" or count >= dead_after
+    probe_in = min(DEAD_PROBE_FIRST * 2 ** max(0, count - dead_after), DEAD_PROBE_MAX)
+    conn.execute("""UPDATE sources SET error_count = ?, last_error = ?, last_fetch = ?,
+                    status = ?, next_fetch_at = ? WHERE id = ?""",
+                 (count, shorten(error, 2000), utc_text(now), "dead" if dead else "alive",
+                  utc_text(now + probe_in) if dead else None, source["id"]))
+    if dead and source["status"] != "dead":
+        log.warning("source %s is dead after %d errors: %s", source["slug"], count,
+                    shorten(error, 200))
+
+
+def record_deferral(conn, source, error, seconds, now=None):
+    """429/503 with Retry-After: wait as asked; not an error toward dead."""
+    now = time.time() if now is None else now
+    conn.execute("""UPDATE sources SET last_fetch = ?, last_error = ?, next_fetch_at = ?
+                    WHERE id = ?""",
+                 (utc_text(now), error, utc_text(now + seconds), source["id"]))
+
+
+def reset_dead(conn):
+    """Every dead source becomes alive with a clean record."""
+    return conn.execute("""UPDATE sources SET status = 'alive', error_count = 0,
+                           last_error = NULL, next_fetch_at = NULL
+                           WHERE status = 'dead'""").rowcount
+
+
+###############################################################################
+# Sources registry ############################################################
+###############################################################################
+
+CRAWLERS = ("rss", "telegram")
+SLUG = re.compile(r"[a-z0-9_-]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class Direction:
+    id: str
+    title: str
+    keywords: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceSpec:
+    slug: str
+    name: str
+    crawler: str
+    url: str
+    direction: str
+    priority: int
+    enabled: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Registry:
+    path: str
+    directions: dict
+    sources: tuple
+
+
+def _yaml_loader(yaml):
+    class LineLoader(yaml.SafeLoader):
+        """Remembers the line of every mapping, for error messages."""
+
+        def construct_mapping(self, node, deep=False):
+            mapping = super().construct_mapping(node, deep=deep)
+            mapping["__line__"] = node.start_mark.line + 1
+            return mapping
+    return LineLoader
+
+
+def read_yaml(path):
+    yaml = import_optional("yaml", "pyyaml", "reading sources.yaml")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.load(f, Loader=_yaml_loader(yaml))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found (set VESTI_SOURCES or --sources)") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason})") from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: YAML syntax error: {e.problem or e.context}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: YAML error: {e}") from None
+
+
+def _parse_direction(path, key, value):
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: direction {key!r}: expected a mapping with title and keywords")
+    line = value.get("__line__", "?")
+    keywords = value.get("keywords") or []
+    if not isinstance(keywords, list) or not all(isinstance(k, (str, int)) for k in keywords):
+        raise ConfigError(f"{path}:{line}: direction {key!r}: keywords must be a list of words")
+    return Direction(str(key), str(value.get("title") or key),
+                     tuple(str(k).strip() for k in keywords if str(k).strip()))
+
+
+def _parse_source(path, item, directions, seen):
+    if not isinstance(item, dict):
+        raise ConfigError(f"{path}: every entry under 'sources' must be a mapping, got {item!r}")
+    line = item["__line__"]
+    slug = item.get("slug")
+    label = f"{path}:{line}: source {slug!r}" if slug is not None else f"{path}:{line}: source"
+    for field in ("slug", "crawler", "url"):
+        if item.get(field) in (None, ""):
+            raise ConfigError(f"{label}: missing field '{field}'")
+    slug = str(slug)
+    if not SLUG.fullmatch(slug):
+        raise ConfigError(f"{label}: slug may contain only a-z, 0-9, '_' and '-'")
+    if slug in seen:
+        raise ConfigError(f"{label}: duplicate slug (first at line {seen[slug]})")
+    seen[slug] = line
+    if item["crawler"] not in CRAWLERS:
+        raise ConfigError(f"{label}: unknown crawler {item['crawler']!r} (expected rss or telegram)")
+    direction = item.get("direction")
+    if direction is not None and str(direction) not in directions:
+        raise ConfigError(f"{label}: unknown direction {direction!r} "
+                          f"(defined: {', '.join(directions) or 'none'})")
+    priority = item.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool) or priority < 0:
+        raise ConfigError(f"{label}: priority must be a whole number 0 or more, got {priority!r}")
+    enabled = item.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"{label}: enabled must be true or false, got {enabled!r}")
+    url = str(item["url"]).strip()
+    if item["crawler"] == "rss" and urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+        raise ConfigError(f"{label}: url must start with http:// or https://, got {url!r}")
+    return SourceSpec(slug, str(item.get("name") or slug), item["crawler"], url,
+                      None if direction is None else str(direction), priority, enabled)
+
+
+def load_registry(path):
+    """sources.yaml, validated: any problem is a ConfigError naming the file,
+    the line or the slug."""
+    data = read_yaml(path)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping with 'directions' and 'sources'")
+    raw_directions = data.get("directions") or {}
+    raw_sources = data.get("sources") or []
+    if not isinstance(raw_directions, dict):
+        raise ConfigError(f"{path}: 'directions' must be a mapping of direction ids")
+    if not isinstance(raw_sources, list):
+        raise ConfigError(f"{path}: 'sources' must be a list")
+    directions = {str(k): _parse_direction(path, k, v)
+                  for k, v in raw_directions.items() if k != "__line__"}
+    seen = {}
+    sources = tuple(_parse_source(path, item, directions, seen) for item in raw_sources)
+    return Registry(path, directions, sources)
+
+
+def sync_sources(conn, registry):
+    """Upsert every source by slug (health columns untouched); sources gone
+    from the file are disabled, never deleted."""
+    with transaction(conn):
+        for spec in registry.sources:
+            old = conn.execute("SELECT id, url FROM sources WHERE slug = ?", (spec.slug,)).fetchone()
+            conn.execute("""
+                INSERT INTO sources (slug, name, crawler, url, direction, priority, enabled)
+                VALUES (?, ?, ?, ?, ?, ?, ?)
+                ON CONFLICT(slug) DO UPDATE SET name = excluded.name,
+                    crawler = excluded.crawler, url = excluded.url,
+                    direction = excluded.direction, priority = excluded.priority,
+                    enabled = excluded.enabled
+            """, (spec.slug, spec.name, spec.crawler, spec.url, spec.direction,
+                  spec.priority, int(spec.enabled)))
+            if old is not None and old["url"] != spec.url:
+                # Validators and redirects belong to the old address.
+                conn.execute("DELETE FROM rss_state WHERE source_id = ?", (old["id"],))
+        slugs = [spec.slug for spec in registry.sources]
+        conn.execute(f"UPDATE sources SET enabled = 0 WHERE slug NOT IN "
+                     f"({','.join('?' * len(slugs))})", slugs)
+
+
+def select_sources(conn, crawler, selection, now=None):
+    """Enabled sources of one crawler kind (or all kinds) for a selection:
+    ('all', None), ('direction', d), ('source', slug) or ('priority', n).
+    --all and the others skip sources that asked to wait or whose dead-probe
+    is not due; --source fetches at once."""
+    kind, value = selection
+    where, params = ["enabled = 1"], []
+    if crawler:
+        where.append("crawler = ?")
+        params.append(crawler)
+    if kind == "source":
+        where.append("slug = ?")
+        params.append(value)
+    else:
+        where.append("(next_fetch_at IS NULL OR next_fetch_at <= ?)")
+        params.append(utc_text(now))
+        if kind == "direction":
+            where.append("direction = ?")
+            params.append(value)
+        elif kind == "priority":
+            where.append("priority = ?")
+            params.append(value)
+    return conn.execute(f"SELECT * FROM sources WHERE {' AND '.join(where)} "
+                        f"ORDER BY priority, id", params).fetchall()
+
+
+###############################################################################
+# HTTP fetching ###############################################################
+###############################################################################
+
+MAX_REDIRECTS = 5
+PERMANENT_REDIRECTS = (301, 308)
+REDIRECTS = (301, 302, 303, 307, 308)
+
+
+class HostGate:
+    """One request at a time per host, at least `delay` seconds apart."""
+
+    def __init__(self, delay, clock=time.monotonic, sleep=time.sleep):
+        self.delay, self.clock, self.sleep = delay, clock, sleep
+        self._lock = threading.Lock()
+        self._hosts = {}
+
+    @contextlib.contextmanager
+    def turn(self, url):
+        host = (urllib.parse.urlsplit(url).hostname or "").lower()
+        with self._lock:
+            slot = self._hosts.setdefault(host, [threading.Lock(), None])
+        with slot[0]:
+            if slot[1] is not None:
+                wait = slot[1] + self.delay - self.clock()
+                if wait > 0:
+                    self.sleep(wait)
+            try:
+                yield
+            finally:
+                slot[1] = self.clock()
+
+
+@dataclasses.dataclass
+class Response:
+    status: int
+    url: str
+    headers: dict
+    body: bytes
+    moved_to: str = None
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """Redirects are followed by http_get itself, to tell 301 from 302."""
+
+    def redirect_request(self, *args, **kwargs):
+        return None
+
+
+class _Decoder:
+    """gzip or deflate (zlib-wrapped or raw) with a bounded output size."""
+
+    def __init__(self, encoding):
+        self.encoding = encoding
+        wbits = 16 + zlib.MAX_WBITS if encoding in ("gzip", "x-gzip") else zlib.MAX_WBITS
+        self.inflater = zlib.decompressobj(wbits)
+        self.started = False
+
+    def decompress(self, data, room):
+        try:
+            out = self.inflater.decompress(data, room)
+        except zlib.error:
+            if self.encoding != "deflate" or self.started:
+                raise
+            self.inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+            out = self.inflater.decompress(data, room)
+        self.started = True
+        return out
+
+
+def read_body(response, limit, deadline, describe):
+    """The body, decompressed, refused past `limit` bytes or past `deadline`."""
+    encoding = (response.headers.get("Content-Encoding") or "identity").strip().lower()
+    if encoding not in ("identity", "gzip", "x-gzip", "deflate"):
+        raise FetchError(f"unsupported Content-Encoding {encoding!r}")
+    declared = response.headers.get("Content-Length")
+    if encoding == "identity" and declared and declared.isdigit() and int(declared) > limit:
+        raise FetchError(f"body of {int(declared)} bytes is over the limit of {limit} bytes")
+    decoder = None if encoding == "identity" else _Decoder(encoding)
+    chunks, size = [], 0
+    while True:
+        if time.monotonic() > deadline:
+            raise FetchError(f"{describe}: response took too long")
+        raw = response.read1(65536)
+        if not raw:
+            break
+        while raw:
+            try:
+                data = decoder.decompress(raw, limit + 1 - size) if decoder else raw
+            except zlib.error as e:
+                raise FetchError(f"broken {encoding} body: {e}") from None
+            raw = decoder.inflater.unconsumed_tail if decoder else b""
+            size += len(data)
+            if size > limit:
+                raise FetchError(f"body is over the limit of {limit} bytes")
+            chunks.append(data)
+    return b"".join(chunks)
+
+
+def describe_error(error):
+    """A short human line for a network error."""
+    reason = getattr(error, "reason", error)
+    if isinstance(reason, (socket.timeout, TimeoutError)):
+        return "timed out"
+    if isinstance(reason, socket.gaierror):
+        return f"cannot resolve host ({reason.strerror or reason})"
+    if isinstance(reason, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(reason, OSError) and reason.strerror:
+        return reason.strerror
+    return str(reason) or type(reason).__name__
+
+
+def retry_after_seconds(value, now=None):
+    """Retry-After as seconds from now: a number or an HTTP date; None if unreadable."""
+    value = (value or "").strip()
+    if value.isdigit():
+        return int(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    return max(0, when.timestamp() - (time.time() if now is None else now))
+
+
+def _open(opener, url, headers, timeout):
+    request = urllib.request.Request(url, headers=headers)
+    try:
+        return opener.open(request, timeout=timeout)
+    except urllib.error.HTTPError as e:
+        return e
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        raise FetchError(describe_error(e)) from None
+    except ValueError as e:
+        raise FetchError(f"bad URL {url!r}: {e}") from None
+
+
+def http_get(url, settings, headers=None, gate=None):
+    """GET with redirects (at most 5, permanent ones reported as moved_to),
+    gzip/deflate, a size cap after decompression and a whole-response deadline.
+    Returns any final status; only network failures raise FetchError."""
+    gate = gate or HostGate(0)
+    opener = urllib.request.build_opener(_NoRedirects())
+    headers = {"User-Agent": settings.user_agent, "Accept-Encoding": "gzip, deflate",
+               "Accept": "application/rss+xml, application/atom+xml, application/xml;q=0.9, "
+                         "text/xml;q=0.9, text/html;q=0.8, */*;q=0.5",
+               **(headers or {})}
+    moved_to, still_permanent = None, True
+    for _ in range(MAX_REDIRECTS + 1):
+        with gate.turn(url):
+            deadline = time.monotonic() + 3 * settings.timeout
+            response = _open(opener, url, headers, settings.timeout)
+            try:
+                status = response.status if response.status is not None else response.code
+                if status in REDIRECTS:
+                    location = response.headers.get("Location")
+                    if not location:
+                        raise FetchError(f"HTTP {status} without a Location header")
+                    target = urllib.parse.urljoin(url, location.strip())
+                    still_permanent = still_permanent and status in PERMANENT_REDIRECTS
+                    moved_to = target if still_permanent else moved_to
+                    url = target
+                    continue
+                body = b""
+                if 200 <= status < 300:
+                    body = read_body(response, settings.max_bytes, deadline, url)
+                return Response(status, url, {k.lower(): v for k, v in response.headers.items()},
+                                body, moved_to)
+            except (OSError, http.client.HTTPException) as e:
+                raise FetchError(describe_error(e)) from None
+            finally:
+                response.close()
+    raise FetchError(f"more than {MAX_REDIRECTS} redirects")
+
+
+###############################################################################
+# RSS crawler #################################################################
+###############################################################################
+
+TRACKING_PARAMS = frozenset("""
+    fbclid gclid gclsrc dclid gbraid wbraid yclid ysclid msclkid twclid ttclid igshid
+    mc_cid mc_eid mkt_tok _openstat _hsenc _hsmi __hssc __hstc __hsfp hsctatracking
+    fb_action_ids fb_action_types fb_source fb_ref action_object_map action_type_map
+    action_ref_map gs_l oly_anon_id oly_enc_id vero_id vero_conv wickedid rb_clickid
+    s_cid ncid cmpid clickid spm scid _ga _gl zanpid ml_subscriber ml_subscriber_hash
+    """.split())
+TRACKING_PREFIXES = ("utm_", "ga_", "hmb_", "mtm_", "pk_", "itm_", "stm_")
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def is_tracking_param(name):
+    name = urllib.parse.unquote_plus(name).lower()
+    return name in TRACKING_PARAMS or name.startswith(TRACKING_PREFIXES)
+
+
+def canonical_url(url, base=None, keep_fragment=False):
+    """The URL that identifies an article: scheme and host lowercased, default
+    port, tracking parameters and (unless asked) the fragment dropped, relative
+    links resolved against `base`. Kept parameters keep their order and
+    spelling: what remains is still the link an editor clicks."""
+    url = (url or "").strip()
+    if base:
+        url = urllib.parse.urljoin(base, url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return url
+    scheme = parts.scheme.lower()
+    host = (parts.hostname or "").rstrip(".")
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = host if port is None or DEFAULT_PORTS.get(scheme) == port else f"{host}:{port}"
+    userinfo = parts.netloc.rpartition("@")[0]
+    if userinfo:
+        netloc = f"{userinfo}@{netloc}"
+    path = parts.path or ("/" if netloc else "")
+    query = "&".join(pair for pair in parts.query.split("&")
+                     if pair and not is_tracking_param(pair.split("=", 1)[0]))
+    fragment = parts.fragment if keep_fragment else ""
+    return urllib.parse.urlunsplit((scheme, netloc, path, query, fragment))
+
+
+# Shorter than this, a feed's text is a teaser: the article is fetched in phase 3.
+FULL_TEXT_MIN = 600
+
+
+def entry_text(entry):
+    """(text, content_type) of a feed entry: its full content when the feed
+    carries it, else its summary."""
+    contents = [c.get("value", "") for c in entry.get("content") or []]
+    content = html_to_text("\n".join(contents)) if contents else ""
+    summary = html_to_text(entry.get("summary", "") or "")
+    text = content if len(content) >= len(summary) else summary
+    return text, "full" if len(text) >= FULL_TEXT_MIN else "summary"
+
+
+def entry_published(entry, fetched_at):
+    """The entry's date as UTC text; the fetch time when it has none (or one
+    more than a day in the future)."""
+    # Plain dict lookups: feedparser's own get() warns when it maps one to the other.
+    parsed = dict.get(entry, "published_parsed") or dict.get(entry, "updated_parsed")
+    if not parsed:
+        return fetched_at
+    try:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", parsed)
+    except (TypeError, ValueError):
+        return fetched_at
+    return fetched_at if stamp > utc_text(time.time() + 86400) else stamp
+
+
+def entry_id(entry, link, title, text):
+    """The feed's guid; without one, the link plus a hash of the content, since
+    some feeds give every entry the same link."""
+    if entry.get("id"):
+        return str(entry["id"])
+    digest = hashlib.sha256(f"{title}\n{text}".encode("utf-8")).hexdigest()[:16]
+    return f"{link or ''}#{digest}"
+
+
+@dataclasses.dataclass
+class ParsedFeed:
+    drafts: list
+    last_build_date: str
+    warning: str
+    keep_fragments: bool
+
+
+def _fragment_sensitive(links):
+    """True when two different links differ only by their fragment."""
+    seen = {}
+    for link in links:
+        bare = link.partition("#")[0]
+        if seen.setdefault(bare, link) != link:
+            return True
+    return False
+
+
+def parse_feed(body, feed_url, max_entries, keep_fragments=False, content_type=None,
+               fetched_at=None):
+    """Drafts from a feed body. Malformed feeds that still yield entries come
+    with a warning; a body that yields none is a FeedError."""
+    feedparser = import_optional("feedparser", "feedparser", "the RSS crawler")
+    # Without a Content-Type feedparser flags every feed as malformed; XML
+    # with no charset lets it read the declaration or guess with chardet.
+    headers = {"content-location": feed_url, "content-type": content_type or "application/xml"}
+    if body[:1].isspace() and body.lstrip()[:5] == b"<?xml":
+        body = body.lstrip()  # a stray newline before the declaration is common and harmless
+    parsed = feedparser.parse(body, response_headers=headers)
+    entries = parsed.get("entries") or []
+    problem = parsed.get("bozo_exception") if parsed.get("bozo") else None
+    if not entries:
+        if problem is not None or not parsed.get("version"):
+            reason = f": {shorten(str(problem), 200)}" if problem is not None else ""
+            raise FeedError(f"not a feed (no entries found{reason})")
+        return ParsedFeed([], parsed.feed.get("updated"), None, keep_fragments)
+    entries = entries[:max_entries]
+    fetched_at = fetched_at or utc_text()
+    links = [urllib.parse.urljoin(feed_url, (e.get("link") or "").strip()) for e in entries]
+    keep_fragments = keep_fragments or _fragment_sensitive([canonical_url(l, keep_fragment=True)
+                                                           for l in links if l])
+    drafts = []
+    for entry, link in zip(entries, links):
+        title = html_to_text(entry.get("title", "") or "")
+        text, kind = entry_text(entry)
+        drafts.append(Draft(entry_id(entry, link, title, text), link or None,
+                            canonical_url(link, keep_fragment=keep_fragments) if link else None,
+                            title, text, kind, entry_published(entry, fetched_at)))
+    _mark_shared_urls(drafts)
+    warning = f"malformed feed, {len(drafts)} entries kept: {shorten(str(problem), 200)}" \
+        if problem is not None else None
+    return ParsedFeed(drafts, parsed.feed.get("updated"), warning, keep_fragments)
+
+
+def _mark_shared_urls(drafts):
+    """Some feeds give many different entries one link (or repeat a guid and
+    link with new text); such a link does not identify an entry, so those
+    entries are told apart by text instead."""
+    counts = {}
+    for draft in drafts:
+        if draft.canonical_url:
+            identity = (draft.external_id, text_sha256(f"{draft.title}\n{draft.text}"))
+            counts.setdefault(draft.canonical_url, set()).add(identity)
+    ids = {}
+    for draft in drafts:
+        ids[draft.external_id] = ids.get(draft.external_id, 0) + 1
+    for draft in drafts:
+        if draft.canonical_url and len(counts[draft.canonical_url]) > 1:
+            draft.url_identifies = False
+            if ids[draft.external_id] > 1:
+                digest = hashlib.sha256(f"{draft.title}\n{draft.text}".encode()).hexdigest()[:16]
+                draft.external_id = f"{draft.external_id}#{digest}"
+
+
+# rss_state ------------------------------------------------------------------
+
+def load_rss_state(conn, source_id):
+    row = conn.execute("SELECT * FROM rss_state WHERE source_id = ?", (source_id,)).fetchone()
+    return dict(row) if row else {"source_id": source_id, "keep_fragments": 0}
+
+
+def save_rss_state(conn, source_id, **fields):
+    fields["updated_at"] = utc_text()
+    columns = ", ".join(fields)
+    updates = ", ".join(f"{c} = excluded.{c}" for c in fields)
+    conn.execute(f"""INSERT INTO rss_state (source_id, {columns})
+                     VALUES (?, {', '.join('?' * len(fields))})
+                     ON CONFLICT(source_id) DO UPDATE SET {updates}""",
+                 (source_id, *fields.values()))
+
+
+def conditional_get(source, state, settings, gate):
+    """GET the feed with the validators from the last fetch; a permanent
+    redirect seen before is followed directly."""
+    headers = {}
+    if state.get("etag"):
+        headers["If-None-Match"] = state["etag"]
+    if state.get("modified"):
+        headers["If-Modified-Since"] = state["modified"]
+    return http_get(state.get("moved_to") or source["url"], settings, headers, gate)
+
+
+def check_status(response):
+    """Raise for an answer that is not a feed body or a 304."""
+    status = response.status
+    if status == 410:
+        raise SourceGone("HTTP 410 Gone")
+    if status in (429, 503):
+        seconds = retry_after_seconds(response.headers.get("retry-after"))
+        if seconds is not None:
+            raise SourceDeferred(f"HTTP {status}, retry after {int(seconds)} s", seconds)
+    if status != 304 and not 200 <= status < 300:
+        reason = http.client.responses.get(status, "")
+        raise FetchError(f"HTTP {status} {reason}".strip())
+
+
+@dataclasses.dataclass
+class FeedResult:
+    source: str
+    status: str           # ok | not_modified | unchanged | error | gone | deferred
+    new_posts: int = 0
+    error: str = None
+
+
+def fetch_feed(conn, source, settings, gate):
+    """One conditional fetch of one feed, stored. Returns (status, new, note)."""
+    state = load_rss_state(conn, source["id"])
+    response = conditional_get(source, state, settings, gate)
+    check_status(response)
+    moved_to = response.moved_to or state.get("moved_to")
+    validators = {"etag": response.headers.get("etag") or state.get("etag"),
+                  "modified": response.headers.get("last-modified") or state.get("modified"),
+                  "moved_to": moved_to, "http_status": response.status}
+    if response.status == 304:
+        save_rss_state(conn, source["id"], status="not_modified", last_error=None, **validators)
+        return "not_modified", 0, None
+    body_hash = hashlib.sha256(response.body).hexdigest()
+    if body_hash == state.get("body_sha256"):
+        save_rss_state(conn, source["id"], status="unchanged", last_error=None, **validators)
+        return "unchanged", 0, None
+    feed = parse_feed(response.body, response.url, settings.max_entries,
+                      bool(state.get("keep_fragments")), response.headers.get("content-type"))
+    new = store_posts(conn, source["id"], source["direction"], feed.drafts)
+    save_rss_state(conn, source["id"], status="ok", last_error=feed.warning,
+                   body_sha256=body_hash, last_build_date=feed.last_build_date,
+                   keep_fragments=int(feed.keep_fragments), **validators)
+    return "ok", new, feed.warning
+
+
+def crawl_feed(db, source, settings, gate, trigger="cli"):
+    """Fetch one RSS source and record the run and the source's health.
+    Never raises for what a feed or its server did wrong."""
+    conn = db.conn()
+    run_id = start_run(conn, source["id"], "rss", trigger)
+    try:
+        status, new, note = fetch_feed(conn, source, settings, gate)
+    except SourceDeferred as e:
+        record_deferral(conn, source, str(e), e.seconds)
+        save_rss_state(conn, source["id"], status="deferred", last_error=str(e))
+        finish_run(conn, run_id, "deferred", error=str(e))
+        return FeedResult(source["slug"], "deferred", error=str(e))
+    except (FetchError, FeedError) as e:
+        gone = isinstance(e, SourceGone)
+        record_failure(conn, source, str(e), settings.dead_after, dead_now=gone)
+        save_rss_state(conn, source["id"], status="gone" if gone else "error", last_error=str(e))
+        finish_run(conn, run_id, "error", error=str(e))
+        return FeedResult(source["slug"], "gone" if gone else "error", error=str(e))
+    except Exception as e:
+        log.exception("source %s: unexpected error", source["slug"])
+        error = f"internal error: {type(e).__name__}: {e}"
+        record_failure(conn, source, error, settings.dead_after)
+        finish_run(conn, run_id, "error", error=error)
+        return FeedResult(source["slug"], "error", error=error)
+    record_success(conn, source)
+    finish_run(conn, run_id, "ok", new, note)
+    return FeedResult(source["slug"], status, new)
+
+
+def group_by_host(sources, url_of):
+    """Sources in priority order, grouped by host in order of first appearance:
+    one host's sources are fetched one after another, hosts in parallel."""
+    groups = {}
+    for source in sources:
+        host = (urllib.parse.urlsplit(url_of(source)).hostname or "").lower()
+        groups.setdefault(host, []).append(source)
+    return list(groups.values())
+
+
+@dataclasses.dataclass
+class CrawlSummary:
+    results: list
+
+    @property
+    def new_posts(self):
+        return sum(r.new_posts for r in self.results)
+
+    def count(self, *statuses):
+        return sum(r.status in statuses for r in self.results)
+
+    def line(self):
+        return (f"{len(self.results)} sources ({self.count('ok', 'not_modified', 'unchanged')} ok, "
+                f"{self.count('error', 'gone')} failed, {self.count('deferred')} deferred), "
+                f"{self.new_posts} new posts")
+
+
+def crawl_rss(db, settings, selection=("all", None), trigger="cli", gate=None, quiet=False):
+    """Phase 1 for feeds: every selected RSS source, hosts in parallel."""
+    sources = select_sources(db.conn(), "rss", selection)
+    gate = gate or HostGate(settings.host_delay)
+    progress = Progress("rss", len(sources), stream=open(os.devnull, "w") if quiet else None)
+    moved = {row["source_id"]: row["moved_to"] for row in db.conn().execute(
+        "SELECT source_id, moved_to FROM rss_state WHERE moved_to IS NOT NULL")}
+    groups = group_by_host(sources, lambda s: moved.get(s["id"]) or s["url"])
+
+    def crawl_group(group):
+        results = []
+        for source in group:
+            results.append(crawl_feed(db, source, settings, gate, trigger))
+            progress.step(f"{source['slug']}: {results[-1].status}")
+        return results
+
+    with ThreadPoolExecutor(max_workers=settings.concurrency,
+                            thread_name_prefix="rss") as pool:
+        results = [r for group in pool.map(crawl_group, groups) for r in group]
+    summary = CrawlSummary(results)
+    if not quiet:
+        progress.finish(summary.line())
+    return summary
+
+
+###############################################################################
+# Command line ################################################################
+###############################################################################
+
+def open_intake(settings):
+    """The registry and the database, with sources.yaml synced in: what every
+    command does first."""
+    registry = load_registry(settings.sources)
+    db = Database(settings.db)
+    sync_sources(db.conn(), registry)
+    return registry, db
+
+
+def selection_of(args):
+    for kind in ("source", "direction", "priority"):
+        value = getattr(args, kind, None)
+        if value is not None:
+            return kind, value
+    return "all", None
+
+
+def check_selection(conn, registry, selection, crawler):
+    """A --source or --direction that names nothing is a usage error."""
+    kind, value = selection
+    if kind == "direction" and value not in registry.directions:
+        raise ConfigError(f"unknown direction {value!r} (defined: "
+                          f"{', '.join(registry.directions) or 'none'})")
+    if kind == "source":
+        row = conn.execute("SELECT crawler, enabled FROM sources WHERE slug = ?",
+                           (value,)).fetchone()
+        if row is None:
+            raise ConfigError(f"unknown source {value!r}: not in {registry.path}")
+        if not row["enabled"]:
+            raise ConfigError(f"source {value!r} is disabled in {registry.path}")
+        if crawler and row["crawler"] != crawler:
+            raise ConfigError(f"source {value!r} is a {row['crawler']} source, not {crawler}")
+
+
+def cmd_init(args, settings):
+    registry, db = open_intake(settings)
+    count = db.conn().execute("SELECT count(*) FROM sources WHERE enabled = 1").fetchone()[0]
+    print(f"{settings.db}: ready, {count} enabled sources from {registry.path}")
+    return 0
+
+
+def cmd_rss(args, settings):
+    registry, db = open_intake(settings)
+    selection = selection_of(args)
+    check_selection(db.conn(), registry, selection, "rss")
+    crawl_rss(db, settings, selection, args.trigger)
+    return 0
+
+
+def status_report(conn):
+    sources = conn.execute("""
+        SELECT s.slug, s.name, s.crawler, s.status, s.enabled, s.priority, s.last_fetch,
+               s.last_error, s.error_count, s.post_count, s.next_fetch_at,
+               r.etag, r.modified, r.last_build_date, r.moved_to
+        FROM sources s LEFT JOIN rss_state r ON r.source_id = s.id
+        ORDER BY s.enabled DESC, s.priority, s.slug""").fetchall()
+    return {"queue": queue_sizes(conn), "sources": [dict(row) for row in sources]}
+
+
+def print_status(report):
+    queue = report["queue"]
+    print("queue: " + ", ".join(f"{name.replace('_', ' ')} {count}"
+                                for name, count in queue.items()))
+    rows = [("source", "crawler", "prio", "status", "errors", "posts", "last fetch", "last error")]
+    for s in report["sources"]:
+        status = s["status"] if s["enabled"] else "disabled"
+        rows.append((s["slug"], s["crawler"], str(s["priority"]), status, str(s["error_count"]),
+                     str(s["post_count"]), s["last_fetch"] or "never",
+                     shorten((s["last_error"] or "").replace("\n", " "), 60)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
+
+
+def cmd_status(args, settings):
+    _, db = open_intake(settings)
+    report = status_report(db.conn())
+    if args.json:
+        print(json.dumps(report, ensure_ascii=False, indent=2))
+    else:
+        print_status(report)
+    return 0
+
+
+def _selection_arguments(parser, priority=False, login=False):
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--all", action="store_true", help="every enabled source")
+    group.add_argument("--direction", metavar="D", help="sources of one direction")
+    group.add_argument("--source", metavar="SLUG", help="one source, fetched at once")
+    if priority:
+        group.add_argument("--priority", metavar="N", type=int,
+                           help="sources of exactly priority N")
+    if login:
+        group.add_argument("--login", action="store_true",
+                           help="interactive Telegram login that writes TG_SESSION")
+    parser.add_argument("--trigger", choices=("cli", "cron", "web", "schedule"), default="cli",
+                        help="recorded in runs (default: cli)")
+
+
+def build_parser():
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--db", metavar="PATH", default=argparse.SUPPRESS,
+                        help="SQLite database (VESTI_DB, default vesti.db)")
+    common.add_argument("--sources", metavar="PATH", default=argparse.SUPPRESS,
+                        help="source registry (VESTI_SOURCES, default sources.yaml)")
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="log every fetch and post")
+    parser = argparse.ArgumentParser(
+        prog="vesti.py", parents=[common],
+        description="VESTI: news from feeds and Telegram into one classified queue.")
+    parser.add_argument("--version", action="version", version=f"VESTI {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="command")
+
+    def command(name, handler, help):
+        sub = commands.add_parser(name, parents=[common], help=help, description=help)
+        sub.set_defaults(handler=handler)
+        return sub
+
+    command("init", cmd_init, "create or migrate the database and sync sources.yaml")
+    _selection_arguments(command("rss", cmd_rss, "fetch RSS/Atom sources into the queue"))
+    status = command("status", cmd_status, "queue sizes and source health")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def configure_logging(verbose):
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+
+
+def main(argv=None):
+    """Run one command; returns the exit code (0 done, 2 usage or
+    configuration error, 1 anything else)."""
+    args = build_parser().parse_args(argv)
+    configure_logging(getattr(args, "verbose", False))
+    try:
+        settings = load_settings(db=getattr(args, "db", None),
+                                 sources=getattr(args, "sources", None))
+        return args.handler(args, settings)
+    except (ConfigError, MissingPackage) as e:
+        print(f"vesti: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("vesti: interrupted", file=sys.stderr)
+        return 130
+    except Exception:
+        log.exception("vesti %s failed", args.command)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
