@@ -938,3 +938,424 @@ def test_init_is_idempotent_and_reports_the_sources(home):
         result = cli("init", "--db", "data.db", cwd=home)
         assert result.returncode == 0 and "1 enabled sources" in result.stdout
     assert (home / "data.db").exists()
+
+
+# Classification --------------------------------------------------------------
+
+class FakeOllama:
+    """Speaks Ollama's /api/chat: answers with a verdict, or misbehaves."""
+
+    def __init__(self, mode="ok", latency=0.0):
+        self.mode, self.latency, self.requests = mode, latency, []
+        self.lock = threading.Lock()
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with fake.lock:
+                    fake.requests.append((self.path, body))
+                time.sleep(fake.latency)
+                status, answer = fake.answer(body)
+                data = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+
+    def verdict(self, body):
+        return {"direction": "linux", "relevance": 8, "interest": 6,
+                "summary": "Summary: " + body["messages"][-1]["content"].splitlines()[0]}
+
+    def answer(self, body):
+        if self.mode == "500":
+            return 500, {"error": "model crashed"}
+        if self.mode == "garbage":
+            return 200, b"<html>not json</html>"
+        if self.mode == "bad-verdict":
+            return 200, {"model": "m", "message": {"role": "assistant",
+                                                   "content": '{"direction": "sport"}'}, "done": True}
+        if self.mode == "hang":
+            time.sleep(5)
+        content = json.dumps(self.verdict(body), ensure_ascii=False)
+        return 200, {"model": body["model"], "created_at": "2026-11-30T10:00:00Z",
+                     "message": {"role": "assistant", "content": content},
+                     "done_reason": "stop", "done": True}
+
+    def titles(self):
+        with self.lock:
+            return [body["messages"][-1]["content"].splitlines()[0] for _, body in self.requests]
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def ollama():
+    fake = FakeOllama()
+    yield fake
+    fake.close()
+
+
+DIRECTIONS = {"linux": vesti.Direction("linux", "Linux", ("linux", "kernel", "ядр*")),
+              "space": vesti.Direction("space", "Space", ("rocket", "open orbit"))}
+
+
+def test_keywords_match_whole_words_case_insensitively_cyrillic_included():
+    index = vesti.KeywordIndex(DIRECTIONS)
+    assert index.hits("The LINUX Kernel") == {"linux": 2}
+    assert index.hits("Linuxoid kernels") == {}
+    assert index.hits("Новое ядро и ядра") == {"linux": 2}
+    assert index.hits("An open  orbit rocket, kernel") == {"space": 2, "linux": 1}
+
+
+def test_no_keyword_hit_is_not_relevant_and_never_asks_the_llm(ollama):
+    s = vesti.load_settings(environ={"OLLAMA_URL": ollama.url}, env_file=None)
+    verdict = vesti.classify_text("Football results. The home team won.", DIRECTIONS, s,
+                                  title="Sports")
+    assert verdict == {"direction": None, "relevance": 0, "interest": 0,
+                       "summary": "Football results. The home team won."}
+    assert ollama.requests == []
+
+
+def test_a_keyword_hit_asks_ollama_exactly_as_the_contract_says(ollama):
+    s = vesti.load_settings(environ={"OLLAMA_URL": ollama.url, "OLLAMA_MODEL": "m:1"},
+                            env_file=None)
+    verdict = vesti.classify_text("A new kernel is out.", DIRECTIONS, s, title="Kernel 7.0")
+    assert verdict == {"direction": "linux", "relevance": 8, "interest": 6,
+                       "summary": "Summary: Kernel 7.0"}
+    path, body = ollama.requests[0]
+    assert path == "/api/chat"
+    assert (body["model"], body["stream"], body["options"]) == ("m:1", False, {"temperature": 0})
+    schema = body["format"]
+    assert schema["properties"]["direction"]["enum"] == ["linux", "space", None]
+    assert set(schema["required"]) == {"direction", "relevance", "interest", "summary"}
+    assert body["messages"][-1]["role"] == "user" and "A new kernel is out." in body["messages"][-1]["content"]
+
+
+def test_without_ollama_keywords_alone_decide():
+    s = vesti.load_settings(environ={"OLLAMA_URL": ""}, env_file=None)
+    verdict = vesti.classify_text("Linux 7.0 has a new kernel scheduler. It is fast. More later.",
+                                  DIRECTIONS, s, title="Linux news")
+    assert verdict["direction"] == "linux"
+    assert 0 < verdict["relevance"] <= 10 and 0 < verdict["interest"] <= 10
+    assert verdict["summary"].startswith("Linux 7.0 has a new kernel scheduler.")
+
+
+@pytest.mark.parametrize("mode,error", [("500", "Ollama answered HTTP 500"),
+                                        ("garbage", "no JSON"),
+                                        ("bad-verdict", "unknown direction 'sport'")])
+def test_a_bad_ollama_answer_is_a_classify_error(mode, error):
+    fake = FakeOllama(mode)
+    try:
+        s = vesti.load_settings(environ={"OLLAMA_URL": fake.url}, env_file=None)
+        with pytest.raises(vesti.ClassifyError, match=error):
+            vesti.classify_text("kernel", DIRECTIONS, s)
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("content,error", [
+    ('{"direction": "linux", "relevance": 11, "interest": 1, "summary": "s"}', "relevance=11"),
+    ('{"direction": "linux", "relevance": 5, "interest": "high", "summary": "s"}', "interest='high'"),
+    ('{"direction": "linux", "relevance": 5, "interest": 5}', "no summary"),
+    ('not json', "not a JSON verdict"),
+    ('[1, 2]', "not an object"),
+])
+def test_verdicts_out_of_contract_are_rejected(content, error):
+    with pytest.raises(vesti.ClassifyError, match=re.escape(error)):
+        vesti.parse_verdict({"message": {"content": content}}, DIRECTIONS)
+
+
+def test_a_summary_only_post_is_classified_on_its_article_text(home, server, ollama):
+    page = CORPUS / "html" / "bbc.com.52241221.html"
+    expected = json.loads((CORPUS / "html" / "expected.json").read_text())["pages"]
+    snippet = expected["bbc.com.52241221.html"]["with"][0]
+    server.routes["/article"] = lambda request: (200, {"Content-Type": "text/html"},
+                                                 page.read_bytes())
+    s = make_settings(home, OLLAMA_URL="")
+    classify = vesti.Classifier(vesti.Registry("x", DIRECTIONS, ()), s)
+    post = {"id": 1, "title": "Kernel news", "text": "Kernel teaser.", "content_type": "summary",
+            "url": server.url + "/article"}
+    verdict = classify(post)
+    assert snippet in verdict["text"]
+    assert len(verdict["text"]) > 1000
+    assert server.sent("/article")[0]["User-Agent"] == s.user_agent
+
+
+def test_when_the_article_cannot_be_read_the_summary_is_used(home, server):
+    server.status("/article", 404)
+    s = make_settings(home, OLLAMA_URL="")
+    classify = vesti.Classifier(vesti.Registry("x", DIRECTIONS, ()), s)
+    post = {"id": 1, "title": "Kernel news", "text": "Kernel teaser about linux.",
+            "content_type": "summary", "url": server.url + "/article"}
+    verdict = classify(post)
+    assert verdict["text"] is None and verdict["direction"] == "linux"
+
+
+# Worker ----------------------------------------------------------------------
+
+def add_posts(conn, count, source_id=1, text="News about the Linux kernel.", start=0, **columns):
+    conn.execute("INSERT OR IGNORE INTO sources (id, slug, url) VALUES (?, ?, 'http://x/')",
+                 (source_id, f"s{source_id}"))
+    names = ", ".join(["source_id", "title", "text", "url", "classified", *columns])
+    marks = ", ".join("?" * (5 + len(columns)))
+    conn.executemany(f"INSERT INTO posts ({names}) VALUES ({marks})",
+                     [(source_id, f"Post {k}", text, f"http://x/{k}", 0, *columns.values())
+                      for k in range(start, start + count)])
+
+
+def queue_of(db):
+    return dict(db.conn().execute("SELECT classified, count(*) FROM posts GROUP BY 1").fetchall())
+
+
+def worker_home(home, ollama_url, **settings):
+    write_sources(home / "sources.yaml", [])
+    s = make_settings(home, OLLAMA_URL=ollama_url, **settings)
+    registry, db = vesti.open_intake(s)
+    return s, db, registry
+
+
+def test_seed_100_posts_with_8_workers_are_each_classified_once(home, ollama):
+    """Seed 000: 100 posts, `python -m crawler.worker --workers 8 --limit 200`."""
+    s, db, _ = worker_home(home, ollama.url)
+    add_posts(db.conn(), 100)
+    result = subprocess.run([sys.executable, "-m", "crawler.worker", "--workers", "8",
+                             "--limit", "200", "--db", s.db, "--sources", s.sources],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "OLLAMA_URL": ollama.url})
+    assert result.returncode == 0, result.stderr
+    assert queue_of(db) == {1: 100}
+    titles = ollama.titles()
+    assert sorted(titles) == sorted(f"Post {k}" for k in range(100))       # each exactly once
+    row = db.conn().execute("SELECT * FROM posts WHERE title = 'Post 7'").fetchone()
+    assert (row["direction"], row["relevance"], row["interest"], row["summary"], row["attempts"]) == \
+        ("linux", 8, 6, "Summary: Post 7", 1)
+    assert "100 processed (100 done, 0 returned to the queue, 0 failed)" in result.stdout
+
+
+class PickyOllama(FakeOllama):
+    """Fails on posts whose title says BROKEN."""
+
+    def answer(self, body):
+        if "BROKEN" in body["messages"][-1]["content"]:
+            return 500, {"error": "cannot classify this one"}
+        return super().answer(body)
+
+
+def test_seed_a_post_whose_classification_raises_returns_to_the_queue(home):
+    """Seed 000: the post goes back (classified=0), the worker goes on, the run exits 0."""
+    fake = PickyOllama()
+    try:
+        s, db, _ = worker_home(home, fake.url)
+        add_posts(db.conn(), 5)
+        db.conn().execute("UPDATE posts SET title = 'BROKEN post' WHERE id = 3")
+        result = cli("worker", "--workers", "2", cwd=home, env={"OLLAMA_URL": fake.url})
+    finally:
+        fake.close()
+    assert result.returncode == 0, result.stderr
+    broken = db.conn().execute("SELECT * FROM posts WHERE id = 3").fetchone()
+    assert (broken["classified"], broken["attempts"]) == (0, 1)
+    assert "HTTP 500" in broken["error"] and broken["next_attempt_at"] > vesti.utc_text()
+    assert queue_of(db) == {1: 4, 0: 1}
+    assert "(4 done, 1 returned to the queue, 0 failed)" in result.stdout
+
+
+@pytest.mark.parametrize("mode,error", [("500", "HTTP 500"), ("garbage", "no JSON"),
+                                        ("hang", "did not answer within 0.5 s")])
+def test_a_misbehaving_ollama_costs_attempts_until_the_post_fails(home, mode, error):
+    fake = FakeOllama(mode)
+    try:
+        s, db, registry = worker_home(home, fake.url, OLLAMA_TIMEOUT=0.5, VESTI_MAX_ATTEMPTS=3,
+                                      VESTI_RETRY_DELAY=60)
+        add_posts(db.conn(), 1)
+        for attempt in (1, 2, 3):
+            db.conn().execute("UPDATE posts SET next_attempt_at = NULL")    # the backoff passed
+            vesti.run_workers(db, s, registry, workers=1, quiet=True)
+            post = db.conn().execute("SELECT * FROM posts").fetchone()
+            assert post["attempts"] == attempt and error in post["error"]
+            assert post["classified"] == (0 if attempt < 3 else -2)
+        assert vesti.queue_sizes(db.conn())["failed"] == 1
+    finally:
+        fake.close()
+
+
+def test_one_run_does_not_burn_all_attempts_on_one_post(home):
+    fake = FakeOllama("500")
+    try:
+        s, db, registry = worker_home(home, fake.url, VESTI_RETRY_DELAY=60)
+        add_posts(db.conn(), 1)
+        stats, _ = vesti.run_workers(db, s, registry, workers=2, quiet=True)
+    finally:
+        fake.close()
+    post = db.conn().execute("SELECT * FROM posts").fetchone()
+    assert (post["classified"], post["attempts"], stats.returned) == (0, 1, 1)
+    assert len(fake.requests) == 1
+
+
+def test_an_unreachable_ollama_stops_the_workers_instead_of_cycling_the_queue(home):
+    s, db, _ = worker_home(home, "http://127.0.0.1:9")
+    add_posts(db.conn(), 50)
+    result = cli("worker", "--workers", "1", cwd=home, env={"OLLAMA_URL": "http://127.0.0.1:9"})
+    assert result.returncode == 0
+    assert "Ollama unreachable at http://127.0.0.1:9/api/chat: connection refused" in result.stdout
+    assert "stopped claiming after 3 connection failures" in result.stdout
+    touched = db.conn().execute("SELECT count(*) FROM posts WHERE attempts > 0").fetchone()[0]
+    assert touched == 3 and queue_of(db) == {0: 50}
+
+
+def test_expired_leases_go_back_to_pending_or_to_failed(home):
+    s, db, registry = worker_home(home, "", VESTI_LEASE_SECONDS=60, VESTI_MAX_ATTEMPTS=2)
+    conn = db.conn()
+    add_posts(conn, 4)
+    old, fresh = vesti.utc_text(time.time() - 120), vesti.utc_text()
+    conn.execute("UPDATE posts SET classified = -1, claimed_at = ?, attempts = 1, claim_token = 't' "
+                 "WHERE id = 1", (old,))
+    conn.execute("UPDATE posts SET classified = -1, claimed_at = ?, attempts = 2, claim_token = 't' "
+                 "WHERE id = 2", (old,))
+    conn.execute("UPDATE posts SET classified = -1, claimed_at = ?, attempts = 1, claim_token = 't' "
+                 "WHERE id = 3", (fresh,))
+    assert vesti.queue_sizes(conn) == {"pending": 1, "processing": 3, "done_today": 0, "failed": 0}
+    vesti.run_workers(db, s, registry, workers=2, quiet=True)
+    states = dict(conn.execute("SELECT id, classified FROM posts").fetchall())
+    assert states == {1: 1, 2: -2, 3: -1, 4: 1}          # the live claim is left alone
+    assert "lease expired" in conn.execute("SELECT error FROM posts WHERE id = 2").fetchone()[0]
+
+
+def test_a_write_after_the_lease_was_taken_back_is_refused(home):
+    s, db, _ = worker_home(home, "")
+    conn = db.conn()
+    add_posts(conn, 1)
+    first = vesti.claim_post(conn)
+    conn.execute("UPDATE posts SET claimed_at = '2000-01-01 00:00:00'")
+    vesti.expire_leases(conn, 60, 5)
+    second = vesti.claim_post(conn)
+    verdict = {"direction": None, "relevance": 0, "interest": 0, "summary": "late"}
+    assert not vesti.complete_post(conn, first["id"], first["claim_token"], verdict)
+    assert vesti.release_post(conn, first["id"], first["claim_token"], "x", 5, 0) is None
+    assert vesti.complete_post(conn, second["id"], second["claim_token"], {**verdict, "summary": "ok"})
+    row = conn.execute("SELECT classified, summary, attempts FROM posts").fetchone()
+    assert tuple(row) == (1, "ok", 2)
+
+
+def test_the_full_text_found_for_a_summary_post_is_kept(home, server):
+    page = (CORPUS / "html" / "bbc.com.52241221.html").read_bytes()
+    server.routes["/a"] = lambda request: (200, {"Content-Type": "text/html"}, page)
+    s, db, registry = worker_home(home, "")
+    add_posts(db.conn(), 1, content_type="summary")
+    db.conn().execute("UPDATE posts SET url = ?", (server.url + "/a",))
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    post = db.conn().execute("SELECT * FROM posts").fetchone()
+    assert (post["classified"], post["content_type"]) == (1, "full")
+    assert len(post["text"]) > 1000
+
+
+def worker_process(home, ollama_url, *args, env=None):
+    return subprocess.Popen([sys.executable, str(ROOT / "vesti.py"), "worker", *args],
+                            cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OLLAMA_URL": ollama_url, **(env or {})})
+
+
+def wait_for(predicate, timeout=20):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_killed_worker_is_finished_by_the_next_one_after_the_lease(home):
+    fake = FakeOllama(latency=0.2)
+    try:
+        s, db, _ = worker_home(home, fake.url)
+        add_posts(db.conn(), 30)
+        process = worker_process(home, fake.url, "--workers", "4")
+        assert wait_for(lambda: queue_of(db).get(1, 0) >= 8)
+        process.kill()
+        process.wait()
+        in_flight = {r[0] for r in db.conn().execute("SELECT title FROM posts WHERE classified = -1")}
+        done_before = {r[0] for r in db.conn().execute("SELECT title FROM posts WHERE classified = 1")}
+        assert in_flight and len(in_flight) <= 4
+        time.sleep(1.1)
+        result = cli("worker", "--workers", "4", cwd=home,
+                     env={"OLLAMA_URL": fake.url, "VESTI_LEASE_SECONDS": "1"})
+        assert result.returncode == 0
+        assert queue_of(db) == {1: 30}
+        asked = {}
+        for title in fake.titles():
+            asked[title] = asked.get(title, 0) + 1
+        redone = {t for t, n in asked.items() if n > 1}
+        assert redone <= in_flight                   # only posts in flight were redone
+        assert not redone & done_before
+        assert set(asked) == {f"Post {k}" for k in range(30)}
+    finally:
+        fake.close()
+
+
+def test_sigterm_stops_the_worker_cleanly(home):
+    import signal
+    fake = FakeOllama(latency=0.3)
+    try:
+        s, db, _ = worker_home(home, fake.url)
+        add_posts(db.conn(), 40)
+        process = worker_process(home, fake.url, "--workers", "4")
+        assert wait_for(lambda: queue_of(db).get(1, 0) >= 4)
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=10)
+        assert process.returncode == 0, err
+        queue = queue_of(db)
+        assert -1 not in queue and queue.get(1, 0) < 40
+        assert queue.get(0, 0) + queue[1] == 40
+    finally:
+        fake.close()
+
+
+def test_sigterm_releases_a_post_stuck_in_a_long_llm_call(home):
+    import signal
+    fake = FakeOllama(latency=30)
+    try:
+        s, db, _ = worker_home(home, fake.url)
+        add_posts(db.conn(), 1)
+        process = worker_process(home, fake.url, "--workers", "1", env={"OLLAMA_TIMEOUT": "60"})
+        assert wait_for(lambda: queue_of(db).get(-1, 0) == 1)
+        fake_started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=15)
+        assert process.returncode == 0, err
+        assert time.monotonic() - fake_started < vesti.STOP_GRACE + 3
+        post = db.conn().execute("SELECT classified, attempts FROM posts").fetchone()
+        assert tuple(post) == (0, 0)                  # back, its attempt not counted
+        assert "1 put back unfinished" in out
+    finally:
+        fake.close()
+
+
+def test_16_workers_and_a_crawl_at_once_never_see_database_is_locked(home, server):
+    feeds = []
+    for n in range(20):
+        server.feed(f"/f{n}", rss(items(50, start=100 * n, host=server.url)))
+        feeds.append(rss_source(f"f{n}", f"{server.url}/f{n}"))
+    s, db = intake(home, feeds, OLLAMA_URL="")
+    registry = vesti.load_registry(s.sources)
+    add_posts(db.conn(), 3000, text="Linux kernel news. " * 5)
+    crawl_result = {}
+    crawler = threading.Thread(target=lambda: crawl_result.update(summary=crawl(s, db)))
+    crawler.start()
+    vesti.run_workers(db, s, registry, workers=16, forever=False, quiet=True)
+    crawler.join()
+    vesti.run_workers(db, s, registry, workers=16, quiet=True)   # what the crawl added meanwhile
+    assert crawl_result["summary"].count("ok") == 20
+    assert queue_of(db) == {1: 4000}
+    errors = db.conn().execute("SELECT count(*) FROM posts WHERE error IS NOT NULL").fetchone()[0]
+    assert errors == 0

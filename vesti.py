@@ -567,13 +567,17 @@ def claim_post(conn, now=None):
 
 
 def complete_post(conn, post_id, token, verdict):
-    """Write the classification, only if the claim is still ours."""
+    """Write the classification (and the article's full text, when phase 3
+    fetched it), only if the claim is still ours."""
+    full_text = verdict.get("text")
     cursor = conn.execute("""
         UPDATE posts SET classified = 1, direction = ?, relevance = ?, interest = ?,
-                         summary = ?, error = NULL, claim_token = NULL
+                         summary = ?, error = NULL, claim_token = NULL,
+                         text = coalesce(?, text),
+                         content_type = CASE WHEN ? IS NULL THEN content_type ELSE 'full' END
         WHERE id = ? AND classified = -1 AND claim_token = ?
     """, (verdict["direction"], verdict["relevance"], verdict["interest"],
-          verdict["summary"], post_id, token))
+          verdict["summary"], full_text, full_text, post_id, token))
     return cursor.rowcount == 1
 
 
@@ -1204,7 +1208,7 @@ def parse_feed(body, feed_url, max_entries, keep_fragments=False, content_type=N
         if problem is not None or not parsed.get("version"):
             reason = f": {shorten(str(problem), 200)}" if problem is not None else ""
             raise FeedError(f"not a feed (no entries found{reason})")
-        return ParsedFeed([], parsed.feed.get("updated"), None, keep_fragments)
+        return ParsedFeed([], dict.get(parsed.feed, "updated"), None, keep_fragments)
     entries = entries[:max_entries]
     fetched_at = fetched_at or utc_text()
     links = [urllib.parse.urljoin(feed_url, (e.get("link") or "").strip()) for e in entries]
@@ -1220,7 +1224,7 @@ def parse_feed(body, feed_url, max_entries, keep_fragments=False, content_type=N
     _mark_shared_urls(drafts)
     warning = f"malformed feed, {len(drafts)} entries kept: {shorten(str(problem), 200)}" \
         if problem is not None else None
-    return ParsedFeed(drafts, parsed.feed.get("updated"), warning, keep_fragments)
+    return ParsedFeed(drafts, dict.get(parsed.feed, "updated"), warning, keep_fragments)
 
 
 def _mark_shared_urls(drafts):
@@ -1400,6 +1404,403 @@ def crawl_rss(db, settings, selection=("all", None), trigger="cli", gate=None, q
 
 
 ###############################################################################
+# Classification ##############################################################
+###############################################################################
+
+class KeywordIndex:
+    """Whole-word, case-insensitive keyword matching per direction. A keyword
+    ending in '*' matches any ending (ядр* finds ядро, ядра, ядром)."""
+
+    def __init__(self, directions):
+        self.patterns = {}
+        for direction in directions.values():
+            words = [self._pattern(k) for k in direction.keywords]
+            if words:
+                self.patterns[direction.id] = re.compile(
+                    r"(?<!\w)(?:" + "|".join(words) + r")(?!\w)", re.IGNORECASE)
+
+    @staticmethod
+    def _pattern(keyword):
+        stem = keyword.endswith("*")
+        words = keyword.rstrip("*").split()
+        return r"\s+".join(map(re.escape, words)) + (r"\w*" if stem else "")
+
+    def hits(self, text):
+        """{direction: distinct keywords found}, best first."""
+        found = {}
+        for direction, pattern in self.patterns.items():
+            words = {m.casefold() for m in pattern.findall(text)}
+            if words:
+                found[direction] = len(words)
+        return dict(sorted(found.items(), key=lambda item: -item[1]))
+
+
+def lead_summary(text, limit=300):
+    """The first sentences of a text, at most `limit` characters."""
+    text = normalize_text(text)
+    sentences = re.split(r"(?<=[.!?…])\s+", text)
+    summary = ""
+    for sentence in sentences:
+        if summary and len(summary) + len(sentence) + 1 > limit:
+            break
+        summary = f"{summary} {sentence}".strip()
+    return shorten(summary, limit)
+
+
+def keyword_verdict(title, text, hits):
+    """What keywords alone can say: the direction with most distinct keywords
+    found, relevance and interest growing with their number."""
+    if not hits:
+        return {"direction": None, "relevance": 0, "interest": 0,
+                "summary": lead_summary(text or title)}
+    direction, count = next(iter(hits.items()))
+    return {"direction": direction, "relevance": min(10, 2 + 2 * count),
+            "interest": min(10, 2 + count), "summary": lead_summary(text or title)}
+
+
+OLLAMA_SYSTEM_PROMPT = """\
+You screen news for the editors of a news channel. Read the post and answer in
+JSON: "direction" is the id of the topic it belongs to (one of: {ids}) or null
+if none fits; "relevance" (0-10) is how well it fits that topic; "interest"
+(0-10) is how interesting it is for the channel's readers; "summary" is one or
+two sentences in the language of the post.
+Topics:
+{topics}"""
+
+
+def ollama_request(title, text, directions, settings):
+    """The /api/chat body: the contract's shape, with a JSON schema whose
+    direction enum lists the direction ids."""
+    ids = list(directions)
+    schema = {"type": "object", "required": ["direction", "relevance", "interest", "summary"],
+              "properties": {
+                  "direction": {"type": ["string", "null"], "enum": [*ids, None]},
+                  "relevance": {"type": "integer", "minimum": 0, "maximum": 10},
+                  "interest": {"type": "integer", "minimum": 0, "maximum": 10},
+                  "summary": {"type": "string"}}}
+    topics = "\n".join(f"- {d.id}: {d.title} ({', '.join(d.keywords)})"
+                       for d in directions.values())
+    return {"model": settings.ollama_model, "stream": False, "format": schema,
+            "options": {"temperature": 0},
+            "messages": [
+                {"role": "system", "content": OLLAMA_SYSTEM_PROMPT.format(
+                    ids=", ".join(ids), topics=topics)},
+                {"role": "user", "content": f"{title}\n\n{shorten(text, 6000)}".strip()}]}
+
+
+def post_json(url, payload, timeout):
+    """POST JSON, return the decoded JSON answer. Connection failures raise
+    OllamaUnreachable, anything else ClassifyError."""
+    request = urllib.request.Request(url, data=json.dumps(payload).encode("utf-8"),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = response.read()
+    except urllib.error.HTTPError as e:
+        detail = shorten(e.read(300).decode("utf-8", "replace").strip(), 200)
+        raise ClassifyError(f"Ollama answered HTTP {e.code}: {detail}") from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        reason = getattr(e, "reason", e)
+        if isinstance(reason, (socket.timeout, TimeoutError)):
+            raise ClassifyError(f"Ollama did not answer within {timeout:g} s") from None
+        raise OllamaUnreachable(f"Ollama unreachable at {url}: {describe_error(e)}") from None
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise ClassifyError(f"Ollama answered with no JSON: {shorten(body.decode('utf-8', 'replace'), 200)!r}") from None
+
+
+def _score(reply, key):
+    value = reply.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 10:
+        raise ClassifyError(f"Ollama gave {key}={value!r}, expected an integer 0-10")
+    return value
+
+
+def parse_verdict(answer, directions):
+    """Validate Ollama's reply: message.content must be the JSON object the
+    schema asks for."""
+    try:
+        reply = json.loads(answer["message"]["content"])
+    except (KeyError, TypeError, ValueError):
+        raise ClassifyError(f"Ollama's reply is not a JSON verdict: {shorten(str(answer), 200)!r}") from None
+    if not isinstance(reply, dict):
+        raise ClassifyError(f"Ollama's verdict is not an object: {shorten(str(reply), 200)!r}")
+    direction = reply.get("direction")
+    if direction is not None and direction not in directions:
+        raise ClassifyError(f"Ollama gave an unknown direction {direction!r}")
+    summary = reply.get("summary")
+    if not isinstance(summary, str):
+        raise ClassifyError(f"Ollama gave no summary: {shorten(str(reply), 200)!r}")
+    return {"direction": direction, "relevance": _score(reply, "relevance"),
+            "interest": _score(reply, "interest"), "summary": summary.strip()}
+
+
+def ask_ollama(title, text, directions, settings):
+    answer = post_json(f"{settings.ollama_url}/api/chat",
+                       ollama_request(title, text, directions, settings),
+                       settings.ollama_timeout)
+    return parse_verdict(answer, directions)
+
+
+def classify_text(text, directions, settings, title="", keywords=None):
+    """Keywords first (title and text): no hit means not relevant, and no LLM
+    call. Then Ollama, or with OLLAMA_URL empty the keywords alone decide."""
+    keywords = keywords or KeywordIndex(directions)
+    hits = keywords.hits(f"{title}\n{text}")
+    if not hits or not settings.ollama_url:
+        return keyword_verdict(title, text, hits)
+    return ask_ollama(title, text, directions, settings)
+
+
+def extract_article(html_bytes, url):
+    """The article's main text from its page, or None."""
+    trafilatura = import_optional("trafilatura", "trafilatura", "full-text extraction")
+    return trafilatura.extract(html_bytes, url=url, include_comments=False,
+                               include_tables=False, favor_precision=True)
+
+
+def fetch_full_text(url, summary, settings, gate):
+    """The full text of a summary-only post, or the summary when the page
+    cannot be fetched or read."""
+    try:
+        response = http_get(url, settings, {"Accept": "text/html,*/*;q=0.5"}, gate)
+        if response.status != 200:
+            raise FetchError(f"HTTP {response.status}")
+        text = extract_article(response.body, response.url)
+    except (FetchError, MissingPackage) as e:
+        log.info("full text of %s: %s; using the summary", url, e)
+        return None
+    except Exception as e:
+        log.info("full text of %s: extraction failed (%s); using the summary", url, e)
+        return None
+    if not text or len(normalize_text(text)) <= len(normalize_text(summary)):
+        return None
+    return text.strip()
+
+
+###############################################################################
+# Worker ######################################################################
+###############################################################################
+
+# Consecutive connection failures after which workers stop asking Ollama.
+OLLAMA_DOWN_AFTER = 3
+# With --forever, how long workers wait before asking an unreachable Ollama again.
+OLLAMA_PAUSE = 60
+
+
+class Classifier:
+    """classify_text for a claimed post, with the article fetched first for
+    summary-only posts."""
+
+    def __init__(self, registry, settings, gate=None):
+        self.directions, self.settings = registry.directions, settings
+        self.keywords = KeywordIndex(registry.directions)
+        self.gate = gate or HostGate(settings.host_delay)
+
+    def __call__(self, post):
+        text, full_text = post["text"], None
+        if post["content_type"] == "summary" and post["url"]:
+            full_text = fetch_full_text(post["url"], text, self.settings, self.gate)
+            text = full_text or text
+        verdict = classify_text(text, self.directions, self.settings, post["title"], self.keywords)
+        return {**verdict, "text": full_text}
+
+
+@dataclasses.dataclass
+class WorkerStats:
+    done: int = 0
+    returned: int = 0
+    failed: int = 0
+    lost: int = 0           # claims taken back by a lease before we could write
+    ollama_down: str = None
+
+    @property
+    def processed(self):
+        return self.done + self.returned + self.failed + self.lost
+
+    def line(self):
+        return (f"{self.processed} processed ({self.done} done, {self.returned} returned "
+                f"to the queue, {self.failed} failed)")
+
+
+class WorkerPool:
+    """Phase 3: N workers, each claiming one post at a time, classifying it
+    outside any transaction and writing the verdict only if its claim holds."""
+
+    def __init__(self, db, settings, classify, stop=None, progress=None):
+        self.db, self.settings, self.classify = db, settings, classify
+        self.stop = stop or threading.Event()
+        self.progress = progress
+        self.stats = WorkerStats()
+        self.lock = threading.Lock()
+        self.tickets = None
+        self.in_hand = set()
+        self.connection_failures = 0
+        self.paused_until = 0.0
+        self.last_expiry = 0.0
+
+    def run(self, workers, limit=None, forever=False):
+        self.tickets = limit
+        self.expire_leases()
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="worker") as pool:
+            futures = [pool.submit(self.work, forever) for _ in range(workers)]
+            for future in futures:
+                future.result()
+        return self.stats
+
+    def expire_leases(self):
+        pending, failed = expire_leases(self.db.conn(), self.settings.lease_seconds,
+                                        self.settings.max_attempts)
+        self.last_expiry = time.monotonic()
+        if pending or failed:
+            log.warning("took back %d posts whose worker died (%d of them out of attempts)",
+                        pending + failed, failed)
+
+    def take_ticket(self):
+        with self.lock:
+            if self.tickets is None:
+                return True
+            if self.tickets <= 0:
+                return False
+            self.tickets -= 1
+            return True
+
+    def work(self, forever):
+        conn = self.db.conn()
+        while not self.stop.is_set():
+            if not self.may_claim(forever):
+                return
+            if not self.take_ticket():
+                return
+            post = claim_post(conn)
+            if post is None:
+                with self.lock:
+                    self.tickets = None if self.tickets is None else self.tickets + 1
+                if not forever:
+                    return
+                self.idle()
+                continue
+            self.process(conn, post)
+
+    def may_claim(self, forever):
+        """False once Ollama is down (for a one-off run); with --forever, wait
+        and try again, and take back expired leases now and then."""
+        if forever and time.monotonic() - self.last_expiry > min(60, self.settings.lease_seconds / 4):
+            with self.lock:
+                due = time.monotonic() - self.last_expiry > min(60, self.settings.lease_seconds / 4)
+                if due:
+                    self.last_expiry = time.monotonic()
+            if due:
+                self.expire_leases()
+        while self.stats.ollama_down:
+            if not forever:
+                return False
+            wait = self.paused_until - time.monotonic()
+            if wait <= 0:
+                with self.lock:
+                    self.stats.ollama_down, self.connection_failures = None, 0
+                break
+            if self.stop.wait(min(wait, 1.0)):
+                return False
+        return True
+
+    def idle(self):
+        self.stop.wait(1.0)
+
+    def process(self, conn, post):
+        token = post["claim_token"]
+        with self.lock:
+            self.in_hand.add(token)
+        try:
+            verdict = self.classify(post)
+        except Exception as e:
+            self.fail(conn, post, e)
+        else:
+            self.complete(conn, post, verdict)
+        finally:
+            with self.lock:
+                self.in_hand.discard(token)
+
+    def complete(self, conn, post, verdict):
+        written = complete_post(conn, post["id"], post["claim_token"], verdict)
+        with self.lock:
+            self.connection_failures = 0
+            if written:
+                self.stats.done += 1
+            else:
+                self.stats.lost += 1
+        if self.progress:
+            self.progress.step()
+
+    def fail(self, conn, post, error):
+        message = str(error) if isinstance(error, VestiError) else f"{type(error).__name__}: {error}"
+        if not isinstance(error, VestiError):
+            log.exception("post %s: classification failed", post["id"])
+        state = release_post(conn, post["id"], post["claim_token"], message,
+                             self.settings.max_attempts, self.settings.retry_delay)
+        with self.lock:
+            if state == -2:
+                self.stats.failed += 1
+            elif state == 0:
+                self.stats.returned += 1
+            else:
+                self.stats.lost += 1
+            if isinstance(error, OllamaUnreachable):
+                self.connection_failures += 1
+                if self.connection_failures >= OLLAMA_DOWN_AFTER and not self.stats.ollama_down:
+                    self.stats.ollama_down = message
+                    self.paused_until = time.monotonic() + OLLAMA_PAUSE
+                    log.warning("%s; stopped claiming after %d connection failures",
+                                message, self.connection_failures)
+            else:
+                self.connection_failures = 0
+        if self.progress:
+            self.progress.step()
+
+    def release_in_hand(self):
+        """Put back whatever is still being worked on (used on shutdown)."""
+        with self.lock:
+            tokens = list(self.in_hand)
+        if tokens:
+            release_claims(self.db.conn(), tokens)
+        return len(tokens)
+
+
+# Seconds a stopped worker pool gets to finish the posts in hand before they
+# are put back.
+STOP_GRACE = 5
+
+
+def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
+                classify=None, stop=None, quiet=False):
+    """Run a worker pool until the queue is empty (or `stop` is set). On stop,
+    posts in hand get STOP_GRACE seconds, then go back to the queue.
+    Returns (stats, finished): finished is False when some worker is still
+    stuck in a call, so the caller knows threads are left behind."""
+    workers = workers or settings.workers
+    pending = queue_sizes(db.conn())["pending"]
+    total = pending if limit is None else min(limit, pending)
+    progress = Progress("worker", total, stream=open(os.devnull, "w") if quiet else None)
+    stop = stop or threading.Event()
+    pool = WorkerPool(db, settings, classify or Classifier(registry, settings), stop, progress)
+    runner = threading.Thread(target=pool.run, args=(workers, limit, forever), daemon=True,
+                              name="worker-pool")
+    runner.start()
+    while runner.is_alive() and not stop.is_set():
+        runner.join(0.2)
+    runner.join(STOP_GRACE)
+    finished = not runner.is_alive()
+    released = 0 if finished else pool.release_in_hand()
+    if not quiet:
+        progress.finish(pool.stats.line() + (f", {released} put back unfinished" if released else ""))
+        if pool.stats.ollama_down and not forever:
+            print(f"worker: {pool.stats.ollama_down}; stopped claiming after "
+                  f"{OLLAMA_DOWN_AFTER} connection failures", flush=True)
+    return pool.stats, finished
+
+
+###############################################################################
 # Command line ################################################################
 ###############################################################################
 
@@ -1452,6 +1853,39 @@ def cmd_rss(args, settings):
     return 0
 
 
+@contextlib.contextmanager
+def stop_on_signals(stop):
+    """SIGTERM and SIGINT set `stop` instead of killing the process."""
+    import signal
+    previous = {sig: signal.signal(sig, lambda *_: stop.set())
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def leave_now(code):
+    """Exit without waiting for threads stuck in a network call: their posts
+    are already back in the queue, and Python would join them forever."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
+def cmd_worker(args, settings):
+    registry, db = open_intake(settings)
+    stop = threading.Event()
+    with stop_on_signals(stop):
+        _, finished = run_workers(db, settings, registry, args.workers, args.limit,
+                                  args.forever, stop=stop)
+    if not finished:
+        leave_now(0)
+    return 0
+
+
 def status_report(conn):
     sources = conn.execute("""
         SELECT s.slug, s.name, s.crawler, s.status, s.enabled, s.priority, s.last_fetch,
@@ -1485,6 +1919,16 @@ def cmd_status(args, settings):
     else:
         print_status(report)
     return 0
+
+
+def positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of 1 or more, got {text!r}")
+    return value
 
 
 def _selection_arguments(parser, priority=False, login=False):
@@ -1523,6 +1967,12 @@ def build_parser():
 
     command("init", cmd_init, "create or migrate the database and sync sources.yaml")
     _selection_arguments(command("rss", cmd_rss, "fetch RSS/Atom sources into the queue"))
+    worker = command("worker", cmd_worker, "classify the queue (phase 3)")
+    worker.add_argument("--workers", type=positive_int, metavar="N",
+                        help="worker threads (VESTI_WORKERS, default 4)")
+    worker.add_argument("--limit", type=positive_int, metavar="M", help="process at most M posts")
+    worker.add_argument("--forever", action="store_true",
+                        help="keep polling the queue instead of exiting when it is empty")
     status = command("status", cmd_status, "queue sizes and source health")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     return parser

@@ -20,8 +20,10 @@ What it measures:
    entries/s for vesti.parse_feed alone, vesti.store_posts alone, and both.
 3. Peak memory (ru_maxrss of a fresh process) while vesti.http_get refuses
    a 50 MB body (with and without Content-Length) and a gzip bomb that
-   expands to 1 GiB; RSS_MAX_BYTES is 10 MiB by default, so each must end in
-   FetchError with the peak RSS staying near the baseline plus that cap.
+   expands to 1 GiB (about 1 MB of gzip: deflate compresses at most about
+   1032:1, so a 50 KB bomb could only expand to about 50 MB). RSS_MAX_BYTES
+   is 10 MiB by default, so each must end in FetchError with the peak RSS
+   staying near the baseline plus that cap.
 """
 
 import argparse
@@ -395,6 +397,10 @@ def verdict(value, limit):
     return "PASS" if value <= limit else "MISS"
 
 
+def ratio(value, base):
+    return f"{value / base:.2f}" if base > 0 else "n/a"
+
+
 def crawl_benchmark(tmp, feeds, entries, latency, concurrency):
     posts = feeds * entries
     ideal = feeds * latency / concurrency
@@ -419,11 +425,11 @@ def crawl_benchmark(tmp, feeds, entries, latency, concurrency):
     print(f"ideal time  = {feeds} x {latency} s / {concurrency} = {ideal:.2f} s")
     print(f"parse time  = {parse:.2f} s (parse_feed + store_posts of {posts} entries, "
           f"serial, in-process; {posts / parse:.0f} entries/s)")
-    print(f"first  / ideal = {first / ideal:.2f}")
-    print(f"second / ideal = {second / ideal:.2f}")
-    print(f"first  / (ideal + parse) = {first / (ideal + parse):.2f}   target <= {CRAWL_TARGET}"
+    print(f"first  / ideal = {ratio(first, ideal)}")
+    print(f"second / ideal = {ratio(second, ideal)}")
+    print(f"first  / (ideal + parse) = {ratio(first, ideal + parse)}   target <= {CRAWL_TARGET}"
           f"  ({first:.2f} s vs {first_limit:.2f} s)  {verdict(first, first_limit)}")
-    print(f"second / ideal = {second / ideal:.2f}   target <= {CRAWL_TARGET}"
+    print(f"second / ideal = {ratio(second, ideal)}   target <= {CRAWL_TARGET}"
           f"  ({second:.2f} s vs {second_limit:.2f} s)  {verdict(second, second_limit)}")
 
 
