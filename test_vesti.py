@@ -158,8 +158,7 @@ def write_sources(path, sources):
         lines.append(f"  - slug: {s['slug']}")
         for key in ("name", "crawler", "url", "direction", "priority", "enabled"):
             if key in s:
-                lines.append(f"    {key}: {s[key]}")
-        lines[-1:] = lines[-1:]
+                lines.append(f"    {key}: {json.dumps(s[key])}")
     pathlib.Path(path).write_text(SOURCES_YAML.format(sources="\n".join(lines) or "  []"),
                                   encoding="utf-8")
 
@@ -1359,3 +1358,232 @@ def test_16_workers_and_a_crawl_at_once_never_see_database_is_locked(home, serve
     assert queue_of(db) == {1: 4000}
     errors = db.conn().execute("SELECT count(*) FROM posts WHERE error IS NOT NULL").fetchone()[0]
     assert errors == 0
+
+
+# Telegram crawler ------------------------------------------------------------
+
+import asyncio
+import datetime
+
+from telethon import errors as tg_errors
+from telethon.tl import types as tg
+
+
+def tg_date(minute):
+    return datetime.datetime(2026, 11, 30, 9, minute, tzinfo=datetime.timezone.utc)
+
+
+def tg_message(id, text="", **kwargs):
+    return tg.Message(id=id, peer_id=tg.PeerChannel(1001), date=tg_date(id % 60),
+                      message=text, **kwargs)
+
+
+def tg_document(mime, attributes=()):
+    return tg.MessageMediaDocument(document=tg.Document(
+        id=1, access_hash=2, file_reference=b"", date=tg_date(0), mime_type=mime, size=10,
+        dc_id=2, attributes=list(attributes)))
+
+
+def channel_history():
+    """A channel as Telegram would return it: every kind of message."""
+    return [
+        tg_message(1, "Linux 7.0 is out with a new scheduler.\nDetails follow in the post."),
+        tg_message(2, "Photo of the kernel summit", media=tg.MessageMediaPhoto(photo=None)),
+        tg_message(3, "Album: three shots from the conference", grouped_id=77,
+                   media=tg.MessageMediaPhoto(photo=None)),
+        tg_message(4, "", grouped_id=77, media=tg.MessageMediaPhoto(photo=None)),
+        tg_message(5, "", grouped_id=77, media=tg_document(
+            "video/mp4", [tg.DocumentAttributeVideo(duration=3, w=640, h=480)])),
+        tg_message(6, "Forwarded news about systemd", fwd_from=tg.MessageFwdHeader(
+            date=tg_date(1), from_name="Open Source Daily")),
+        tg.MessageService(id=7, peer_id=tg.PeerChannel(1001), date=tg_date(7),
+                          action=tg.MessageActionPinMessage()),
+        tg_message(8, "", media=tg.MessageMediaEmpty()),
+        tg_message(9, "Spec sheet attached", media=tg_document("application/pdf")),
+    ]
+
+
+class FakeTelegram:
+    """Telethon's client surface that the crawler uses, over a fixed history."""
+
+    def __init__(self, history, authorized=True, flood=()):
+        self.history, self.authorized, self.flood = list(history), authorized, list(flood)
+        self.calls = []
+
+    def __call__(self, settings):
+        return self
+
+    async def connect(self):
+        self.calls.append("connect")
+
+    async def disconnect(self):
+        self.calls.append("disconnect")
+
+    async def is_user_authorized(self):
+        return self.authorized
+
+    async def get_entity(self, channel):
+        self.calls.append(("get_entity", channel))
+        if self.flood:
+            raise tg_errors.FloodWaitError(request=None, capture=self.flood.pop(0))
+        return tg.PeerChannel(1001)
+
+    async def iter_messages(self, entity, limit=None, min_id=0, reverse=False):
+        self.calls.append(("iter_messages", min_id, limit, reverse))
+        found = sorted((m for m in self.history if m.id > min_id), key=lambda m: m.id,
+                       reverse=not reverse)
+        for message in found[:limit]:
+            yield message
+
+
+def tg_intake(home, **settings):
+    return intake(home, [{"slug": "chan", "crawler": "telegram", "url": "https://t.me/linuxnews",
+                          "direction": "linux"}], **settings)
+
+
+def crawl_tg(s, db, fake, sleeps=None):
+    async def sleep(seconds):
+        (sleeps if sleeps is not None else []).append(seconds)
+    return vesti.crawl_telegram(db, s, client_factory=fake, sleep=sleep, quiet=True)
+
+
+def test_telegram_messages_become_posts(home):
+    s, db = tg_intake(home)
+    fake = FakeTelegram(channel_history())
+    summary = crawl_tg(s, db, fake)
+    assert summary.results[0].status == "ok" and summary.new_posts == 5
+    posts = {p["external_id"]: p for p in posts_of(db, "chan")}
+    assert sorted(posts, key=int) == ["1", "2", "3", "6", "9"]      # album 3-5 is one post
+    assert posts["1"]["url"] == "https://t.me/linuxnews/1"
+    assert posts["1"]["title"] == "Linux 7.0 is out with a new scheduler."
+    assert posts["1"]["published_at"] == "2026-11-30 09:01:00"
+    assert (posts["2"]["content_type"], posts["2"]["text"]) == ("photo", "Photo of the kernel summit")
+    assert (posts["3"]["content_type"], posts["3"]["url"]) == ("album", "https://t.me/linuxnews/3")
+    assert posts["3"]["text"] == "Album: three shots from the conference"
+    assert posts["6"]["title"].startswith("Forwarded from Open Source Daily")
+    assert posts["9"]["content_type"] == "document"
+    assert all(p["classified"] == 0 and p["direction"] == "linux" for p in posts.values())
+    state = db.conn().execute("SELECT last_message_id FROM tg_state").fetchone()
+    assert state[0] == 9
+    assert ("iter_messages", 0, s.max_entries, False) in fake.calls
+    run = runs_of(db, "chan")[-1]
+    assert (run["task"], run["status"], run["new_posts"]) == ("telegram", "ok", summary.new_posts)
+
+
+def test_an_empty_media_message_without_text_is_not_a_post(home):
+    s, db = tg_intake(home)
+    crawl_tg(s, db, FakeTelegram([tg_message(1, "", media=tg.MessageMediaEmpty()),
+                                  tg.MessageService(id=2, peer_id=tg.PeerChannel(1), date=tg_date(2),
+                                                    action=tg.MessageActionPinMessage())]))
+    assert posts_of(db, "chan") == []
+    assert db.conn().execute("SELECT last_message_id FROM tg_state").fetchone()[0] == 2
+
+
+def test_a_video_message_is_a_video_post(home):
+    s, db = tg_intake(home)
+    crawl_tg(s, db, FakeTelegram([tg_message(1, "Clip", media=tg_document("video/mp4"))]))
+    assert posts_of(db, "chan")[0]["content_type"] == "video"
+
+
+def test_the_second_telegram_run_takes_only_newer_messages_oldest_first(home):
+    s, db = tg_intake(home)
+    history = channel_history()
+    fake = FakeTelegram(history)
+    crawl_tg(s, db, fake)
+    fake.history.append(tg_message(10, "Newer post about the kernel release candidate."))
+    fake.history.append(tg_message(11, "Newest post about the kernel."))
+    summary = crawl_tg(s, db, fake)
+    assert summary.new_posts == 2
+    assert ("iter_messages", 9, s.max_entries, True) in fake.calls
+    ids = [p["external_id"] for p in posts_of(db, "chan")][-2:]
+    assert ids == ["10", "11"]
+    assert db.conn().execute("SELECT last_message_id FROM tg_state").fetchone()[0] == 11
+    assert crawl_tg(s, db, fake).new_posts == 0
+
+
+def test_the_first_telegram_run_takes_the_latest_max_entries(home):
+    s, db = tg_intake(home, RSS_MAX_ENTRIES=3)
+    fake = FakeTelegram([tg_message(k, f"Message number {k} with enough text to stand alone.")
+                         for k in range(1, 11)])
+    crawl_tg(s, db, fake)
+    assert [p["external_id"] for p in posts_of(db, "chan")] == ["8", "9", "10"]
+
+
+def test_a_short_floodwait_is_waited_out(home):
+    s, db = tg_intake(home)
+    sleeps = []
+    summary = crawl_tg(s, db, FakeTelegram(channel_history(), flood=[5]), sleeps)
+    assert sleeps == [5] and summary.results[0].status == "ok"
+    assert source_row(db, "chan")["last_error"] is None
+
+
+def test_a_long_floodwait_is_an_error_and_the_run_goes_on(home):
+    s, db = tg_intake(home)
+    sleeps = []
+    summary = crawl_tg(s, db, FakeTelegram(channel_history(), flood=[3600]), sleeps)
+    assert sleeps == [] and summary.results[0].status == "error"
+    row = source_row(db, "chan")
+    assert (row["error_count"], row["last_error"]) == (1, "Telegram FloodWait of 3600 s; skipped this run")
+    assert posts_of(db, "chan") == []
+
+
+def test_an_unauthorized_session_is_recorded_on_the_source(home):
+    s, db = tg_intake(home)
+    crawl_tg(s, db, FakeTelegram([], authorized=False))
+    assert "telegram --login" in source_row(db, "chan")["last_error"]
+
+
+@pytest.mark.parametrize("env,error", [
+    ({}, "TG_API_ID and TG_API_HASH are not set"),
+    ({"TG_API_ID": "123", "TG_API_HASH": "abc"}, "Telegram session vesti.session not found"),
+])
+def test_missing_telegram_setup_is_a_recorded_error_and_exit_0(home, env, error):
+    write_sources(home / "sources.yaml", [{"slug": "chan", "crawler": "telegram",
+                                           "url": "@linuxnews"}])
+    result = cli("telegram", "--all", cwd=home, env=env)
+    assert result.returncode == 0, result.stderr
+    row = sqlite3.connect(home / "vesti.db").execute(
+        "SELECT last_error, error_count FROM sources").fetchone()
+    assert error in row[0] and row[1] == 0
+
+
+def test_telegram_login_without_credentials_says_what_to_do(home):
+    write_sources(home / "sources.yaml", [])
+    result = cli("telegram", "--login", cwd=home)
+    assert result.returncode == 2 and "set TG_API_ID and TG_API_HASH first" in result.stderr
+
+
+@pytest.mark.parametrize("url", ["https://t.me/durov", "t.me/s/durov/", "@durov", "durov",
+                                 "https://t.me/durov/123"])
+def test_channel_names_from_links(url):
+    assert vesti.channel_name(url) == "durov"
+
+
+def test_crawl_sources_queues_feeds_and_records_telegram_without_calling_the_llm(home, server, ollama):
+    """Seed 000: `python -m crawler.crawl_sources --all` collects, never classifies."""
+    server.feed("/a", rss(items(3, host=server.url + "/a")))
+    server.feed("/b", rss(items(2, start=10, host=server.url + "/b")))
+    write_sources(home / "sources.yaml", [
+        rss_source("a", server.url + "/a", direction="linux", priority=0),
+        rss_source("b", server.url + "/b", priority=1),
+        {"slug": "chan", "crawler": "telegram", "url": "@linuxnews", "priority": 0}])
+    result = subprocess.run([sys.executable, "-m", "crawler.crawl_sources", "--all",
+                             "--db", str(home / "vesti.db"), "--sources", str(home / "sources.yaml")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "RSS_HOST_DELAY": "0", "OLLAMA_URL": ollama.url})
+    assert result.returncode == 0, result.stderr
+    assert "crawl: 3 sources (2 ok, 1 failed, 0 deferred), 5 new posts" in result.stdout
+    conn = sqlite3.connect(home / "vesti.db")
+    assert conn.execute("SELECT classified, count(*) FROM posts GROUP BY 1").fetchall() == [(0, 5)]
+    assert "TG_API_ID" in conn.execute("SELECT last_error FROM sources WHERE slug = 'chan'").fetchone()[0]
+    assert ollama.requests == []
+
+
+def test_crawl_by_priority_takes_exactly_that_priority(home, server):
+    server.feed("/a", rss(items(1, host=server.url + "/a")))
+    server.feed("/b", rss(items(1, host=server.url + "/b")))
+    write_sources(home / "sources.yaml", [rss_source("a", server.url + "/a", priority=0),
+                                          rss_source("b", server.url + "/b", priority=1)])
+    result = cli("crawl", "--priority", "1", cwd=home, env={"RSS_HOST_DELAY": "0"})
+    assert result.returncode == 0, result.stderr
+    assert [p for p, *_ in server.requests] == ["/b"]

@@ -20,6 +20,7 @@ __all__ = [
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import email.utils
 import hashlib
 import html
@@ -559,7 +560,7 @@ def claim_post(conn, now=None):
     return conn.execute(f"""
         UPDATE posts SET classified = -1, claimed_at = ?, claim_token = ?,
                          attempts = attempts + 1
-        WHERE id = (SELECT id FROM posts
+        WHERE id = (SELECT id FROM posts INDEXED BY posts_pending
                     WHERE {PENDING} AND (next_attempt_at IS NULL OR next_attempt_at <= ?)
                     ORDER BY id LIMIT 1)
         RETURNING id, source_id, url, title, text, content_type, attempts, claim_token
@@ -1404,6 +1405,292 @@ def crawl_rss(db, settings, selection=("all", None), trigger="cli", gate=None, q
 
 
 ###############################################################################
+# Telegram crawler ############################################################
+###############################################################################
+
+# FloodWait up to this many seconds is waited out; longer ones are an error.
+FLOOD_WAIT_MAX = 60
+
+
+class TelegramSetupError(VestiError):
+    """Telegram cannot be used at all: credentials, session or package missing."""
+
+
+def channel_name(url):
+    """'https://t.me/durov', 't.me/s/durov', '@durov' or 'durov' -> 'durov'."""
+    name = url.strip()
+    if "t.me/" in name:
+        name = name.split("t.me/", 1)[1]
+        name = name.removeprefix("s/")
+    return name.strip("/").lstrip("@").split("/")[0].split("?")[0]
+
+
+def session_path(settings):
+    """Telethon adds '.session' to a session name that lacks it."""
+    path = settings.tg_session
+    return path if path.endswith(".session") else path + ".session"
+
+
+def telegram_client(settings):
+    """A Telethon client for the session on disk, or TelegramSetupError
+    saying what is missing."""
+    if not settings.tg_api_id or not settings.tg_api_hash:
+        raise TelegramSetupError("TG_API_ID and TG_API_HASH are not set "
+                                 "(get them at https://my.telegram.org)")
+    if not settings.tg_api_id.isdigit():
+        raise TelegramSetupError(f"TG_API_ID must be a number, got {settings.tg_api_id!r}")
+    if not os.path.exists(session_path(settings)):
+        raise TelegramSetupError(f"Telegram session {session_path(settings)} not found: "
+                                 f"run `python vesti.py telegram --login` once")
+    try:
+        telethon = import_optional("telethon", "telethon", "Telegram sources")
+    except MissingPackage as e:
+        raise TelegramSetupError(str(e)) from None
+    # FloodWait is handled here, the same way for every call.
+    return telethon.TelegramClient(settings.tg_session, int(settings.tg_api_id),
+                                   settings.tg_api_hash, flood_sleep_threshold=0)
+
+
+def media_kind(message):
+    """posts.content_type of a message: text, photo, video, audio, document, poll, …"""
+    media = getattr(message, "media", None)
+    kind = type(media).__name__ if media is not None else "MessageMediaEmpty"
+    if kind in ("MessageMediaEmpty", "MessageMediaWebPage"):
+        return "text"
+    if kind == "MessageMediaPhoto":
+        return "photo"
+    if kind == "MessageMediaDocument":
+        document = getattr(media, "document", None)
+        mime = getattr(document, "mime_type", "") or ""
+        attributes = {type(a).__name__ for a in getattr(document, "attributes", None) or []}
+        if getattr(media, "video", None) or mime.startswith("video/") or \
+                "DocumentAttributeVideo" in attributes:
+            return "video"
+        if getattr(media, "voice", None) or mime.startswith("audio/"):
+            return "audio"
+        return "document"
+    if kind in ("MessageMediaGeo", "MessageMediaGeoLive", "MessageMediaVenue"):
+        return "geo"
+    return kind.removeprefix("MessageMedia").lower() or "text"
+
+
+def is_service(message):
+    return type(message).__name__ == "MessageService" or \
+        getattr(message, "action", None) is not None
+
+
+def forwarded_from(message):
+    header = getattr(message, "fwd_from", None)
+    if header is None:
+        return None
+    return getattr(header, "from_name", None) or getattr(header, "post_author", None) or "another chat"
+
+
+def group_messages(messages):
+    """Albums (messages sharing a grouped_id) become one group; service
+    messages and messages with neither text nor media are dropped."""
+    groups, albums = [], {}
+    for message in messages:
+        if is_service(message):
+            continue
+        album = getattr(message, "grouped_id", None)
+        if album is not None:
+            if album not in albums:
+                albums[album] = []
+                groups.append(albums[album])
+            albums[album].append(message)
+        elif (message.message or "").strip() or media_kind(message) != "text":
+            groups.append([message])
+    return groups
+
+
+def message_draft(channel, group):
+    """One post from a message or an album of messages."""
+    first = min(group, key=lambda m: m.id)
+    text = "\n\n".join(m.message.strip() for m in sorted(group, key=lambda m: m.id)
+                       if (m.message or "").strip())
+    kind = "album" if len(group) > 1 else media_kind(first)
+    source = forwarded_from(first)
+    lead = text.split("\n", 1)[0].strip()
+    title = shorten(lead, 120) if lead else f"[{kind}]"
+    if source:
+        title = f"Forwarded from {source}: {title}"
+    url = f"https://t.me/{channel}/{first.id}"
+    published = first.date.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") \
+        if first.date else None
+    return Draft(str(first.id), url, url, title, text, kind, published)
+
+
+def flood_wait_seconds(error):
+    """Seconds of a Telethon FloodWaitError, else None."""
+    if type(error).__name__.startswith("FloodWait"):
+        return getattr(error, "seconds", None)
+    return None
+
+
+async def channel_messages(client, channel, last_id, limit):
+    """Messages newer than last_id, oldest first; on the first run, the
+    latest `limit`. At most `limit` per run: the rest come next time."""
+    entity = await client.get_entity(channel)
+    if last_id:
+        return [m async for m in client.iter_messages(entity, min_id=last_id, reverse=True,
+                                                      limit=limit)]
+    latest = [m async for m in client.iter_messages(entity, limit=limit)]
+    return sorted(latest, key=lambda m: m.id)
+
+
+async def fetch_channel(client, channel, last_id, limit, sleep):
+    """channel_messages, waiting out one short FloodWait."""
+    try:
+        return await channel_messages(client, channel, last_id, limit)
+    except Exception as e:
+        seconds = flood_wait_seconds(e)
+        if seconds is None:
+            raise
+        if seconds > FLOOD_WAIT_MAX:
+            raise FetchError(f"Telegram FloodWait of {seconds} s; skipped this run") from None
+        log.info("telegram %s: FloodWait %d s, waiting", channel, seconds)
+        await sleep(seconds)
+    try:
+        return await channel_messages(client, channel, last_id, limit)
+    except Exception as e:
+        if flood_wait_seconds(e) is not None:
+            raise FetchError(f"Telegram FloodWait of {flood_wait_seconds(e)} s, twice") from None
+        raise
+
+
+def describe_telegram_error(error):
+    if isinstance(error, VestiError):
+        return str(error)
+    name = type(error).__name__
+    return f"{name}: {error}" if str(error) else name
+
+
+async def crawl_channel(db, client, source, settings, trigger, sleep):
+    """One channel into the queue, with its run and health recorded."""
+    conn = db.conn()
+    run_id = start_run(conn, source["id"], "telegram", trigger)
+    channel = channel_name(source["url"])
+    row = conn.execute("SELECT last_message_id FROM tg_state WHERE source_id = ?",
+                       (source["id"],)).fetchone()
+    last_id = row[0] if row else 0
+    try:
+        messages = await fetch_channel(client, channel, last_id, settings.max_entries, sleep)
+    except Exception as e:
+        error = describe_telegram_error(e)
+        record_failure(conn, source, error, settings.dead_after)
+        finish_run(conn, run_id, "error", error=error)
+        return FeedResult(source["slug"], "error", error=error)
+    drafts = [message_draft(channel, group) for group in group_messages(messages)]
+    new = store_posts(conn, source["id"], source["direction"], drafts)
+    newest = max([m.id for m in messages], default=last_id)
+    conn.execute("""INSERT INTO tg_state (source_id, last_message_id, updated_at) VALUES (?, ?, ?)
+                    ON CONFLICT(source_id) DO UPDATE SET
+                        last_message_id = max(last_message_id, excluded.last_message_id),
+                        updated_at = excluded.updated_at""",
+                 (source["id"], newest, utc_text()))
+    record_success(conn, source)
+    finish_run(conn, run_id, "ok", new)
+    return FeedResult(source["slug"], "ok", new)
+
+
+def record_setup_error(db, sources, error, trigger):
+    """Telegram cannot run at all: say so on every Telegram source, without
+    counting it against the sources themselves."""
+    conn = db.conn()
+    for source in sources:
+        run_id = start_run(conn, source["id"], "telegram", trigger)
+        conn.execute("UPDATE sources SET last_error = ?, last_fetch = ? WHERE id = ?",
+                     (error, utc_text(), source["id"]))
+        finish_run(conn, run_id, "error", error=error)
+    return [FeedResult(s["slug"], "error", error=error) for s in sources]
+
+
+async def crawl_channels(db, settings, sources, trigger, client_factory, sleep, progress):
+    try:
+        client = client_factory(settings)
+        await client.connect()
+    except Exception as e:
+        return record_setup_error(db, sources, describe_telegram_error(e), trigger)
+    try:
+        if not await client.is_user_authorized():
+            return record_setup_error(db, sources, "the Telegram session is not logged in: run "
+                                      "`python vesti.py telegram --login`", trigger)
+        results = []
+        for source in sources:
+            results.append(await crawl_channel(db, client, source, settings, trigger, sleep))
+            progress.step(f"{source['slug']}: {results[-1].status}")
+        return results
+    finally:
+        await client.disconnect()
+
+
+def crawl_telegram(db, settings, selection=("all", None), trigger="cli", client_factory=None,
+                   sleep=None, quiet=False):
+    """Phase 1 for Telegram channels, one after another through one session."""
+    import asyncio
+    sources = select_sources(db.conn(), "telegram", selection)
+    progress = Progress("telegram", len(sources), stream=open(os.devnull, "w") if quiet else None)
+    results = []
+    if sources:
+        results = asyncio.run(crawl_channels(db, settings, sources, trigger,
+                                             client_factory or telegram_client,
+                                             sleep or asyncio.sleep, progress))
+    summary = CrawlSummary(results)
+    if not quiet:
+        progress.finish(summary.line())
+    return summary
+
+
+def telegram_login(settings):
+    """Interactive login that writes the session file."""
+    import asyncio
+    if not settings.tg_api_id or not settings.tg_api_hash:
+        raise ConfigError("set TG_API_ID and TG_API_HASH first (https://my.telegram.org → "
+                          "API development tools), in the environment or in .env")
+    telethon = import_optional("telethon", "telethon", "Telegram sources")
+    print(f"Logging in to Telegram; the session will be saved to {session_path(settings)}.\n"
+          "Telegram asks for your phone number (international format, e.g. +7…), then for\n"
+          "the code it sends to your Telegram app, and your 2FA password if you have one.")
+
+    async def login():
+        client = telethon.TelegramClient(settings.tg_session, int(settings.tg_api_id),
+                                         settings.tg_api_hash)
+        await client.start()
+        me = await client.get_me()
+        await client.disconnect()
+        return me
+
+    me = asyncio.run(login())
+    print(f"Logged in as {getattr(me, 'username', None) or getattr(me, 'first_name', 'you')}; "
+          f"session saved to {session_path(settings)}. Keep that file private.")
+
+
+def crawl_everything(db, settings, selection=("all", None), trigger="cli", quiet=False,
+                     client_factory=None):
+    """Phase 1: RSS and Telegram sources at once, each in priority order."""
+    result = {"telegram": CrawlSummary([])}
+
+    def crawl_channels_aside():
+        try:
+            result["telegram"] = crawl_telegram(db, settings, selection, trigger,
+                                                client_factory, quiet=True)
+        except Exception:
+            log.exception("the Telegram crawl failed")
+    channels = threading.Thread(target=crawl_channels_aside, name="telegram")
+    started = time.monotonic()
+    channels.start()
+    feeds = crawl_rss(db, settings, selection, trigger, quiet=True)
+    channels.join()
+    summary = CrawlSummary(feeds.results + result["telegram"].results)
+    if not quiet:
+        seconds = time.monotonic() - started
+        print(f"crawl: {summary.line()} in {seconds:.1f} s "
+              f"({len(summary.results) / seconds if seconds else 0:.1f}/s)", flush=True)
+    return summary
+
+
+###############################################################################
 # Classification ##############################################################
 ###############################################################################
 
@@ -1437,7 +1724,7 @@ class KeywordIndex:
 
 def lead_summary(text, limit=300):
     """The first sentences of a text, at most `limit` characters."""
-    text = normalize_text(text)
+    text = normalize_text((text or "")[: limit * 4])
     sentences = re.split(r"(?<=[.!?…])\s+", text)
     summary = ""
     for sentence in sentences:
@@ -1886,6 +2173,25 @@ def cmd_worker(args, settings):
     return 0
 
 
+def cmd_telegram(args, settings):
+    if args.login:
+        telegram_login(settings)
+        return 0
+    registry, db = open_intake(settings)
+    selection = selection_of(args)
+    check_selection(db.conn(), registry, selection, "telegram")
+    crawl_telegram(db, settings, selection, args.trigger)
+    return 0
+
+
+def cmd_crawl(args, settings):
+    registry, db = open_intake(settings)
+    selection = selection_of(args)
+    check_selection(db.conn(), registry, selection, None)
+    crawl_everything(db, settings, selection, args.trigger)
+    return 0
+
+
 def status_report(conn):
     sources = conn.execute("""
         SELECT s.slug, s.name, s.crawler, s.status, s.enabled, s.priority, s.last_fetch,
@@ -1967,6 +2273,11 @@ def build_parser():
 
     command("init", cmd_init, "create or migrate the database and sync sources.yaml")
     _selection_arguments(command("rss", cmd_rss, "fetch RSS/Atom sources into the queue"))
+    _selection_arguments(command("telegram", cmd_telegram,
+                                 "fetch Telegram channels into the queue"), login=True)
+    _selection_arguments(command("crawl", cmd_crawl,
+                                 "phase 1: every enabled source of every kind, no classification"),
+                         priority=True)
     worker = command("worker", cmd_worker, "classify the queue (phase 3)")
     worker.add_argument("--workers", type=positive_int, metavar="N",
                         help="worker threads (VESTI_WORKERS, default 4)")

@@ -1,0 +1,381 @@
+#!/usr/bin/env python3
+"""Benchmark of the VESTI worker pool (phase 3). Prints figures and ratios;
+always exits 0. Run from the repository root: `python bench/worker.py`.
+
+What it measures:
+
+1. Queue throughput with keyword-only classification. A database of --posts
+   pending posts (about 300 characters of text each, all containing "Linux
+   kernel") is built once and copied three times:
+   - CLI: `vesti.py worker --workers W` with OLLAMA_URL empty (keywords
+     decide), timed as a whole; afterwards every post must be classified=1.
+     Python start-up is measured apart as the median wall time of three
+     `vesti.py status` runs on the same database.
+   - in-process: vesti.run_workers(db, settings, registry, workers=W,
+     quiet=True), timed around that call alone.
+   - bare: one vesti.connect() connection (autocommit, WAL, synchronous
+     NORMAL, busy_timeout) running the worker's claim UPDATE ... RETURNING
+     and then its complete UPDATE, one post at a time, until the queue is
+     empty: the ceiling for one-row claim/complete transactions.
+     target: (posts / (CLI wall - start-up)) / bare cycles/s >= 0.5
+     (the raw CLI ratio and the in-process ratio are printed as well)
+2. Concurrency with a slow LLM. A fake Ollama on 127.0.0.1 answers every
+   POST /api/chat after --latency seconds with a valid verdict and counts
+   requests per post title. --llm-posts pending posts, each with a keyword
+   hit, so each goes to the LLM; `vesti.py worker --workers W` runs with
+   OLLAMA_URL pointing at the fake.
+     ideal  = llm-posts * latency / W
+     target: CLI wall <= 1.2 * ideal
+   Checked: every post asked exactly once (distinct titles = llm-posts, no
+   title twice) and every post classified=1 with the fake's verdict.
+"""
+
+import argparse
+import contextlib
+import http.server
+import json
+import os
+import shutil
+import socketserver
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import vesti  # noqa: E402
+
+THROUGHPUT_TARGET = 0.5
+LLM_TARGET = 1.2
+STARTUP_RUNS = 3
+SOURCES_YAML = """\
+directions:
+  linux: {title: Linux, keywords: [linux, kernel]}
+sources: []
+"""
+FILLER = ("The maintainers merged the scheduler changes, the new filesystem driver "
+          "and a long list of fixes for memory management, networking and storage. ")
+VERDICT = {"direction": "linux", "relevance": 7, "interest": 5,
+           "summary": "A Linux kernel release with scheduler and driver changes."}
+
+CLAIM_SQL = """
+    UPDATE posts SET classified = -1, claimed_at = ?, claim_token = ?, attempts = attempts + 1
+    WHERE id = (SELECT id FROM posts INDEXED BY posts_pending
+                WHERE (classified IS NULL OR classified = 0)
+                  AND (next_attempt_at IS NULL OR next_attempt_at <= ?)
+                ORDER BY id LIMIT 1)
+    RETURNING id"""
+COMPLETE_SQL = """
+    UPDATE posts SET classified = 1, direction = ?, relevance = ?, interest = ?, summary = ?,
+                     claim_token = NULL
+    WHERE id = ? AND classified = -1 AND claim_token = ?"""
+
+
+# Databases ------------------------------------------------------------------
+
+def post_text(n):
+    """About 300 characters, with the keywords 'Linux kernel' in it."""
+    return (f"Post {n}: Linux kernel 6.{n % 20} is out. " + FILLER * 2)[:300].rstrip() + "."
+
+
+def build_queue(path, posts):
+    """A fresh database with `posts` pending posts of one source."""
+    db = vesti.Database(path)
+    try:
+        with vesti.transaction(db.conn()) as conn:
+            source_id = conn.execute("INSERT INTO sources(slug, url) VALUES "
+                                     "('bench', 'http://127.0.0.1:9/feed.xml')").lastrowid
+            conn.executemany(
+                "INSERT INTO posts(source_id, title, text, url, classified) VALUES (?, ?, ?, ?, 0)",
+                ((source_id, f"Bench post {n}", post_text(n), f"http://127.0.0.1:9/post/{n}")
+                 for n in range(1, posts + 1)))
+        db.conn().execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        db.close()
+    return path
+
+
+def copy_db(template, path):
+    """A byte copy of a closed, checkpointed database."""
+    shutil.copyfile(template, path)
+    return path
+
+
+def classified_counts(path):
+    """{classified value: count}."""
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return dict(conn.execute("SELECT classified, count(*) FROM posts GROUP BY classified"))
+
+
+def check_all_done(path, posts):
+    counts = classified_counts(path)
+    ok = counts == {1: posts}
+    return ok, f"classified {counts}: {'all done' if ok else f'UNEXPECTED, expected {{1: {posts}}}'}"
+
+
+def write_sources(tmp):
+    path = os.path.join(tmp, "sources.yaml")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(SOURCES_YAML)
+    return path
+
+
+# Command line runs ----------------------------------------------------------
+
+def child_env(**settings):
+    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+    env.update({k: str(v) for k, v in settings.items()})
+    return env
+
+
+def run_vesti(args, env, timeout):
+    """(wall seconds, CompletedProcess) of `vesti.py ARGS` from the repo root."""
+    command = [sys.executable, "vesti.py", *args]
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc = subprocess.CompletedProcess(command, f"none, killed after {timeout:.0f} s", "", "")
+    return time.monotonic() - started, proc
+
+
+def show_output(proc, lines=5):
+    print(f"    exit {proc.returncode}")
+    for line in (proc.stdout + proc.stderr).strip().splitlines()[-lines:]:
+        print(f"    vesti> {line}")
+
+
+def run_worker_cli(db, sources, workers, env, timeout):
+    wall, proc = run_vesti(["worker", "--workers", str(workers), "--db", db,
+                            "--sources", sources], env, timeout)
+    return wall, proc
+
+
+def startup_seconds(db, sources, env):
+    """Median wall time of `vesti.py status`: interpreter, imports, settings,
+    sources.yaml, schema check, a few queries."""
+    walls = []
+    for _ in range(STARTUP_RUNS):
+        wall, proc = run_vesti(["status", "--db", db, "--sources", sources], env, 120)
+        if proc.returncode != 0:
+            show_output(proc)
+            return None
+        walls.append(wall)
+    return statistics.median(walls)
+
+
+# Part 1: throughput -----------------------------------------------------------
+
+def bare_loop(path):
+    """(cycles, seconds) of claim + complete on one connection until empty."""
+    conn = vesti.connect(path)
+    try:
+        cycles = 0
+        started = time.perf_counter()
+        while True:
+            now, token = vesti.utc_text(), uuid.uuid4().hex
+            row = conn.execute(CLAIM_SQL, (now, token, now)).fetchone()
+            if row is None:
+                break
+            conn.execute(COMPLETE_SQL, (VERDICT["direction"], VERDICT["relevance"],
+                                        VERDICT["interest"], VERDICT["summary"], row[0], token))
+            cycles += 1
+        return cycles, time.perf_counter() - started
+    finally:
+        conn.close()
+
+
+def in_process(path, sources, workers):
+    """(stats, finished, seconds) of vesti.run_workers, keyword-only."""
+    settings = vesti.load_settings(environ={"OLLAMA_URL": ""}, env_file=None,
+                                   db=path, sources=sources)
+    registry = vesti.load_registry(sources)
+    db = vesti.Database(path)
+    try:
+        started = time.perf_counter()
+        stats, finished = vesti.run_workers(db, settings, registry, workers=workers, quiet=True)
+        return stats, finished, time.perf_counter() - started
+    finally:
+        db.close()
+
+
+def rate(count, seconds):
+    return count / seconds if seconds and seconds > 0 else 0.0
+
+
+def verdict_min(value, limit):
+    return "PASS" if value >= limit else "MISS"
+
+
+def verdict_max(value, limit):
+    return "PASS" if value <= limit else "MISS"
+
+
+def throughput_benchmark(tmp, sources, posts, workers):
+    print(f"== throughput: {posts} pending posts, keyword-only (OLLAMA_URL empty), "
+          f"{workers} workers")
+    started = time.perf_counter()
+    template = build_queue(os.path.join(tmp, "template.db"), posts)
+    print(f"built the queue in {time.perf_counter() - started:.2f} s")
+    env = child_env(OLLAMA_URL="")
+    timeout = 120 + posts / 50
+
+    cli_db = copy_db(template, os.path.join(tmp, "cli.db"))
+    cli_wall, proc = run_worker_cli(cli_db, sources, workers, env, timeout)
+    print(f"CLI worker: {cli_wall:.2f} s wall, {rate(posts, cli_wall):.0f} posts/s")
+    show_output(proc)
+    print(f"    check: {check_all_done(cli_db, posts)[1]}")
+    startup = startup_seconds(cli_db, sources, env)
+    if startup is not None:
+        print(f"start-up (median of {STARTUP_RUNS} `vesti.py status` on the same db): "
+              f"{startup:.2f} s")
+
+    inproc_db = copy_db(template, os.path.join(tmp, "inproc.db"))
+    stats, finished, inproc_seconds = in_process(inproc_db, sources, workers)
+    print(f"in-process run_workers: {inproc_seconds:.2f} s, {rate(posts, inproc_seconds):.0f} "
+          f"posts/s ({stats.line()}{'' if finished else ', NOT finished'})")
+    print(f"    check: {check_all_done(inproc_db, posts)[1]}")
+
+    bare_db = copy_db(template, os.path.join(tmp, "bare.db"))
+    cycles, bare_seconds = bare_loop(bare_db)
+    bare = rate(cycles, bare_seconds)
+    print(f"bare loop, one connection: {cycles} cycles in {bare_seconds:.2f} s, "
+          f"{bare:.0f} cycles/s")
+    print(f"    check: {check_all_done(bare_db, posts)[1]}")
+
+    cli_rate = rate(posts, cli_wall)
+    print(f"CLI / bare                  = {cli_rate / bare:.2f}   (raw, start-up included)")
+    print(f"in-process / bare           = {rate(posts, inproc_seconds) / bare:.2f}")
+    if startup is not None and cli_wall > startup:
+        net = rate(posts, cli_wall - startup)
+        ratio = net / bare
+        print(f"(CLI - start-up) / bare     = {ratio:.2f}   target >= {THROUGHPUT_TARGET} "
+              f"({net:.0f} vs {THROUGHPUT_TARGET * bare:.0f} posts/s)  "
+              f"{verdict_min(ratio, THROUGHPUT_TARGET)}   <- the target uses this one")
+    else:
+        ratio = cli_rate / bare
+        print(f"start-up not measured: the target uses the raw CLI ratio {ratio:.2f}   "
+              f"target >= {THROUGHPUT_TARGET}  {verdict_min(ratio, THROUGHPUT_TARGET)}")
+
+
+# Part 2: slow LLM -------------------------------------------------------------
+
+class FakeOllama(http.server.BaseHTTPRequestHandler):
+    """POST /api/chat: sleeps, then answers VERDICT; counts requests by the
+    post title (the first line of the user message)."""
+
+    def do_POST(self):
+        site = self.server.site
+        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            request = json.loads(self.rfile.read(length))
+            title = request["messages"][-1]["content"].split("\n", 1)[0]
+        except (ValueError, KeyError, IndexError, TypeError):
+            title = None
+        time.sleep(site["latency"])
+        if self.path != "/api/chat" or title is None:
+            self.send_error(404 if self.path != "/api/chat" else 400)
+            return
+        with site["lock"]:
+            site["titles"][title] += 1
+        body = json.dumps({"model": request.get("model"), "created_at": vesti.utc_text(),
+                           "message": {"role": "assistant", "content": json.dumps(VERDICT)},
+                           "done": True}).encode("utf-8")
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+class Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # 8 workers connect at once; a full backlog costs a 1 s SYN retry
+
+    def server_bind(self):
+        # HTTPServer.server_bind calls getfqdn(): slow on a machine without a resolver.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = self.server_address[:2]
+
+
+@contextlib.contextmanager
+def fake_ollama(latency):
+    """Yields (base URL, Counter of titles)."""
+    server = Server(("127.0.0.1", 0), FakeOllama)
+    server.site = {"latency": latency, "titles": Counter(), "lock": threading.Lock()}
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", server.site["titles"]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def check_llm_posts(path, titles, posts):
+    expected = {f"Bench post {n}" for n in range(1, posts + 1)}
+    asked_twice = sum(1 for count in titles.values() if count > 1)
+    asked_ok = set(titles) == expected and asked_twice == 0
+    print(f"    fake Ollama: {sum(titles.values())} requests, {len(titles)} distinct titles, "
+          f"{asked_twice} asked more than once -> "
+          f"{'each post classified exactly once' if asked_ok else 'UNEXPECTED'}")
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        rows = dict(conn.execute(
+            "SELECT classified = 1 AND direction = ? AND relevance = ? AND interest = ?, count(*) "
+            "FROM posts GROUP BY 1", (VERDICT["direction"], VERDICT["relevance"],
+                                      VERDICT["interest"])))
+    stored_ok = rows == {1: posts}
+    print(f"    database: {rows.get(1, 0)} of {posts} posts classified=1 with the fake's verdict"
+          f" -> {'as expected' if stored_ok else 'UNEXPECTED ' + str(classified_counts(path))}")
+
+
+def llm_benchmark(tmp, sources, posts, latency, workers):
+    ideal = posts * latency / workers
+    print(f"== slow LLM: {posts} posts, fake Ollama answering after {latency * 1000:.0f} ms, "
+          f"{workers} workers")
+    db = build_queue(os.path.join(tmp, "llm.db"), posts)
+    with fake_ollama(latency) as (url, titles):
+        env = child_env(OLLAMA_URL=url)
+        wall, proc = run_worker_cli(db, sources, workers, env, timeout=120 + 10 * ideal)
+        print(f"CLI worker: {wall:.2f} s wall")
+        show_output(proc)
+        check_llm_posts(db, titles, posts)
+    limit = LLM_TARGET * ideal
+    print(f"ideal time = {posts} x {latency} s / {workers} = {ideal:.2f} s")
+    print(f"wall / ideal = {wall / ideal:.2f}   target <= {LLM_TARGET}  "
+          f"({wall:.2f} s vs {limit:.2f} s)  {verdict_max(wall, limit)}")
+
+
+# Main -------------------------------------------------------------------------
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--posts", type=int, default=50_000,
+                        help="pending posts for the throughput part (default 50000)")
+    parser.add_argument("--llm-posts", type=int, default=800,
+                        help="pending posts for the slow-LLM part (default 800)")
+    parser.add_argument("--latency", type=float, default=0.05,
+                        help="seconds the fake Ollama waits before answering (default 0.05)")
+    parser.add_argument("--workers", type=int, default=8, help="worker threads (default 8)")
+    args = parser.parse_args(argv)
+    vesti.import_optional("yaml", "pyyaml", "the benchmark")  # not timed
+    with tempfile.TemporaryDirectory(prefix="vesti-bench-") as tmp:
+        sources = write_sources(tmp)
+        throughput_benchmark(tmp, sources, args.posts, args.workers)
+        print()
+        llm_benchmark(tmp, sources, args.llm_posts, args.latency, args.workers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
