@@ -1282,7 +1282,7 @@ def test_a_killed_worker_is_finished_by_the_next_one_after_the_lease(home):
         process = worker_process(home, fake.url, "--workers", "4")
         assert wait_for(lambda: queue_of(db).get(1, 0) >= 8)
         process.kill()
-        process.wait()
+        process.communicate()
         in_flight = {r[0] for r in db.conn().execute("SELECT title FROM posts WHERE classified = -1")}
         done_before = {r[0] for r in db.conn().execute("SELECT title FROM posts WHERE classified = 1")}
         assert in_flight and len(in_flight) <= 4
@@ -1587,3 +1587,407 @@ def test_crawl_by_priority_takes_exactly_that_priority(home, server):
     result = cli("crawl", "--priority", "1", cwd=home, env={"RSS_HOST_DELAY": "0"})
     assert result.returncode == 0, result.stderr
     assert [p for p, *_ in server.requests] == ["/b"]
+
+
+# Web -------------------------------------------------------------------------
+
+import base64
+import http.client
+import shutil
+
+
+class Web:
+    """The real web server of VESTI on a free port, and a client for it."""
+
+    def __init__(self, home, password="s3cret"):
+        write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss",
+                                                         direction="linux")])
+        self.settings = make_settings(home, VESTI_WEB_PASSWORD=password)
+        self.registry, self.db = vesti.open_intake(self.settings)
+        self.app = vesti.WebApp(self.db, self.settings, self.registry, password)
+        self.server = vesti.make_web_server(self.app, "127.0.0.1", 0)
+        self.port = self.server.server_address[1]
+        self.origin = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+        self.auth = "Basic " + base64.b64encode(f"admin:{password}".encode()).decode()
+
+    def request(self, method, path, body=None, headers=None, auth=True):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        all_headers = {"Authorization": self.auth} if auth else {}
+        if body is not None:
+            all_headers["Content-Type"] = "application/x-www-form-urlencoded"
+        all_headers.update(headers or {})
+        conn.request(method, path, body=body, headers=all_headers)
+        response = conn.getresponse()
+        text = response.read().decode("utf-8")
+        conn.close()
+        return response.status, dict(response.getheaders()), text
+
+    def get(self, path, **kwargs):
+        return self.request("GET", path, **kwargs)
+
+    def post(self, path, form, origin=None, **kwargs):
+        headers = {"Origin": origin or self.origin}
+        return self.request("POST", path, urllib.parse.urlencode(form), headers, **kwargs)
+
+    def token(self):
+        return self.app.token()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def web(home):
+    w = Web(home)
+    yield w
+    w.close()
+
+
+def card(page, name):
+    match = re.search(rf'id="queue-{name}"><span>[^<]*</span><b>(\d+)</b>', page)
+    return int(match[1])
+
+
+def test_seed_crawlers_page_shows_lwn_alive_and_its_15_queued_posts(web):
+    add_posts(web.db.conn(), 15, source_id=source_row(web.db, "lwn")["id"])
+    status, _, page = web.get("/crawlers")
+    assert status == 200
+    row = re.search(r'<tr id="source-lwn">.*?</tr>', page)[0]
+    assert "<b>lwn</b>" in row and ">LWN" not in row and 'class="alive">alive<' in row
+    assert card(page, "pending") == 15 and "<b>15</b>" in page
+
+
+def test_seed_queue_sizes_10_pending_2_processing(web):
+    conn = web.db.conn()
+    add_posts(conn, 10)
+    add_posts(conn, 2, start=10)
+    conn.execute("UPDATE posts SET classified = -1, claimed_at = datetime('now') WHERE id > 10")
+    status, headers, body = web.get("/api/queue")
+    assert status == 200 and headers["Content-Type"] == "application/json"
+    assert json.loads(body) == {"pending": 10, "processing": 2, "done_today": 0, "failed": 0}
+    page = web.get("/crawlers")[2]
+    assert [card(page, n) for n in ("pending", "processing", "done_today", "failed")] == [10, 2, 0, 0]
+
+
+def test_seed_reset_dead_makes_dead_sources_alive(web):
+    conn = web.db.conn()
+    conn.execute("UPDATE sources SET status = 'dead', error_count = 7, last_error = 'HTTP 500'")
+    status, headers, _ = web.post("/crawlers/reset", {"token": web.token()})
+    assert status == 303 and headers["Location"] == "/crawlers"
+    row = source_row(web.db, "lwn")
+    assert (row["status"], row["error_count"], row["last_error"]) == ("alive", 0, None)
+
+
+@pytest.mark.parametrize("path", ["/", "/crawlers", "/api/queue", "/crawlers/reset", "/nope"])
+@pytest.mark.parametrize("auth", [None, "Basic " + base64.b64encode(b"admin:wrong").decode(),
+                                  "Basic " + base64.b64encode(b"root:s3cret").decode(),
+                                  "Basic !!!", "Bearer s3cret"])
+def test_every_page_but_healthz_needs_the_password(web, path, auth):
+    status, headers, body = web.get(path, auth=False,
+                                    headers={"Authorization": auth} if auth else None)
+    assert status == 401
+    assert headers["WWW-Authenticate"].startswith("Basic realm=")
+    assert "s3cret" not in body
+
+
+def test_healthz_answers_without_a_password(web):
+    assert web.get("/healthz", auth=False)[:1] == (200,)
+
+
+def test_unknown_paths_are_404_and_wrong_methods_405(web):
+    assert web.get("/nope")[0] == 404
+    status, headers, _ = web.get("/crawlers/reset")
+    assert status == 405 and headers["Allow"] == "POST"
+    status, headers, _ = web.request("DELETE", "/crawlers")
+    assert status == 405 and headers["Allow"] == "GET, HEAD"
+
+
+@pytest.mark.parametrize("form,origin", [
+    ({}, None),                                            # no token
+    ({"token": "forged"}, None),                           # wrong token
+    ({"token": "RIGHT"}, "http://evil.example"),           # right token, foreign page
+])
+def test_a_cross_site_post_is_refused(web, form, origin):
+    conn = web.db.conn()
+    conn.execute("UPDATE sources SET status = 'dead', error_count = 7")
+    form = {k: (web.token() if v == "RIGHT" else v) for k, v in form.items()}
+    status, _, _ = web.post("/crawlers/reset", form, origin=origin)
+    assert status == 403
+    assert source_row(web.db, "lwn")["status"] == "dead"
+
+
+def test_a_huge_request_body_is_refused(web):
+    status, _, _ = web.request("POST", "/crawlers/reset", body="x" * 100_000,
+                               headers={"Origin": web.origin})
+    assert status == 413
+
+
+def test_names_and_errors_full_of_html_are_escaped_and_errors_cut_to_200(web):
+    conn = web.db.conn()
+    conn.execute("UPDATE sources SET name = '<script>alert(1)</script>', "
+                 "last_error = ? WHERE slug = 'lwn'", ('<img src=x onerror=alert(2)>' + "e" * 400,))
+    page = web.get("/crawlers")[2]
+    assert "<script>alert(1)" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "<img src=x" not in page and "&lt;img src=x onerror=alert(2)&gt;" in page
+    shown = re.search(r'<td class="error">(.*?)</td>', page)[1]
+    assert len(html_unescape(shown)) == 200
+
+
+def html_unescape(text):
+    import html
+    return html.unescape(text)
+
+
+def test_the_page_refreshes_itself_only_while_posts_are_processing(web):
+    conn = web.db.conn()
+    add_posts(conn, 2)
+    assert 'http-equiv="refresh"' not in web.get("/crawlers")[2]
+    conn.execute("UPDATE posts SET classified = -1 WHERE id = 1")
+    assert 'http-equiv="refresh"' in web.get("/crawlers")[2]
+    conn.execute("UPDATE posts SET classified = 1 WHERE id = 1")
+    assert 'http-equiv="refresh"' not in web.get("/crawlers")[2]
+
+
+def test_the_crawlers_page_shows_rss_state_post_count_and_last_run(web, home, server):
+    server.feed("/feed", rss(items(4, host=server.url)))
+    write_sources(home / "sources.yaml", [rss_source("lwn", server.url + "/feed")])
+    vesti.sync_sources(web.db.conn(), vesti.load_registry(str(home / "sources.yaml")))
+    crawl(web.settings, web.db)
+    row = re.search(r'<tr id="source-lwn">.*?</tr>', web.get("/crawlers")[2])[0]
+    assert "&quot;v1&quot;" in row and "Mon, 30 Nov 2026 10:00:00 GMT" in row
+    assert "<td>4</td>" in row and "cli: ok, +4" in row
+
+
+def classified_posts(conn, count, direction="linux"):
+    add_posts(conn, count, text="<b>bold</b> & more")
+    conn.execute("UPDATE posts SET classified = 1, direction = ?, relevance = 7, interest = 4, "
+                 "summary = 'Summary <i>' || id, published_at = "
+                 "datetime('2026-11-01', '+' || id || ' minutes')", (direction,))
+
+
+def test_candidates_are_newest_first_escaped_and_paginated(web):
+    conn = web.db.conn()
+    classified_posts(conn, 60)
+    add_posts(conn, 3, start=100)                             # pending: not candidates
+    status, _, page = web.get("/")
+    assert status == 200
+    ids = [int(i) for i in re.findall(r'<article class="post" id="post-(\d+)"', page)]
+    assert ids == list(range(60, 10, -1))                     # 50 per page, newest first
+    assert "Summary &lt;i&gt;60" in page and "relevance <b>7</b>" in page
+    assert "older →" in page
+    second = web.get("/?page=2")[2]
+    assert [int(i) for i in re.findall(r'id="post-(\d+)"', second)] == list(range(10, 0, -1))
+
+
+def test_candidates_filter_by_direction(web):
+    conn = web.db.conn()
+    classified_posts(conn, 3)
+    conn.execute("UPDATE posts SET direction = NULL WHERE id = 2")
+    page = web.get("/?direction=linux")[2]
+    assert re.findall(r'id="post-(\d+)"', page) == ["3", "1"]
+
+
+def test_an_editor_approves_and_rejects_candidates(web):
+    conn = web.db.conn()
+    classified_posts(conn, 2)
+    status, headers, _ = web.post("/posts/2/status", {"token": web.token(), "status": "approved",
+                                                      "back": "/?direction=linux"})
+    assert status == 303 and headers["Location"] == "/?direction=linux"
+    web.post("/posts/1/status", {"token": web.token(), "status": "rejected",
+                                 "back": "//evil.example/"})
+    assert dict(conn.execute("SELECT id, status FROM posts").fetchall()) == \
+        {1: "rejected", 2: "approved"}
+    assert re.findall(r'id="post-(\d+)"', web.get("/?status=approved")[2]) == ["2"]
+    assert web.post("/posts/1/status", {"token": "x", "status": "approved"})[0] == 403
+    assert web.post("/posts/1/status", {"token": web.token(), "status": "published"})[0] == 400
+
+
+def test_reset_dead_command_does_what_the_button_does(home):
+    write_sources(home / "sources.yaml", [rss_source("a", "http://127.0.0.1:9/a")])
+    cli("init", cwd=home)
+    conn = sqlite3.connect(home / "vesti.db")
+    conn.execute("UPDATE sources SET status = 'dead', error_count = 7, last_error = 'x'")
+    conn.commit()
+    result = cli("reset-dead", cwd=home)
+    assert result.returncode == 0 and "1 dead sources reset" in result.stdout
+    assert conn.execute("SELECT status, error_count, last_error FROM sources").fetchone() == \
+        ("alive", 0, None)
+
+
+# The page in a real browser ---------------------------------------------------
+
+class Chromium:
+    """Headless Chromium driven over the DevTools protocol on a pipe (no
+    extra packages): messages are JSON separated by NUL bytes on fds 3/4."""
+
+    def __init__(self, tmp_path):
+        binary = shutil.which("chromium") or shutil.which("chromium-browser")
+        if not binary:
+            if os.environ.get("CI"):
+                pytest.fail("chromium is missing: .ci/run should have installed it")
+            pytest.skip("chromium is not installed (.ci/run installs it)")
+        to_browser_r, self.to_browser = os.pipe()
+        self.from_browser, from_browser_w = os.pipe()
+        self.process = subprocess.Popen(
+            [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+             "--no-first-run", "--disable-background-networking", "--disable-component-update",
+             "--disable-sync", "--disable-dev-shm-usage", f"--user-data-dir={tmp_path}/chrome",
+             "--remote-debugging-pipe", "about:blank"],
+            close_fds=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=lambda: self._pipes_to_3_and_4(to_browser_r, from_browser_w))
+        os.close(to_browser_r)
+        os.close(from_browser_w)
+        self.buffer, self.next_id, self.events = b"", 0, []
+        target = self.call("Target.createTarget", url="about:blank")["targetId"]
+        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        self.call("Page.enable", session=True)
+
+    @staticmethod
+    def _pipes_to_3_and_4(read_end, write_end):
+        """In the child: the pipes on fds 3 and 4, where Chromium expects them.
+        Copies go above 10 first, so neither dup2 overwrites the other end."""
+        import fcntl
+        high_read = fcntl.fcntl(read_end, fcntl.F_DUPFD, 10)
+        high_write = fcntl.fcntl(write_end, fcntl.F_DUPFD, 10)
+        os.dup2(high_read, 3)
+        os.dup2(high_write, 4)
+
+    def send(self, method, session=False, **params):
+        self.next_id += 1
+        message = {"id": self.next_id, "method": method, "params": params}
+        if session:
+            message["sessionId"] = self.session
+        os.write(self.to_browser, json.dumps(message).encode() + b"\0")
+        return self.next_id
+
+    def receive(self, timeout=20):
+        deadline = time.monotonic() + timeout
+        while b"\0" not in self.buffer:
+            import select
+            if not select.select([self.from_browser], [], [], max(0, deadline - time.monotonic()))[0]:
+                raise TimeoutError("chromium did not answer")
+            chunk = os.read(self.from_browser, 1 << 20)
+            if not chunk:
+                raise EOFError("chromium closed the pipe")
+            self.buffer += chunk
+        message, _, self.buffer = self.buffer.partition(b"\0")
+        return json.loads(message)
+
+    def call(self, method, session=False, **params):
+        wanted = self.send(method, session, **params)
+        while True:
+            message = self.receive()
+            if message.get("id") == wanted:
+                if "error" in message:
+                    raise RuntimeError(message["error"])
+                return message.get("result", {})
+            self.events.append(message)
+
+    def wait_for_load(self):
+        while True:
+            if any(e.get("method") == "Page.loadEventFired" for e in self.events):
+                self.events.clear()
+                return
+            self.events.append(self.receive())
+
+    def evaluate(self, expression):
+        result = self.call("Runtime.evaluate", session=True, expression=expression,
+                           returnByValue=True)
+        return result["result"].get("value")
+
+    def open(self, url, headers):
+        self.call("Network.enable", session=True)
+        self.call("Network.setExtraHTTPHeaders", session=True, headers=headers)
+        self.events.clear()
+        self.call("Page.navigate", session=True, url=url)
+        self.wait_for_load()
+
+    def close(self):
+        with contextlib.suppress(Exception):
+            self.send("Browser.close")
+        with contextlib.suppress(Exception):
+            self.process.wait(timeout=5)
+        if self.process.poll() is None:
+            self.process.kill()
+        os.close(self.to_browser)
+        os.close(self.from_browser)
+
+
+def test_the_crawlers_page_in_a_real_browser(web, tmp_path):
+    conn = web.db.conn()
+    add_posts(conn, 15, source_id=source_row(web.db, "lwn")["id"])
+    conn.execute("UPDATE sources SET status = 'dead', error_count = 7, last_error = 'HTTP 500'")
+    browser = Chromium(tmp_path)
+    try:
+        browser.open(web.origin + "/crawlers", {"Authorization": web.auth})
+        shown = browser.evaluate("""({
+            pending: document.querySelector('#queue-pending b').textContent,
+            cards: document.querySelectorAll('.card').length,
+            status: document.querySelector('#source-lwn td.dead').textContent,
+            error: document.querySelector('#source-lwn td.error').textContent,
+            tableWidth: document.querySelector('table').getBoundingClientRect().width})""")
+        assert shown["pending"] == "15" and shown["cards"] == 4
+        assert (shown["status"], shown["error"]) == ("dead", "HTTP 500")
+        assert shown["tableWidth"] > 300
+        browser.evaluate("document.querySelector('form[action=\"/crawlers/reset\"] button').click()")
+        browser.wait_for_load()
+        assert browser.evaluate("location.pathname") == "/crawlers"
+        assert browser.evaluate("document.querySelector('#source-lwn td.alive').textContent") == "alive"
+    finally:
+        browser.close()
+    row = source_row(web.db, "lwn")
+    assert (row["status"], row["error_count"], row["last_error"]) == ("alive", 0, None)
+
+
+# run: everything at once -------------------------------------------------------
+
+def test_run_crawls_classifies_serves_and_stops_on_sigterm(home, server, ollama):
+    import signal
+    server.feed("/feed", rss(items(5, host=server.url)))
+    write_sources(home / "sources.yaml", [rss_source("lwn", server.url + "/feed", direction="linux")])
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "vesti.py"), "run"], cwd=home, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "VESTI_WEB_PORT": "0", "OLLAMA_URL": ollama.url,
+             "RSS_HOST_DELAY": "0", "VESTI_WEB_PASSWORD": "pw"})
+    try:
+        line = process.stdout.readline()
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)/", line)[1])
+        auth = {"Authorization": "Basic " + base64.b64encode(b"admin:pw").decode()}
+
+        def candidates():
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/", headers=auth)
+            return conn.getresponse().read().decode()
+        assert wait_for(lambda: candidates().count('class="post"') == 5, timeout=15)
+        page = candidates()
+        assert "Summary: Post number 0" in page and "relevance <b>8</b>" in page
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=15)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, err
+    assert "pw" not in out + err
+    conn = sqlite3.connect(home / "vesti.db")
+    assert conn.execute("SELECT count(*) FROM posts WHERE classified = -1").fetchone()[0] == 0
+    assert conn.execute("SELECT trigger FROM runs").fetchone()[0] == "schedule"
+
+
+def test_the_scheduler_crawls_each_priority_on_its_interval(home, server):
+    for slug in "abc":
+        server.feed(f"/{slug}", rss(items(1, host=server.url + "/" + slug)))
+    s, db = intake(home, [rss_source("a", server.url + "/a", priority=0),
+                          rss_source("b", server.url + "/b", priority=1),
+                          rss_source("c", server.url + "/c", priority=5)],
+                   VESTI_CRAWL_EVERY="10m,1h")
+    now = [0.0]
+    scheduler = vesti.Scheduler(db, s, vesti.load_registry(s.sources), threading.Event(),
+                                clock=lambda: now[0])
+    assert scheduler.tick() == [0, 1, 5]
+    now[0] = 601
+    assert scheduler.tick() == [0]
+    now[0] = 3601
+    assert scheduler.tick() == [0, 1, 5]          # priority 5 takes the last interval

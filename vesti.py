@@ -18,18 +18,22 @@ __all__ = [
 ]
 
 import argparse
+import base64
 import contextlib
 import dataclasses
 import datetime
 import email.utils
 import hashlib
+import hmac
 import html
 import html.parser
 import http.client
+import http.server
 import json
 import logging
 import os
 import re
+import secrets
 import socket
 import sqlite3
 import sys
@@ -318,10 +322,10 @@ def html_to_text(markup):
 class Progress:
     """A self-overwriting status line on a terminal; silent elsewhere."""
 
-    def __init__(self, label, total, stream=None):
-        self.label, self.total, self.done = label, total, 0
+    def __init__(self, label, total, quiet=False, stream=None):
+        self.label, self.total, self.done, self.quiet = label, total, 0, quiet
         self.stream = stream or sys.stderr
-        self.live = self.stream.isatty()
+        self.live = not quiet and self.stream.isatty()
         self.lock = threading.Lock()
         self.started = time.monotonic()
 
@@ -335,6 +339,8 @@ class Progress:
     def finish(self, summary):
         """End with one summary line: counts, seconds and rate."""
         seconds = time.monotonic() - self.started
+        if self.quiet:
+            return seconds
         if self.live:
             self.stream.write("\r\033[K")
         rate = self.done / seconds if seconds > 0 else 0.0
@@ -1383,7 +1389,7 @@ def crawl_rss(db, settings, selection=("all", None), trigger="cli", gate=None, q
     """Phase 1 for feeds: every selected RSS source, hosts in parallel."""
     sources = select_sources(db.conn(), "rss", selection)
     gate = gate or HostGate(settings.host_delay)
-    progress = Progress("rss", len(sources), stream=open(os.devnull, "w") if quiet else None)
+    progress = Progress("rss", len(sources), quiet)
     moved = {row["source_id"]: row["moved_to"] for row in db.conn().execute(
         "SELECT source_id, moved_to FROM rss_state WHERE moved_to IS NOT NULL")}
     groups = group_by_host(sources, lambda s: moved.get(s["id"]) or s["url"])
@@ -1399,8 +1405,7 @@ def crawl_rss(db, settings, selection=("all", None), trigger="cli", gate=None, q
                             thread_name_prefix="rss") as pool:
         results = [r for group in pool.map(crawl_group, groups) for r in group]
     summary = CrawlSummary(results)
-    if not quiet:
-        progress.finish(summary.line())
+    progress.finish(summary.line())
     return summary
 
 
@@ -1630,15 +1635,14 @@ def crawl_telegram(db, settings, selection=("all", None), trigger="cli", client_
     """Phase 1 for Telegram channels, one after another through one session."""
     import asyncio
     sources = select_sources(db.conn(), "telegram", selection)
-    progress = Progress("telegram", len(sources), stream=open(os.devnull, "w") if quiet else None)
+    progress = Progress("telegram", len(sources), quiet)
     results = []
     if sources:
         results = asyncio.run(crawl_channels(db, settings, sources, trigger,
                                              client_factory or telegram_client,
                                              sleep or asyncio.sleep, progress))
     summary = CrawlSummary(results)
-    if not quiet:
-        progress.finish(summary.line())
+    progress.finish(summary.line())
     return summary
 
 
@@ -2068,7 +2072,7 @@ def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
     workers = workers or settings.workers
     pending = queue_sizes(db.conn())["pending"]
     total = pending if limit is None else min(limit, pending)
-    progress = Progress("worker", total, stream=open(os.devnull, "w") if quiet else None)
+    progress = Progress("worker", total, quiet)
     stop = stop or threading.Event()
     pool = WorkerPool(db, settings, classify or Classifier(registry, settings), stop, progress)
     runner = threading.Thread(target=pool.run, args=(workers, limit, forever), daemon=True,
@@ -2079,12 +2083,459 @@ def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
     runner.join(STOP_GRACE)
     finished = not runner.is_alive()
     released = 0 if finished else pool.release_in_hand()
-    if not quiet:
-        progress.finish(pool.stats.line() + (f", {released} put back unfinished" if released else ""))
-        if pool.stats.ollama_down and not forever:
-            print(f"worker: {pool.stats.ollama_down}; stopped claiming after "
-                  f"{OLLAMA_DOWN_AFTER} connection failures", flush=True)
+    progress.finish(pool.stats.line() + (f", {released} put back unfinished" if released else ""))
+    if not quiet and pool.stats.ollama_down and not forever:
+        print(f"worker: {pool.stats.ollama_down}; stopped claiming after "
+              f"{OLLAMA_DOWN_AFTER} connection failures", flush=True)
     return pool.stats, finished
+
+
+###############################################################################
+# Web #########################################################################
+###############################################################################
+
+PAGE_SIZE = 50
+MAX_REQUEST_BODY = 64 * 1024
+REFRESH_SECONDS = 5
+DECISIONS = ("new", "approved", "rejected")
+
+STYLE = """
+:root{--fg:#1d2330;--muted:#667085;--line:#e4e7ec;--bg:#f7f8fa;--ok:#127a3d;--bad:#b42318;--accent:#2554c7}
+*{box-sizing:border-box}
+body{margin:0;font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:var(--fg);background:var(--bg)}
+header{display:flex;gap:1.2em;align-items:baseline;flex-wrap:wrap;padding:.8em 1.2em;background:#fff;border-bottom:1px solid var(--line)}
+header h1{font-size:1.15em;margin:0}
+header a{color:var(--muted);text-decoration:none}header a.here{color:var(--fg);font-weight:600}
+main{padding:1em 1.2em;max-width:1400px}
+.cards{display:grid;grid-template-columns:repeat(auto-fit,minmax(130px,1fr));gap:.8em;margin-bottom:1.2em}
+.card{background:#fff;border:1px solid var(--line);border-radius:8px;padding:.7em 1em}
+.card span{display:block;color:var(--muted);font-size:.85em}.card b{font-size:1.8em}
+.table{overflow-x:auto;background:#fff;border:1px solid var(--line);border-radius:8px}
+table{border-collapse:collapse;width:100%;font-size:.9em}
+th,td{text-align:left;padding:.45em .6em;border-bottom:1px solid var(--line);vertical-align:top}
+th{background:#fafbfc;font-weight:600;white-space:nowrap}
+td.error{max-width:28em;word-break:break-word;color:var(--bad)}
+.alive{color:var(--ok);font-weight:600}.dead{color:var(--bad);font-weight:600}.disabled{color:var(--muted)}
+.muted{color:var(--muted)}.small{font-size:.85em}
+button{font:inherit;padding:.35em .9em;border-radius:6px;border:1px solid var(--line);background:#fff;cursor:pointer}
+button.primary{background:var(--accent);border-color:var(--accent);color:#fff}
+.actions{display:flex;gap:.6em;align-items:center;margin:.4em 0 1em}
+.post{background:#fff;border:1px solid var(--line);border-radius:8px;padding:.8em 1em;margin-bottom:.7em}
+.post h2{font-size:1.05em;margin:0 0 .3em}.post h2 a{color:var(--fg)}
+.post p{margin:.3em 0}.post form{display:inline}
+.badge{display:inline-block;padding:0 .5em;border-radius:10px;background:#eef2ff;font-size:.8em}
+.filters a{margin-right:.6em}.filters a.here{font-weight:600;color:var(--fg)}
+nav.pages{margin:1em 0;display:flex;gap:1em}
+@media (max-width:600px){main{padding:.6em}th,td{padding:.35em .4em}.card b{font-size:1.4em}}
+"""
+
+
+def esc(value):
+    """Everything shown on a page goes through here."""
+    return html.escape("" if value is None else str(value), quote=True)
+
+
+def page(title, body, here, refresh=False):
+    nav = "".join(f'<a href="{href}"{" class=here" if href == here else ""}>{label}</a>'
+                  for href, label in (("/", "Candidates"), ("/crawlers", "Crawlers")))
+    meta = f'<meta http-equiv="refresh" content="{REFRESH_SECONDS}">' if refresh else ""
+    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
+            f'<meta name="viewport" content="width=device-width,initial-scale=1">{meta}'
+            f"<title>{esc(title)} · VESTI</title><style>{STYLE}</style></head>"
+            f"<body><header><h1>VESTI</h1>{nav}</header><main>{body}</main></body></html>")
+
+
+def queue_cards(queue):
+    labels = (("pending", "pending"), ("processing", "processing"),
+              ("done_today", "done today"), ("failed", "failed"))
+    return '<section class="cards">' + "".join(
+        f'<div class="card" id="queue-{key}"><span>{label}</span><b>{int(queue[key])}</b></div>'
+        for key, label in labels) + "</section>"
+
+
+def crawler_rows(conn):
+    """Every source with its RSS state and its last run; one query, the last
+    run found through the runs(source_id, id) index."""
+    return conn.execute("""
+        SELECT s.*, r.etag, r.modified, r.last_build_date, r.moved_to,
+               run.started_at AS run_started, run.status AS run_status,
+               run.new_posts AS run_new_posts, run.trigger AS run_trigger
+        FROM sources s
+        LEFT JOIN rss_state r ON r.source_id = s.id
+        LEFT JOIN runs run ON run.id = (SELECT max(id) FROM runs WHERE source_id = s.id)
+        ORDER BY s.enabled DESC, s.priority, s.slug""").fetchall()
+
+
+def source_row_html(s):
+    status = s["status"] if s["enabled"] else "disabled"
+    last_run = (f'{esc(s["run_started"])} <span class="muted">{esc(s["run_trigger"])}: '
+                f'{esc(s["run_status"])}, +{esc(s["run_new_posts"])}</span>'
+                if s["run_started"] else '<span class="muted">never</span>')
+    moved = (f'<br><span class="small">moved permanently to {esc(s["moved_to"])}; '
+             f'update sources.yaml</span>' if s["moved_to"] else "")
+    rss = "".join(f'<td class="small">{esc(s[c]) if s["crawler"] == "rss" else ""}</td>'
+                  for c in ("etag", "modified", "last_build_date"))
+    return (f'<tr id="source-{esc(s["slug"])}"><td><b>{esc(s["slug"])}</b></td>'
+            f'<td>{esc(s["name"])}{moved}</td><td>{esc(s["crawler"])}</td>'
+            f'<td class="{esc(status)}">{esc(status)}</td><td>{esc(s["priority"])}</td>'
+            f'<td class="small">{esc(s["last_fetch"] or "never")}</td>'
+            f'<td>{esc(s["error_count"])}</td>'
+            f'<td class="error">{esc(shorten(s["last_error"], 200) if s["last_error"] else "")}</td>'
+            f'<td>{esc(s["post_count"])}</td><td class="small">{last_run}</td>{rss}</tr>')
+
+
+SOURCE_COLUMNS = ("slug", "name", "crawler", "status", "priority", "last fetch", "errors",
+                  "last error", "posts", "last run", "etag", "modified", "last build date")
+
+
+def crawlers_page(conn, token):
+    queue = queue_sizes(conn)
+    rows = crawler_rows(conn)
+    dead = sum(1 for s in rows if s["status"] == "dead" and s["enabled"])
+    head = "".join(f"<th>{esc(c)}</th>" for c in SOURCE_COLUMNS)
+    body = "".join(source_row_html(s) for s in rows)
+    reset = (f'<form method="post" action="/crawlers/reset" class="actions">'
+             f'<input type="hidden" name="token" value="{esc(token)}">'
+             f'<button class="primary" type="submit">Сбросить dead</button>'
+             f'<span class="muted">{dead} dead</span></form>')
+    html_body = (f"{queue_cards(queue)}{reset}<div class=table><table><thead><tr>{head}</tr>"
+                 f"</thead><tbody>{body}</tbody></table></div>")
+    return page("Crawlers", html_body, "/crawlers", refresh=queue["processing"] > 0)
+
+
+def candidate_query(direction, decision, page_number):
+    where, params = ["p.classified = 1"], []
+    if direction:
+        where.append("p.direction = ?")
+        params.append(direction)
+    if decision in DECISIONS:
+        where.append("p.status = ?")
+        params.append(decision)
+    sql = f"""SELECT p.id, p.title, p.url, p.summary, p.direction, p.relevance, p.interest,
+                     p.status, p.published_at, p.content_type, s.name AS source
+              FROM posts p LEFT JOIN sources s ON s.id = p.source_id
+              WHERE {' AND '.join(where)}
+              ORDER BY p.published_at DESC, p.id DESC LIMIT ? OFFSET ?"""
+    return sql, [*params, PAGE_SIZE + 1, (page_number - 1) * PAGE_SIZE]
+
+
+def link_to(path, **query):
+    query = {k: v for k, v in query.items() if v not in (None, "", 1)}
+    return path + ("?" + urllib.parse.urlencode(query) if query else "")
+
+
+def decision_buttons(post, token, back):
+    buttons = "".join(
+        f'<form method="post" action="/posts/{post["id"]}/status">'
+        f'<input type="hidden" name="token" value="{esc(token)}">'
+        f'<input type="hidden" name="back" value="{esc(back)}">'
+        f'<button name="status" value="{value}">{label}</button></form> '
+        for value, label in (("approved", "Approve"), ("rejected", "Reject"), ("new", "Undo"))
+        if value != post["status"])
+    return f'<div class="actions">{buttons}<span class="badge">{esc(post["status"])}</span></div>'
+
+
+def candidate_html(post, token, back):
+    title = esc(post["title"] or "(untitled)")
+    link = (f'<a href="{esc(post["url"])}" rel="noopener noreferrer" target="_blank">{title}</a>'
+            if post["url"] else title)
+    return (f'<article class="post" id="post-{post["id"]}"><h2>{link}</h2>'
+            f'<p class="small muted">{esc(post["source"])} · {esc(post["published_at"])} · '
+            f'<span class="badge">{esc(post["direction"] or "no direction")}</span> '
+            f'relevance <b>{esc(post["relevance"])}</b> · interest <b>{esc(post["interest"])}</b></p>'
+            f'<p>{esc(post["summary"])}</p>{decision_buttons(post, token, back)}</article>')
+
+
+def candidates_page(conn, directions, query, token):
+    direction = query.get("direction") if query.get("direction") in directions else None
+    decision = query.get("status") if query.get("status") in DECISIONS else None
+    number = int(query["page"]) if str(query.get("page", "")).isdigit() and int(query["page"]) > 0 else 1
+    sql, params = candidate_query(direction, decision, number)
+    posts = conn.execute(sql, params).fetchall()
+    more, posts = len(posts) > PAGE_SIZE, posts[:PAGE_SIZE]
+    back = link_to("/", direction=direction, status=decision, page=number)
+    filters = " ".join(
+        f'<a href="{esc(link_to("/", direction=d, status=decision))}"'
+        f'{" class=here" if d == direction else ""}>{esc(label)}</a>'
+        for d, label in [(None, "all directions")] + [(d.id, d.title) for d in directions.values()])
+    statuses = " ".join(
+        f'<a href="{esc(link_to("/", direction=direction, status=s))}"'
+        f'{" class=here" if s == decision else ""}>{esc(s or "any status")}</a>'
+        for s in (None, *DECISIONS))
+    pages = "".join([
+        f'<a href="{esc(link_to("/", direction=direction, status=decision, page=number - 1))}">← newer</a>'
+        if number > 1 else "",
+        f'<a href="{esc(link_to("/", direction=direction, status=decision, page=number + 1))}">older →</a>'
+        if more else ""])
+    items = "".join(candidate_html(p, token, back) for p in posts) or \
+        '<p class="muted">No classified posts yet.</p>'
+    body = (f'<p class="filters">{filters}</p><p class="filters small">{statuses}</p>{items}'
+            f'<nav class="pages">{pages}</nav>')
+    return page("Candidates", body, "/")
+
+
+class WebApp:
+    """Routes, Basic auth and cross-site protection for the VESTI page."""
+
+    def __init__(self, db, settings, registry, password):
+        self.db, self.settings, self.registry = db, settings, registry
+        self.user, self.password = settings.web_user, password
+        self.secret = secrets.token_bytes(32)
+        self.routes = [
+            ("GET", re.compile(r"/"), self.candidates),
+            ("GET", re.compile(r"/crawlers"), self.crawlers),
+            ("POST", re.compile(r"/crawlers/reset"), self.reset),
+            ("GET", re.compile(r"/api/queue"), self.api_queue),
+            ("POST", re.compile(r"/posts/(\d+)/status"), self.decide),
+            ("GET", re.compile(r"/healthz"), self.healthz),
+        ]
+
+    def token(self):
+        return hmac.new(self.secret, self.user.encode(), hashlib.sha256).hexdigest()
+
+    def authorized(self, header):
+        """Basic auth, compared in constant time."""
+        scheme, _, encoded = (header or "").partition(" ")
+        try:
+            user, _, password = base64.b64decode(encoded.strip(), validate=True) \
+                .decode("utf-8").partition(":")
+        except (ValueError, UnicodeDecodeError):
+            return False
+        # Both compared every time (&, not and), so timing tells nothing.
+        return scheme.lower() == "basic" and \
+            hmac.compare_digest(user.encode(), self.user.encode()) & \
+            hmac.compare_digest(password.encode(), self.password.encode())
+
+    def same_origin(self, request):
+        """A POST must come from this page: its Origin (or Referer) names this host."""
+        host = request.headers.get("Host", "")
+        origin = request.headers.get("Origin") or request.headers.get("Referer")
+        if not origin:
+            return True
+        return urllib.parse.urlsplit(origin).netloc == host
+
+    def handle(self, request, method):
+        path, _, query = request.path.partition("?")
+        if not (method == "GET" and path == "/healthz") and \
+                not self.authorized(request.headers.get("Authorization")):
+            return request.reply(401, "text/plain", b"Authentication required\n",
+                                 {"WWW-Authenticate": 'Basic realm="VESTI", charset="UTF-8"'})
+        matches = [(m, r.fullmatch(path), h) for m, r, h in self.routes if r.fullmatch(path)]
+        if not matches:
+            return request.reply(404, "text/plain", b"Not found\n")
+        for route_method, match, handler in matches:
+            if route_method == method or (method == "HEAD" and route_method == "GET"):
+                form = self.read_form(request) if method == "POST" else {}
+                if form is None:
+                    return None
+                return handler(request, urllib.parse.parse_qs(query), form, *match.groups())
+        methods = {m for m, _, _ in matches}
+        allowed = ", ".join(sorted(methods | ({"HEAD"} if "GET" in methods else set())))
+        return request.reply(405, "text/plain", b"Method not allowed\n", {"Allow": allowed})
+
+    def read_form(self, request):
+        length = request.headers.get("Content-Length", "0")
+        if not length.isdigit() or int(length) > MAX_REQUEST_BODY:
+            request.reply(413, "text/plain", b"Request body too large\n")
+            return None
+        body = request.rfile.read(int(length)).decode("utf-8", "replace")
+        return {k: v[-1] for k, v in urllib.parse.parse_qs(body).items()}
+
+    def check_forgery(self, request, form):
+        if not hmac.compare_digest(form.get("token", ""), self.token()) or \
+                not self.same_origin(request):
+            request.reply(403, "text/plain", b"Cross-site request refused\n")
+            return False
+        return True
+
+    def html(self, request, text):
+        request.reply(200, "text/html; charset=utf-8", text.encode("utf-8"))
+
+    def crawlers(self, request, query, form):
+        self.html(request, crawlers_page(self.db.conn(), self.token()))
+
+    def candidates(self, request, query, form):
+        flat = {k: v[-1] for k, v in query.items()}
+        self.html(request, candidates_page(self.db.conn(), self.registry.directions, flat,
+                                           self.token()))
+
+    def reset(self, request, query, form):
+        if self.check_forgery(request, form):
+            count = reset_dead(self.db.conn())
+            log.info("web: %d dead sources reset", count)
+            request.reply(303, "text/plain", b"", {"Location": "/crawlers"})
+
+    def decide(self, request, query, form, post_id):
+        if not self.check_forgery(request, form):
+            return
+        if form.get("status") not in DECISIONS:
+            return request.reply(400, "text/plain", b"status must be new, approved or rejected\n")
+        set_decision(self.db.conn(), int(post_id), form["status"])
+        back = form.get("back", "/")
+        back = back if back.startswith("/") and not back.startswith("//") else "/"
+        request.reply(303, "text/plain", b"", {"Location": back})
+
+    def api_queue(self, request, query, form):
+        request.reply(200, "application/json", json.dumps(queue_sizes(self.db.conn())).encode())
+
+    def healthz(self, request, query, form):
+        self.db.conn().execute("SELECT 1").fetchone()
+        request.reply(200, "text/plain", b"ok\n")
+
+
+def set_decision(conn, post_id, decision):
+    """The editor's decision on a post (posts.status), independent of the queue."""
+    return conn.execute("UPDATE posts SET status = ? WHERE id = ?", (decision, post_id)).rowcount
+
+
+class WebHandler(http.server.BaseHTTPRequestHandler):
+    server_version = f"VESTI/{__version__}"
+    access_log = logging.getLogger("vesti.access")
+
+    def do_GET(self):
+        self.guard("GET")
+
+    def do_HEAD(self):
+        self.guard("HEAD")
+
+    def do_POST(self):
+        self.guard("POST")
+
+    def do_PUT(self):
+        self.guard("PUT")
+
+    def do_DELETE(self):
+        self.guard("DELETE")
+
+    def do_PATCH(self):
+        self.guard("PATCH")
+
+    def guard(self, method):
+        try:
+            self.server.app.handle(self, method)
+        except Exception:
+            log.exception("web: %s %s failed", method, self.path)
+            with contextlib.suppress(OSError):
+                self.reply(500, "text/plain", b"Internal error; see the server log\n")
+
+    def reply(self, status, content_type, body, headers=None):
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("X-Frame-Options", "DENY")
+        self.send_header("Referrer-Policy", "same-origin")
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def log_message(self, format, *args):
+        self.access_log.info("%s %s", self.address_string(), format % args)
+
+
+def make_web_server(app, host, port):
+    """A ThreadingHTTPServer serving `app`; port 0 picks a free port."""
+    try:
+        server = http.server.ThreadingHTTPServer((host, port), WebHandler)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    server.daemon_threads = True
+    server.app = app
+    return server
+
+
+def web_password(settings):
+    """VESTI_WEB_PASSWORD, or a generated one (printed once by the caller)."""
+    if settings.web_password:
+        return settings.web_password, False
+    return secrets.token_urlsafe(12), True
+
+
+def announce_web(server, settings, password, generated):
+    host, port = server.server_address[:2]
+    print(f"web: http://{host}:{port}/ (user {settings.web_user})", flush=True)
+    if generated:
+        print(f"web: generated password {password} (set VESTI_WEB_PASSWORD to choose one)",
+              flush=True)
+
+
+###############################################################################
+# Scheduler ###################################################################
+###############################################################################
+
+# runs rows older than this are deleted by `run` once a day.
+KEEP_RUNS_DAYS = 30
+
+
+class Scheduler:
+    """`run`'s crawls: each priority on its own interval (VESTI_CRAWL_EVERY,
+    the last interval for every higher priority), sources.yaml re-read when
+    it changes."""
+
+    def __init__(self, db, settings, registry, stop, clock=time.monotonic):
+        self.db, self.settings, self.registry, self.stop = db, settings, registry, stop
+        self.clock = clock
+        self.due = {}
+        self.sources_mtime = self.mtime()
+        self.next_prune = 0.0
+
+    def interval(self, priority):
+        every = self.settings.crawl_every
+        return every[min(priority, len(every) - 1)]
+
+    def mtime(self):
+        with contextlib.suppress(OSError):
+            return os.stat(self.settings.sources).st_mtime
+        return None
+
+    def reload_sources(self):
+        mtime = self.mtime()
+        if mtime == self.sources_mtime:
+            return
+        self.sources_mtime = mtime
+        try:
+            self.registry = load_registry(self.settings.sources)
+            sync_sources(self.db.conn(), self.registry)
+            log.warning("%s changed: %d sources synced", self.settings.sources,
+                        len(self.registry.sources))
+        except ConfigError as e:
+            log.error("%s; keeping the sources as they were", e)
+
+    def priorities(self):
+        return [row[0] for row in self.db.conn().execute(
+            "SELECT DISTINCT priority FROM sources WHERE enabled = 1 ORDER BY priority")]
+
+    def tick(self):
+        """Crawl every priority that is due; returns the priorities crawled."""
+        self.reload_sources()
+        crawled = []
+        for priority in self.priorities():
+            if self.stop.is_set():
+                break
+            if self.clock() >= self.due.get(priority, 0):
+                crawl_everything(self.db, self.settings, ("priority", priority), "schedule")
+                self.due[priority] = self.clock() + self.interval(priority)
+                crawled.append(priority)
+        if self.clock() >= self.next_prune:
+            prune_runs(self.db.conn(), KEEP_RUNS_DAYS)
+            self.next_prune = self.clock() + 86400
+        return crawled
+
+    def run(self):
+        while not self.stop.is_set():
+            try:
+                self.tick()
+            except Exception:
+                log.exception("scheduled crawl failed")
+            self.stop.wait(1.0)
+
+
+def prune_runs(conn, days):
+    return conn.execute("DELETE FROM runs WHERE started_at < datetime('now', ?)",
+                        (f"-{int(days)} days",)).rowcount
 
 
 ###############################################################################
@@ -2192,6 +2643,53 @@ def cmd_crawl(args, settings):
     return 0
 
 
+def start_web(db, settings, registry, host=None, port=None):
+    password, generated = web_password(settings)
+    server = make_web_server(WebApp(db, settings, registry, password),
+                             host or settings.web_host,
+                             settings.web_port if port is None else port)
+    logging.getLogger("vesti.access").setLevel(logging.INFO)
+    threading.Thread(target=server.serve_forever, name="web", daemon=True).start()
+    announce_web(server, settings, password, generated)
+    return server
+
+
+def cmd_serve(args, settings):
+    registry, db = open_intake(settings)
+    stop = threading.Event()
+    server = start_web(db, settings, registry, args.host, args.port)
+    with stop_on_signals(stop):
+        stop.wait()
+    server.shutdown()
+    server.server_close()
+    return 0
+
+
+def cmd_run(args, settings):
+    """Crawls on a schedule, the worker pool and the web page in one process."""
+    registry, db = open_intake(settings)
+    stop = threading.Event()
+    server = start_web(db, settings, registry)
+    scheduler = Scheduler(db, settings, registry, stop)
+    crawls = threading.Thread(target=scheduler.run, name="scheduler", daemon=True)
+    with stop_on_signals(stop):
+        crawls.start()
+        stats, finished = run_workers(db, settings, registry, forever=True, stop=stop, quiet=True)
+    print(f"worker: {stats.line()}", flush=True)
+    server.shutdown()
+    server.server_close()
+    crawls.join(STOP_GRACE)
+    if not finished or crawls.is_alive():
+        leave_now(0)
+    return 0
+
+
+def cmd_reset_dead(args, settings):
+    _, db = open_intake(settings)
+    print(f"{reset_dead(db.conn())} dead sources reset to alive")
+    return 0
+
+
 def status_report(conn):
     sources = conn.execute("""
         SELECT s.slug, s.name, s.crawler, s.status, s.enabled, s.priority, s.last_fetch,
@@ -2284,6 +2782,11 @@ def build_parser():
     worker.add_argument("--limit", type=positive_int, metavar="M", help="process at most M posts")
     worker.add_argument("--forever", action="store_true",
                         help="keep polling the queue instead of exiting when it is empty")
+    serve = command("serve", cmd_serve, "the web page")
+    serve.add_argument("--host", help="address to listen on (VESTI_WEB_HOST, default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (VESTI_WEB_PORT, default 8080)")
+    command("run", cmd_run, "everything at once: scheduled crawls, the workers, the web page")
+    command("reset-dead", cmd_reset_dead, "make every dead source alive again")
     status = command("status", cmd_status, "queue sizes and source health")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
