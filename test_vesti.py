@@ -1991,3 +1991,27 @@ def test_the_scheduler_crawls_each_priority_on_its_interval(home, server):
     assert scheduler.tick() == [0]
     now[0] = 3601
     assert scheduler.tick() == [0, 1, 5]          # priority 5 takes the last interval
+
+
+# The repository ----------------------------------------------------------------
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    commands = re.findall(r"```sh\n(.+?)\n```", readme)
+    assert commands[0].endswith("python vesti.py run")
+    assert "pytest" in commands[1]
+    assert commands[1] in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+
+
+def test_requirements_are_pinned_and_name_what_the_contract_needs():
+    lines = [line.split("#")[0].strip() for line in
+             (ROOT / "requirements.txt").read_text().splitlines()]
+    pins = dict(line.split("==") for line in lines if line)
+    assert {name.lower() for name in pins} == {"feedparser", "chardet", "trafilatura",
+                                               "lxml_html_clean", "telethon", "pyyaml"}
+
+
+def test_env_example_names_every_setting():
+    example = (ROOT / ".env.example").read_text(encoding="utf-8")
+    for name, *_ in vesti.SETTINGS:
+        assert f"#{name}=" in example
