@@ -515,8 +515,6 @@ class Database:
     def __init__(self, path):
         self.path = path
         self._local = threading.local()
-        self._all = []
-        self._lock = threading.Lock()
         try:
             migrate(self.conn())
         except sqlite3.DatabaseError as e:
@@ -529,16 +527,23 @@ class Database:
                 conn = self._local.conn = connect(self.path)
             except sqlite3.OperationalError as e:
                 raise ConfigError(f"{self.path}: cannot open the database: {e}") from None
-            with self._lock:
-                self._all.append(conn)
         return conn
 
     def close(self):
-        with self._lock:
-            for conn in self._all:
-                conn.close()
-            self._all.clear()
-        self._local = threading.local()
+        """Close this thread's connection."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    @contextlib.contextmanager
+    def closing(self):
+        """For work on a short-lived or pooled thread: its connection is
+        closed at the end, not left to the garbage collector."""
+        try:
+            yield self
+        finally:
+            self.close()
 
 
 # Queue ----------------------------------------------------------------------
@@ -1396,9 +1401,10 @@ def crawl_rss(db, settings, selection=("all", None), trigger="cli", gate=None, q
 
     def crawl_group(group):
         results = []
-        for source in group:
-            results.append(crawl_feed(db, source, settings, gate, trigger))
-            progress.step(f"{source['slug']}: {results[-1].status}")
+        with db.closing():
+            for source in group:
+                results.append(crawl_feed(db, source, settings, gate, trigger))
+                progress.step(f"{source['slug']}: {results[-1].status}")
         return results
 
     with ThreadPoolExecutor(max_workers=settings.concurrency,
@@ -1671,20 +1677,21 @@ def telegram_login(settings):
 
 
 def crawl_everything(db, settings, selection=("all", None), trigger="cli", quiet=False,
-                     client_factory=None):
+                     client_factory=None, gate=None):
     """Phase 1: RSS and Telegram sources at once, each in priority order."""
     result = {"telegram": CrawlSummary([])}
 
     def crawl_channels_aside():
         try:
-            result["telegram"] = crawl_telegram(db, settings, selection, trigger,
-                                                client_factory, quiet=True)
+            with db.closing():
+                result["telegram"] = crawl_telegram(db, settings, selection, trigger,
+                                                    client_factory, quiet=True)
         except Exception:
             log.exception("the Telegram crawl failed")
     channels = threading.Thread(target=crawl_channels_aside, name="telegram")
     started = time.monotonic()
     channels.start()
-    feeds = crawl_rss(db, settings, selection, trigger, quiet=True)
+    feeds = crawl_rss(db, settings, selection, trigger, gate, quiet=True)
     channels.join()
     summary = CrawlSummary(feeds.results + result["telegram"].results)
     if not quiet:
@@ -1958,7 +1965,10 @@ class WorkerPool:
             return True
 
     def work(self, forever):
-        conn = self.db.conn()
+        with self.db.closing():
+            self.claim_and_process(self.db.conn(), forever)
+
+    def claim_and_process(self, conn, forever):
         while not self.stop.is_set():
             if not self.may_claim(forever):
                 return
@@ -2064,7 +2074,7 @@ STOP_GRACE = 5
 
 
 def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
-                classify=None, stop=None, quiet=False):
+                classify=None, stop=None, quiet=False, gate=None):
     """Run a worker pool until the queue is empty (or `stop` is set). On stop,
     posts in hand get STOP_GRACE seconds, then go back to the queue.
     Returns (stats, finished): finished is False when some worker is still
@@ -2074,7 +2084,8 @@ def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
     total = pending if limit is None else min(limit, pending)
     progress = Progress("worker", total, quiet)
     stop = stop or threading.Event()
-    pool = WorkerPool(db, settings, classify or Classifier(registry, settings), stop, progress)
+    pool = WorkerPool(db, settings, classify or Classifier(registry, settings, gate), stop,
+                      progress)
     runner = threading.Thread(target=pool.run, args=(workers, limit, forever), daemon=True,
                               name="worker-pool")
     runner.start()
@@ -2126,7 +2137,7 @@ button.primary{background:var(--accent);border-color:var(--accent);color:#fff}
 .badge{display:inline-block;padding:0 .5em;border-radius:10px;background:#eef2ff;font-size:.8em}
 .filters a{margin-right:.6em}.filters a.here{font-weight:600;color:var(--fg)}
 nav.pages{margin:1em 0;display:flex;gap:1em}
-@media (max-width:600px){main{padding:.6em}th,td{padding:.35em .4em}.card b{font-size:1.4em}}
+@media (max-width:600px){main{padding:.6em}.wide{display:none}th,td{padding:.35em .4em}.card b{font-size:1.4em}}
 """
 
 
@@ -2173,7 +2184,7 @@ def source_row_html(s):
                 if s["run_started"] else '<span class="muted">never</span>')
     moved = (f'<br><span class="small">moved permanently to {esc(s["moved_to"])}; '
              f'update sources.yaml</span>' if s["moved_to"] else "")
-    rss = "".join(f'<td class="small">{esc(s[c]) if s["crawler"] == "rss" else ""}</td>'
+    rss = "".join(f'<td class="small wide">{esc(s[c]) if s["crawler"] == "rss" else ""}</td>'
                   for c in ("etag", "modified", "last_build_date"))
     return (f'<tr id="source-{esc(s["slug"])}"><td><b>{esc(s["slug"])}</b></td>'
             f'<td>{esc(s["name"])}{moved}</td><td>{esc(s["crawler"])}</td>'
@@ -2181,18 +2192,21 @@ def source_row_html(s):
             f'<td class="small">{esc(s["last_fetch"] or "never")}</td>'
             f'<td>{esc(s["error_count"])}</td>'
             f'<td class="error">{esc(shorten(s["last_error"], 200) if s["last_error"] else "")}</td>'
-            f'<td>{esc(s["post_count"])}</td><td class="small">{last_run}</td>{rss}</tr>')
+            f'<td>{esc(s["post_count"])}</td><td class="small wide">{last_run}</td>{rss}</tr>')
 
 
 SOURCE_COLUMNS = ("slug", "name", "crawler", "status", "priority", "last fetch", "errors",
                   "last error", "posts", "last run", "etag", "modified", "last build date")
+# Columns a phone screen leaves out.
+WIDE_COLUMNS = ("last run", "etag", "modified", "last build date")
 
 
 def crawlers_page(conn, token):
     queue = queue_sizes(conn)
     rows = crawler_rows(conn)
     dead = sum(1 for s in rows if s["status"] == "dead" and s["enabled"])
-    head = "".join(f"<th>{esc(c)}</th>" for c in SOURCE_COLUMNS)
+    head = "".join(f'<th{" class=wide" if c in WIDE_COLUMNS else ""}>{esc(c)}</th>'
+                   for c in SOURCE_COLUMNS)
     body = "".join(source_row_html(s) for s in rows)
     reset = (f'<form method="post" action="/crawlers/reset" class="actions">'
              f'<input type="hidden" name="token" value="{esc(token)}">'
@@ -2412,7 +2426,8 @@ class WebHandler(http.server.BaseHTTPRequestHandler):
 
     def guard(self, method):
         try:
-            self.server.app.handle(self, method)
+            with self.server.app.db.closing():
+                self.server.app.handle(self, method)
         except Exception:
             log.exception("web: %s %s failed", method, self.path)
             with contextlib.suppress(OSError):
@@ -2475,8 +2490,9 @@ class Scheduler:
     the last interval for every higher priority), sources.yaml re-read when
     it changes."""
 
-    def __init__(self, db, settings, registry, stop, clock=time.monotonic):
+    def __init__(self, db, settings, registry, stop, clock=time.monotonic, gate=None):
         self.db, self.settings, self.registry, self.stop = db, settings, registry, stop
+        self.gate = gate
         self.clock = clock
         self.due = {}
         self.sources_mtime = self.mtime()
@@ -2516,7 +2532,8 @@ class Scheduler:
             if self.stop.is_set():
                 break
             if self.clock() >= self.due.get(priority, 0):
-                crawl_everything(self.db, self.settings, ("priority", priority), "schedule")
+                crawl_everything(self.db, self.settings, ("priority", priority), "schedule",
+                                 gate=self.gate)
                 self.due[priority] = self.clock() + self.interval(priority)
                 crawled.append(priority)
         if self.clock() >= self.next_prune:
@@ -2670,11 +2687,14 @@ def cmd_run(args, settings):
     registry, db = open_intake(settings)
     stop = threading.Event()
     server = start_web(db, settings, registry)
-    scheduler = Scheduler(db, settings, registry, stop)
+    # One gate for crawls and article fetches: a host sees one request at a time.
+    gate = HostGate(settings.host_delay)
+    scheduler = Scheduler(db, settings, registry, stop, gate=gate)
     crawls = threading.Thread(target=scheduler.run, name="scheduler", daemon=True)
     with stop_on_signals(stop):
         crawls.start()
-        stats, finished = run_workers(db, settings, registry, forever=True, stop=stop, quiet=True)
+        stats, finished = run_workers(db, settings, registry, forever=True, stop=stop,
+                                      quiet=True, gate=gate)
     print(f"worker: {stats.line()}", flush=True)
     server.shutdown()
     server.server_close()

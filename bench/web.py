@@ -45,6 +45,7 @@ import email.utils
 import glob
 import hashlib
 import http.client
+import importlib.util
 import json
 import os
 import queue
@@ -223,7 +224,8 @@ def post_rows(sources, n_posts, rng, now):
             url = canonical = f"https://t.me/chan{source['id'] - 1}/{message}"
             external = str(message)
             content_type = rng.choice(("text", "text", "text", "photo", "photo", "video"))
-        title = f"{rng.choice(WORDS).capitalize()} {rng.choice(WORDS)} {rng.choice(WORDS)} #{post_id}"
+        title = " ".join((rng.choice(WORDS).capitalize(), rng.choice(WORDS), rng.choice(WORDS),
+                          f"#{post_id}"))
         text = f"Post {post_id}: {texts[post_id % len(texts)]}"
         sha = hashlib.sha256(f"{title}\n{text}".encode()).hexdigest()
         state = states[i]
@@ -316,10 +318,21 @@ def run_rows(sources, runs, rng, now):
 
 def build_database(path, n_sources, n_posts, runs, seed=20240601):
     """Build into path.part, then rename; returns the sources (for the YAML)."""
-    rng = random.Random(seed)
-    now = int(time.time())
     part = path + ".part"
     remove_db(part)
+    try:
+        sources = _build(part, n_sources, n_posts, runs, seed)
+    except BaseException:
+        remove_db(part)  # nothing half-built is left in /tmp
+        raise
+    os.replace(part, path)
+    remove_db(part)
+    return sources
+
+
+def _build(part, n_sources, n_posts, runs, seed):
+    rng = random.Random(seed)
+    now = int(time.time())
     vesti.Database(part).close()  # the schema, exactly as vesti creates it
     conn = sqlite3.connect(part, isolation_level=None)
     try:
@@ -357,8 +370,6 @@ def build_database(path, n_sources, n_posts, runs, seed=20240601):
         conn.execute("PRAGMA journal_mode = WAL")  # as vesti.connect leaves it
     finally:
         conn.close()
-    os.replace(part, path)
-    remove_db(part)
     return sources
 
 
@@ -438,12 +449,12 @@ def show_proc(label, figures):
 class Serve:
     """`vesti.py serve` in a subprocess; stderr goes to a file."""
 
-    def __init__(self, db, sources, tmp):
+    def __init__(self, program, db, sources, tmp):
         self.log_path = os.path.join(tmp, "serve.log")
         self.log = open(self.log_path, "w", encoding="utf-8")
         self.lines = queue.Queue()
         self.proc = subprocess.Popen(
-            [sys.executable, "vesti.py", "serve", "--host", "127.0.0.1", "--port", "0",
+            [sys.executable, program, "serve", "--host", "127.0.0.1", "--port", "0",
              "--db", db, "--sources", sources],
             cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log,
             text=True, env=child_env(VESTI_WEB_PASSWORD=PASSWORD, VESTI_WEB_USER=USER,
@@ -499,7 +510,7 @@ class Client:
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         token = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
         self.headers = {"Authorization": f"Basic {token}"}
-        self.closed_by_server = 0
+        self.closed_by_server = self.sent = 0
 
     def get(self, path):
         """(seconds, status, body)."""
@@ -508,6 +519,7 @@ class Client:
         response = self.conn.getresponse()
         body = response.read()
         seconds = time.perf_counter() - started
+        self.sent += 1
         if response.will_close:
             self.closed_by_server += 1
         return seconds, response.status, body
@@ -554,11 +566,12 @@ def report(path, timings, status, body, target=None, requests=None):
     return median
 
 
-def latency_benchmark(db, sources_yaml, tmp, expected, warmup, requests):
-    print(f"== web latency: `vesti.py serve --port 0` on the file, {warmup} warm-up + "
-          f"{requests} timed requests per path, one http.client connection")
+def latency_benchmark(program, db, sources_yaml, tmp, expected, warmup, requests):
+    shown = os.path.relpath(program, REPO) if program.startswith(REPO + os.sep) else program
+    print(f"== web latency: `{shown} serve --port 0` on the file, "
+          f"{warmup} warm-up + {requests} timed requests per path, one http.client connection")
     started = time.monotonic()
-    serve = Serve(db, sources_yaml, tmp)
+    serve = Serve(program, db, sources_yaml, tmp)
     try:
         port = serve.port(START_TIMEOUT)
         if port is None:
@@ -579,10 +592,11 @@ def latency_benchmark(db, sources_yaml, tmp, expected, warmup, requests):
                 timings, status, body = measure(client, path, warmup, requests)
                 report(path, timings, status, body, target, requests)
                 results[path] = (status, body)
-            sent = len(cases) * (warmup + requests)
+            sent = client.sent
+            note = (" (no keep-alive: a new TCP connection, and a new server thread, per "
+                    "request)" if client.closed_by_server >= sent else "")
             print(f"    connections: the server closed the connection after "
-                  f"{client.closed_by_server} of {sent} responses"
-                  f"{' (no keep-alive: a new TCP connection, and a new server thread, per request)' if client.closed_by_server >= sent else ''}")
+                  f"{client.closed_by_server} of {sent} responses{note}")
         finally:
             client.close()
         check_pages(results, expected)
@@ -690,6 +704,18 @@ def inprocess_benchmark(db, repeat, show_plans):
 
 # Main -----------------------------------------------------------------------------
 
+def use_vesti(path):
+    """Import `path` as the module vesti, unless it is the one imported."""
+    global vesti
+    if os.path.samefile(path, vesti.__file__):
+        return
+    spec = importlib.util.spec_from_file_location("vesti", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["vesti"] = module
+    spec.loader.exec_module(module)
+    vesti = module
+
+
 def prepare_database(args):
     path = cache_path(args.sources, args.posts, args.runs)
     for stale in stale_caches(path, args.sources, args.posts, args.runs):
@@ -722,7 +748,12 @@ def main(argv=None):
                         help="build the database even if a cached one exists")
     parser.add_argument("--explain", action="store_true",
                         help="print EXPLAIN QUERY PLAN of the page's queries")
+    parser.add_argument("--vesti", metavar="PATH", default=os.path.join(REPO, "vesti.py"),
+                        help="the vesti.py to serve and time in-process, e.g. a patched "
+                             "copy (default: the repository's)")
     args = parser.parse_args(argv)
+    args.vesti = os.path.abspath(args.vesti)
+    use_vesti(args.vesti)
     args.sources, args.posts = max(1, args.sources), max(1, args.posts)
     args.runs, args.requests = max(1, args.runs), max(1, args.requests)
     vesti.import_optional("yaml", "pyyaml", "the benchmark")  # not timed
@@ -736,7 +767,8 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="vesti-bench-web-") as tmp:
         sources_yaml = os.path.join(tmp, "sources.yaml")
         write_sources(sources_yaml, sources_of(db))
-        latency_benchmark(db, sources_yaml, tmp, file_figures(db), args.warmup, args.requests)
+        latency_benchmark(args.vesti, db, sources_yaml, tmp, file_figures(db), args.warmup,
+                          args.requests)
     print()
     inprocess_benchmark(db, args.repeat, args.explain)
     return 0
