@@ -5,23 +5,33 @@ on 127.0.0.1 that misbehave on purpose, a fake Ollama speaking /api/chat, and
 the real-world corpus in ../shared/corpus.
 """
 
+import base64
 import contextlib
+import datetime
+import fcntl
 import gzip
+import html
+import http.client
 import http.server
 import json
 import logging
 import os
 import pathlib
+import re
+import select
+import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
 import threading
 import time
-import re
 import urllib.parse
 import zlib
 
 import pytest
+from telethon import errors as tg_errors
+from telethon.tl import types as tg
 
 import vesti
 
@@ -1302,7 +1312,6 @@ def test_a_killed_worker_is_finished_by_the_next_one_after_the_lease(home):
 
 
 def test_sigterm_stops_the_worker_cleanly(home):
-    import signal
     fake = FakeOllama(latency=0.3)
     try:
         s, db, _ = worker_home(home, fake.url)
@@ -1320,7 +1329,6 @@ def test_sigterm_stops_the_worker_cleanly(home):
 
 
 def test_sigterm_releases_a_post_stuck_in_a_long_llm_call(home):
-    import signal
     fake = FakeOllama(latency=30)
     try:
         s, db, _ = worker_home(home, fake.url)
@@ -1361,11 +1369,6 @@ def test_16_workers_and_a_crawl_at_once_never_see_database_is_locked(home, serve
 
 # Telegram crawler ------------------------------------------------------------
 
-import asyncio
-import datetime
-
-from telethon import errors as tg_errors
-from telethon.tl import types as tg
 
 
 def tg_date(minute):
@@ -1590,9 +1593,6 @@ def test_crawl_by_priority_takes_exactly_that_priority(home, server):
 
 # Web -------------------------------------------------------------------------
 
-import base64
-import http.client
-import shutil
 
 
 class Web:
@@ -1735,7 +1735,6 @@ def test_names_and_errors_full_of_html_are_escaped_and_errors_cut_to_200(web):
 
 
 def html_unescape(text):
-    import html
     return html.unescape(text)
 
 
@@ -1860,7 +1859,6 @@ class Chromium:
     def _pipes_to_3_and_4(read_end, write_end):
         """In the child: the pipes on fds 3 and 4, where Chromium expects them.
         Copies go above 10 first, so neither dup2 overwrites the other end."""
-        import fcntl
         high_read = fcntl.fcntl(read_end, fcntl.F_DUPFD, 10)
         high_write = fcntl.fcntl(write_end, fcntl.F_DUPFD, 10)
         os.dup2(high_read, 3)
@@ -1877,7 +1875,6 @@ class Chromium:
     def receive(self, timeout=20):
         deadline = time.monotonic() + timeout
         while b"\0" not in self.buffer:
-            import select
             if not select.select([self.from_browser], [], [], max(0, deadline - time.monotonic()))[0]:
                 raise TimeoutError("chromium did not answer")
             chunk = os.read(self.from_browser, 1 << 20)
@@ -1956,7 +1953,6 @@ def test_the_crawlers_page_in_a_real_browser(web, tmp_path):
 # run: everything at once -------------------------------------------------------
 
 def test_run_crawls_classifies_serves_and_stops_on_sigterm(home, server, ollama):
-    import signal
     server.feed("/feed", rss(items(5, host=server.url)))
     write_sources(home / "sources.yaml", [rss_source("lwn", server.url + "/feed", direction="linux")])
     process = subprocess.Popen(

@@ -552,8 +552,9 @@ PENDING = "(classified IS NULL OR classified = 0)"
 
 
 def queue_sizes(conn):
-    """The four queue numbers, from posts alone."""
-    row = conn.execute(f"""
+    """The four queue numbers, from posts alone. Pending is counted as two
+    index ranges: SQLite would scan for `classified IS NULL OR classified = 0`."""
+    row = conn.execute("""
         SELECT (SELECT count(*) FROM posts WHERE classified IS NULL)
              + (SELECT count(*) FROM posts WHERE classified = 0) AS pending,
                (SELECT count(*) FROM posts WHERE classified = -1) AS processing,
