@@ -1222,6 +1222,18 @@ def test_an_unreachable_ollama_stops_the_workers_instead_of_cycling_the_queue(ho
     assert touched == 3 and queue_of(db) == {0: 50}
 
 
+def test_a_long_ollama_outage_never_marks_posts_failed(home):
+    s, db, registry = worker_home(home, "http://127.0.0.1:9", VESTI_MAX_ATTEMPTS=2,
+                                  VESTI_RETRY_DELAY=60)
+    add_posts(db.conn(), 1)
+    for _ in range(4):
+        db.conn().execute("UPDATE posts SET next_attempt_at = NULL")
+        vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    post = db.conn().execute("SELECT * FROM posts").fetchone()
+    assert (post["classified"], post["attempts"]) == (0, 4)
+    assert "connection refused" in post["error"]
+
+
 def test_expired_leases_go_back_to_pending_or_to_failed(home):
     s, db, registry = worker_home(home, "", VESTI_LEASE_SECONDS=60, VESTI_MAX_ATTEMPTS=2)
     conn = db.conn()

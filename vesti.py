@@ -612,6 +612,19 @@ def release_post(conn, post_id, token, error, max_attempts, retry_delay, now=Non
     return None if row is None else row[0]
 
 
+def defer_post(conn, post_id, token, error, retry_delay, now=None):
+    """Put a post back because Ollama could not be reached: the post did not
+    fail, so it keeps its error but is never marked failed for this."""
+    now = time.time() if now is None else now
+    row = conn.execute("""
+        UPDATE posts SET classified = 0, error = ?, claim_token = NULL,
+               next_attempt_at = strftime('%Y-%m-%d %H:%M:%S', ?, 'unixepoch', ?)
+        WHERE id = ? AND classified = -1 AND claim_token = ?
+        RETURNING classified
+    """, (shorten(error, 2000), now, f"+{retry_delay} seconds", post_id, token)).fetchone()
+    return None if row is None else row[0]
+
+
 def expire_leases(conn, lease_seconds, max_attempts, now=None):
     """Take back posts whose worker died: pending at once (the post did not
     fail), or failed when it has used its attempts. Returns (pending, failed)."""
@@ -2039,8 +2052,12 @@ class WorkerPool:
         message = str(error) if isinstance(error, VestiError) else f"{type(error).__name__}: {error}"
         if not isinstance(error, VestiError):
             log.exception("post %s: classification failed", post["id"])
-        state = release_post(conn, post["id"], post["claim_token"], message,
-                             self.settings.max_attempts, self.settings.retry_delay)
+        if isinstance(error, OllamaUnreachable):
+            state = defer_post(conn, post["id"], post["claim_token"], message,
+                               self.settings.retry_delay)
+        else:
+            state = release_post(conn, post["id"], post["claim_token"], message,
+                                 self.settings.max_attempts, self.settings.retry_delay)
         with self.lock:
             if state == -2:
                 self.stats.failed += 1
