@@ -31,6 +31,7 @@ import http.client
 import http.server
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -56,12 +57,18 @@ log = logging.getLogger("vesti")
 DEFAULT_USER_AGENT = f"VESTI/{__version__} (self-hosted news intake)"
 
 
-def _number(kind):
+def _number(kind, most=None):
+    what = "a whole number" if kind is int else "a number"
+
     def parse(name, raw):
         try:
             value = kind(raw)
         except ValueError:
-            raise ConfigError(f"{name}: expected a number, got {raw!r}") from None
+            raise ConfigError(f"{name}: expected {what}, got {raw!r}") from None
+        if not math.isfinite(value):
+            raise ConfigError(f"{name}: expected a finite number, got {raw!r}")
+        if most is not None and value > most:
+            raise ConfigError(f"{name}: must be at most {most}, got {raw!r}")
         if value < 0:
             raise ConfigError(f"{name}: must not be negative, got {raw!r}")
         return value
@@ -122,7 +129,7 @@ SETTINGS = [
     ("VESTI_RETRY_DELAY", "retry_delay", _number(float), "60"),
     ("VESTI_CRAWL_EVERY", "crawl_every", _durations, "15m,1h,6h"),
     ("VESTI_WEB_HOST", "web_host", _text, "127.0.0.1"),
-    ("VESTI_WEB_PORT", "web_port", _number(int), "8080"),
+    ("VESTI_WEB_PORT", "web_port", _number(int, most=65535), "8080"),
     ("VESTI_WEB_USER", "web_user", _text, "admin"),
     ("VESTI_WEB_PASSWORD", "web_password", _text, ""),
     ("TG_API_ID", "tg_api_id", _text, ""),
@@ -164,13 +171,16 @@ class Settings:
 
 
 def read_env_file(path):
-    """KEY=VALUE lines of a .env file; comments, blanks and 'export ' allowed."""
+    """KEY=VALUE lines of a .env file; comments (whole-line, or after a space
+    in an unquoted value), blanks and 'export ' allowed."""
     values = {}
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             lines = f.read().splitlines()
     except FileNotFoundError:
         return values
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
     for number, line in enumerate(lines, 1):
         line = line.strip()
         if not line or line.startswith("#"):
@@ -181,14 +191,26 @@ def read_env_file(path):
         value = value.strip()
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             value = value[1:-1]
+        else:
+            value = re.split(r"\s+#", value, maxsplit=1)[0]
         values[key.strip()] = value
     return values
+
+
+def warn_unknown_settings(values, where):
+    """A misspelt setting would silently keep its default: say so."""
+    known = {name for name, *_ in SETTINGS}
+    for key in values:
+        if key.startswith(("VESTI_", "RSS_", "OLLAMA_", "TG_")) and key not in known:
+            log.warning("%s: unknown setting %s (known: see .env.example)", where, key)
 
 
 def load_settings(environ=None, env_file=".env", **overrides):
     """Settings from the environment, then `.env` (the environment wins)."""
     environ = os.environ if environ is None else environ
-    merged = {**read_env_file(env_file), **environ} if env_file else dict(environ)
+    from_file = read_env_file(env_file) if env_file else {}
+    warn_unknown_settings(from_file, env_file)
+    merged = {**from_file, **environ}
     values = {}
     for name, field, parse, default in SETTINGS:
         values[field] = parse(name, merged.get(name, default))
@@ -439,8 +461,15 @@ CREATE INDEX IF NOT EXISTS runs_source ON runs(source_id, id);
 """
 
 
+# claim_post and release_post use UPDATE … RETURNING.
+MIN_SQLITE = (3, 35, 0)
+
+
 def connect(path):
     """A connection in autocommit mode with the pragmas every connection needs."""
+    if sqlite3.sqlite_version_info < MIN_SQLITE:
+        raise ConfigError(f"SQLite {sqlite3.sqlite_version} is too old: VESTI needs "
+                          f"{'.'.join(map(str, MIN_SQLITE))} or newer (a newer Python build)")
     conn = sqlite3.connect(path, timeout=30, isolation_level=None,
                            check_same_thread=False)
     conn.row_factory = sqlite3.Row
@@ -796,24 +825,45 @@ class Registry:
     sources: tuple
 
 
-def _yaml_loader(yaml):
+SOURCE_FIELDS = ("slug", "name", "crawler", "url", "direction", "priority", "enabled")
+DIRECTION_FIELDS = ("title", "keywords")
+
+
+def _yaml_loader(yaml, path):
     class LineLoader(yaml.SafeLoader):
-        """Remembers the line of every mapping, for error messages."""
+        """Remembers the line of every mapping, for error messages, and
+        refuses a key given twice (YAML would keep the last silently)."""
 
         def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = getattr(key_node, "value", None)
+                if key in seen:
+                    raise ConfigError(f"{path}:{key_node.start_mark.line + 1}: "
+                                      f"{key!r} is given twice")
+                seen.add(key)
             mapping = super().construct_mapping(node, deep=deep)
             mapping["__line__"] = node.start_mark.line + 1
             return mapping
     return LineLoader
 
 
+def check_fields(label, mapping, allowed):
+    """A misspelt field (`enable: false`) would be ignored: refuse it."""
+    for key in mapping:
+        if key != "__line__" and key not in allowed:
+            raise ConfigError(f"{label}: unknown field {key!r} (expected {', '.join(allowed)})")
+
+
 def read_yaml(path):
     yaml = import_optional("yaml", "pyyaml", "reading sources.yaml")
     try:
         with open(path, encoding="utf-8") as f:
-            return yaml.load(f, Loader=_yaml_loader(yaml))
+            return yaml.load(f, Loader=_yaml_loader(yaml, path))
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found (set VESTI_SOURCES or --sources)") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text ({e.reason})") from None
     except yaml.MarkedYAMLError as e:
@@ -828,9 +878,14 @@ def _parse_direction(path, key, value):
     if not isinstance(value, dict):
         raise ConfigError(f"{path}: direction {key!r}: expected a mapping with title and keywords")
     line = value.get("__line__", "?")
+    check_fields(f"{path}:{line}: direction {key!r}", value, DIRECTION_FIELDS)
     keywords = value.get("keywords") or []
     if not isinstance(keywords, list) or not all(isinstance(k, (str, int)) for k in keywords):
         raise ConfigError(f"{path}:{line}: direction {key!r}: keywords must be a list of words")
+    for keyword in keywords:
+        if not re.search(r"\w", str(keyword)):
+            raise ConfigError(f"{path}:{line}: direction {key!r}: keyword {keyword!r} "
+                              f"has no letters or digits")
     return Direction(str(key), str(value.get("title") or key),
                      tuple(str(k).strip() for k in keywords if str(k).strip()))
 
@@ -841,6 +896,7 @@ def _parse_source(path, item, directions, seen):
     line = item["__line__"]
     slug = item.get("slug")
     label = f"{path}:{line}: source {slug!r}" if slug is not None else f"{path}:{line}: source"
+    check_fields(label, item, SOURCE_FIELDS)
     for field in ("slug", "crawler", "url"):
         if item.get(field) in (None, ""):
             raise ConfigError(f"{label}: missing field '{field}'")
@@ -877,6 +933,7 @@ def load_registry(path):
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping with 'directions' and 'sources'")
+    check_fields(path, data, ("directions", "sources"))
     raw_directions = data.get("directions") or {}
     raw_sources = data.get("sources") or []
     if not isinstance(raw_directions, dict):
@@ -1166,12 +1223,18 @@ def canonical_url(url, base=None, keep_fragment=False):
 FULL_TEXT_MIN = 600
 
 
+def readable(value, kind):
+    """Plain text of a feed field: markup stripped only when the feed says
+    the field is HTML (a plain-text title may well say Vec<T>)."""
+    value = value or ""
+    return value.strip() if kind == "text/plain" else html_to_text(value)
+
+
 def entry_text(entry):
     """(text, content_type) of a feed entry: its full content when the feed
     carries it, else its summary."""
-    contents = [c.get("value", "") for c in entry.get("content") or []]
-    content = html_to_text("\n".join(contents)) if contents else ""
-    summary = html_to_text(entry.get("summary", "") or "")
+    content = "\n".join(readable(c.get("value"), c.get("type")) for c in entry.get("content") or [])
+    summary = readable(entry.get("summary"), (entry.get("summary_detail") or {}).get("type"))
     text = content if len(content) >= len(summary) else summary
     return text, "full" if len(text) >= FULL_TEXT_MIN else "summary"
 
@@ -1188,6 +1251,13 @@ def entry_published(entry, fetched_at):
     except (TypeError, ValueError):
         return fetched_at
     return fetched_at if stamp > utc_text(time.time() + 86400) else stamp
+
+
+def entry_link(entry, feed_url):
+    """The entry's link resolved against the feed; only http(s) links count
+    (a javascript: link must never reach the page)."""
+    link = urllib.parse.urljoin(feed_url, (entry.get("link") or "").strip())
+    return link if urllib.parse.urlsplit(link).scheme in ("http", "https") else ""
 
 
 def entry_id(entry, link, title, text):
@@ -1237,12 +1307,12 @@ def parse_feed(body, feed_url, max_entries, keep_fragments=False, content_type=N
         return ParsedFeed([], dict.get(parsed.feed, "updated"), None, keep_fragments)
     entries = entries[:max_entries]
     fetched_at = fetched_at or utc_text()
-    links = [urllib.parse.urljoin(feed_url, (e.get("link") or "").strip()) for e in entries]
+    links = [entry_link(e, feed_url) for e in entries]
     keep_fragments = keep_fragments or _fragment_sensitive([canonical_url(l, keep_fragment=True)
                                                            for l in links if l])
     drafts = []
     for entry, link in zip(entries, links):
-        title = html_to_text(entry.get("title", "") or "")
+        title = readable(entry.get("title"), (entry.get("title_detail") or {}).get("type"))
         text, kind = entry_text(entry)
         drafts.append(Draft(entry_id(entry, link, title, text), link or None,
                             canonical_url(link, keep_fragment=keep_fragments) if link else None,
@@ -1301,6 +1371,10 @@ def conditional_get(source, state, settings, gate):
     return http_get(state.get("moved_to") or source["url"], settings, headers, gate)
 
 
+# A server may ask to wait; no longer than a day.
+MAX_RETRY_AFTER = 86400
+
+
 def check_status(response):
     """Raise for an answer that is not a feed body or a 304."""
     status = response.status
@@ -1309,6 +1383,7 @@ def check_status(response):
     if status in (429, 503):
         seconds = retry_after_seconds(response.headers.get("retry-after"))
         if seconds is not None:
+            seconds = min(seconds, MAX_RETRY_AFTER)
             raise SourceDeferred(f"HTTP {status}, retry after {int(seconds)} s", seconds)
     if status != 304 and not 200 <= status < 300:
         reason = http.client.responses.get(status, "")
@@ -2124,9 +2199,12 @@ def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
 ###############################################################################
 
 PAGE_SIZE = 50
+MAX_PAGE = 100000
 MAX_REQUEST_BODY = 64 * 1024
 REFRESH_SECONDS = 5
 DECISIONS = ("new", "approved", "rejected")
+# Where a form may send the browser back to: a path on this site, nothing else.
+LOCAL_PATH = re.compile(r"/(?![/\\])[A-Za-z0-9\-._~/?=&%+]*")
 
 STYLE = """
 :root{--fg:#1d2330;--muted:#667085;--line:#e4e7ec;--bg:#f7f8fa;--ok:#127a3d;--bad:#b42318;--accent:#2554c7}
@@ -2267,10 +2345,14 @@ def decision_buttons(post, token, back):
     return f'<div class="actions">{buttons}<span class="badge">{esc(post["status"])}</span></div>'
 
 
+def is_web_link(url):
+    return bool(url) and urllib.parse.urlsplit(url).scheme in ("http", "https")
+
+
 def candidate_html(post, token, back):
     title = esc(post["title"] or "(untitled)")
     link = (f'<a href="{esc(post["url"])}" rel="noopener noreferrer" target="_blank">{title}</a>'
-            if post["url"] else title)
+            if is_web_link(post["url"]) else title)
     return (f'<article class="post" id="post-{post["id"]}"><h2>{link}</h2>'
             f'<p class="small muted">{esc(post["source"])} · {esc(post["published_at"])} · '
             f'<span class="badge">{esc(post["direction"] or "no direction")}</span> '
@@ -2281,7 +2363,8 @@ def candidate_html(post, token, back):
 def candidates_page(conn, directions, query, token):
     direction = query.get("direction") if query.get("direction") in directions else None
     decision = query.get("status") if query.get("status") in DECISIONS else None
-    number = int(query["page"]) if str(query.get("page", "")).isdigit() and int(query["page"]) > 0 else 1
+    page_text = str(query.get("page", ""))
+    number = min(int(page_text), MAX_PAGE) if page_text.isdigit() and int(page_text) > 0 else 1
     sql, params = candidate_query(direction, decision, number)
     posts = conn.execute(sql, params).fetchall()
     more, posts = len(posts) > PAGE_SIZE, posts[:PAGE_SIZE]
@@ -2348,7 +2431,7 @@ class WebApp:
 
     def handle(self, request, method):
         path, _, query = request.path.partition("?")
-        if not (method == "GET" and path == "/healthz") and \
+        if not (method in ("GET", "HEAD") and path == "/healthz") and \
                 not self.authorized(request.headers.get("Authorization")):
             return request.reply(401, "text/plain", b"Authentication required\n",
                                  {"WWW-Authenticate": 'Basic realm="VESTI", charset="UTF-8"'})
@@ -2404,7 +2487,7 @@ class WebApp:
             return request.reply(400, "text/plain", b"status must be new, approved or rejected\n")
         set_decision(self.db.conn(), int(post_id), form["status"])
         back = form.get("back", "/")
-        back = back if back.startswith("/") and not back.startswith("//") else "/"
+        back = back if LOCAL_PATH.fullmatch(back) else "/"
         request.reply(303, "text/plain", b"", {"Location": back})
 
     def api_queue(self, request, query, form):
@@ -2442,6 +2525,9 @@ class WebHandler(http.server.BaseHTTPRequestHandler):
     def do_PATCH(self):
         self.guard("PATCH")
 
+    def do_OPTIONS(self):
+        self.guard("OPTIONS")
+
     def guard(self, method):
         try:
             with self.server.app.db.closing():
@@ -2473,8 +2559,8 @@ def make_web_server(app, host, port):
     """A ThreadingHTTPServer serving `app`; port 0 picks a free port."""
     try:
         server = http.server.ThreadingHTTPServer((host, port), WebHandler)
-    except OSError as e:
-        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    except (OSError, OverflowError) as e:
+        raise ConfigError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}") from None
     server.daemon_threads = True
     server.app = app
     return server
@@ -2773,13 +2859,25 @@ def positive_int(text):
     return value
 
 
+def port_number(text):
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 0-65535, got {text!r}")
+    return int(text)
+
+
+def whole_number(text):
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number 0 or more, got {text!r}")
+    return int(text)
+
+
 def _selection_arguments(parser, priority=False, login=False):
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--all", action="store_true", help="every enabled source")
     group.add_argument("--direction", metavar="D", help="sources of one direction")
     group.add_argument("--source", metavar="SLUG", help="one source, fetched at once")
     if priority:
-        group.add_argument("--priority", metavar="N", type=int,
+        group.add_argument("--priority", metavar="N", type=whole_number,
                            help="sources of exactly priority N")
     if login:
         group.add_argument("--login", action="store_true",
@@ -2822,7 +2920,7 @@ def build_parser():
                         help="keep polling the queue instead of exiting when it is empty")
     serve = command("serve", cmd_serve, "the web page")
     serve.add_argument("--host", help="address to listen on (VESTI_WEB_HOST, default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port (VESTI_WEB_PORT, default 8080)")
+    serve.add_argument("--port", type=port_number, help="port (VESTI_WEB_PORT, default 8080)")
     command("run", cmd_run, "everything at once: scheduled crawls, the workers, the web page")
     command("reset-dead", cmd_reset_dead, "make every dead source alive again")
     status = command("status", cmd_status, "queue sizes and source health")
@@ -2851,6 +2949,10 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("vesti: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `vesti.py status | head`: the reader has what it wanted.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception:
         log.exception("vesti %s failed", args.command)
         return 1
