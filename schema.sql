@@ -78,6 +78,9 @@ CREATE TABLE IF NOT EXISTS runs (
     finished_at TEXT,
     status TEXT NOT NULL DEFAULT 'running',
     new_posts INTEGER NOT NULL DEFAULT 0,
-    error TEXT
+    error TEXT,
+    pid INTEGER
 );
 CREATE INDEX IF NOT EXISTS runs_source ON runs(source_id, id);
+-- Runs still marked running: a stopped or killed crawl leaves them behind.
+CREATE INDEX IF NOT EXISTS runs_running ON runs(pid) WHERE status = 'running';

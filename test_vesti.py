@@ -240,13 +240,28 @@ def test_settings_defaults_match_the_contract():
 
 def test_env_file_is_read_and_the_environment_wins(tmp_path):
     env_file = tmp_path / ".env"
-    env_file.write_text("# comment\nRSS_TIMEOUT=7\nexport RSS_CONCURRENCY='3'\nOLLAMA_URL=\n")
+    env_file.write_text("\ufeff# comment\nRSS_TIMEOUT=7\nexport RSS_CONCURRENCY='3'\nOLLAMA_URL=\n"
+                        "VESTI_WEB_PASSWORD=pw # the editors' password\n"
+                        "VESTI_WEB_USER='ed # itor'\n", encoding="utf-8")
     s = vesti.load_settings(environ={"RSS_CONCURRENCY": "5"}, env_file=str(env_file))
     assert (s.timeout, s.concurrency, s.ollama_url) == (7, 5, "")
+    assert (s.web_password, s.web_user) == ("pw", "ed # itor")
+
+
+def test_a_misspelt_setting_in_env_is_warned_about(tmp_path, caplog):
+    env_file = tmp_path / ".env"
+    env_file.write_text("VESTI_WEB_PASWORD=secret\nOTHER_TOOL=1\n")
+    with caplog.at_level(logging.WARNING, logger="vesti"):
+        s = vesti.load_settings(environ={}, env_file=str(env_file))
+    assert s.web_password == ""
+    assert [r.getMessage() for r in caplog.records] == \
+        [f"{env_file}: unknown setting VESTI_WEB_PASWORD (known: see .env.example)"]
 
 
 @pytest.mark.parametrize("name,value", [("RSS_TIMEOUT", "soon"), ("RSS_MAX_BYTES", "-1"),
-                                        ("VESTI_WORKERS", "0"), ("OLLAMA_URL", "localhost:11434")])
+                                        ("VESTI_WORKERS", "0"), ("OLLAMA_URL", "localhost:11434"),
+                                        ("RSS_TIMEOUT", "inf"), ("VESTI_LEASE_SECONDS", "nan"),
+                                        ("VESTI_WORKERS", "2.5"), ("VESTI_WEB_PORT", "99999")])
 def test_a_bad_setting_stops_the_command_with_one_line_and_exit_2(tmp_path, name, value):
     (tmp_path / "sources.yaml").write_text(SOURCES_YAML.format(sources="  []"))
     result = cli("status", cwd=tmp_path, env={name: value})
@@ -354,6 +369,12 @@ def test_the_shipped_sources_yaml_is_valid():
     ("directions: {}\nsources:\n  - {slug: a, crawler: rss, url: 'http://x/', direction: sport}\n",
      "sources.yaml:3: source 'a': unknown direction 'sport'"),
     ("sources:\n  - {slug: A B, crawler: rss, url: 'http://x/'}\n", "source 'A B': slug may"),
+    ("sources:\n  - {slug: a, crawler: rss, url: 'http://x/', enable: false}\n",
+     "sources.yaml:2: source 'a': unknown field 'enable'"),
+    ("sources:\n  - slug: a\n    crawler: rss\n    url: http://x/\n    url: http://y/\n",
+     "sources.yaml:5: 'url' is given twice"),
+    ("directions:\n  x: {title: X, keywords: ['*']}\nsources: []\n",
+     "sources.yaml:2: direction 'x': keyword '*' has no letters or digits"),
 ])
 def test_a_broken_sources_yaml_stops_every_command_naming_file_line_and_problem(home, text, expected):
     (home / "sources.yaml").write_text(text)
@@ -364,6 +385,13 @@ def test_a_broken_sources_yaml_stops_every_command_naming_file_line_and_problem(
         assert result.stderr.count("\n") == 1
     assert not (home / "vesti.db").exists() or \
         sqlite3.connect(home / "vesti.db").execute("SELECT count(*) FROM sources").fetchone()[0] == 0
+
+
+def test_a_directory_as_sources_file_is_a_one_line_error(home):
+    (home / "conf").mkdir()
+    result = cli("--sources", "conf", "init", cwd=home)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "conf: cannot read" in result.stderr
 
 
 def test_sync_upserts_by_slug_keeps_health_and_disables_removed_sources(home):
@@ -486,6 +514,13 @@ def test_http_errors_are_recorded_and_counted(home, server, code, error):
     assert (row["status"], row["error_count"], row["last_error"]) == ("alive", 1, error)
     assert row["last_fetch"] is not None
     assert runs_of(db, "x")[-1]["error"] == error
+
+
+def test_a_retry_after_of_centuries_waits_a_day_at_most(home, server):
+    server.status("/feed", 429, {"Retry-After": "99999999999999"})
+    s, db = intake(home, [rss_source("x", server.url + "/feed")])
+    crawl(s, db)
+    assert source_row(db, "x")["next_fetch_at"] <= vesti.utc_text(time.time() + 86401)
 
 
 def test_410_gone_marks_the_source_dead_at_once(home, server):
@@ -642,6 +677,27 @@ def test_entry_dates_become_utc_published_at(home, server):
     s, db = intake(home, [rss_source("x", server.url + "/feed")])
     crawl(s, db)
     assert posts_of(db, "x")[0]["published_at"] == "2026-11-30 09:30:00"
+
+
+def test_plain_text_titles_keep_their_angle_brackets(home, server):
+    body = (b'<?xml version="1.0"?><rss version="2.0"><channel><title>t</title>'
+            b'<item><title>Rust: why Vec&lt;T&gt; beats Box&lt;[T]&gt;</title>'
+            b'<link>http://a.example/1</link><description>&lt;p&gt;An &lt;b&gt;HTML&lt;/b&gt; '
+            b'summary&lt;/p&gt;</description></item></channel></rss>')
+    server.feed("/feed", body)
+    s, db = intake(home, [rss_source("x", server.url + "/feed")])
+    crawl(s, db)
+    post = posts_of(db, "x")[0]
+    assert (post["title"], post["text"]) == ("Rust: why Vec<T> beats Box<[T]>", "An HTML summary")
+
+
+def test_a_javascript_link_is_never_stored_as_a_link(home, server):
+    server.feed("/feed", rss([{"guid": "a", "link": "javascript:alert(document.domain)",
+                               "text": "A post with a hostile link and enough text to count."}]))
+    s, db = intake(home, [rss_source("x", server.url + "/feed")])
+    crawl(s, db)
+    post = posts_of(db, "x")[0]
+    assert (post["url"], post["canonical_url"]) == (None, None)
 
 
 def test_relative_links_are_resolved_against_the_feed(home, server):
@@ -1705,6 +1761,9 @@ def test_every_page_but_healthz_needs_the_password(web, path, auth):
 
 def test_healthz_answers_without_a_password(web):
     assert web.get("/healthz", auth=False)[:1] == (200,)
+    assert web.request("HEAD", "/healthz", auth=False)[0] == 200
+    assert web.request("OPTIONS", "/crawlers", auth=False)[0] == 401
+    assert web.request("OPTIONS", "/crawlers")[0] == 405
 
 
 def test_unknown_paths_are_404_and_wrong_methods_405(web):
@@ -1791,6 +1850,17 @@ def test_candidates_are_newest_first_escaped_and_paginated(web):
     assert [int(i) for i in re.findall(r'id="post-(\d+)"', second)] == list(range(10, 0, -1))
 
 
+def test_only_web_links_are_clickable_and_a_huge_page_number_is_harmless(web):
+    conn = web.db.conn()
+    classified_posts(conn, 2)
+    conn.execute("UPDATE posts SET url = 'javascript:alert(1)' WHERE id = 1")
+    status, _, page = web.get("/?page=99999999999999999999")
+    assert status == 200
+    page = web.get("/")[2]
+    assert "javascript:" not in page, re.findall(r".{80}javascript:.{40}", page)
+    assert 'href="http://x/1"' in page           # post 2's link
+
+
 def test_candidates_filter_by_direction(web):
     conn = web.db.conn()
     classified_posts(conn, 3)
@@ -1810,6 +1880,10 @@ def test_an_editor_approves_and_rejects_candidates(web):
     assert dict(conn.execute("SELECT id, status FROM posts").fetchall()) == \
         {1: "rejected", 2: "approved"}
     assert re.findall(r'id="post-(\d+)"', web.get("/?status=approved")[2]) == ["2"]
+    for back in ("/x\r\nSet-Cookie: injected=1", "/\\evil.example", "https://evil.example/"):
+        status, headers, _ = web.post("/posts/1/status", {"token": web.token(), "status": "new",
+                                                          "back": back})
+        assert status == 303 and headers["Location"] == "/" and "Set-Cookie" not in headers
     assert web.post("/posts/1/status", {"token": "x", "status": "approved"})[0] == 403
     assert web.post("/posts/1/status", {"token": web.token(), "status": "published"})[0] == 400
 
@@ -1994,6 +2068,64 @@ def test_run_crawls_classifies_serves_and_stops_on_sigterm(home, server, ollama)
     conn = sqlite3.connect(home / "vesti.db")
     assert conn.execute("SELECT count(*) FROM posts WHERE classified = -1").fetchone()[0] == 0
     assert conn.execute("SELECT trigger FROM runs").fetchone()[0] == "schedule"
+
+
+def test_run_picks_up_new_directions_when_sources_yaml_changes(home, server):
+    s, db = intake(home, [rss_source("a", server.url + "/a")])
+    registry = vesti.load_registry(s.sources)
+    classifier = vesti.Classifier(registry, s)
+    seen = []
+    scheduler = vesti.Scheduler(db, s, registry, threading.Event(),
+                                listeners=(classifier.use, seen.append))
+    post = {"title": "A rocket reached orbit", "text": "The rocket flew.", "url": None,
+            "content_type": "full"}
+    assert classifier(post)["direction"] == "space"
+    text = (home / "sources.yaml").read_text().replace("keywords: [rocket, orbit]",
+                                                       "keywords: [rocket, orbit]\n  sea:\n"
+                                                       "    title: Sea\n    keywords: [flew, orbit, reached]")
+    (home / "sources.yaml").write_text(text)
+    os.utime(home / "sources.yaml", (time.time() + 5, time.time() + 5))
+    scheduler.reload_sources()
+    assert "sea" in seen[0].directions
+    assert classifier(post)["direction"] == "sea"
+
+
+def test_sigterm_stops_a_crawl_and_closes_its_runs(home):
+    srv = FeedServer()
+    try:
+        release = threading.Event()
+        srv.routes["/slow"] = lambda request: release.wait(30) and None
+        write_sources(home / "sources.yaml", [rss_source("slow", srv.url + "/slow")] +
+                      [rss_source(f"s{k}", f"{srv.url}/slow?{k}") for k in range(3)])
+        process = subprocess.Popen([sys.executable, str(ROOT / "vesti.py"), "rss", "--all"],
+                                   cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env={**os.environ, "RSS_TIMEOUT": "30"})
+        assert wait_for(lambda: len(srv.requests) == 1)
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=20)
+        release.set()
+    finally:
+        srv.close()
+    assert process.returncode == 0, err
+    assert time.monotonic() - started < vesti.STOP_GRACE + 3
+    assert "1 unfinished runs recorded as interrupted" in err
+    runs = sqlite3.connect(home / "vesti.db").execute("SELECT status FROM runs").fetchall()
+    assert runs == [("interrupted",)]                   # the other sources were never started
+    assert len(srv.requests) == 1
+
+
+def test_runs_left_running_by_a_dead_process_are_closed(home):
+    s, db = intake(home, [rss_source("a", "http://127.0.0.1:9/a")])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    db.conn().execute("INSERT INTO runs (source_id, task, status, pid) VALUES (1, 'rss', 'running', ?)",
+                      (gone.pid,))
+    db.conn().execute("INSERT INTO runs (source_id, task, status, pid) VALUES (1, 'rss', 'running', ?)",
+                      (os.getpid(),))
+    vesti.open_intake(s)
+    statuses = [r[0] for r in db.conn().execute("SELECT status FROM runs ORDER BY id")]
+    assert statuses == ["interrupted", "running"]
 
 
 def test_the_scheduler_crawls_each_priority_on_its_interval(home, server):

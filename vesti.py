@@ -341,6 +341,27 @@ def html_to_text(markup):
     return "\n".join(line for line in lines if line)
 
 
+def run_until_stopped(target, stop, grace):
+    """Run target() in a thread until it returns or `stop` is set; after a
+    stop it gets `grace` seconds more. Returns (finished, result); an
+    exception raised by target is raised here."""
+    outcome = {}
+
+    def call():
+        try:
+            outcome["result"] = target()
+        except BaseException as e:
+            outcome["error"] = e
+    thread = threading.Thread(target=call, daemon=True, name="stoppable")
+    thread.start()
+    while thread.is_alive() and not stop.is_set():
+        thread.join(0.2)
+    thread.join(grace)
+    if "error" in outcome:
+        raise outcome["error"]
+    return not thread.is_alive(), outcome.get("result")
+
+
 class Progress:
     """A self-overwriting status line on a terminal; silent elsewhere."""
 
@@ -455,9 +476,12 @@ CREATE TABLE IF NOT EXISTS runs (
     finished_at TEXT,
     status TEXT NOT NULL DEFAULT 'running',
     new_posts INTEGER NOT NULL DEFAULT 0,
-    error TEXT
+    error TEXT,
+    pid INTEGER
 );
 CREATE INDEX IF NOT EXISTS runs_source ON runs(source_id, id);
+-- Runs still marked running: a stopped or killed crawl leaves them behind.
+CREATE INDEX IF NOT EXISTS runs_running ON runs(pid) WHERE status = 'running';
 """
 
 
@@ -740,13 +764,39 @@ def store_posts(conn, source_id, direction, drafts, fetched_at=None):
 
 def start_run(conn, source_id, task, trigger):
     return conn.execute(
-        "INSERT INTO runs (source_id, task, trigger, started_at) VALUES (?, ?, ?, ?)",
-        (source_id, task, trigger, utc_text())).lastrowid
+        "INSERT INTO runs (source_id, task, trigger, started_at, pid) VALUES (?, ?, ?, ?, ?)",
+        (source_id, task, trigger, utc_text(), os.getpid())).lastrowid
 
 
 def finish_run(conn, run_id, status, new_posts=0, error=None):
     conn.execute("""UPDATE runs SET finished_at = ?, status = ?, new_posts = ?, error = ?
                     WHERE id = ?""", (utc_text(), status, new_posts, error, run_id))
+
+
+def interrupt_runs(conn, pid=None):
+    """Close the runs a stopped process leaves unfinished."""
+    return conn.execute("""UPDATE runs SET status = 'interrupted', finished_at = ?,
+                           error = 'stopped before it finished'
+                           WHERE status = 'running' AND pid = ?""",
+                        (utc_text(), os.getpid() if pid is None else pid)).rowcount
+
+
+def close_orphan_runs(conn):
+    """Runs left 'running' by a process that no longer exists (killed, or the
+    machine restarted) are closed, so the page does not show them running."""
+    pids = [row[0] for row in conn.execute(
+        "SELECT DISTINCT pid FROM runs WHERE status = 'running' AND pid IS NOT NULL")]
+    return sum(interrupt_runs(conn, pid) for pid in pids if not process_alive(pid))
+
+
+def process_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 DEAD_PROBE_FIRST = 3600
@@ -1479,11 +1529,15 @@ class CrawlSummary:
                 f"{self.new_posts} new posts")
 
 
-def crawl_rss(db, settings, selection=("all", None), trigger="cli", gate=None, quiet=False):
-    """Phase 1 for feeds: every selected RSS source, hosts in parallel."""
+def crawl_rss(db, settings, selection=("all", None), trigger="cli", gate=None, quiet=False,
+              stop=None, progress=None):
+    """Phase 1 for feeds: every selected RSS source, hosts in parallel. Once
+    `stop` is set no further source is started."""
     sources = select_sources(db.conn(), "rss", selection)
     gate = gate or HostGate(settings.host_delay)
-    progress = Progress("rss", len(sources), quiet)
+    stop = stop or threading.Event()
+    own_progress = progress is None
+    progress = progress or Progress("rss", len(sources), quiet)
     moved = {row["source_id"]: row["moved_to"] for row in db.conn().execute(
         "SELECT source_id, moved_to FROM rss_state WHERE moved_to IS NOT NULL")}
     groups = group_by_host(sources, lambda s: moved.get(s["id"]) or s["url"])
@@ -1492,6 +1546,8 @@ def crawl_rss(db, settings, selection=("all", None), trigger="cli", gate=None, q
         results = []
         with db.closing():
             for source in group:
+                if stop.is_set():
+                    break
                 results.append(crawl_feed(db, source, settings, gate, trigger))
                 progress.step(f"{source['slug']}: {results[-1].status}")
         return results
@@ -1500,7 +1556,8 @@ def crawl_rss(db, settings, selection=("all", None), trigger="cli", gate=None, q
                             thread_name_prefix="rss") as pool:
         results = [r for group in pool.map(crawl_group, groups) for r in group]
     summary = CrawlSummary(results)
-    progress.finish(summary.line())
+    if own_progress:
+        progress.finish(summary.line())
     return summary
 
 
@@ -1706,7 +1763,7 @@ def record_setup_error(db, sources, error, trigger):
     return [FeedResult(s["slug"], "error", error=error) for s in sources]
 
 
-async def crawl_channels(db, settings, sources, trigger, client_factory, sleep, progress):
+async def crawl_channels(db, settings, sources, trigger, client_factory, sleep, progress, stop):
     try:
         client = client_factory(settings)
         await client.connect()
@@ -1718,6 +1775,8 @@ async def crawl_channels(db, settings, sources, trigger, client_factory, sleep, 
                                       "`python vesti.py telegram --login`", trigger)
         results = []
         for source in sources:
+            if stop.is_set():
+                break
             results.append(await crawl_channel(db, client, source, settings, trigger, sleep))
             progress.step(f"{source['slug']}: {results[-1].status}")
         return results
@@ -1726,18 +1785,21 @@ async def crawl_channels(db, settings, sources, trigger, client_factory, sleep, 
 
 
 def crawl_telegram(db, settings, selection=("all", None), trigger="cli", client_factory=None,
-                   sleep=None, quiet=False):
+                   sleep=None, quiet=False, stop=None, progress=None):
     """Phase 1 for Telegram channels, one after another through one session."""
     import asyncio
     sources = select_sources(db.conn(), "telegram", selection)
-    progress = Progress("telegram", len(sources), quiet)
+    own_progress = progress is None
+    progress = progress or Progress("telegram", len(sources), quiet)
     results = []
     if sources:
         results = asyncio.run(crawl_channels(db, settings, sources, trigger,
                                              client_factory or telegram_client,
-                                             sleep or asyncio.sleep, progress))
+                                             sleep or asyncio.sleep, progress,
+                                             stop or threading.Event()))
     summary = CrawlSummary(results)
-    progress.finish(summary.line())
+    if own_progress:
+        progress.finish(summary.line())
     return summary
 
 
@@ -1766,27 +1828,25 @@ def telegram_login(settings):
 
 
 def crawl_everything(db, settings, selection=("all", None), trigger="cli", quiet=False,
-                     client_factory=None, gate=None):
+                     client_factory=None, gate=None, stop=None):
     """Phase 1: RSS and Telegram sources at once, each in priority order."""
+    total = len(select_sources(db.conn(), None, selection))
+    progress = Progress("crawl", total, quiet)
     result = {"telegram": CrawlSummary([])}
 
     def crawl_channels_aside():
         try:
             with db.closing():
                 result["telegram"] = crawl_telegram(db, settings, selection, trigger,
-                                                    client_factory, quiet=True)
+                                                    client_factory, stop=stop, progress=progress)
         except Exception:
             log.exception("the Telegram crawl failed")
     channels = threading.Thread(target=crawl_channels_aside, name="telegram")
-    started = time.monotonic()
     channels.start()
-    feeds = crawl_rss(db, settings, selection, trigger, gate, quiet=True)
+    feeds = crawl_rss(db, settings, selection, trigger, gate, stop=stop, progress=progress)
     channels.join()
     summary = CrawlSummary(feeds.results + result["telegram"].results)
-    if not quiet:
-        seconds = time.monotonic() - started
-        print(f"crawl: {summary.line()} in {seconds:.1f} s "
-              f"({len(summary.results) / seconds if seconds else 0:.1f}/s)", flush=True)
+    progress.finish(summary.line())
     return summary
 
 
@@ -1981,16 +2041,21 @@ class Classifier:
     summary-only posts."""
 
     def __init__(self, registry, settings, gate=None):
-        self.directions, self.settings = registry.directions, settings
-        self.keywords = KeywordIndex(registry.directions)
+        self.settings = settings
         self.gate = gate or HostGate(settings.host_delay)
+        self.use(registry)
+
+    def use(self, registry):
+        """Classify with these directions from now on (sources.yaml changed)."""
+        self.vocabulary = (registry.directions, KeywordIndex(registry.directions))
 
     def __call__(self, post):
+        directions, keywords = self.vocabulary
         text, full_text = post["text"], None
         if post["content_type"] == "summary" and post["url"]:
             full_text = fetch_full_text(post["url"], text, self.settings, self.gate)
             text = full_text or text
-        verdict = classify_text(text, self.directions, self.settings, post["title"], self.keywords)
+        verdict = classify_text(text, directions, self.settings, post["title"], keywords)
         return {**verdict, "text": full_text}
 
 
@@ -2179,13 +2244,7 @@ def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
     stop = stop or threading.Event()
     pool = WorkerPool(db, settings, classify or Classifier(registry, settings, gate), stop,
                       progress)
-    runner = threading.Thread(target=pool.run, args=(workers, limit, forever), daemon=True,
-                              name="worker-pool")
-    runner.start()
-    while runner.is_alive() and not stop.is_set():
-        runner.join(0.2)
-    runner.join(STOP_GRACE)
-    finished = not runner.is_alive()
+    finished, _ = run_until_stopped(lambda: pool.run(workers, limit, forever), stop, STOP_GRACE)
     released = 0 if finished else pool.release_in_hand()
     progress.finish(pool.stats.line() + (f", {released} put back unfinished" if released else ""))
     if not quiet and pool.stats.ollama_down and not forever:
@@ -2405,6 +2464,10 @@ class WebApp:
             ("GET", re.compile(r"/healthz"), self.healthz),
         ]
 
+    def use(self, registry):
+        """Show these directions from now on (sources.yaml changed)."""
+        self.registry = registry
+
     def token(self):
         return hmac.new(self.secret, self.user.encode(), hashlib.sha256).hexdigest()
 
@@ -2594,9 +2657,11 @@ class Scheduler:
     the last interval for every higher priority), sources.yaml re-read when
     it changes."""
 
-    def __init__(self, db, settings, registry, stop, clock=time.monotonic, gate=None):
+    def __init__(self, db, settings, registry, stop, clock=time.monotonic, gate=None,
+                 listeners=()):
         self.db, self.settings, self.registry, self.stop = db, settings, registry, stop
         self.gate = gate
+        self.listeners = listeners
         self.clock = clock
         self.due = {}
         self.sources_mtime = self.mtime()
@@ -2619,6 +2684,8 @@ class Scheduler:
         try:
             self.registry = load_registry(self.settings.sources)
             sync_sources(self.db.conn(), self.registry)
+            for listener in self.listeners:
+                listener(self.registry)
             log.warning("%s changed: %d sources synced", self.settings.sources,
                         len(self.registry.sources))
         except ConfigError as e:
@@ -2637,7 +2704,7 @@ class Scheduler:
                 break
             if self.clock() >= self.due.get(priority, 0):
                 crawl_everything(self.db, self.settings, ("priority", priority), "schedule",
-                                 gate=self.gate)
+                                 gate=self.gate, stop=self.stop)
                 self.due[priority] = self.clock() + self.interval(priority)
                 crawled.append(priority)
         if self.clock() >= self.next_prune:
@@ -2669,6 +2736,7 @@ def open_intake(settings):
     registry = load_registry(settings.sources)
     db = Database(settings.db)
     sync_sources(db.conn(), registry)
+    close_orphan_runs(db.conn())
     return registry, db
 
 
@@ -2704,12 +2772,26 @@ def cmd_init(args, settings):
     return 0
 
 
+def crawl_command(db, crawl):
+    """Run crawl(stop) for a command: SIGTERM/SIGINT stop it starting more
+    sources; fetches in flight get STOP_GRACE seconds, then their runs are
+    closed as interrupted."""
+    stop = threading.Event()
+    with stop_on_signals(stop):
+        finished, _ = run_until_stopped(lambda: crawl(stop), stop, STOP_GRACE)
+    if not finished:
+        count = interrupt_runs(db.conn())
+        print(f"vesti: stopped; {count} unfinished runs recorded as interrupted", file=sys.stderr)
+        leave_now(0)
+    return 0
+
+
 def cmd_rss(args, settings):
     registry, db = open_intake(settings)
     selection = selection_of(args)
     check_selection(db.conn(), registry, selection, "rss")
-    crawl_rss(db, settings, selection, args.trigger)
-    return 0
+    return crawl_command(db, lambda stop: crawl_rss(db, settings, selection, args.trigger,
+                                                    stop=stop))
 
 
 @contextlib.contextmanager
@@ -2752,16 +2834,16 @@ def cmd_telegram(args, settings):
     registry, db = open_intake(settings)
     selection = selection_of(args)
     check_selection(db.conn(), registry, selection, "telegram")
-    crawl_telegram(db, settings, selection, args.trigger)
-    return 0
+    return crawl_command(db, lambda stop: crawl_telegram(db, settings, selection, args.trigger,
+                                                         stop=stop))
 
 
 def cmd_crawl(args, settings):
     registry, db = open_intake(settings)
     selection = selection_of(args)
     check_selection(db.conn(), registry, selection, None)
-    crawl_everything(db, settings, selection, args.trigger)
-    return 0
+    return crawl_command(db, lambda stop: crawl_everything(db, settings, selection, args.trigger,
+                                                           stop=stop))
 
 
 def start_web(db, settings, registry, host=None, port=None):
@@ -2793,17 +2875,20 @@ def cmd_run(args, settings):
     server = start_web(db, settings, registry)
     # One gate for crawls and article fetches: a host sees one request at a time.
     gate = HostGate(settings.host_delay)
-    scheduler = Scheduler(db, settings, registry, stop, gate=gate)
+    classifier = Classifier(registry, settings, gate)
+    scheduler = Scheduler(db, settings, registry, stop, gate=gate,
+                          listeners=(classifier.use, server.app.use))
     crawls = threading.Thread(target=scheduler.run, name="scheduler", daemon=True)
     with stop_on_signals(stop):
         crawls.start()
-        stats, finished = run_workers(db, settings, registry, forever=True, stop=stop,
-                                      quiet=True, gate=gate)
+        stats, finished = run_workers(db, settings, registry, forever=True, classify=classifier,
+                                      stop=stop, quiet=True)
     print(f"worker: {stats.line()}", flush=True)
     server.shutdown()
     server.server_close()
     crawls.join(STOP_GRACE)
     if not finished or crawls.is_alive():
+        interrupt_runs(db.conn())
         leave_now(0)
     return 0
 
