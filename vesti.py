@@ -128,6 +128,7 @@ SETTINGS = [
     ("VESTI_MAX_ATTEMPTS", "max_attempts", _positive(int), "5"),
     ("VESTI_RETRY_DELAY", "retry_delay", _number(float), "60"),
     ("VESTI_CRAWL_EVERY", "crawl_every", _durations, "15m,1h,6h"),
+    ("VESTI_STOP_GRACE", "stop_grace", _number(float), "5"),
     ("VESTI_WEB_HOST", "web_host", _text, "127.0.0.1"),
     ("VESTI_WEB_PORT", "web_port", _number(int, most=65535), "8080"),
     ("VESTI_WEB_USER", "web_user", _text, "admin"),
@@ -158,6 +159,7 @@ class Settings:
     max_attempts: int
     retry_delay: float
     crawl_every: tuple
+    stop_grace: float
     web_host: str
     web_port: int
     web_user: str
@@ -2226,15 +2228,10 @@ class WorkerPool:
         return len(tokens)
 
 
-# Seconds a stopped worker pool gets to finish the posts in hand before they
-# are put back.
-STOP_GRACE = 5
-
-
 def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
                 classify=None, stop=None, quiet=False, gate=None):
     """Run a worker pool until the queue is empty (or `stop` is set). On stop,
-    posts in hand get STOP_GRACE seconds, then go back to the queue.
+    posts in hand get VESTI_STOP_GRACE seconds, then go back to the queue.
     Returns (stats, finished): finished is False when some worker is still
     stuck in a call, so the caller knows threads are left behind."""
     workers = workers or settings.workers
@@ -2244,7 +2241,8 @@ def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
     stop = stop or threading.Event()
     pool = WorkerPool(db, settings, classify or Classifier(registry, settings, gate), stop,
                       progress)
-    finished, _ = run_until_stopped(lambda: pool.run(workers, limit, forever), stop, STOP_GRACE)
+    finished, _ = run_until_stopped(lambda: pool.run(workers, limit, forever), stop,
+                                    settings.stop_grace)
     released = 0 if finished else pool.release_in_hand()
     progress.finish(pool.stats.line() + (f", {released} put back unfinished" if released else ""))
     if not quiet and pool.stats.ollama_down and not forever:
@@ -2772,13 +2770,13 @@ def cmd_init(args, settings):
     return 0
 
 
-def crawl_command(db, crawl):
+def crawl_command(db, settings, crawl):
     """Run crawl(stop) for a command: SIGTERM/SIGINT stop it starting more
-    sources; fetches in flight get STOP_GRACE seconds, then their runs are
-    closed as interrupted."""
+    sources; fetches in flight get VESTI_STOP_GRACE seconds, then their runs
+    are closed as interrupted."""
     stop = threading.Event()
     with stop_on_signals(stop):
-        finished, _ = run_until_stopped(lambda: crawl(stop), stop, STOP_GRACE)
+        finished, _ = run_until_stopped(lambda: crawl(stop), stop, settings.stop_grace)
     if not finished:
         count = interrupt_runs(db.conn())
         print(f"vesti: stopped; {count} unfinished runs recorded as interrupted", file=sys.stderr)
@@ -2790,7 +2788,7 @@ def cmd_rss(args, settings):
     registry, db = open_intake(settings)
     selection = selection_of(args)
     check_selection(db.conn(), registry, selection, "rss")
-    return crawl_command(db, lambda stop: crawl_rss(db, settings, selection, args.trigger,
+    return crawl_command(db, settings, lambda stop: crawl_rss(db, settings, selection, args.trigger,
                                                     stop=stop))
 
 
@@ -2834,7 +2832,7 @@ def cmd_telegram(args, settings):
     registry, db = open_intake(settings)
     selection = selection_of(args)
     check_selection(db.conn(), registry, selection, "telegram")
-    return crawl_command(db, lambda stop: crawl_telegram(db, settings, selection, args.trigger,
+    return crawl_command(db, settings, lambda stop: crawl_telegram(db, settings, selection, args.trigger,
                                                          stop=stop))
 
 
@@ -2842,7 +2840,7 @@ def cmd_crawl(args, settings):
     registry, db = open_intake(settings)
     selection = selection_of(args)
     check_selection(db.conn(), registry, selection, None)
-    return crawl_command(db, lambda stop: crawl_everything(db, settings, selection, args.trigger,
+    return crawl_command(db, settings, lambda stop: crawl_everything(db, settings, selection, args.trigger,
                                                            stop=stop))
 
 
@@ -2886,7 +2884,7 @@ def cmd_run(args, settings):
     print(f"worker: {stats.line()}", flush=True)
     server.shutdown()
     server.server_close()
-    crawls.join(STOP_GRACE)
+    crawls.join(settings.stop_grace)
     if not finished or crawls.is_alive():
         interrupt_runs(db.conn())
         leave_now(0)
