@@ -37,6 +37,9 @@ import vesti
 
 ROOT = pathlib.Path(__file__).resolve().parent
 CORPUS = ROOT.parent / "shared" / "corpus"
+if not CORPUS.is_dir():
+    pytest.exit(f"{CORPUS} is missing: the tests read the shared corpus, which lives in "
+                f"../shared beside this checkout", returncode=2)
 REAL_FEEDS = sorted(p for p in (CORPUS / "feeds" / "real").iterdir()
                     if p.suffix not in (".tsv", ".md"))
 ILLFORMED_FEEDS = sorted(p for p in (CORPUS / "feeds" / "illformed").rglob("*")
@@ -1830,6 +1833,16 @@ def test_the_crawlers_page_shows_rss_state_post_count_and_last_run(web, home, se
     row = re.search(r'<tr id="source-lwn">.*?</tr>', web.get("/crawlers")[2])[0]
     assert "&quot;v1&quot;" in row and "Mon, 30 Nov 2026 10:00:00 GMT" in row
     assert "<td>4</td>" in row and "cli: ok, +4" in row
+
+
+def test_a_malformed_but_readable_feed_shows_its_warning_in_grey(web, home, server):
+    server.feed("/feed", rss(items(2, host=server.url))[:-len(b"</channel></rss>")])
+    write_sources(home / "sources.yaml", [rss_source("lwn", server.url + "/feed")])
+    vesti.sync_sources(web.db.conn(), vesti.load_registry(str(home / "sources.yaml")))
+    crawl(web.settings, web.db)
+    assert source_row(web.db, "lwn")["last_error"] is None and len(posts_of(web.db, "lwn")) == 2
+    cell = re.search(r'<tr id="source-lwn">.*?<td class="error">(.*?)</td>', web.get("/crawlers")[2])[1]
+    assert cell.startswith('<span class="muted">malformed feed, 2 entries kept: ')
 
 
 def classified_posts(conn, count, direction="linux"):

@@ -825,8 +825,8 @@ def record_failure(conn, source, error, dead_after, dead_now=False, now=None):
                  (count, shorten(error, 2000), utc_text(now), "dead" if dead else "alive",
                   utc_text(now + probe_in) if dead else None, source["id"]))
     if dead and source["status"] != "dead":
-        log.warning("source %s is dead after %d errors: %s", source["slug"], count,
-                    shorten(error, 200))
+        log.warning("source %s is dead after %d failed fetch%s: %s", source["slug"], count,
+                    "" if count == 1 else "es", shorten(error, 200))
 
 
 def record_deferral(conn, source, error, seconds, now=None):
@@ -2322,12 +2322,23 @@ def crawler_rows(conn):
     run found through the runs(source_id, id) index."""
     return conn.execute("""
         SELECT s.*, r.etag, r.modified, r.last_build_date, r.moved_to,
+               r.last_error AS feed_warning,
                run.started_at AS run_started, run.status AS run_status,
                run.new_posts AS run_new_posts, run.trigger AS run_trigger
         FROM sources s
         LEFT JOIN rss_state r ON r.source_id = s.id
         LEFT JOIN runs run ON run.id = (SELECT max(id) FROM runs WHERE source_id = s.id)
         ORDER BY s.enabled DESC, s.priority, s.slug""").fetchall()
+
+
+def last_error_html(s):
+    """The last error, cut to 200 characters; for a feed that worked but is
+    malformed, the parser's warning instead, in grey."""
+    if s["last_error"]:
+        return esc(shorten(s["last_error"], 200))
+    if s["crawler"] == "rss" and s["feed_warning"]:
+        return f'<span class="muted">{esc(shorten(s["feed_warning"], 200))}</span>'
+    return ""
 
 
 def source_row_html(s):
@@ -2344,7 +2355,7 @@ def source_row_html(s):
             f'<td class="{esc(status)}">{esc(status)}</td><td>{esc(s["priority"])}</td>'
             f'<td class="small">{esc(s["last_fetch"] or "never")}</td>'
             f'<td>{esc(s["error_count"])}</td>'
-            f'<td class="error">{esc(shorten(s["last_error"], 200) if s["last_error"] else "")}</td>'
+            f'<td class="error">{last_error_html(s)}</td>'
             f'<td>{esc(s["post_count"])}</td><td class="small wide">{last_run}</td>{rss}</tr>')
 
 
@@ -2439,8 +2450,10 @@ def candidates_page(conn, directions, query, token):
         if number > 1 else "",
         f'<a href="{esc(link_to("/", direction=direction, status=decision, page=number + 1))}">older →</a>'
         if more else ""])
+    empty = "No posts match these filters." if direction or decision else \
+        "No classified posts yet: they appear here as the workers classify the queue."
     items = "".join(candidate_html(p, token, back) for p in posts) or \
-        '<p class="muted">No classified posts yet.</p>'
+        f'<p class="muted">{empty}</p>'
     body = (f'<p class="filters">{filters}</p><p class="filters small">{statuses}</p>{items}'
             f'<nav class="pages">{pages}</nav>')
     return page("Candidates", body, "/")
