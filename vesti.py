@@ -837,11 +837,112 @@ def record_deferral(conn, source, error, seconds, now=None):
                  (utc_text(now), error, utc_text(now + seconds), source["id"]))
 
 
+def record_problem(conn, source, error):
+    """A problem that is not the source's fault (Telegram not set up): shown
+    on the source, not counted toward dead."""
+    conn.execute("UPDATE sources SET last_error = ?, last_fetch = ? WHERE id = ?",
+                 (error, utc_text(), source["id"]))
+
+
 def reset_dead(conn):
     """Every dead source becomes alive with a clean record."""
     return conn.execute("""UPDATE sources SET status = 'alive', error_count = 0,
                            last_error = NULL, next_fetch_at = NULL
                            WHERE status = 'dead'""").rowcount
+
+
+# Feed and channel state -----------------------------------------------------
+
+def load_rss_state(conn, source_id):
+    row = conn.execute("SELECT * FROM rss_state WHERE source_id = ?", (source_id,)).fetchone()
+    return dict(row) if row else {"source_id": source_id, "keep_fragments": 0}
+
+
+def save_rss_state(conn, source_id, **fields):
+    fields["updated_at"] = utc_text()
+    columns = ", ".join(fields)
+    updates = ", ".join(f"{c} = excluded.{c}" for c in fields)
+    conn.execute(f"""INSERT INTO rss_state (source_id, {columns})
+                     VALUES (?, {', '.join('?' * len(fields))})
+                     ON CONFLICT(source_id) DO UPDATE SET {updates}""",
+                 (source_id, *fields.values()))
+
+
+def moved_feeds(conn):
+    """{source_id: URL} of feeds that moved permanently."""
+    return {row[0]: row[1] for row in conn.execute(
+        "SELECT source_id, moved_to FROM rss_state WHERE moved_to IS NOT NULL")}
+
+
+def last_message_id(conn, source_id):
+    row = conn.execute("SELECT last_message_id FROM tg_state WHERE source_id = ?",
+                       (source_id,)).fetchone()
+    return row[0] if row else 0
+
+
+def save_last_message_id(conn, source_id, message_id):
+    conn.execute("""INSERT INTO tg_state (source_id, last_message_id, updated_at) VALUES (?, ?, ?)
+                    ON CONFLICT(source_id) DO UPDATE SET
+                        last_message_id = max(last_message_id, excluded.last_message_id),
+                        updated_at = excluded.updated_at""",
+                 (source_id, message_id, utc_text()))
+
+
+# Reading for pages and commands ---------------------------------------------
+
+def find_source(conn, slug):
+    return conn.execute("SELECT * FROM sources WHERE slug = ?", (slug,)).fetchone()
+
+
+def count_enabled_sources(conn):
+    return conn.execute("SELECT count(*) FROM sources WHERE enabled = 1").fetchone()[0]
+
+
+def enabled_priorities(conn):
+    return [row[0] for row in conn.execute(
+        "SELECT DISTINCT priority FROM sources WHERE enabled = 1 ORDER BY priority")]
+
+
+def source_health(conn):
+    """Every source with its feed state and its last run; the last run is
+    found through the runs(source_id, id) index."""
+    return conn.execute("""
+        SELECT s.*, r.etag, r.modified, r.last_build_date, r.moved_to,
+               r.last_error AS feed_warning,
+               run.started_at AS run_started, run.status AS run_status,
+               run.new_posts AS run_new_posts, run.trigger AS run_trigger
+        FROM sources s
+        LEFT JOIN rss_state r ON r.source_id = s.id
+        LEFT JOIN runs run ON run.id = (SELECT max(id) FROM runs WHERE source_id = s.id)
+        ORDER BY s.enabled DESC, s.priority, s.slug""").fetchall()
+
+
+def candidate_posts(conn, direction=None, decision=None, offset=0, limit=50):
+    """Classified posts, newest first, optionally of one direction or decision."""
+    where, params = ["p.classified = 1"], []
+    if direction:
+        where.append("p.direction = ?")
+        params.append(direction)
+    if decision:
+        where.append("p.status = ?")
+        params.append(decision)
+    return conn.execute(f"""
+        SELECT p.id, p.title, p.url, p.summary, p.direction, p.relevance, p.interest,
+               p.status, p.published_at, p.content_type, s.name AS source
+        FROM posts p LEFT JOIN sources s ON s.id = p.source_id
+        WHERE {' AND '.join(where)}
+        ORDER BY p.published_at DESC, p.id DESC LIMIT ? OFFSET ?""",
+                        [*params, limit, offset]).fetchall()
+
+
+def set_decision(conn, post_id, decision):
+    """The editor's decision on a post (posts.status), independent of the queue."""
+    return conn.execute("UPDATE posts SET status = ? WHERE id = ?", (decision, post_id)).rowcount
+
+
+def prune_runs(conn, days):
+    return conn.execute("DELETE FROM runs WHERE started_at < datetime('now', ?)",
+                        (f"-{int(days)} days",)).rowcount
 
 
 ###############################################################################
@@ -1395,21 +1496,7 @@ def _mark_shared_urls(drafts):
                 draft.external_id = f"{draft.external_id}#{digest}"
 
 
-# rss_state ------------------------------------------------------------------
 
-def load_rss_state(conn, source_id):
-    row = conn.execute("SELECT * FROM rss_state WHERE source_id = ?", (source_id,)).fetchone()
-    return dict(row) if row else {"source_id": source_id, "keep_fragments": 0}
-
-
-def save_rss_state(conn, source_id, **fields):
-    fields["updated_at"] = utc_text()
-    columns = ", ".join(fields)
-    updates = ", ".join(f"{c} = excluded.{c}" for c in fields)
-    conn.execute(f"""INSERT INTO rss_state (source_id, {columns})
-                     VALUES (?, {', '.join('?' * len(fields))})
-                     ON CONFLICT(source_id) DO UPDATE SET {updates}""",
-                 (source_id, *fields.values()))
 
 
 def conditional_get(source, state, settings, gate):
@@ -1540,8 +1627,7 @@ def crawl_rss(db, settings, selection=("all", None), trigger="cli", gate=None, q
     stop = stop or threading.Event()
     own_progress = progress is None
     progress = progress or Progress("rss", len(sources), quiet)
-    moved = {row["source_id"]: row["moved_to"] for row in db.conn().execute(
-        "SELECT source_id, moved_to FROM rss_state WHERE moved_to IS NOT NULL")}
+    moved = moved_feeds(db.conn())
     groups = group_by_host(sources, lambda s: moved.get(s["id"]) or s["url"])
 
     def crawl_group(group):
@@ -1730,9 +1816,7 @@ async def crawl_channel(db, client, source, settings, trigger, sleep):
     conn = db.conn()
     run_id = start_run(conn, source["id"], "telegram", trigger)
     channel = channel_name(source["url"])
-    row = conn.execute("SELECT last_message_id FROM tg_state WHERE source_id = ?",
-                       (source["id"],)).fetchone()
-    last_id = row[0] if row else 0
+    last_id = last_message_id(conn, source["id"])
     try:
         messages = await fetch_channel(client, channel, last_id, settings.max_entries, sleep)
     except Exception as e:
@@ -1743,11 +1827,7 @@ async def crawl_channel(db, client, source, settings, trigger, sleep):
     drafts = [message_draft(channel, group) for group in group_messages(messages)]
     new = store_posts(conn, source["id"], source["direction"], drafts)
     newest = max([m.id for m in messages], default=last_id)
-    conn.execute("""INSERT INTO tg_state (source_id, last_message_id, updated_at) VALUES (?, ?, ?)
-                    ON CONFLICT(source_id) DO UPDATE SET
-                        last_message_id = max(last_message_id, excluded.last_message_id),
-                        updated_at = excluded.updated_at""",
-                 (source["id"], newest, utc_text()))
+    save_last_message_id(conn, source["id"], newest)
     record_success(conn, source)
     finish_run(conn, run_id, "ok", new)
     return FeedResult(source["slug"], "ok", new)
@@ -1759,8 +1839,7 @@ def record_setup_error(db, sources, error, trigger):
     conn = db.conn()
     for source in sources:
         run_id = start_run(conn, source["id"], "telegram", trigger)
-        conn.execute("UPDATE sources SET last_error = ?, last_fetch = ? WHERE id = ?",
-                     (error, utc_text(), source["id"]))
+        record_problem(conn, source, error)
         finish_run(conn, run_id, "error", error=error)
     return [FeedResult(s["slug"], "error", error=error) for s in sources]
 
@@ -2143,13 +2222,8 @@ class WorkerPool:
     def may_claim(self, forever):
         """False once Ollama is down (for a one-off run); with --forever, wait
         and try again, and take back expired leases now and then."""
-        if forever and time.monotonic() - self.last_expiry > min(60, self.settings.lease_seconds / 4):
-            with self.lock:
-                due = time.monotonic() - self.last_expiry > min(60, self.settings.lease_seconds / 4)
-                if due:
-                    self.last_expiry = time.monotonic()
-            if due:
-                self.expire_leases()
+        if forever and self.lease_check_due():
+            self.expire_leases()
         while self.stats.ollama_down:
             if not forever:
                 return False
@@ -2161,6 +2235,14 @@ class WorkerPool:
             if self.stop.wait(min(wait, 1.0)):
                 return False
         return True
+
+    def lease_check_due(self):
+        """True for one worker at a time, every min(60 s, lease / 4)."""
+        with self.lock:
+            if time.monotonic() - self.last_expiry < min(60, self.settings.lease_seconds / 4):
+                return False
+            self.last_expiry = time.monotonic()
+            return True
 
     def idle(self):
         self.stop.wait(1.0)
@@ -2317,19 +2399,6 @@ def queue_cards(queue):
         for key, label in labels) + "</section>"
 
 
-def crawler_rows(conn):
-    """Every source with its RSS state and its last run; one query, the last
-    run found through the runs(source_id, id) index."""
-    return conn.execute("""
-        SELECT s.*, r.etag, r.modified, r.last_build_date, r.moved_to,
-               r.last_error AS feed_warning,
-               run.started_at AS run_started, run.status AS run_status,
-               run.new_posts AS run_new_posts, run.trigger AS run_trigger
-        FROM sources s
-        LEFT JOIN rss_state r ON r.source_id = s.id
-        LEFT JOIN runs run ON run.id = (SELECT max(id) FROM runs WHERE source_id = s.id)
-        ORDER BY s.enabled DESC, s.priority, s.slug""").fetchall()
-
 
 def last_error_html(s):
     """The last error, cut to 200 characters; for a feed that worked but is
@@ -2367,7 +2436,7 @@ WIDE_COLUMNS = ("last run", "etag", "modified", "last build date")
 
 def crawlers_page(conn, token):
     queue = queue_sizes(conn)
-    rows = crawler_rows(conn)
+    rows = source_health(conn)
     dead = sum(1 for s in rows if s["status"] == "dead" and s["enabled"])
     head = "".join(f'<th{" class=wide" if c in WIDE_COLUMNS else ""}>{esc(c)}</th>'
                    for c in SOURCE_COLUMNS)
@@ -2380,21 +2449,6 @@ def crawlers_page(conn, token):
                  f"</thead><tbody>{body}</tbody></table></div>")
     return page("Crawlers", html_body, "/crawlers", refresh=queue["processing"] > 0)
 
-
-def candidate_query(direction, decision, page_number):
-    where, params = ["p.classified = 1"], []
-    if direction:
-        where.append("p.direction = ?")
-        params.append(direction)
-    if decision in DECISIONS:
-        where.append("p.status = ?")
-        params.append(decision)
-    sql = f"""SELECT p.id, p.title, p.url, p.summary, p.direction, p.relevance, p.interest,
-                     p.status, p.published_at, p.content_type, s.name AS source
-              FROM posts p LEFT JOIN sources s ON s.id = p.source_id
-              WHERE {' AND '.join(where)}
-              ORDER BY p.published_at DESC, p.id DESC LIMIT ? OFFSET ?"""
-    return sql, [*params, PAGE_SIZE + 1, (page_number - 1) * PAGE_SIZE]
 
 
 def link_to(path, **query):
@@ -2433,8 +2487,7 @@ def candidates_page(conn, directions, query, token):
     decision = query.get("status") if query.get("status") in DECISIONS else None
     page_text = str(query.get("page", ""))
     number = min(int(page_text), MAX_PAGE) if page_text.isdigit() and int(page_text) > 0 else 1
-    sql, params = candidate_query(direction, decision, number)
-    posts = conn.execute(sql, params).fetchall()
+    posts = candidate_posts(conn, direction, decision, (number - 1) * PAGE_SIZE, PAGE_SIZE + 1)
     more, posts = len(posts) > PAGE_SIZE, posts[:PAGE_SIZE]
     back = link_to("/", direction=direction, status=decision, page=number)
     filters = " ".join(
@@ -2572,9 +2625,6 @@ class WebApp:
         request.reply(200, "text/plain", b"ok\n")
 
 
-def set_decision(conn, post_id, decision):
-    """The editor's decision on a post (posts.status), independent of the queue."""
-    return conn.execute("UPDATE posts SET status = ? WHERE id = ?", (decision, post_id)).rowcount
 
 
 class WebHandler(http.server.BaseHTTPRequestHandler):
@@ -2703,8 +2753,7 @@ class Scheduler:
             log.error("%s; keeping the sources as they were", e)
 
     def priorities(self):
-        return [row[0] for row in self.db.conn().execute(
-            "SELECT DISTINCT priority FROM sources WHERE enabled = 1 ORDER BY priority")]
+        return enabled_priorities(self.db.conn())
 
     def tick(self):
         """Crawl every priority that is due; returns the priorities crawled."""
@@ -2732,9 +2781,6 @@ class Scheduler:
             self.stop.wait(1.0)
 
 
-def prune_runs(conn, days):
-    return conn.execute("DELETE FROM runs WHERE started_at < datetime('now', ?)",
-                        (f"-{int(days)} days",)).rowcount
 
 
 ###############################################################################
@@ -2766,8 +2812,7 @@ def check_selection(conn, registry, selection, crawler):
         raise ConfigError(f"unknown direction {value!r} (defined: "
                           f"{', '.join(registry.directions) or 'none'})")
     if kind == "source":
-        row = conn.execute("SELECT crawler, enabled FROM sources WHERE slug = ?",
-                           (value,)).fetchone()
+        row = find_source(conn, value)
         if row is None:
             raise ConfigError(f"unknown source {value!r}: not in {registry.path}")
         if not row["enabled"]:
@@ -2778,7 +2823,7 @@ def check_selection(conn, registry, selection, crawler):
 
 def cmd_init(args, settings):
     registry, db = open_intake(settings)
-    count = db.conn().execute("SELECT count(*) FROM sources WHERE enabled = 1").fetchone()[0]
+    count = count_enabled_sources(db.conn())
     print(f"{settings.db}: ready, {count} enabled sources from {registry.path}")
     return 0
 
@@ -2911,13 +2956,12 @@ def cmd_reset_dead(args, settings):
 
 
 def status_report(conn):
-    sources = conn.execute("""
-        SELECT s.slug, s.name, s.crawler, s.status, s.enabled, s.priority, s.last_fetch,
-               s.last_error, s.error_count, s.post_count, s.next_fetch_at,
-               r.etag, r.modified, r.last_build_date, r.moved_to
-        FROM sources s LEFT JOIN rss_state r ON r.source_id = s.id
-        ORDER BY s.enabled DESC, s.priority, s.slug""").fetchall()
-    return {"queue": queue_sizes(conn), "sources": [dict(row) for row in sources]}
+    """Queue sizes and every source's health, as `status --json` prints them."""
+    fields = ("slug", "name", "crawler", "status", "enabled", "priority", "last_fetch",
+              "last_error", "error_count", "post_count", "next_fetch_at", "etag", "modified",
+              "last_build_date", "moved_to", "run_started", "run_status", "run_new_posts")
+    sources = [{field: row[field] for field in fields} for row in source_health(conn)]
+    return {"queue": queue_sizes(conn), "sources": sources}
 
 
 def print_status(report):
