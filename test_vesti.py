@@ -1313,6 +1313,25 @@ def test_expired_leases_go_back_to_pending_or_to_failed(home):
     assert "lease expired" in conn.execute("SELECT error FROM posts WHERE id = 2").fetchone()[0]
 
 
+def test_a_forever_worker_takes_back_expired_leases_while_it_runs(home):
+    s, db, registry = worker_home(home, "", VESTI_LEASE_SECONDS=1)
+    stop = threading.Event()
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(
+        out=vesti.run_workers(db, s, registry, workers=2, forever=True, stop=stop, quiet=True)))
+    runner.start()
+    try:
+        time.sleep(0.3)                        # past the check every worker makes at start
+        add_posts(db.conn(), 1)
+        db.conn().execute("UPDATE posts SET classified = -1, attempts = 1, claim_token = 'dead', "
+                          "claimed_at = datetime('now', '-10 seconds')")
+        assert wait_for(lambda: queue_of(db) == {1: 1}, timeout=10)
+    finally:
+        stop.set()
+        runner.join()
+    assert db.conn().execute("SELECT attempts FROM posts").fetchone()[0] == 2
+
+
 def test_a_write_after_the_lease_was_taken_back_is_refused(home):
     s, db, _ = worker_home(home, "")
     conn = db.conn()
