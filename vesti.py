@@ -1189,6 +1189,7 @@ class Response:
     headers: dict
     body: bytes
     moved_to: str = None
+    location: str = None
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
@@ -1219,8 +1220,9 @@ class _Decoder:
         return out
 
 
-def read_body(response, limit, deadline, describe):
-    """The body, decompressed, refused past `limit` bytes or past `deadline`."""
+def read_body(response, settings, deadline):
+    """The body, decompressed, refused past RSS_MAX_BYTES or past `deadline`."""
+    limit = settings.max_bytes
     encoding = (response.headers.get("Content-Encoding") or "identity").strip().lower()
     if encoding not in ("identity", "gzip", "x-gzip", "deflate"):
         raise FetchError(f"unsupported Content-Encoding {encoding!r}")
@@ -1231,7 +1233,7 @@ def read_body(response, limit, deadline, describe):
     chunks, size = [], 0
     while True:
         if time.monotonic() > deadline:
-            raise FetchError(f"{describe}: response took too long")
+            raise FetchError(f"response took longer than {3 * settings.timeout:g} s")
         raw = response.read1(65536)
         if not raw:
             break
@@ -1286,41 +1288,51 @@ def _open(opener, url, headers, timeout):
         raise FetchError(f"bad URL {url!r}: {e}") from None
 
 
+def request_headers(settings, extra=None):
+    return {"User-Agent": settings.user_agent, "Accept-Encoding": "gzip, deflate",
+            "Accept": "application/rss+xml, application/atom+xml, application/xml;q=0.9, "
+                      "text/xml;q=0.9, text/html;q=0.8, */*;q=0.5",
+            **(extra or {})}
+
+
+def fetch_once(opener, url, headers, settings):
+    """One request, no redirect followed: the status, the headers, the body
+    of a 2xx answer and the target of a redirect."""
+    deadline = time.monotonic() + 3 * settings.timeout
+    response = _open(opener, url, headers, settings.timeout)
+    try:
+        status = response.status if response.status is not None else response.code
+        location = response.headers.get("Location")
+        if status in REDIRECTS and not location:
+            raise FetchError(f"HTTP {status} without a Location header")
+        body = read_body(response, settings, deadline) if 200 <= status < 300 else b""
+        target = urllib.parse.urljoin(url, location.strip()) if status in REDIRECTS else None
+        return Response(status, url, {k.lower(): v for k, v in response.headers.items()},
+                        body, location=target)
+    except (OSError, http.client.HTTPException) as e:
+        raise FetchError(describe_error(e)) from None
+    finally:
+        response.close()
+
+
 def http_get(url, settings, headers=None, gate=None):
-    """GET with redirects (at most 5, permanent ones reported as moved_to),
-    gzip/deflate, a size cap after decompression and a whole-response deadline.
-    Returns any final status; only network failures raise FetchError."""
+    """GET with redirects (at most 5; where a chain of permanent ones leads is
+    reported as moved_to), gzip/deflate, a size cap after decompression and a
+    whole-response deadline. Returns any final status; only network failures
+    raise FetchError."""
     gate = gate or HostGate(0)
     opener = urllib.request.build_opener(_NoRedirects())
-    headers = {"User-Agent": settings.user_agent, "Accept-Encoding": "gzip, deflate",
-               "Accept": "application/rss+xml, application/atom+xml, application/xml;q=0.9, "
-                         "text/xml;q=0.9, text/html;q=0.8, */*;q=0.5",
-               **(headers or {})}
-    moved_to, still_permanent = None, True
+    headers = request_headers(settings, headers)
+    moved_to, permanent = None, True
     for _ in range(MAX_REDIRECTS + 1):
         with gate.turn(url):
-            deadline = time.monotonic() + 3 * settings.timeout
-            response = _open(opener, url, headers, settings.timeout)
-            try:
-                status = response.status if response.status is not None else response.code
-                if status in REDIRECTS:
-                    location = response.headers.get("Location")
-                    if not location:
-                        raise FetchError(f"HTTP {status} without a Location header")
-                    target = urllib.parse.urljoin(url, location.strip())
-                    still_permanent = still_permanent and status in PERMANENT_REDIRECTS
-                    moved_to = target if still_permanent else moved_to
-                    url = target
-                    continue
-                body = b""
-                if 200 <= status < 300:
-                    body = read_body(response, settings.max_bytes, deadline, url)
-                return Response(status, url, {k.lower(): v for k, v in response.headers.items()},
-                                body, moved_to)
-            except (OSError, http.client.HTTPException) as e:
-                raise FetchError(describe_error(e)) from None
-            finally:
-                response.close()
+            response = fetch_once(opener, url, headers, settings)
+        if response.location is None:
+            response.moved_to = moved_to
+            return response
+        permanent = permanent and response.status in PERMANENT_REDIRECTS
+        url = response.location
+        moved_to = url if permanent else moved_to
     raise FetchError(f"more than {MAX_REDIRECTS} redirects")
 
 
@@ -1440,40 +1452,46 @@ def _fragment_sensitive(links):
     return False
 
 
-def parse_feed(body, feed_url, max_entries, keep_fragments=False, content_type=None,
-               fetched_at=None):
-    """Drafts from a feed body. Malformed feeds that still yield entries come
-    with a warning; a body that yields none is a FeedError."""
+def run_feedparser(body, feed_url, content_type):
     feedparser = import_optional("feedparser", "feedparser", "the RSS crawler")
     # Without a Content-Type feedparser flags every feed as malformed; XML
     # with no charset lets it read the declaration or guess with chardet.
     headers = {"content-location": feed_url, "content-type": content_type or "application/xml"}
     if body[:1].isspace() and body.lstrip()[:5] == b"<?xml":
         body = body.lstrip()  # a stray newline before the declaration is common and harmless
-    parsed = feedparser.parse(body, response_headers=headers)
-    entries = parsed.get("entries") or []
+    return feedparser.parse(body, response_headers=headers)
+
+
+def entry_draft(entry, link, keep_fragments, fetched_at):
+    title = readable(entry.get("title"), (entry.get("title_detail") or {}).get("type"))
+    text, kind = entry_text(entry)
+    return Draft(entry_id(entry, link, title, text), link or None,
+                 canonical_url(link, keep_fragment=keep_fragments) if link else None,
+                 title, text, kind, entry_published(entry, fetched_at))
+
+
+def parse_feed(body, feed_url, max_entries, keep_fragments=False, content_type=None,
+               fetched_at=None):
+    """Drafts from a feed body. Malformed feeds that still yield entries come
+    with a warning; a body that yields none is a FeedError."""
+    parsed = run_feedparser(body, feed_url, content_type)
+    entries = (parsed.get("entries") or [])[:max_entries]
     problem = parsed.get("bozo_exception") if parsed.get("bozo") else None
+    built = dict.get(parsed.feed, "updated")
     if not entries:
         if problem is not None or not parsed.get("version"):
             reason = f": {shorten(str(problem), 200)}" if problem is not None else ""
             raise FeedError(f"not a feed (no entries found{reason})")
-        return ParsedFeed([], dict.get(parsed.feed, "updated"), None, keep_fragments)
-    entries = entries[:max_entries]
-    fetched_at = fetched_at or utc_text()
+        return ParsedFeed([], built, None, keep_fragments)
     links = [entry_link(e, feed_url) for e in entries]
-    keep_fragments = keep_fragments or _fragment_sensitive([canonical_url(l, keep_fragment=True)
-                                                           for l in links if l])
-    drafts = []
-    for entry, link in zip(entries, links):
-        title = readable(entry.get("title"), (entry.get("title_detail") or {}).get("type"))
-        text, kind = entry_text(entry)
-        drafts.append(Draft(entry_id(entry, link, title, text), link or None,
-                            canonical_url(link, keep_fragment=keep_fragments) if link else None,
-                            title, text, kind, entry_published(entry, fetched_at)))
+    keep_fragments = keep_fragments or _fragment_sensitive(
+        [canonical_url(link, keep_fragment=True) for link in links if link])
+    fetched_at = fetched_at or utc_text()
+    drafts = [entry_draft(e, link, keep_fragments, fetched_at) for e, link in zip(entries, links)]
     _mark_shared_urls(drafts)
     warning = f"malformed feed, {len(drafts)} entries kept: {shorten(str(problem), 200)}" \
         if problem is not None else None
-    return ParsedFeed(drafts, dict.get(parsed.feed, "updated"), warning, keep_fragments)
+    return ParsedFeed(drafts, built, warning, keep_fragments)
 
 
 def _mark_shared_urls(drafts):

@@ -32,7 +32,7 @@ What it measures:
    Also printed: the server's open files, threads and RSS before and after
    the requests (from /proc), and how long it took to stop on SIGTERM.
 3. Where the time goes, in-process on the same file (median of --repeat):
-   vesti.queue_sizes, vesti.crawler_rows, vesti.crawlers_page as a whole, the
+   vesti.queue_sizes, vesti.source_health, vesti.crawlers_page as a whole, the
    candidates query of page 1 and page 200, and a new vesti.connect()
    connection plus queue_sizes (what a request pays when its thread has no
    connection yet). --explain prints EXPLAIN QUERY PLAN of those queries.
@@ -658,16 +658,6 @@ QUEUE_PARTS = {
     "done today": "SELECT count(*) FROM posts WHERE classified = 1 AND fetched_at >= date('now')",
     "failed": "SELECT count(*) FROM posts WHERE classified = -2",
 }
-CRAWLER_ROWS_SQL = """
-        SELECT s.*, r.etag, r.modified, r.last_build_date, r.moved_to,
-               run.started_at AS run_started, run.status AS run_status,
-               run.new_posts AS run_new_posts, run.trigger AS run_trigger
-        FROM sources s
-        LEFT JOIN rss_state r ON r.source_id = s.id
-        LEFT JOIN runs run ON run.id = (SELECT max(id) FROM runs WHERE source_id = s.id)
-        ORDER BY s.enabled DESC, s.priority, s.slug"""
-
-
 def explain(conn, label, sql, params=()):
     print(f"    {label}:")
     for row in conn.execute("EXPLAIN QUERY PLAN " + sql, params):
@@ -678,16 +668,16 @@ def inprocess_benchmark(db, repeat, show_plans):
     print(f"== where the time goes: in-process on the same file, median of {repeat} calls")
     conn = vesti.connect(db)
     try:
-        page1 = vesti.candidate_query(None, None, 1)
-        page200 = vesti.candidate_query(None, None, 200)
+        size = vesti.PAGE_SIZE + 1
         rows = [
             ("vesti.queue_sizes", lambda: vesti.queue_sizes(conn)),
             *((f"    {label}", lambda sql=sql: conn.execute(sql).fetchone())
               for label, sql in QUEUE_PARTS.items()),
-            ("vesti.crawler_rows", lambda: vesti.crawler_rows(conn)),
+            ("vesti.source_health", lambda: vesti.source_health(conn)),
             ("vesti.crawlers_page (all of it)", lambda: vesti.crawlers_page(conn, "t" * 64)),
-            ("candidates query, page 1", lambda: conn.execute(*page1).fetchall()),
-            ("candidates query, page 200", lambda: conn.execute(*page200).fetchall()),
+            ("candidates query, page 1", lambda: vesti.candidate_posts(conn, limit=size)),
+            ("candidates query, page 200",
+             lambda: vesti.candidate_posts(conn, offset=199 * vesti.PAGE_SIZE, limit=size)),
             ("new vesti.connect() + queue_sizes", lambda: fresh_connection_queue(db)),
         ]
         for label, function in rows:
@@ -696,8 +686,6 @@ def inprocess_benchmark(db, repeat, show_plans):
             print("EXPLAIN QUERY PLAN:")
             for label, sql in QUEUE_PARTS.items():
                 explain(conn, f"queue_sizes, {label}", sql)
-            explain(conn, "crawler_rows", CRAWLER_ROWS_SQL)
-            explain(conn, "candidates page 200", *page200)
     finally:
         conn.close()
 
