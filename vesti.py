@@ -29,6 +29,7 @@ import html
 import html.parser
 import http.client
 import http.server
+import itertools
 import json
 import logging
 import math
@@ -43,7 +44,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -620,6 +620,14 @@ def queue_sizes(conn):
     return dict(row)
 
 
+_claims = itertools.count()
+
+
+def claim_token():
+    """Unique to this claim: the process, the thread and a counter."""
+    return f"{os.getpid()}-{threading.get_ident()}-{next(_claims)}"
+
+
 def claim_post(conn, now=None):
     """Take the oldest claimable post, or None. One statement, so two workers
     can never hold the same post."""
@@ -631,7 +639,7 @@ def claim_post(conn, now=None):
                     WHERE {PENDING} AND (next_attempt_at IS NULL OR next_attempt_at <= ?)
                     ORDER BY id LIMIT 1)
         RETURNING id, source_id, url, title, text, content_type, attempts, claim_token
-    """, (now_text, uuid.uuid4().hex, now_text)).fetchone()
+    """, (now_text, claim_token(), now_text)).fetchone()
 
 
 def complete_post(conn, post_id, token, verdict):
@@ -1983,7 +1991,7 @@ class KeywordIndex:
 
 def lead_summary(text, limit=300):
     """The first sentences of a text, at most `limit` characters."""
-    text = normalize_text((text or "")[: limit * 4])
+    text = normalize_text((text or "")[: limit * 2])
     sentences = re.split(r"(?<=[.!?…])\s+", text)
     summary = ""
     for sentence in sentences:
