@@ -80,8 +80,22 @@ def items(n, start=0, host="http://example.com"):
             for k in range(start, start + n)]
 
 
-class FeedServer:
-    """A real HTTP server on a loopback address; each path answers with a
+class LoopbackServer:
+    """A real ThreadingHTTPServer on a loopback address, in a thread."""
+
+    def serve(self, handler, host="127.0.0.1"):
+        self.httpd = http.server.ThreadingHTTPServer((host, 0), handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://{host}:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class FeedServer(LoopbackServer):
+    """Feeds on a loopback address; each path answers with a
     handler(request) -> (status, headers, body) or does its own writing."""
 
     def __init__(self, host="127.0.0.1"):
@@ -111,10 +125,7 @@ class FeedServer:
             def log_message(self, *args):
                 pass
 
-        self.httpd = http.server.ThreadingHTTPServer((host, 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://{host}:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+        self.serve(Handler, host)
 
     def feed(self, path, body, etag='"v1"', modified="Mon, 30 Nov 2026 10:00:00 GMT",
              content_type="application/rss+xml; charset=utf-8", encoding=None):
@@ -143,10 +154,6 @@ class FeedServer:
 
     def sent(self, path):
         return [headers for p, headers, _ in self.requests if p == path]
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture
@@ -1011,7 +1018,7 @@ def test_init_is_idempotent_and_reports_the_sources(home):
 
 # Classification --------------------------------------------------------------
 
-class FakeOllama:
+class FakeOllama(LoopbackServer):
     """Speaks Ollama's /api/chat: answers with a verdict, or misbehaves."""
 
     def __init__(self, mode="ok", latency=0.0):
@@ -1036,10 +1043,7 @@ class FakeOllama:
             def log_message(self, *args):
                 pass
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+        self.serve(Handler)
 
     def verdict(self, body):
         return {"direction": "linux", "relevance": 8, "interest": 6,
@@ -1063,10 +1067,6 @@ class FakeOllama:
     def titles(self):
         with self.lock:
             return [body["messages"][-1]["content"].splitlines()[0] for _, body in self.requests]
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture
