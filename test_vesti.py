@@ -1682,6 +1682,8 @@ def test_crawl_by_priority_takes_exactly_that_priority(home, server):
     result = cli("crawl", "--priority", "1", cwd=home, env={"RSS_HOST_DELAY": "0"})
     assert result.returncode == 0, result.stderr
     assert [p for p, *_ in server.requests] == ["/b"]
+    empty = cli("crawl", "--priority", "7", cwd=home)
+    assert empty.returncode == 0 and "no enabled source has priority 7" in empty.stderr
 
 
 # Web -------------------------------------------------------------------------

@@ -2845,6 +2845,9 @@ def check_selection(conn, registry, selection, crawler):
             raise ConfigError(f"source {value!r} is disabled in {registry.path}")
         if crawler and row["crawler"] != crawler:
             raise ConfigError(f"source {value!r} is a {row['crawler']} source, not {crawler}")
+    if kind == "priority" and value not in enabled_priorities(conn):
+        # Not an error: a cron line may outlive the sources of its priority.
+        log.warning("no enabled source has priority %d", value)
 
 
 def cmd_init(args, settings):
