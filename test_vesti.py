@@ -329,16 +329,51 @@ def draft(url, text, title="T", ext=None):
 
 def test_store_posts_deduplicates_by_text_hash_and_by_canonical_url(tmp_path):
     conn = vesti.Database(str(tmp_path / "v.db")).conn()
-    conn.execute("INSERT INTO sources (slug, url) VALUES ('a', 'http://a/')")
+    conn.execute("INSERT INTO sources (slug, url) VALUES ('a', 'http://a/'), ('b', 'http://b/')")
     long_text = "A long enough article text to identify the story on its own. " * 2
     first = [draft("http://a.com/1", long_text), draft("http://a.com/2?utm_source=x", "Other " + long_text)]
     assert vesti.store_posts(conn, 1, None, first) == 2
-    again = [draft("http://b.com/copy", "  " + long_text.replace(" ", "   ")),   # same text
-             draft("http://A.COM:80/2?utm_medium=rss", "Rewritten " + long_text),  # same URL
-             draft("http://a.com/3", "Third " + long_text)]
-    assert vesti.store_posts(conn, 1, None, again) == 1
+    again = [draft("http://b.com/copy", "  " + long_text.replace(" ", "   "), title="Copy"),
+             draft("http://A.COM:80/2?utm_medium=rss", "Rewritten " + long_text),
+             draft("http://b.com/3", "Third " + long_text)]
+    assert vesti.store_posts(conn, 2, None, again) == 1      # same text; same URL; new
     assert conn.execute("SELECT count(*) FROM posts").fetchone()[0] == 3
-    assert conn.execute("SELECT post_count FROM sources").fetchone()[0] == 3
+    assert [tuple(r) for r in conn.execute("SELECT slug, post_count FROM sources")] == \
+        [("a", 2), ("b", 1)]
+
+
+def test_one_feed_repeating_a_summary_under_new_links_keeps_every_entry(tmp_path):
+    conn = vesti.Database(str(tmp_path / "v.db")).conn()
+    conn.execute("INSERT INTO sources (slug, url) VALUES ('a', 'http://a/')")
+    boilerplate = "Listen to this episode of the show on your favourite podcast app today."
+    assert vesti.store_posts(conn, 1, None, [draft("http://a.com/1", boilerplate, "Ep. 1")]) == 1
+    assert vesti.store_posts(conn, 1, None, [draft("http://a.com/2", boilerplate, "Ep. 2")]) == 1
+    assert vesti.store_posts(conn, 1, None, [draft("http://a.com/2", boilerplate, "Ep. 2")]) == 0
+
+
+def test_entries_without_a_link_are_told_apart_by_their_id(home, server):
+    def item(guid, title):
+        return {"guid": guid, "link": "", "title": title,
+                "text": "A note without a link, long enough to carry its own text: " + title}
+    server.feed("/feed", rss([item("n1", "first")]), etag='"1"')
+    s, db = intake(home, [rss_source("notes", server.url + "/feed")])
+    crawl(s, db)
+    server.feed("/feed", rss([item("n2", "second"), item("n1", "first")]), etag='"2"')
+    assert crawl(s, db).new_posts == 1
+    assert [(p["url"], p["title"]) for p in posts_of(db, "notes")] == [(None, "first"), (None, "second")]
+
+
+def test_a_fragment_seen_in_an_earlier_fetch_keeps_entries_apart(home, server):
+    base = "https://scripting.example/2026/11/30.html"
+    server.feed("/feed", rss([{"guid": "a", "link": base + "#a0800", "text": "Morning post. " * 5}]),
+                etag='"1"')
+    s, db = intake(home, [rss_source("s", server.url + "/feed")])
+    crawl(s, db)
+    server.feed("/feed", rss([{"guid": "b", "link": base + "#a0915", "text": "Later post. " * 5}]),
+                etag='"2"')
+    assert crawl(s, db).new_posts == 1
+    assert state_row(db, "s")["keep_fragments"] == 1
+    assert [p["canonical_url"] for p in posts_of(db, "s")] == [base, base + "#a0915"]
 
 
 def test_short_texts_never_make_different_posts_collide(tmp_path):
@@ -832,6 +867,12 @@ def test_enough_url_vectors_are_checked():
     ("https://news.example/a?_openstat=ZGlyZWN0&id=7&ysclid=lq1", "https://news.example/a?id=7"),
     ("HTTPS://News.Example:443/a#comments", "https://news.example/a"),
     ("http://news.example:8080/a?UTM_SOURCE=x", "http://news.example:8080/a"),
+    ("https://www.heise.de/news/x.html?wt_mc=rss.red.ho.ho.rdf.beitrag.beitrag",
+     "https://www.heise.de/news/x.html"),
+    ("https://www.dailymail.co.uk/a.html?ITO=1490&ns_mchannel=rss&ns_campaign=1490",
+     "https://www.dailymail.co.uk/a.html"),
+    ("https://medium.com/p/abc?source=rss----5517fd7b58a6---4", "https://medium.com/p/abc"),
+    ("https://shop.example/list?source=catalog&id=2", "https://shop.example/list?source=catalog&id=2"),
 ])
 def test_canonical_url_drops_yandex_and_openstat_trackers(url, expected):
     assert vesti.canonical_url(url) == expected

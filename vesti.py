@@ -293,6 +293,11 @@ def text_sha256(text):
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def content_digest(title, text):
+    """A short hash of what an entry says, to tell entries apart."""
+    return hashlib.sha256(f"{title}\n{text}".encode("utf-8")).hexdigest()[:16]
+
+
 def shorten(text, limit):
     text = text or ""
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -732,17 +737,20 @@ class Draft:
 
 
 def is_stored(conn, source_id, draft, sha):
-    if sha and conn.execute("SELECT 1 FROM posts WHERE sha256 = ? LIMIT 1", (sha,)).fetchone():
-        return True
+    """Stored already: the same canonical URL (where it identifies an entry),
+    the same entry id of the same source, or the same text from another
+    source. Within one source the same text under a new URL and id is a new
+    post (feeds repeat boilerplate summaries)."""
     if draft.canonical_url and draft.url_identifies and conn.execute(
             "SELECT 1 FROM posts WHERE canonical_url = ? LIMIT 1",
             (draft.canonical_url,)).fetchone():
         return True
-    if not sha and not (draft.canonical_url and draft.url_identifies):
-        return conn.execute(
-            "SELECT 1 FROM posts WHERE source_id = ? AND external_id = ? LIMIT 1",
-            (source_id, draft.external_id)).fetchone() is not None
-    return False
+    if conn.execute("SELECT 1 FROM posts WHERE source_id = ? AND external_id = ? LIMIT 1",
+                    (source_id, draft.external_id)).fetchone():
+        return True
+    return bool(sha) and conn.execute(
+        "SELECT 1 FROM posts WHERE sha256 = ? AND source_id IS NOT ? LIMIT 1",
+        (sha, source_id)).fetchone() is not None
 
 
 def store_posts(conn, source_id, direction, drafts, fetched_at=None):
@@ -752,7 +760,7 @@ def store_posts(conn, source_id, direction, drafts, fetched_at=None):
     new = 0
     with transaction(conn):
         for draft in drafts:
-            sha = text_sha256(f"{draft.title}\n{draft.text}")
+            sha = text_sha256(draft.text)
             if is_stored(conn, source_id, draft, sha):
                 continue
             conn.execute("""
@@ -874,6 +882,13 @@ def save_rss_state(conn, source_id, **fields):
                      VALUES (?, {', '.join('?' * len(fields))})
                      ON CONFLICT(source_id) DO UPDATE SET {updates}""",
                  (source_id, *fields.values()))
+
+
+def stored_links(conn, source_id, canonical):
+    """The links as given of this source's posts stored under a canonical URL."""
+    return [row[0] for row in conn.execute(
+        "SELECT url FROM posts WHERE canonical_url = ? AND source_id = ? AND url IS NOT NULL",
+        (canonical, source_id))]
 
 
 def moved_feeds(conn):
@@ -1353,14 +1368,19 @@ TRACKING_PARAMS = frozenset("""
     mc_cid mc_eid mkt_tok _openstat _hsenc _hsmi __hssc __hstc __hsfp hsctatracking
     fb_action_ids fb_action_types fb_source fb_ref action_object_map action_type_map
     action_ref_map gs_l oly_anon_id oly_enc_id vero_id vero_conv wickedid rb_clickid
-    s_cid ncid cmpid clickid spm scid _ga _gl zanpid ml_subscriber ml_subscriber_hash
+    s_cid ncid cmpid clickid ito spm scid _ga _gl zanpid ml_subscriber ml_subscriber_hash
     """.split())
-TRACKING_PREFIXES = ("utm_", "ga_", "hmb_", "mtm_", "pk_", "itm_", "stm_")
+TRACKING_PREFIXES = ("utm_", "ga_", "hmb_", "mtm_", "pk_", "itm_", "stm_", "wt_", "ns_")
+# Parameters that are tracking only with such a value (Medium's ?source=rss-…).
+TRACKING_VALUES = {"source": "rss", "ref": "rss", "feature": "youtube_gdata"}
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
-def is_tracking_param(name):
-    name = urllib.parse.unquote_plus(name).lower()
+def is_tracking_param(pair):
+    name, _, value = urllib.parse.unquote_plus(pair).partition("=")
+    name = name.lower()
+    if name in TRACKING_VALUES:
+        return value.lower().startswith(TRACKING_VALUES[name])
     return name in TRACKING_PARAMS or name.startswith(TRACKING_PREFIXES)
 
 
@@ -1387,7 +1407,7 @@ def canonical_url(url, base=None, keep_fragment=False):
         netloc = f"{userinfo}@{netloc}"
     path = parts.path or ("/" if netloc else "")
     query = "&".join(pair for pair in parts.query.split("&")
-                     if pair and not is_tracking_param(pair.split("=", 1)[0]))
+                     if pair and not is_tracking_param(pair))
     fragment = parts.fragment if keep_fragment else ""
     return urllib.parse.urlunsplit((scheme, netloc, path, query, fragment))
 
@@ -1429,7 +1449,10 @@ def entry_published(entry, fetched_at):
 def entry_link(entry, feed_url):
     """The entry's link resolved against the feed; only http(s) links count
     (a javascript: link must never reach the page)."""
-    link = urllib.parse.urljoin(feed_url, (entry.get("link") or "").strip())
+    link = (entry.get("link") or "").strip()
+    if not link:
+        return ""
+    link = urllib.parse.urljoin(feed_url, link)
     return link if urllib.parse.urlsplit(link).scheme in ("http", "https") else ""
 
 
@@ -1438,8 +1461,7 @@ def entry_id(entry, link, title, text):
     some feeds give every entry the same link."""
     if entry.get("id"):
         return str(entry["id"])
-    digest = hashlib.sha256(f"{title}\n{text}".encode("utf-8")).hexdigest()[:16]
-    return f"{link or ''}#{digest}"
+    return f"{link or ''}#{content_digest(title, text)}"
 
 
 @dataclasses.dataclass
@@ -1509,7 +1531,7 @@ def _mark_shared_urls(drafts):
     counts = {}
     for draft in drafts:
         if draft.canonical_url:
-            identity = (draft.external_id, text_sha256(f"{draft.title}\n{draft.text}"))
+            identity = (draft.external_id, content_digest(draft.title, draft.text))
             counts.setdefault(draft.canonical_url, set()).add(identity)
     ids = {}
     for draft in drafts:
@@ -1518,11 +1540,24 @@ def _mark_shared_urls(drafts):
         if draft.canonical_url and len(counts[draft.canonical_url]) > 1:
             draft.url_identifies = False
             if ids[draft.external_id] > 1:
-                digest = hashlib.sha256(f"{draft.title}\n{draft.text}".encode()).hexdigest()[:16]
-                draft.external_id = f"{draft.external_id}#{digest}"
+                draft.external_id = f"{draft.external_id}#{content_digest(draft.title, draft.text)}"
 
 
 
+
+
+def fragments_seen_before(conn, source_id, drafts):
+    """True when a link differs only by its #fragment from one this source gave
+    in an earlier fetch: the feed tells entries apart by fragment, so its
+    fragments are kept from now on."""
+    for draft in drafts:
+        if not (draft.url and "#" in draft.url and draft.canonical_url):
+            continue
+        link = canonical_url(draft.url, keep_fragment=True)
+        for earlier in stored_links(conn, source_id, draft.canonical_url):
+            if "#" in earlier and canonical_url(earlier, keep_fragment=True) != link:
+                return True
+    return False
 
 
 def conditional_get(source, state, settings, gate):
@@ -1581,6 +1616,9 @@ def fetch_feed(conn, source, settings, gate):
         return "unchanged", 0, None
     feed = parse_feed(response.body, response.url, settings.max_entries,
                       bool(state.get("keep_fragments")), response.headers.get("content-type"))
+    if not feed.keep_fragments and fragments_seen_before(conn, source["id"], feed.drafts):
+        feed = parse_feed(response.body, response.url, settings.max_entries, True,
+                          response.headers.get("content-type"))
     new = store_posts(conn, source["id"], source["direction"], feed.drafts)
     save_rss_state(conn, source["id"], status="ok", last_error=feed.warning,
                    body_sha256=body_hash, last_build_date=feed.last_build_date,
