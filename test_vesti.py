@@ -1320,8 +1320,9 @@ def test_an_unreachable_ollama_stops_the_workers_instead_of_cycling_the_queue(ho
     assert result.returncode == 0
     assert "Ollama unreachable at http://127.0.0.1:9/api/chat: connection refused" in result.stdout
     assert "stopped claiming after 3 connection failures" in result.stdout
-    touched = db.conn().execute("SELECT count(*) FROM posts WHERE attempts > 0").fetchone()[0]
+    touched = db.conn().execute("SELECT count(*) FROM posts WHERE error LIKE '%refused%'").fetchone()[0]
     assert touched == 3 and queue_of(db) == {0: 50}
+    assert db.conn().execute("SELECT max(attempts) FROM posts").fetchone()[0] == 0
 
 
 def test_a_long_ollama_outage_never_marks_posts_failed(home):
@@ -1332,8 +1333,16 @@ def test_a_long_ollama_outage_never_marks_posts_failed(home):
         db.conn().execute("UPDATE posts SET next_attempt_at = NULL")
         vesti.run_workers(db, s, registry, workers=1, quiet=True)
     post = db.conn().execute("SELECT * FROM posts").fetchone()
-    assert (post["classified"], post["attempts"]) == (0, 4)
+    assert (post["classified"], post["attempts"]) == (0, 0)      # the claims were given back
     assert "connection refused" in post["error"]
+    fake = FakeOllama("500")                 # then a real failure counts as the first one
+    try:
+        db.conn().execute("UPDATE posts SET next_attempt_at = NULL")
+        vesti.run_workers(db, s.replace(ollama_url=fake.url), registry, workers=1, quiet=True)
+    finally:
+        fake.close()
+    post = db.conn().execute("SELECT * FROM posts").fetchone()
+    assert (post["classified"], post["attempts"]) == (0, 1)
 
 
 def test_expired_leases_go_back_to_pending_or_to_failed(home):
@@ -1459,6 +1468,22 @@ def test_sigterm_stops_the_worker_cleanly(home):
         assert queue.get(0, 0) + queue[1] == 40
     finally:
         fake.close()
+
+
+def test_a_claim_that_lands_after_a_stop_is_given_back(home, monkeypatch):
+    s, db, registry = worker_home(home, "")
+    add_posts(db.conn(), 1)
+    stop = threading.Event()
+    pool = vesti.WorkerPool(db, s, vesti.Classifier(registry, s), stop)
+    real_claim = vesti.claim_post
+
+    def claim_while_stopping(conn, now=None):
+        stop.set()                       # SIGTERM arrives while the claim waits for the lock
+        return real_claim(conn, now)
+    monkeypatch.setattr(vesti, "claim_post", claim_while_stopping)
+    assert pool.claim(db.conn()) is None
+    assert tuple(db.conn().execute("SELECT classified, attempts FROM posts").fetchone()) == (0, 0)
+    assert pool.release_unfinished(wait=1) == 0
 
 
 def test_sigterm_releases_a_post_stuck_in_a_long_llm_call(home):

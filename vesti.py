@@ -633,6 +633,11 @@ def claim_token():
     return f"{os.getpid()}-{threading.get_ident()}-{next(_claims)}"
 
 
+def process_claims(pid=None):
+    """The LIKE pattern of every claim token of a process."""
+    return f"{os.getpid() if pid is None else pid}-%"
+
+
 def claim_post(conn, now=None):
     """Take the oldest claimable post, or None. One statement, so two workers
     can never hold the same post."""
@@ -682,10 +687,12 @@ def release_post(conn, post_id, token, error, max_attempts, retry_delay, now=Non
 
 def defer_post(conn, post_id, token, error, retry_delay, now=None):
     """Put a post back because Ollama could not be reached: the post did not
-    fail, so it keeps its error but is never marked failed for this."""
+    fail, so the claim is given back (its attempt uncounted) and the error
+    is kept."""
     now = time.time() if now is None else now
     row = conn.execute("""
         UPDATE posts SET classified = 0, error = ?, claim_token = NULL,
+               attempts = max(attempts - 1, 0),
                next_attempt_at = strftime('%Y-%m-%d %H:%M:%S', ?, 'unixepoch', ?)
         WHERE id = ? AND classified = -1 AND claim_token = ?
         RETURNING classified
@@ -710,15 +717,13 @@ def expire_leases(conn, lease_seconds, max_attempts, now=None):
     return pending, failed
 
 
-def release_claims(conn, tokens):
-    """Put posts claimed under these tokens back to pending, their attempt
-    uncounted: used when a worker is stopped before it could finish them."""
-    with transaction(conn):
-        for token in tokens:
-            conn.execute("""
-                UPDATE posts SET classified = 0, claim_token = NULL,
-                       attempts = max(attempts - 1, 0)
-                WHERE classified = -1 AND claim_token = ?""", (token,))
+def release_claims(conn, pattern):
+    """Put posts whose claim token matches `pattern` (LIKE) back to pending,
+    their attempt uncounted: used when workers are stopped before they could
+    finish. Returns how many."""
+    return conn.execute("""
+        UPDATE posts SET classified = 0, claim_token = NULL, attempts = max(attempts - 1, 0)
+        WHERE classified = -1 AND claim_token LIKE ?""", (pattern,)).rowcount
 
 
 # Posts ----------------------------------------------------------------------
@@ -2232,7 +2237,7 @@ class WorkerPool:
         self.stats = WorkerStats()
         self.lock = threading.Lock()
         self.tickets = None
-        self.in_hand = set()
+        self.claiming = 0
         self.connection_failures = 0
         self.paused_until = 0.0
         self.last_expiry = 0.0
@@ -2273,7 +2278,9 @@ class WorkerPool:
                 return
             if not self.take_ticket():
                 return
-            post = claim_post(conn)
+            post = self.claim(conn)
+            if post is None and self.stop.is_set():
+                return
             if post is None:
                 with self.lock:
                     self.tickets = None if self.tickets is None else self.tickets + 1
@@ -2282,6 +2289,24 @@ class WorkerPool:
                 self.idle()
                 continue
             self.process(conn, post)
+
+    def claim(self, conn):
+        """claim_post, counted while it runs, so a stop can wait for claims
+        still blocked on the database; one that lands after the stop is
+        given back at once."""
+        with self.lock:
+            if self.stop.is_set():
+                return None
+            self.claiming += 1
+        try:
+            post = claim_post(conn)
+        finally:
+            with self.lock:
+                self.claiming -= 1
+        if post is not None and self.stop.is_set():
+            release_claims(conn, post["claim_token"])
+            return None
+        return post
 
     def may_claim(self, forever):
         """False once Ollama is down (for a one-off run); with --forever, wait
@@ -2312,18 +2337,12 @@ class WorkerPool:
         self.stop.wait(1.0)
 
     def process(self, conn, post):
-        token = post["claim_token"]
-        with self.lock:
-            self.in_hand.add(token)
         try:
             verdict = self.classify(post)
         except Exception as e:
             self.fail(conn, post, e)
         else:
             self.complete(conn, post, verdict)
-        finally:
-            with self.lock:
-                self.in_hand.discard(token)
 
     def complete(self, conn, post, verdict):
         written = complete_post(conn, post["id"], post["claim_token"], verdict)
@@ -2365,13 +2384,13 @@ class WorkerPool:
         if self.progress:
             self.progress.step()
 
-    def release_in_hand(self):
-        """Put back whatever is still being worked on (used on shutdown)."""
-        with self.lock:
-            tokens = list(self.in_hand)
-        if tokens:
-            release_claims(self.db.conn(), tokens)
-        return len(tokens)
+    def release_unfinished(self, wait=35):
+        """After a stop: wait for claims still blocked on the database (at
+        most the busy timeout), then put back every post this process holds."""
+        deadline = time.monotonic() + wait
+        while self.claiming and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return release_claims(self.db.conn(), process_claims())
 
 
 def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
@@ -2389,7 +2408,7 @@ def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
                       progress)
     finished, _ = run_until_stopped(lambda: pool.run(workers, limit, forever), stop,
                                     settings.stop_grace)
-    released = 0 if finished else pool.release_in_hand()
+    released = 0 if finished else pool.release_unfinished()
     progress.finish(pool.stats.line() + (f", {released} put back unfinished" if released else ""))
     if not quiet and pool.stats.ollama_down and not forever:
         print(f"worker: {pool.stats.ollama_down}; stopped claiming after "
@@ -2550,7 +2569,7 @@ def candidates_page(conn, directions, query, token):
     direction = query.get("direction") if query.get("direction") in directions else None
     decision = query.get("status") if query.get("status") in DECISIONS else None
     page_text = str(query.get("page", ""))
-    number = min(int(page_text), MAX_PAGE) if page_text.isdigit() and int(page_text) > 0 else 1
+    number = min(int(page_text), MAX_PAGE) if re.fullmatch(r"[1-9][0-9]{0,5}", page_text) else 1
     posts = candidate_posts(conn, direction, decision, (number - 1) * PAGE_SIZE, PAGE_SIZE + 1)
     more, posts = len(posts) > PAGE_SIZE, posts[:PAGE_SIZE]
     back = link_to("/", direction=direction, status=decision, page=number)
@@ -2648,7 +2667,7 @@ class WebApp:
         return {k: v[-1] for k, v in urllib.parse.parse_qs(body).items()}
 
     def check_forgery(self, request, form):
-        if not hmac.compare_digest(form.get("token", ""), self.token()) or \
+        if not hmac.compare_digest(form.get("token", "").encode(), self.token().encode()) or \
                 not self.same_origin(request):
             request.reply(403, "text/plain", b"Cross-site request refused\n")
             return False
@@ -2694,6 +2713,8 @@ class WebApp:
 class WebHandler(http.server.BaseHTTPRequestHandler):
     server_version = f"VESTI/{__version__}"
     access_log = logging.getLogger("vesti.access")
+    # A client that sends nothing is dropped after this many seconds.
+    timeout = 30
 
     def do_GET(self):
         self.guard("GET")
@@ -2720,6 +2741,8 @@ class WebHandler(http.server.BaseHTTPRequestHandler):
         try:
             with self.server.app.db.closing():
                 self.server.app.handle(self, method)
+        except (BrokenPipeError, ConnectionResetError):
+            log.debug("web: %s %s: the client went away", method, self.path)
         except Exception:
             log.exception("web: %s %s failed", method, self.path)
             with contextlib.suppress(OSError):
@@ -2743,13 +2766,37 @@ class WebHandler(http.server.BaseHTTPRequestHandler):
         self.access_log.info("%s %s", self.address_string(), format % args)
 
 
+class WebServer(http.server.ThreadingHTTPServer):
+    """ThreadingHTTPServer with a cap on the threads: past it, new
+    connections are closed at once instead of piling up."""
+    daemon_threads = True
+    max_threads = 64
+
+    def server_activate(self):
+        super().server_activate()
+        self.slots = threading.BoundedSemaphore(self.max_threads)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            log.warning("web: %d requests at once; refusing %s", self.max_threads,
+                        client_address[0])
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
 def make_web_server(app, host, port):
-    """A ThreadingHTTPServer serving `app`; port 0 picks a free port."""
+    """The web server for `app`; port 0 picks a free port."""
     try:
-        server = http.server.ThreadingHTTPServer((host, port), WebHandler)
+        server = WebServer((host, port), WebHandler)
     except (OSError, OverflowError) as e:
         raise ConfigError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}") from None
-    server.daemon_threads = True
     server.app = app
     return server
 
