@@ -1670,6 +1670,22 @@ def test_the_first_telegram_run_takes_the_latest_max_entries(home):
     assert [p["external_id"] for p in posts_of(db, "chan")] == ["8", "9", "10"]
 
 
+def test_an_album_cut_by_the_batch_limit_stays_one_post(home):
+    s, db = tg_intake(home, RSS_MAX_ENTRIES=3)
+    fake = FakeTelegram([tg_message(1, "First post of the day, long enough to stand alone.")])
+    crawl_tg(s, db, fake)
+    fake.history += [tg_message(2, "Second post of the day, long enough to stand alone."),
+                     tg_message(3, "Album caption: three photos from the launch pad", grouped_id=9,
+                                media=tg.MessageMediaPhoto(photo=None)),
+                     tg_message(4, "", grouped_id=9, media=tg.MessageMediaPhoto(photo=None)),
+                     tg_message(5, "", grouped_id=9, media=tg.MessageMediaPhoto(photo=None))]
+    crawl_tg(s, db, fake)                         # takes 2, 3, 4: the album is cut at 4
+    assert db.conn().execute("SELECT last_message_id FROM tg_state").fetchone()[0] == 2
+    crawl_tg(s, db, fake)                         # 3, 4, 5: the whole album
+    posts = [(p["external_id"], p["content_type"]) for p in posts_of(db, "chan")]
+    assert posts == [("1", "text"), ("2", "text"), ("3", "album")]
+
+
 def test_a_short_floodwait_is_waited_out(home):
     s, db = tg_intake(home)
     sleeps = []
@@ -1715,9 +1731,18 @@ def test_telegram_login_without_credentials_says_what_to_do(home):
 
 
 @pytest.mark.parametrize("url", ["https://t.me/durov", "t.me/s/durov/", "@durov", "durov",
-                                 "https://t.me/durov/123"])
+                                 "https://t.me/durov/123", "https://T.me/durov?single",
+                                 "https://telegram.me/durov", "tg://resolve?domain=durov"])
 def test_channel_names_from_links(url):
     assert vesti.channel_name(url) == "durov"
+
+
+@pytest.mark.parametrize("url", ["https://t.me/joinchat/AAAAAE", "https://t.me/+AbCdEf",
+                                 "https://example.com/durov"])
+def test_invite_links_are_refused_in_sources_yaml(home, url):
+    write_sources(home / "sources.yaml", [{"slug": "c", "crawler": "telegram", "url": url}])
+    result = cli("status", cwd=home)
+    assert result.returncode == 2 and "must name a public channel" in result.stderr
 
 
 def test_crawl_sources_queues_feeds_and_records_telegram_without_calling_the_llm(home, server, ollama):

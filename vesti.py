@@ -1102,6 +1102,9 @@ def _parse_source(path, item, directions, seen):
     url = str(item["url"]).strip()
     if item["crawler"] == "rss" and urllib.parse.urlsplit(url).scheme not in ("http", "https"):
         raise ConfigError(f"{label}: url must start with http:// or https://, got {url!r}")
+    if item["crawler"] == "telegram" and channel_name(url) is None:
+        raise ConfigError(f"{label}: url must name a public channel (https://t.me/<name> "
+                          f"or @name), got {url!r}")
     return SourceSpec(slug, str(item.get("name") or slug), item["crawler"], url,
                       None if direction is None else str(direction), priority, enabled)
 
@@ -1730,13 +1733,18 @@ class TelegramSetupError(VestiError):
     """Telegram cannot be used at all: credentials, session or package missing."""
 
 
+CHANNEL_LINK = re.compile(
+    r"(?:(?:https?://)?(?:www\.)?(?:t|telegram)\.me/(?:s/)?|tg://resolve\?domain=|@)?"
+    r"(?P<name>[A-Za-z][A-Za-z0-9_]{3,31})(?:[/?#].*)?", re.IGNORECASE)
+
+
 def channel_name(url):
-    """'https://t.me/durov', 't.me/s/durov', '@durov' or 'durov' -> 'durov'."""
-    name = url.strip()
-    if "t.me/" in name:
-        name = name.split("t.me/", 1)[1]
-        name = name.removeprefix("s/")
-    return name.strip("/").lstrip("@").split("/")[0].split("?")[0]
+    """'https://t.me/durov', 't.me/s/durov', 'tg://resolve?domain=durov',
+    '@durov' or 'durov' -> 'durov'; None for anything else (invite links)."""
+    match = CHANNEL_LINK.fullmatch(url.strip())
+    if not match or match["name"].lower() in ("joinchat", "addlist", "share"):
+        return None
+    return match["name"]
 
 
 def session_path(settings):
@@ -1873,6 +1881,24 @@ async def fetch_channel(client, channel, last_id, limit, sleep):
         raise
 
 
+def whole_albums(messages, limit, first_run):
+    """A full batch may cut an album in two. Going forward, an album at the
+    newest end is held back for the next run (which starts before it); on a
+    first run, an album at the oldest end is older history and is left out.
+    Returns (messages, the newest id to remember)."""
+    if len(messages) < limit or not messages:
+        return messages, max((m.id for m in messages), default=0)
+    newest = max(m.id for m in messages)
+    oldest_album = getattr(messages[0], "grouped_id", None)
+    newest_album = getattr(messages[-1], "grouped_id", None)
+    if first_run and oldest_album and oldest_album != newest_album:
+        return [m for m in messages if getattr(m, "grouped_id", None) != oldest_album], newest
+    if not first_run and newest_album and oldest_album != newest_album:
+        kept = [m for m in messages if getattr(m, "grouped_id", None) != newest_album]
+        return kept, max(m.id for m in kept)
+    return messages, newest
+
+
 def describe_telegram_error(error):
     if isinstance(error, VestiError):
         return str(error)
@@ -1893,10 +1919,10 @@ async def crawl_channel(db, client, source, settings, trigger, sleep):
         record_failure(conn, source, error, settings.dead_after)
         finish_run(conn, run_id, "error", error=error)
         return FeedResult(source["slug"], "error", error=error)
+    messages, newest = whole_albums(messages, settings.max_entries, first_run=not last_id)
     drafts = [message_draft(channel, group) for group in group_messages(messages)]
     new = store_posts(conn, source["id"], source["direction"], drafts)
-    newest = max([m.id for m in messages], default=last_id)
-    save_last_message_id(conn, source["id"], newest)
+    save_last_message_id(conn, source["id"], max(newest, last_id))
     record_success(conn, source)
     finish_run(conn, run_id, "ok", new)
     return FeedResult(source["slug"], "ok", new)
@@ -2222,8 +2248,9 @@ class WorkerStats:
         return self.done + self.returned + self.failed + self.lost
 
     def line(self):
+        lost = f", {self.lost} taken back by the lease" if self.lost else ""
         return (f"{self.processed} processed ({self.done} done, {self.returned} returned "
-                f"to the queue, {self.failed} failed)")
+                f"to the queue, {self.failed} failed{lost})")
 
 
 class WorkerPool:
@@ -2393,6 +2420,16 @@ class WorkerPool:
         return release_claims(self.db.conn(), process_claims())
 
 
+def warn_short_lease(settings):
+    """A lease shorter than one classification may take hands live posts to
+    other workers and burns their attempts."""
+    longest = (settings.ollama_timeout if settings.ollama_url else 0) + 3 * settings.timeout
+    if settings.lease_seconds < longest:
+        log.warning("VESTI_LEASE_SECONDS=%g is shorter than one post may take "
+                    "(OLLAMA_TIMEOUT + 3 x RSS_TIMEOUT = %g s): live posts may be taken back",
+                    settings.lease_seconds, longest)
+
+
 def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
                 classify=None, stop=None, quiet=False, gate=None):
     """Run a worker pool until the queue is empty (or `stop` is set). On stop,
@@ -2400,6 +2437,7 @@ def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
     Returns (stats, finished): finished is False when some worker is still
     stuck in a call, so the caller knows threads are left behind."""
     workers = workers or settings.workers
+    warn_short_lease(settings)
     pending = queue_sizes(db.conn())["pending"]
     total = pending if limit is None else min(limit, pending)
     progress = Progress("worker", total, quiet)
@@ -2987,9 +3025,9 @@ def leave_now(code):
 
 
 def cmd_worker(args, settings):
-    registry, db = open_intake(settings)
     stop = threading.Event()
     with stop_on_signals(stop):
+        registry, db = open_intake(settings)
         _, finished = run_workers(db, settings, registry, args.workers, args.limit,
                                   args.forever, stop=stop)
     if not finished:
@@ -3028,10 +3066,10 @@ def start_web(db, settings, registry, host=None, port=None):
 
 
 def cmd_serve(args, settings):
-    registry, db = open_intake(settings)
     stop = threading.Event()
-    server = start_web(db, settings, registry, args.host, args.port)
     with stop_on_signals(stop):
+        registry, db = open_intake(settings)
+        server = start_web(db, settings, registry, args.host, args.port)
         stop.wait()
     server.shutdown()
     server.server_close()
@@ -3040,16 +3078,16 @@ def cmd_serve(args, settings):
 
 def cmd_run(args, settings):
     """Crawls on a schedule, the worker pool and the web page in one process."""
-    registry, db = open_intake(settings)
     stop = threading.Event()
-    server = start_web(db, settings, registry)
-    # One gate for crawls and article fetches: a host sees one request at a time.
-    gate = HostGate(settings.host_delay)
-    classifier = Classifier(registry, settings, gate)
-    scheduler = Scheduler(db, settings, registry, stop, gate=gate,
-                          listeners=(classifier.use, server.app.use))
-    crawls = threading.Thread(target=scheduler.run, name="scheduler", daemon=True)
     with stop_on_signals(stop):
+        registry, db = open_intake(settings)
+        server = start_web(db, settings, registry)
+        # One gate for crawls and article fetches: a host sees one request at a time.
+        gate = HostGate(settings.host_delay)
+        classifier = Classifier(registry, settings, gate)
+        scheduler = Scheduler(db, settings, registry, stop, gate=gate,
+                              listeners=(classifier.use, server.app.use))
+        crawls = threading.Thread(target=scheduler.run, name="scheduler", daemon=True)
         crawls.start()
         stats, finished = run_workers(db, settings, registry, forever=True, classify=classifier,
                                       stop=stop, quiet=True)
