@@ -337,18 +337,20 @@ def test_store_posts_deduplicates_by_text_hash_and_by_canonical_url(tmp_path):
              draft("http://A.COM:80/2?utm_medium=rss", "Rewritten " + long_text),
              draft("http://b.com/3", "Third " + long_text)]
     assert vesti.store_posts(conn, 2, None, again) == 1      # same text; same URL; new
+    assert vesti.store_posts(conn, 1, None, [draft("http://a.com/9", long_text)]) == 0
     assert conn.execute("SELECT count(*) FROM posts").fetchone()[0] == 3
     assert [tuple(r) for r in conn.execute("SELECT slug, post_count FROM sources")] == \
         [("a", 2), ("b", 1)]
 
 
-def test_one_feed_repeating_a_summary_under_new_links_keeps_every_entry(tmp_path):
-    conn = vesti.Database(str(tmp_path / "v.db")).conn()
-    conn.execute("INSERT INTO sources (slug, url) VALUES ('a', 'http://a/')")
+def test_a_summary_that_several_entries_of_a_feed_share_does_not_merge_them(home, server):
     boilerplate = "Listen to this episode of the show on your favourite podcast app today."
-    assert vesti.store_posts(conn, 1, None, [draft("http://a.com/1", boilerplate, "Ep. 1")]) == 1
-    assert vesti.store_posts(conn, 1, None, [draft("http://a.com/2", boilerplate, "Ep. 2")]) == 1
-    assert vesti.store_posts(conn, 1, None, [draft("http://a.com/2", boilerplate, "Ep. 2")]) == 0
+    server.feed("/feed", rss([{"guid": f"ep{k}", "link": f"{server.url}/ep/{k}", "title": f"Ep. {k}",
+                               "text": boilerplate} for k in range(3)]))
+    s, db = intake(home, [rss_source("pod", server.url + "/feed")])
+    assert crawl(s, db).new_posts == 3
+    assert {p["sha256"] for p in posts_of(db, "pod")} == {None}
+    assert crawl(s, db, ("source", "pod")).new_posts == 0
 
 
 def test_entries_without_a_link_are_told_apart_by_their_id(home, server):

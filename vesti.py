@@ -739,13 +739,13 @@ class Draft:
     content_type: str
     published_at: str
     url_identifies: bool = True
+    text_identifies: bool = True
 
 
 def is_stored(conn, source_id, draft, sha):
     """Stored already: the same canonical URL (where it identifies an entry),
-    the same entry id of the same source, or the same text from another
-    source. Within one source the same text under a new URL and id is a new
-    post (feeds repeat boilerplate summaries)."""
+    the same text (where it identifies one), or the same entry id of the
+    same source."""
     if draft.canonical_url and draft.url_identifies and conn.execute(
             "SELECT 1 FROM posts WHERE canonical_url = ? LIMIT 1",
             (draft.canonical_url,)).fetchone():
@@ -754,8 +754,7 @@ def is_stored(conn, source_id, draft, sha):
                     (source_id, draft.external_id)).fetchone():
         return True
     return bool(sha) and conn.execute(
-        "SELECT 1 FROM posts WHERE sha256 = ? AND source_id IS NOT ? LIMIT 1",
-        (sha, source_id)).fetchone() is not None
+        "SELECT 1 FROM posts WHERE sha256 = ? LIMIT 1", (sha,)).fetchone() is not None
 
 
 def store_posts(conn, source_id, direction, drafts, fetched_at=None):
@@ -765,7 +764,7 @@ def store_posts(conn, source_id, direction, drafts, fetched_at=None):
     new = 0
     with transaction(conn):
         for draft in drafts:
-            sha = text_sha256(draft.text)
+            sha = text_sha256(draft.text) if draft.text_identifies else None
             if is_stored(conn, source_id, draft, sha):
                 continue
             conn.execute("""
@@ -1534,13 +1533,16 @@ def parse_feed(body, feed_url, max_entries, keep_fragments=False, content_type=N
 
 def _mark_shared_urls(drafts):
     """Some feeds give many different entries one link (or repeat a guid and
-    link with new text); such a link does not identify an entry, so those
-    entries are told apart by text instead."""
-    counts = {}
+    link with new text), or one boilerplate summary: such a link or text does
+    not identify an entry, so those entries are told apart otherwise."""
+    counts, texts = {}, {}
     for draft in drafts:
+        identity = (draft.external_id, content_digest(draft.title, draft.text))
         if draft.canonical_url:
-            identity = (draft.external_id, content_digest(draft.title, draft.text))
             counts.setdefault(draft.canonical_url, set()).add(identity)
+        texts.setdefault(text_sha256(draft.text), set()).add(identity)
+    for draft in drafts:
+        draft.text_identifies = len(texts[text_sha256(draft.text)]) == 1
     ids = {}
     for draft in drafts:
         ids[draft.external_id] = ids.get(draft.external_id, 0) + 1
