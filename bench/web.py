@@ -15,8 +15,8 @@ What it measures:
    NULL; 8 processing; 0.01% failed; the rest done, today's included),
    rss_state rows for the RSS sources, tg_state rows for the Telegram ones,
    and --runs runs per source. The file is cached as
-   /tmp/vesti-bench-web-<sizes>-<UTC day>.db (the data are spread back from
-   the moment of building, so "done today" only means something on the day
+   /tmp/vesti-bench-web-<sizes>-<UTC day>.db (a day's share of the posts is
+   put after midnight UTC, so "done today" only means something on the day
    it was built); --rebuild forces a new one.
 2. Latency of the real server: `vesti.py serve --host 127.0.0.1 --port 0`
    on that file, with a sources.yaml listing every source (so that the sync
@@ -68,7 +68,7 @@ import vesti  # noqa: E402
 
 CRAWLERS_TARGET_MS = 100
 QUEUE_TARGET_MS = 20
-CACHE_VERSION = 1  # bump when the generated data change shape
+CACHE_VERSION = 2
 DAYS = 30
 PASSWORD = "bench-web-password"
 USER = "admin"
@@ -195,13 +195,24 @@ def queue_states(n_posts, rng):
     return states, retries
 
 
+def post_moments(n_posts, rng, now):
+    """Fetch times in order: a day's share of the posts since midnight UTC
+    (so "done today" is as big at 00:10 as at 23:50), the rest over the
+    days before."""
+    midnight = now - now % 86400
+    today = max(1, n_posts // DAYS)
+    start = midnight - (DAYS - 1) * 86400
+    earlier = sorted(start + rng.random() * (midnight - start - 1) for _ in range(n_posts - today))
+    recent = sorted(midnight + rng.random() * max(1, now - midnight - 1) for _ in range(today))
+    return earlier + recent
+
+
 def post_rows(sources, n_posts, rng, now):
     """Every post as an INSERT tuple, ids in fetched_at order; the sources
     carry their post_count already."""
     owners = [s["id"] for s in sources for _ in range(s["post_count"])]
     rng.shuffle(owners)
-    start = now - DAYS * 86400
-    moments = sorted(start + rng.random() * (now - start - 1) for _ in range(n_posts))
+    moments = post_moments(n_posts, rng, now)
     states, retries = queue_states(n_posts, rng)
     texts = text_pool(rng, 4000, 150, 190)
     summaries = text_pool(rng, 2000, 80, 140)
