@@ -65,7 +65,6 @@ CREATE TABLE IF NOT EXISTS rss_state (
 CREATE TABLE IF NOT EXISTS tg_state (
     source_id INTEGER PRIMARY KEY,
     last_message_id INTEGER NOT NULL DEFAULT 0,
-    channel_title TEXT,
     updated_at TEXT
 );
 

@@ -1196,10 +1196,12 @@ def test_a_summary_only_post_is_classified_on_its_article_text(home, server, oll
     server.routes["/article"] = lambda request: (200, {"Content-Type": "text/html"},
                                                  page.read_bytes())
     s = make_settings(home, OLLAMA_URL="")
-    classify = vesti.Classifier(vesti.Registry("x", DIRECTIONS, ()), s)
-    post = {"id": 1, "title": "Kernel news", "text": "Kernel teaser.", "content_type": "summary",
-            "url": server.url + "/article"}
+    health = {"health": vesti.Direction("health", "Health", ("coronavirus", "outbreak"))}
+    classify = vesti.Classifier(vesti.Registry("x", {**DIRECTIONS, **health}, ()), s)
+    post = {"id": 1, "title": "New York", "text": "Drone footage from the city.",
+            "content_type": "summary", "url": server.url + "/article"}
     verdict = classify(post)
+    assert verdict["direction"] == "health"          # found only in the article's text
     assert snippet in verdict["text"]
     assert len(verdict["text"]) > 1000
     assert server.sent("/article")[0]["User-Agent"] == s.user_agent
@@ -1320,8 +1322,10 @@ def test_an_unreachable_ollama_stops_the_workers_instead_of_cycling_the_queue(ho
     add_posts(db.conn(), 50)
     result = cli("worker", "--workers", "1", cwd=home, env={"OLLAMA_URL": "http://127.0.0.1:9"})
     assert result.returncode == 0
-    assert "Ollama unreachable at http://127.0.0.1:9/api/chat: connection refused" in result.stdout
-    assert "stopped claiming after 3 connection failures" in result.stdout
+    said = [line for line in result.stderr.splitlines() if "stopped claiming" in line]
+    assert len(said) == 1
+    assert "Ollama unreachable at http://127.0.0.1:9/api/chat: connection refused; " \
+        "stopped claiming after 3 connection failures" in said[0]
     touched = db.conn().execute("SELECT count(*) FROM posts WHERE error LIKE '%refused%'").fetchone()[0]
     assert touched == 3 and queue_of(db) == {0: 50}
     assert db.conn().execute("SELECT max(attempts) FROM posts").fetchone()[0] == 0
@@ -1706,6 +1710,14 @@ def test_a_long_floodwait_is_an_error_and_the_run_goes_on(home):
     assert posts_of(db, "chan") == []
 
 
+def test_a_channel_link_that_names_no_channel_is_a_recorded_error(home):
+    s, db = tg_intake(home)
+    db.conn().execute("UPDATE sources SET url = 'https://example.com/x'")
+    summary = crawl_tg(s, db, FakeTelegram(channel_history()))
+    assert summary.results[0].status == "error"
+    assert "does not name a public channel" in source_row(db, "chan")["last_error"]
+
+
 def test_an_unauthorized_session_is_recorded_on_the_source(home):
     s, db = tg_intake(home)
     crawl_tg(s, db, FakeTelegram([], authorized=False))
@@ -1957,6 +1969,9 @@ def test_a_malformed_but_readable_feed_shows_its_warning_in_grey(web, home, serv
     assert source_row(web.db, "lwn")["last_error"] is None and len(posts_of(web.db, "lwn")) == 2
     cell = re.search(r'<tr id="source-lwn">.*?<td class="error">(.*?)</td>', web.get("/crawlers")[2])[1]
     assert cell.startswith('<span class="muted">malformed feed, 2 entries kept: ')
+    crawl(web.settings, web.db)                        # 304: the same body, the same warning
+    assert state_row(web.db, "lwn")["status"] == "not_modified"
+    assert state_row(web.db, "lwn")["last_error"].startswith("malformed feed")
 
 
 def classified_posts(conn, count, direction="linux"):

@@ -18,6 +18,7 @@ __all__ = [
 ]
 
 import argparse
+import asyncio
 import base64
 import contextlib
 import dataclasses
@@ -470,7 +471,6 @@ CREATE TABLE IF NOT EXISTS rss_state (
 CREATE TABLE IF NOT EXISTS tg_state (
     source_id INTEGER PRIMARY KEY,
     last_message_id INTEGER NOT NULL DEFAULT 0,
-    channel_title TEXT,
     updated_at TEXT
 );
 
@@ -758,8 +758,7 @@ def is_stored(conn, source_id, draft, sha):
 
 
 def store_posts(conn, source_id, direction, drafts, fetched_at=None):
-    """Queue the drafts that are new, in one transaction. A draft is new when
-    neither its text hash nor its canonical URL is stored yet."""
+    """Queue the drafts that are new (see is_stored), in one transaction."""
     fetched_at = fetched_at or utc_text()
     new = 0
     with transaction(conn):
@@ -1525,35 +1524,29 @@ def parse_feed(body, feed_url, max_entries, keep_fragments=False, content_type=N
         [canonical_url(link, keep_fragment=True) for link in links if link])
     fetched_at = fetched_at or utc_text()
     drafts = [entry_draft(e, link, keep_fragments, fetched_at) for e, link in zip(entries, links)]
-    _mark_shared_urls(drafts)
+    mark_ambiguous(drafts)
     warning = f"malformed feed, {len(drafts)} entries kept: {shorten(str(problem), 200)}" \
         if problem is not None else None
     return ParsedFeed(drafts, built, warning, keep_fragments)
 
 
-def _mark_shared_urls(drafts):
+def mark_ambiguous(drafts):
     """Some feeds give many different entries one link (or repeat a guid and
     link with new text), or one boilerplate summary: such a link or text does
     not identify an entry, so those entries are told apart otherwise."""
-    counts, texts = {}, {}
-    for draft in drafts:
-        identity = (draft.external_id, content_digest(draft.title, draft.text))
-        if draft.canonical_url:
-            counts.setdefault(draft.canonical_url, set()).add(identity)
-        texts.setdefault(text_sha256(draft.text), set()).add(identity)
-    for draft in drafts:
-        draft.text_identifies = len(texts[text_sha256(draft.text)]) == 1
-    ids = {}
-    for draft in drafts:
-        ids[draft.external_id] = ids.get(draft.external_id, 0) + 1
-    for draft in drafts:
-        if draft.canonical_url and len(counts[draft.canonical_url]) > 1:
+    identities = [(d.external_id, content_digest(d.title, d.text)) for d in drafts]
+    hashes = [text_sha256(d.text) for d in drafts]
+    by_url, by_text, by_id = {}, {}, {}
+    for draft, identity, sha in zip(drafts, identities, hashes):
+        by_url.setdefault(draft.canonical_url, set()).add(identity)
+        by_text.setdefault(sha, set()).add(identity)
+        by_id[draft.external_id] = by_id.get(draft.external_id, 0) + 1
+    for draft, identity, sha in zip(drafts, identities, hashes):
+        draft.text_identifies = len(by_text[sha]) == 1
+        if draft.canonical_url and len(by_url[draft.canonical_url]) > 1:
             draft.url_identifies = False
-            if ids[draft.external_id] > 1:
-                draft.external_id = f"{draft.external_id}#{content_digest(draft.title, draft.text)}"
-
-
-
+            if by_id[draft.external_id] > 1:
+                draft.external_id = f"{draft.external_id}#{identity[1]}"
 
 
 def fragments_seen_before(conn, source_id, drafts):
@@ -1608,6 +1601,10 @@ class FeedResult:
     error: str = None
 
 
+# rss_state.status of a fetch that worked (last_error then holds a warning).
+FETCHED = ("ok", "not_modified", "unchanged")
+
+
 def fetch_feed(conn, source, settings, gate):
     """One conditional fetch of one feed, stored. Returns (status, new, note)."""
     state = load_rss_state(conn, source["id"])
@@ -1617,12 +1614,14 @@ def fetch_feed(conn, source, settings, gate):
     validators = {"etag": response.headers.get("etag") or state.get("etag"),
                   "modified": response.headers.get("last-modified") or state.get("modified"),
                   "moved_to": moved_to, "http_status": response.status}
+    # The same body keeps the parser's warning about it; an old error goes.
+    warning = state.get("last_error") if state.get("status") in FETCHED else None
     if response.status == 304:
-        save_rss_state(conn, source["id"], status="not_modified", last_error=None, **validators)
+        save_rss_state(conn, source["id"], status="not_modified", last_error=warning, **validators)
         return "not_modified", 0, None
     body_hash = hashlib.sha256(response.body).hexdigest()
     if body_hash == state.get("body_sha256"):
-        save_rss_state(conn, source["id"], status="unchanged", last_error=None, **validators)
+        save_rss_state(conn, source["id"], status="unchanged", last_error=warning, **validators)
         return "unchanged", 0, None
     feed = parse_feed(response.body, response.url, settings.max_entries,
                       bool(state.get("keep_fragments")), response.headers.get("content-type"))
@@ -1915,6 +1914,8 @@ async def crawl_channel(db, client, source, settings, trigger, sleep):
     channel = channel_name(source["url"])
     last_id = last_message_id(conn, source["id"])
     try:
+        if channel is None:
+            raise FetchError(f"{source['url']!r} does not name a public channel")
         messages = await fetch_channel(client, channel, last_id, settings.max_entries, sleep)
     except Exception as e:
         error = describe_telegram_error(e)
@@ -1965,7 +1966,6 @@ async def crawl_channels(db, settings, sources, trigger, client_factory, sleep, 
 def crawl_telegram(db, settings, selection=("all", None), trigger="cli", client_factory=None,
                    sleep=None, quiet=False, stop=None, progress=None):
     """Phase 1 for Telegram channels, one after another through one session."""
-    import asyncio
     sources = select_sources(db.conn(), "telegram", selection)
     own_progress = progress is None
     progress = progress or Progress("telegram", len(sources), quiet)
@@ -1983,7 +1983,6 @@ def crawl_telegram(db, settings, selection=("all", None), trigger="cli", client_
 
 def telegram_login(settings):
     """Interactive login that writes the session file."""
-    import asyncio
     if not settings.tg_api_id or not settings.tg_api_hash:
         raise ConfigError("set TG_API_ID and TG_API_HASH first (https://my.telegram.org → "
                           "API development tools), in the environment or in .env")
@@ -2388,30 +2387,30 @@ class WorkerPool:
         message = str(error) if isinstance(error, VestiError) else f"{type(error).__name__}: {error}"
         if not isinstance(error, VestiError):
             log.exception("post %s: classification failed", post["id"])
-        if isinstance(error, OllamaUnreachable):
+        unreachable = isinstance(error, OllamaUnreachable)
+        if unreachable:
             state = defer_post(conn, post["id"], post["claim_token"], message,
                                self.settings.retry_delay)
         else:
             state = release_post(conn, post["id"], post["claim_token"], message,
                                  self.settings.max_attempts, self.settings.retry_delay)
         with self.lock:
-            if state == -2:
-                self.stats.failed += 1
-            elif state == 0:
-                self.stats.returned += 1
-            else:
-                self.stats.lost += 1
-            if isinstance(error, OllamaUnreachable):
-                self.connection_failures += 1
-                if self.connection_failures >= OLLAMA_DOWN_AFTER and not self.stats.ollama_down:
-                    self.stats.ollama_down = message
-                    self.paused_until = time.monotonic() + OLLAMA_PAUSE
-                    log.warning("%s; stopped claiming after %d connection failures",
-                                message, self.connection_failures)
-            else:
-                self.connection_failures = 0
+            self.stats.failed += state == -2
+            self.stats.returned += state == 0
+            self.stats.lost += state is None
+            self.note_connection(unreachable, message)
         if self.progress:
             self.progress.step()
+
+    def note_connection(self, unreachable, message):
+        """Count connection failures in a row; after OLLAMA_DOWN_AFTER, stop
+        claiming (for OLLAMA_PAUSE seconds with --forever). Under self.lock."""
+        self.connection_failures = self.connection_failures + 1 if unreachable else 0
+        if self.connection_failures >= OLLAMA_DOWN_AFTER and not self.stats.ollama_down:
+            self.stats.ollama_down = message
+            self.paused_until = time.monotonic() + OLLAMA_PAUSE
+            log.warning("%s; stopped claiming after %d connection failures",
+                        message, self.connection_failures)
 
     def release_unfinished(self, wait=35):
         """After a stop: wait for claims still blocked on the database (at
@@ -2450,9 +2449,6 @@ def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
                                     settings.stop_grace)
     released = 0 if finished else pool.release_unfinished()
     progress.finish(pool.stats.line() + (f", {released} put back unfinished" if released else ""))
-    if not quiet and pool.stats.ollama_down and not forever:
-        print(f"worker: {pool.stats.ollama_down}; stopped claiming after "
-              f"{OLLAMA_DOWN_AFTER} connection failures", flush=True)
     return pool.stats, finished
 
 
