@@ -1199,7 +1199,8 @@ def test_a_summary_only_post_is_classified_on_its_article_text(home, server, oll
     health = {"health": vesti.Direction("health", "Health", ("coronavirus", "outbreak"))}
     classify = vesti.Classifier(vesti.Registry("x", {**DIRECTIONS, **health}, ()), s)
     post = {"id": 1, "title": "New York", "text": "Drone footage from the city.",
-            "content_type": "summary", "url": server.url + "/article"}
+            "content_type": "summary", "url": server.url + "/article",
+            "source_url": server.url + "/feed"}
     verdict = classify(post)
     assert verdict["direction"] == "health"          # found only in the article's text
     assert snippet in verdict["text"]
@@ -1212,7 +1213,8 @@ def test_when_the_article_cannot_be_read_the_summary_is_used(home, server):
     s = make_settings(home, OLLAMA_URL="")
     classify = vesti.Classifier(vesti.Registry("x", DIRECTIONS, ()), s)
     post = {"id": 1, "title": "Kernel news", "text": "Kernel teaser about linux.",
-            "content_type": "summary", "url": server.url + "/article"}
+            "content_type": "summary", "url": server.url + "/article",
+            "source_url": server.url + "/feed"}
     verdict = classify(post)
     assert verdict["text"] is None and verdict["direction"] == "linux"
 
@@ -1410,6 +1412,7 @@ def test_the_full_text_found_for_a_summary_post_is_kept(home, server):
     s, db, registry = worker_home(home, "")
     add_posts(db.conn(), 1, content_type="summary")
     db.conn().execute("UPDATE posts SET url = ?", (server.url + "/a",))
+    db.conn().execute("UPDATE sources SET url = ?", (server.url + "/feed",))
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
     post = db.conn().execute("SELECT * FROM posts").fetchone()
     assert (post["classified"], post["content_type"]) == (1, "full")
@@ -2285,13 +2288,46 @@ def test_the_scheduler_crawls_each_priority_on_its_interval(home, server):
     scheduler = vesti.Scheduler(db, s, vesti.load_registry(s.sources), threading.Event(),
                                 clock=lambda: now[0])
     assert scheduler.tick() == [0, 1, 5]
+    assert scheduler.join(10)
     now[0] = 601
     assert scheduler.tick() == [0]
+    assert scheduler.join(10)
     now[0] = 3601
     assert scheduler.tick() == [0, 1, 5]          # priority 5 takes the last interval
+    assert scheduler.join(10)
 
 
 # The repository ----------------------------------------------------------------
+
+@pytest.mark.parametrize" to the end) into test_vesti.py.
+# The lines down to ROOT are here only so this file also runs on its own
+# (`pytest /work/scratch/bench_smoke_test.py`).
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path("/work/main")  # test_vesti.py: pathlib.Path(__file__).resolve().parent
+
+
+@pytest.mark.parametrize("name, marker", [
+    # a figure line each benchmark prints near its end, with a number in it
+    ("crawl", r"second / ideal = \d+\.\d+ +target <= "),
+    ("worker", r"wall / ideal = \d+\.\d+ +target <= "),
+    ("web", r"GET /api/queue +median +\d+\.\d ms"),
+])
+def test_every_benchmark_runs_in_smoke_mode(name, marker):
+    """Each benchmark runs end to end with tiny sizes, prints its figures and
+    exits 0; one that a change in vesti broke (an exception, a vesti command
+    exiting non-zero, a check not holding, no posts stored) exits non-zero."""
+    proc = subprocess.run([sys.executable, f"bench/{name}.py", "--smoke"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert re.search(marker, output), output[-3000:]
+
 
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")

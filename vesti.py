@@ -30,6 +30,8 @@ import html
 import html.parser
 import http.client
 import http.server
+import io
+import ipaddress
 import itertools
 import json
 import logging
@@ -39,6 +41,7 @@ import re
 import secrets
 import socket
 import sqlite3
+import ssl
 import sys
 import threading
 import time
@@ -76,8 +79,8 @@ def _number(kind, most=None):
     return parse
 
 
-def _positive(kind):
-    number = _number(kind)
+def _positive(kind, most=None):
+    number = _number(kind, most)
 
     def parse(name, raw):
         value = number(name, raw)
@@ -91,9 +94,36 @@ def _text(name, raw):
     return raw
 
 
+def _required(name, raw):
+    if not raw.strip():
+        raise ConfigError(f"{name}: must not be empty")
+    return raw
+
+
+def _flag(name, raw):
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}: expected 0 or 1, got {raw!r}")
+
+
+def _user(name, raw):
+    if not raw or ":" in raw:
+        raise ConfigError(f"{name}: must be a non-empty name without ':' (Basic auth "
+                          f"cannot carry one), got {raw!r}")
+    return raw
+
+
 def _url(name, raw):
     raw = raw.strip().rstrip("/")
-    if raw and urllib.parse.urlsplit(raw).scheme not in ("http", "https"):
+    try:
+        parts = urllib.parse.urlsplit(raw)
+        parts.port
+    except ValueError as e:
+        raise ConfigError(f"{name}: not a valid URL ({e}), got {raw!r}") from None
+    if raw and (parts.scheme not in ("http", "https") or not parts.hostname):
         raise ConfigError(f"{name}: expected an http:// or https:// URL, got {raw!r}")
     return raw
 
@@ -103,40 +133,49 @@ def _durations(name, raw):
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     values = []
     for part in raw.split(","):
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", part)
+        match = re.fullmatch(r"\s*(\d{1,6}(?:\.\d{1,6})?)\s*([smhd]?)\s*", part)
         if not match:
             raise ConfigError(f"{name}: expected durations like 15m,1h,6h, got {raw!r}")
-        values.append(float(match[1]) * units[match[2] or "s"])
+        seconds = float(match[1]) * units[match[2] or "s"]
+        if not 1 <= seconds <= 30 * DAY:
+            raise ConfigError(f"{name}: each interval must be 1 s to 30 days, got {raw!r}")
+        values.append(seconds)
     return tuple(values)
 
 
-# (environment name, Settings field, parser, default)
+DAY = 86400
+HOUR = 3600
+
+# (environment name, Settings field, parser, default). Every number has a
+# ceiling: a value past it is a typo, and 1e308 seconds would overflow a clock.
 SETTINGS = [
-    ("VESTI_DB", "db", _text, "vesti.db"),
-    ("VESTI_SOURCES", "sources", _text, "sources.yaml"),
-    ("RSS_USER_AGENT", "user_agent", _text, DEFAULT_USER_AGENT),
-    ("RSS_TIMEOUT", "timeout", _positive(float), "20"),
-    ("RSS_MAX_BYTES", "max_bytes", _positive(int), "10485760"),
-    ("RSS_MAX_ENTRIES", "max_entries", _positive(int), "200"),
-    ("RSS_DEAD_AFTER", "dead_after", _positive(int), "5"),
-    ("RSS_HOST_DELAY", "host_delay", _number(float), "1.0"),
-    ("RSS_CONCURRENCY", "concurrency", _positive(int), "8"),
+    ("VESTI_DB", "db", _required, "vesti.db"),
+    ("VESTI_SOURCES", "sources", _required, "sources.yaml"),
+    ("RSS_USER_AGENT", "user_agent", _required, DEFAULT_USER_AGENT),
+    ("RSS_TIMEOUT", "timeout", _positive(float, HOUR), "20"),
+    ("RSS_MAX_BYTES", "max_bytes", _positive(int, 1 << 30), "10485760"),
+    ("RSS_MAX_ENTRIES", "max_entries", _positive(int, 100000), "200"),
+    ("RSS_DEAD_AFTER", "dead_after", _positive(int, 10000), "5"),
+    ("RSS_HOST_DELAY", "host_delay", _number(float, HOUR), "1.0"),
+    ("RSS_CONCURRENCY", "concurrency", _positive(int, 512), "8"),
     ("OLLAMA_URL", "ollama_url", _url, "http://127.0.0.1:11434"),
     ("OLLAMA_MODEL", "ollama_model", _text, "qwen2.5:7b"),
-    ("OLLAMA_TIMEOUT", "ollama_timeout", _positive(float), "120"),
-    ("VESTI_WORKERS", "workers", _positive(int), "4"),
-    ("VESTI_LEASE_SECONDS", "lease_seconds", _positive(float), "900"),
-    ("VESTI_MAX_ATTEMPTS", "max_attempts", _positive(int), "5"),
-    ("VESTI_RETRY_DELAY", "retry_delay", _number(float), "60"),
+    ("OLLAMA_TIMEOUT", "ollama_timeout", _positive(float, DAY), "120"),
+    ("VESTI_WORKERS", "workers", _positive(int, 512), "4"),
+    ("VESTI_LEASE_SECONDS", "lease_seconds", _positive(float, 30 * DAY), "900"),
+    ("VESTI_MAX_ATTEMPTS", "max_attempts", _positive(int, 1000), "5"),
+    ("VESTI_RETRY_DELAY", "retry_delay", _number(float, DAY), "60"),
     ("VESTI_CRAWL_EVERY", "crawl_every", _durations, "15m,1h,6h"),
-    ("VESTI_STOP_GRACE", "stop_grace", _number(float), "5"),
-    ("VESTI_WEB_HOST", "web_host", _text, "127.0.0.1"),
+    ("VESTI_STOP_GRACE", "stop_grace", _number(float, HOUR), "5"),
+    ("VESTI_BUSY_TIMEOUT", "busy_timeout", _positive(float, HOUR), "30"),
+    ("VESTI_ALLOW_PRIVATE_NETWORKS", "allow_private", _flag, "0"),
+    ("VESTI_WEB_HOST", "web_host", _required, "127.0.0.1"),
     ("VESTI_WEB_PORT", "web_port", _number(int, most=65535), "8080"),
-    ("VESTI_WEB_USER", "web_user", _text, "admin"),
+    ("VESTI_WEB_USER", "web_user", _user, "admin"),
     ("VESTI_WEB_PASSWORD", "web_password", _text, ""),
     ("TG_API_ID", "tg_api_id", _text, ""),
     ("TG_API_HASH", "tg_api_hash", _text, ""),
-    ("TG_SESSION", "tg_session", _text, "vesti.session"),
+    ("TG_SESSION", "tg_session", _required, "vesti.session"),
 ]
 
 
@@ -161,6 +200,8 @@ class Settings:
     retry_delay: float
     crawl_every: tuple
     stop_grace: float
+    busy_timeout: float
+    allow_private: bool
     web_host: str
     web_port: int
     web_user: str
@@ -249,6 +290,14 @@ class SourceDeferred(FetchError):
         self.seconds = seconds
 
 
+class RefusedDestination(FetchError):
+    """A link or redirect the network policy does not allow (scheme or address)."""
+
+
+class HostBusy(FetchError):
+    """The host is busy with another request for longer than one request may take."""
+
+
 class FeedError(VestiError):
     """A body that is not a usable feed."""
 
@@ -259,6 +308,15 @@ class ClassifyError(VestiError):
 
 class OllamaUnreachable(ClassifyError):
     """No connection to Ollama at all (as opposed to a bad answer)."""
+
+
+class TelegramSetupError(VestiError):
+    """Telegram cannot be used at all: credentials, session or package missing."""
+
+
+class StorageError(VestiError):
+    """The database cannot be used (disk full, a corrupt file, an I/O error):
+    not a source's fault; the command ends with exit code 1."""
 
 
 class MissingPackage(VestiError):
@@ -302,6 +360,19 @@ def content_digest(title, text):
 def shorten(text, limit):
     text = text or ""
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+_warned = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(key, message, *args):
+    """A warning said once per process (a missing package, not every post)."""
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    log.warning(message, *args)
 
 
 def import_optional(module, package, feature):
@@ -495,16 +566,134 @@ CREATE INDEX IF NOT EXISTS runs_running ON runs(pid) WHERE status = 'running';
 # claim_post and release_post use UPDATE … RETURNING.
 MIN_SQLITE = (3, 35, 0)
 
+# What SQLite says when the database, not a statement, is broken: the disk is
+# full, the file is corrupt or unreadable. Names from Python 3.11 on, messages
+# for 3.10.
+STORAGE_FAULTS = ("SQLITE_FULL", "SQLITE_IOERR", "SQLITE_CORRUPT", "SQLITE_NOTADB",
+                  "SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_NOMEM", "SQLITE_NOLFS")
+STORAGE_MESSAGES = ("database or disk is full", "disk i/o error", "disk image is malformed",
+                    "file is not a database", "readonly database",
+                    "unable to open database file", "out of memory")
 
-def connect(path):
+# Set when the process is told to stop: a locked database is then no longer
+# waited for (the work is being put down anyway).
+STOPPING = threading.Event()
+
+
+def is_busy(error):
+    """True for 'database is locked': another connection holds the lock."""
+    name = getattr(error, "sqlite_errorname", None) or ""
+    return name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or \
+        (not name and "is locked" in str(error))
+
+
+def storage_error(error, path):
+    """StorageError for a broken database, None for any other error."""
+    name = getattr(error, "sqlite_errorname", None) or ""
+    message = str(error)
+    if name.startswith(STORAGE_FAULTS) or message.lower().startswith(STORAGE_MESSAGES):
+        return StorageError(f"{path}: {message} (a storage problem: check the disk "
+                            f"and the file; no source was blamed for it)")
+    return None
+
+
+class BusyEpisode:
+    """One warning when the database stays locked past the busy timeout (a
+    backup, a long manual UPDATE), however many threads wait; a note when it
+    is free again."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.waiting = 0
+        self.since = None
+
+    def enter(self, path):
+        with self.lock:
+            self.waiting += 1
+            if self.since is None:
+                self.since = time.monotonic()
+                log.warning("%s: the database is locked by another process; waiting for it "
+                            "(nothing is lost meanwhile)", path)
+
+    def leave(self, path):
+        with self.lock:
+            self.waiting -= 1
+            if self.waiting == 0 and self.since is not None:
+                log.info("%s: the database is free again after %.0f s", path,
+                         time.monotonic() - self.since)
+                self.since = None
+
+
+BUSY = BusyEpisode()
+
+
+class StorageCursor(sqlite3.Cursor):
+    """Rows read later than the first (fetchall, iteration) can meet a
+    broken page too: that is a StorageError as well."""
+
+    def _guard(self, call, *args):
+        try:
+            return call(*args)
+        except sqlite3.DatabaseError as e:
+            raise storage_error(e, self.connection.path) or e
+
+    def fetchone(self):
+        return self._guard(super().fetchone)
+
+    def fetchall(self):
+        return self._guard(super().fetchall)
+
+    def fetchmany(self, size=None):
+        return self._guard(super().fetchmany, size or self.arraysize)
+
+    def __next__(self):
+        return self._guard(super().__next__)
+
+
+class Connection(sqlite3.Connection):
+    """A connection whose statements wait out a database that another
+    process keeps locked, and report a broken database as StorageError."""
+    path = ""
+
+    def execute(self, sql, parameters=()):
+        return self._retrying(self.cursor(StorageCursor).execute, sql, parameters)
+
+    def executemany(self, sql, rows):
+        return self._retrying(self.cursor(StorageCursor).executemany, sql, rows)
+
+    def _retrying(self, call, sql, parameters):
+        waiting = False
+        try:
+            while True:
+                try:
+                    return call(sql, parameters)
+                except sqlite3.OperationalError as e:
+                    if not is_busy(e):
+                        raise
+                    if STOPPING.is_set():
+                        raise StorageError(f"{self.path}: {e}; stopped waiting for it "
+                                           f"since the process is stopping") from None
+                    if not waiting:
+                        waiting = True
+                        BUSY.enter(self.path)
+                    time.sleep(0.05)
+        except sqlite3.DatabaseError as e:
+            raise storage_error(e, self.path) or e
+        finally:
+            if waiting:
+                BUSY.leave(self.path)
+
+
+def connect(path, busy_timeout=30):
     """A connection in autocommit mode with the pragmas every connection needs."""
     if sqlite3.sqlite_version_info < MIN_SQLITE:
         raise ConfigError(f"SQLite {sqlite3.sqlite_version} is too old: VESTI needs "
                           f"{'.'.join(map(str, MIN_SQLITE))} or newer (a newer Python build)")
-    conn = sqlite3.connect(path, timeout=30, isolation_level=None,
-                           check_same_thread=False)
+    conn = sqlite3.connect(path, timeout=busy_timeout, isolation_level=None,
+                           check_same_thread=False, factory=Connection)
+    conn.path = path
     conn.row_factory = sqlite3.Row
-    conn.execute("PRAGMA busy_timeout = 30000")
+    conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
     conn.execute("PRAGMA journal_mode = WAL")
     conn.execute("PRAGMA synchronous = NORMAL")
     conn.execute("PRAGMA foreign_keys = ON")
@@ -519,7 +708,10 @@ def transaction(conn):
     try:
         yield conn
     except BaseException:
-        conn.execute("ROLLBACK")
+        # SQLite may have rolled back already (a full disk does that).
+        if conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error, StorageError):
+                conn.execute("ROLLBACK")
         raise
     conn.execute("COMMIT")
 
@@ -572,8 +764,8 @@ def migrate(conn):
 class Database:
     """The SQLite file: one connection per thread, schema applied once."""
 
-    def __init__(self, path):
-        self.path = path
+    def __init__(self, path, busy_timeout=30):
+        self.path, self.busy_timeout = path, busy_timeout
         self._local = threading.local()
         try:
             migrate(self.conn())
@@ -584,8 +776,9 @@ class Database:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             try:
-                conn = self._local.conn = connect(self.path)
+                conn = self._local.conn = connect(self.path, self.busy_timeout)
             except sqlite3.OperationalError as e:
+                # A missing directory or no permission: the setting is wrong.
                 raise ConfigError(f"{self.path}: cannot open the database: {e}") from None
         return conn
 
@@ -608,19 +801,21 @@ class Database:
 
 # Queue ----------------------------------------------------------------------
 
-PENDING = "(classified IS NULL OR classified = 0)"
+# posts.classified: the queue's states (NULL counts as pending).
+PENDING, PROCESSING, DONE, FAILED = 0, -1, 1, -2
+IS_PENDING = f"(classified IS NULL OR classified = {PENDING})"
 
 
 def queue_sizes(conn):
     """The four queue numbers, from posts alone. Pending is counted as two
     index ranges: SQLite would scan for `classified IS NULL OR classified = 0`."""
-    row = conn.execute("""
+    row = conn.execute(f"""
         SELECT (SELECT count(*) FROM posts WHERE classified IS NULL)
-             + (SELECT count(*) FROM posts WHERE classified = 0) AS pending,
-               (SELECT count(*) FROM posts WHERE classified = -1) AS processing,
-               (SELECT count(*) FROM posts WHERE classified = 1
+             + (SELECT count(*) FROM posts WHERE classified = {PENDING}) AS pending,
+               (SELECT count(*) FROM posts WHERE classified = {PROCESSING}) AS processing,
+               (SELECT count(*) FROM posts WHERE classified = {DONE}
                                            AND fetched_at >= date('now')) AS done_today,
-               (SELECT count(*) FROM posts WHERE classified = -2) AS failed
+               (SELECT count(*) FROM posts WHERE classified = {FAILED}) AS failed
     """).fetchone()
     return dict(row)
 
@@ -643,12 +838,13 @@ def claim_post(conn, now=None):
     can never hold the same post."""
     now_text = utc_text(now)
     return conn.execute(f"""
-        UPDATE posts SET classified = -1, claimed_at = ?, claim_token = ?,
+        UPDATE posts SET classified = {PROCESSING}, claimed_at = ?, claim_token = ?,
                          attempts = attempts + 1
         WHERE id = (SELECT id FROM posts INDEXED BY posts_pending
-                    WHERE {PENDING} AND (next_attempt_at IS NULL OR next_attempt_at <= ?)
+                    WHERE {IS_PENDING} AND (next_attempt_at IS NULL OR next_attempt_at <= ?)
                     ORDER BY id LIMIT 1)
-        RETURNING id, source_id, url, title, text, content_type, attempts, claim_token
+        RETURNING id, source_id, url, title, text, content_type, attempts, claim_token,
+                  (SELECT url FROM sources WHERE sources.id = posts.source_id) AS source_url
     """, (now_text, claim_token(), now_text)).fetchone()
 
 
@@ -656,12 +852,12 @@ def complete_post(conn, post_id, token, verdict):
     """Write the classification (and the article's full text, when phase 3
     fetched it), only if the claim is still ours."""
     full_text = verdict.get("text")
-    cursor = conn.execute("""
-        UPDATE posts SET classified = 1, direction = ?, relevance = ?, interest = ?,
+    cursor = conn.execute(f"""
+        UPDATE posts SET classified = {DONE}, direction = ?, relevance = ?, interest = ?,
                          summary = ?, error = NULL, claim_token = NULL,
                          text = coalesce(?, text),
                          content_type = CASE WHEN ? IS NULL THEN content_type ELSE 'full' END
-        WHERE id = ? AND classified = -1 AND claim_token = ?
+        WHERE id = ? AND classified = {PROCESSING} AND claim_token = ?
     """, (verdict["direction"], verdict["relevance"], verdict["interest"],
           verdict["summary"], full_text, full_text, post_id, token))
     return cursor.rowcount == 1
@@ -671,14 +867,14 @@ def release_post(conn, post_id, token, error, max_attempts, retry_delay, now=Non
     """Give a failed post back: pending again after a backoff, or failed for
     good once it has used its attempts. Returns the new state."""
     now = time.time() if now is None else now
-    row = conn.execute("""
+    row = conn.execute(f"""
         UPDATE posts SET
-            classified = CASE WHEN attempts >= ? THEN -2 ELSE 0 END,
+            classified = CASE WHEN attempts >= ? THEN {FAILED} ELSE {PENDING} END,
             next_attempt_at = CASE WHEN attempts >= ? THEN NULL
                               ELSE strftime('%Y-%m-%d %H:%M:%S', ?, 'unixepoch',
                                             '+' || (? * (1 << min(attempts - 1, 6))) || ' seconds') END,
             error = ?, claim_token = NULL
-        WHERE id = ? AND classified = -1 AND claim_token = ?
+        WHERE id = ? AND classified = {PROCESSING} AND claim_token = ?
         RETURNING classified
     """, (max_attempts, max_attempts, now, retry_delay, shorten(error, 2000),
           post_id, token)).fetchone()
@@ -690,11 +886,11 @@ def defer_post(conn, post_id, token, error, retry_delay, now=None):
     fail, so the claim is given back (its attempt uncounted) and the error
     is kept."""
     now = time.time() if now is None else now
-    row = conn.execute("""
-        UPDATE posts SET classified = 0, error = ?, claim_token = NULL,
+    row = conn.execute(f"""
+        UPDATE posts SET classified = {PENDING}, error = ?, claim_token = NULL,
                attempts = max(attempts - 1, 0),
                next_attempt_at = strftime('%Y-%m-%d %H:%M:%S', ?, 'unixepoch', ?)
-        WHERE id = ? AND classified = -1 AND claim_token = ?
+        WHERE id = ? AND classified = {PROCESSING} AND claim_token = ?
         RETURNING classified
     """, (shorten(error, 2000), now, f"+{retry_delay} seconds", post_id, token)).fetchone()
     return None if row is None else row[0]
@@ -702,17 +898,19 @@ def defer_post(conn, post_id, token, error, retry_delay, now=None):
 
 def expire_leases(conn, lease_seconds, max_attempts, now=None):
     """Take back posts whose worker died: pending at once (the post did not
-    fail), or failed when it has used its attempts. Returns (pending, failed)."""
+    fail), or failed when it has used its attempts. A claim without a time
+    (a database from before leases) counts as expired. Returns (pending, failed)."""
     cutoff = utc_text((time.time() if now is None else now) - lease_seconds)
+    expired = f"classified = {PROCESSING} AND (claimed_at IS NULL OR claimed_at <= ?)"
     with transaction(conn):
-        failed = conn.execute("""
-            UPDATE posts SET classified = -2, claim_token = NULL,
+        failed = conn.execute(f"""
+            UPDATE posts SET classified = {FAILED}, claim_token = NULL,
                    error = coalesce(error || '; ', '') || 'lease expired on the last attempt'
-            WHERE classified = -1 AND claimed_at <= ? AND attempts >= ?
+            WHERE {expired} AND attempts >= ?
         """, (cutoff, max_attempts)).rowcount
-        pending = conn.execute("""
-            UPDATE posts SET classified = 0, claim_token = NULL, next_attempt_at = NULL
-            WHERE classified = -1 AND claimed_at <= ?
+        pending = conn.execute(f"""
+            UPDATE posts SET classified = {PENDING}, claim_token = NULL, next_attempt_at = NULL
+            WHERE {expired}
         """, (cutoff,)).rowcount
     return pending, failed
 
@@ -721,9 +919,10 @@ def release_claims(conn, pattern):
     """Put posts whose claim token matches `pattern` (LIKE) back to pending,
     their attempt uncounted: used when workers are stopped before they could
     finish. Returns how many."""
-    return conn.execute("""
-        UPDATE posts SET classified = 0, claim_token = NULL, attempts = max(attempts - 1, 0)
-        WHERE classified = -1 AND claim_token LIKE ?""", (pattern,)).rowcount
+    return conn.execute(f"""
+        UPDATE posts SET classified = {PENDING}, claim_token = NULL,
+                         attempts = max(attempts - 1, 0)
+        WHERE classified = {PROCESSING} AND claim_token LIKE ?""", (pattern,)).rowcount
 
 
 # Posts ----------------------------------------------------------------------
@@ -945,7 +1144,7 @@ def source_health(conn):
 
 def candidate_posts(conn, direction=None, decision=None, offset=0, limit=50):
     """Classified posts, newest first, optionally of one direction or decision."""
-    where, params = ["p.classified = 1"], []
+    where, params = [f"p.classified = {DONE}"], []
     if direction:
         where.append("p.direction = ?")
         params.append(direction)
@@ -1004,6 +1203,7 @@ class Registry:
     sources: tuple
 
 
+MAX_PRIORITY = 1000
 SOURCE_FIELDS = ("slug", "name", "crawler", "url", "direction", "priority", "enabled")
 DIRECTION_FIELDS = ("title", "keywords")
 
@@ -1011,12 +1211,24 @@ DIRECTION_FIELDS = ("title", "keywords")
 def _yaml_loader(yaml, path):
     class LineLoader(yaml.SafeLoader):
         """Remembers the line of every mapping, for error messages, and
-        refuses a key given twice (YAML would keep the last silently)."""
+        refuses a key given twice (YAML would keep the last silently), keys
+        that are not plain values, and aliases (a few nested ones expand
+        into billions of nodes)."""
+
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise ConfigError(f"{path}:{event.start_mark.line + 1}: aliases (*{event.anchor}) "
+                                  f"are not supported; write the value out")
+            return super().compose_node(parent, index)
 
         def construct_mapping(self, node, deep=False):
             seen = set()
             for key_node, _ in node.value:
-                key = getattr(key_node, "value", None)
+                if not isinstance(key_node, yaml.ScalarNode):
+                    raise ConfigError(f"{path}:{key_node.start_mark.line + 1}: a key must be "
+                                      f"a plain name, not a {key_node.id}")
+                key = key_node.value
                 if key in seen:
                     raise ConfigError(f"{path}:{key_node.start_mark.line + 1}: "
                                       f"{key!r} is given twice")
@@ -1050,7 +1262,9 @@ def read_yaml(path):
         where = f":{mark.line + 1}" if mark else ""
         raise ConfigError(f"{path}{where}: YAML syntax error: {e.problem or e.context}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: YAML error: {e}") from None
+        raise ConfigError(f"{path}: YAML error: {shorten(str(e), 300)}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a source registry") from None
 
 
 def _parse_direction(path, key, value):
@@ -1071,7 +1285,8 @@ def _parse_direction(path, key, value):
 
 def _parse_source(path, item, directions, seen):
     if not isinstance(item, dict):
-        raise ConfigError(f"{path}: every entry under 'sources' must be a mapping, got {item!r}")
+        raise ConfigError(f"{path}: every entry under 'sources' must be a mapping, "
+                          f"got {shorten(repr(item), 60)}")
     line = item["__line__"]
     slug = item.get("slug")
     label = f"{path}:{line}: source {slug!r}" if slug is not None else f"{path}:{line}: source"
@@ -1092,19 +1307,34 @@ def _parse_source(path, item, directions, seen):
         raise ConfigError(f"{label}: unknown direction {direction!r} "
                           f"(defined: {', '.join(directions) or 'none'})")
     priority = item.get("priority", 0)
-    if not isinstance(priority, int) or isinstance(priority, bool) or priority < 0:
-        raise ConfigError(f"{label}: priority must be a whole number 0 or more, got {priority!r}")
+    if not isinstance(priority, int) or isinstance(priority, bool) or \
+            not 0 <= priority <= MAX_PRIORITY:
+        raise ConfigError(f"{label}: priority must be a whole number 0 to {MAX_PRIORITY}, "
+                          f"got {shorten(repr(priority), 40)}")
     enabled = item.get("enabled", True)
     if not isinstance(enabled, bool):
         raise ConfigError(f"{label}: enabled must be true or false, got {enabled!r}")
     url = str(item["url"]).strip()
-    if item["crawler"] == "rss" and urllib.parse.urlsplit(url).scheme not in ("http", "https"):
-        raise ConfigError(f"{label}: url must start with http:// or https://, got {url!r}")
+    if item["crawler"] == "rss":
+        check_feed_url(label, url)
     if item["crawler"] == "telegram" and channel_name(url) is None:
         raise ConfigError(f"{label}: url must name a public channel (https://t.me/<name> "
                           f"or @name), got {url!r}")
     return SourceSpec(slug, str(item.get("name") or slug), item["crawler"], url,
                       None if direction is None else str(direction), priority, enabled)
+
+
+def check_feed_url(label, url):
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port
+    except ValueError as e:
+        raise ConfigError(f"{label}: url is not a valid URL ({e}): {shorten(url, 100)!r}") from None
+    if parts.scheme not in WEB_SCHEMES:
+        raise ConfigError(f"{label}: url must start with http:// or https://, "
+                          f"got {shorten(url, 100)!r}")
+    if not parts.hostname:
+        raise ConfigError(f"{label}: url has no host: {shorten(url, 100)!r}")
 
 
 def load_registry(path):
@@ -1185,30 +1415,54 @@ def select_sources(conn, crawler, selection, now=None):
 MAX_REDIRECTS = 5
 PERMANENT_REDIRECTS = (301, 308)
 REDIRECTS = (301, 302, 303, 307, 308)
+WEB_SCHEMES = ("http", "https")
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def host_of(url):
+    try:
+        return (urllib.parse.urlsplit(url).hostname or "").lower()
+    except ValueError:
+        return ""
 
 
 class HostGate:
-    """One request at a time per host, at least `delay` seconds apart."""
+    """One request at a time per host, at least `delay` seconds apart. No lock
+    is held during a request: the host is marked busy, and a caller that
+    cannot have it within `patience` seconds gets HostBusy instead of waiting."""
 
-    def __init__(self, delay, clock=time.monotonic, sleep=time.sleep):
-        self.delay, self.clock, self.sleep = delay, clock, sleep
-        self._lock = threading.Lock()
-        self._hosts = {}
+    def __init__(self, delay, clock=time.monotonic):
+        self.delay, self.clock = delay, clock
+        self._changed = threading.Condition()
+        self._busy = set()
+        self._last = {}
 
     @contextlib.contextmanager
-    def turn(self, url):
-        host = (urllib.parse.urlsplit(url).hostname or "").lower()
-        with self._lock:
-            slot = self._hosts.setdefault(host, [threading.Lock(), None])
-        with slot[0]:
-            if slot[1] is not None:
-                wait = slot[1] + self.delay - self.clock()
-                if wait > 0:
-                    self.sleep(wait)
-            try:
-                yield
-            finally:
-                slot[1] = self.clock()
+    def turn(self, url, patience=None):
+        host = host_of(url)
+        self._take(host, None if patience is None else self.clock() + patience)
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._busy.discard(host)
+                self._last[host] = self.clock()
+                self._changed.notify_all()
+
+    def _take(self, host, deadline):
+        with self._changed:
+            while True:
+                now = self.clock()
+                wait = None if host in self._busy else \
+                    self._last.get(host, -math.inf) + self.delay - now
+                if wait is not None and wait <= 0:
+                    self._busy.add(host)
+                    return
+                if deadline is not None:
+                    if now >= deadline:
+                        raise HostBusy(f"{host} is busy with another request")
+                    wait = deadline - now if wait is None else min(wait, deadline - now)
+                self._changed.wait(wait)
 
 
 @dataclasses.dataclass
@@ -1221,11 +1475,161 @@ class Response:
     location: str = None
 
 
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    """Redirects are followed by http_get itself, to tell 301 from 302."""
+# Network policy --------------------------------------------------------------
 
-    def redirect_request(self, *args, **kwargs):
-        return None
+def why_refused(address):
+    """Why a link may not reach this IP address (loopback, private, …), or
+    None for a public address."""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if ip.version == 6 and (ip.ipv4_mapped or ip.sixtofour):
+        ip = ip.ipv4_mapped or ip.sixtofour
+    for kind in ("loopback", "link_local", "multicast", "unspecified", "private", "reserved"):
+        if getattr(ip, f"is_{kind}"):
+            return kind.replace("_", "-")
+    return None if ip.is_global else "reserved"
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Where a request may go: any public address; a loopback or private one
+    only on the source's own host, or everywhere with VESTI_ALLOW_PRIVATE_NETWORKS=1."""
+    home_host: str
+    allow_private: bool
+
+    def refusal(self, host, address):
+        if self.allow_private or host == self.home_host:
+            return None
+        return why_refused(address)
+
+
+def check_scheme(url):
+    try:
+        scheme = urllib.parse.urlsplit(url).scheme.lower()
+    except ValueError as e:
+        raise FetchError(f"bad URL {shorten(url, 200)!r}: {e}") from None
+    if scheme not in WEB_SCHEMES:
+        raise RefusedDestination(f"refused a {scheme or 'schemeless'}: link "
+                                 f"({shorten(url, 100)!r}): only http and https are fetched")
+
+
+def connect_to(host, port, policy, timeout):
+    """A TCP connection to the first address of `host` the policy allows;
+    the address checked is the address connected to."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise FetchError(f"cannot resolve host ({getattr(e, 'strerror', None) or e})") from None
+    refused, failure = None, None
+    for family, kind, proto, _, address in addresses:
+        why = policy.refusal(host, address[0])
+        if why:
+            refused = refused or (address[0], why)
+            continue
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(address)
+            return sock
+        except OSError as e:
+            sock.close()
+            failure = e
+    if failure is None and refused:
+        raise RefusedDestination(
+            f"refused {host}: it resolves to a {refused[1]} address ({refused[0]}); "
+            f"set VESTI_ALLOW_PRIVATE_NETWORKS=1 to allow links and redirects there")
+    raise FetchError(describe_error(failure or OSError("no address")))
+
+
+_tls = None
+
+
+def tls_context():
+    global _tls
+    if _tls is None:
+        _tls = ssl.create_default_context()
+    return _tls
+
+
+class DeadlinePassed(TimeoutError):
+    """The whole-request deadline passed while reading."""
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket read until a deadline: each read waits at most the time that
+    is left, so a peer dripping bytes cannot hold a request past it."""
+
+    def __init__(self, sock, deadline, timeout):
+        self.sock, self.deadline, self.timeout = sock, deadline, timeout
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlinePassed()
+        self.sock.settimeout(min(self.timeout, left))
+        try:
+            return self.sock.recv_into(buffer)
+        except (socket.timeout, TimeoutError):
+            if time.monotonic() >= self.deadline:
+                raise DeadlinePassed() from None
+            raise
+
+
+class _DeadlineSocket:
+    """What http.client.HTTPResponse reads from: the socket behind a deadline."""
+
+    def __init__(self, sock, deadline, timeout):
+        self.sock, self.deadline, self.timeout = sock, deadline, timeout
+
+    def makefile(self, mode):
+        return io.BufferedReader(_DeadlineReader(self.sock, self.deadline, self.timeout), 65536)
+
+
+def request_target(parts):
+    """The path and query to send, percent-encoded where the link was not."""
+    target = urllib.parse.quote(parts.path or "/", safe="/%:@!$&'()*+,;=-._~")
+    if parts.query:
+        target += "?" + urllib.parse.quote(parts.query, safe="/%:@!$&'()*+,;=-._~?")
+    return target
+
+
+def header_lines(headers):
+    """Request header lines; a value with a line break (an ETag a server
+    made up) is left out rather than sent."""
+    return "".join(f"{name}: {value}\r\n" for name, value in headers.items()
+                   if value is not None and not re.search(r"[\r\n]", str(value)))
+
+
+def send_get(url, headers, settings, policy, deadline):
+    """Connect, send a GET and read the status line and headers, all before
+    `deadline`. Returns (socket, HTTPResponse)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port or DEFAULT_PORTS[parts.scheme.lower()]
+    except (ValueError, KeyError) as e:
+        raise FetchError(f"bad URL {shorten(url, 200)!r}: {e}") from None
+    host = (parts.hostname or "").rstrip(".")
+    if not host:
+        raise FetchError(f"bad URL {shorten(url, 200)!r}: no host")
+    timeout = max(0.001, min(settings.timeout, deadline - time.monotonic()))
+    sock = connect_to(host, port, policy, timeout)
+    try:
+        if parts.scheme.lower() == "https":
+            sock = tls_context().wrap_socket(sock, server_hostname=host)
+        name = f"[{host}]" if ":" in host else host
+        if port != DEFAULT_PORTS[parts.scheme.lower()]:
+            name = f"{name}:{port}"
+        sock.sendall((f"GET {request_target(parts)} HTTP/1.1\r\nHost: {name}\r\n"
+                      f"{header_lines(headers)}Connection: close\r\n\r\n").encode("latin-1", "replace"))
+        response = http.client.HTTPResponse(_DeadlineSocket(sock, deadline, settings.timeout),
+                                            method="GET")
+        response.begin()
+        return sock, response
+    except BaseException:
+        sock.close()
+        raise
 
 
 class _Decoder:
@@ -1282,12 +1686,16 @@ def read_body(response, settings, deadline):
 def describe_error(error):
     """A short human line for a network error."""
     reason = getattr(error, "reason", error)
+    if isinstance(reason, ssl.SSLCertVerificationError):
+        return f"TLS certificate not accepted ({reason.verify_message or reason})"
     if isinstance(reason, (socket.timeout, TimeoutError)):
         return "timed out"
     if isinstance(reason, socket.gaierror):
         return f"cannot resolve host ({reason.strerror or reason})"
     if isinstance(reason, ConnectionRefusedError):
         return "connection refused"
+    if isinstance(reason, http.client.HTTPException):
+        return f"bad HTTP answer ({type(reason).__name__}: {shorten(str(reason), 100)})"
     if isinstance(reason, OSError) and reason.strerror:
         return reason.strerror
     return str(reason) or type(reason).__name__
@@ -1297,24 +1705,12 @@ def retry_after_seconds(value, now=None):
     """Retry-After as seconds from now: a number or an HTTP date; None if unreadable."""
     value = (value or "").strip()
     if value.isdigit():
-        return int(value)
+        return int(value[:9])
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None
     return max(0, when.timestamp() - (time.time() if now is None else now))
-
-
-def _open(opener, url, headers, timeout):
-    request = urllib.request.Request(url, headers=headers)
-    try:
-        return opener.open(request, timeout=timeout)
-    except urllib.error.HTTPError as e:
-        return e
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-        raise FetchError(describe_error(e)) from None
-    except ValueError as e:
-        raise FetchError(f"bad URL {url!r}: {e}") from None
 
 
 def request_headers(settings, extra=None):
@@ -1324,13 +1720,16 @@ def request_headers(settings, extra=None):
             **(extra or {})}
 
 
-def fetch_once(opener, url, headers, settings):
-    """One request, no redirect followed: the status, the headers, the body
-    of a 2xx answer and the target of a redirect."""
-    deadline = time.monotonic() + 3 * settings.timeout
-    response = _open(opener, url, headers, settings.timeout)
+def fetch_once(url, headers, settings, policy):
+    """One request, no redirect followed, within one deadline of 3 x
+    RSS_TIMEOUT from connect to the last byte: the status, the headers, the
+    body of a 2xx answer and the target of a redirect."""
+    limit = 3 * settings.timeout
+    deadline = time.monotonic() + limit
+    sock = None
     try:
-        status = response.status if response.status is not None else response.code
+        sock, response = send_get(url, headers, settings, policy, deadline)
+        status = response.status
         location = response.headers.get("Location")
         if status in REDIRECTS and not location:
             raise FetchError(f"HTTP {status} without a Location header")
@@ -1338,24 +1737,31 @@ def fetch_once(opener, url, headers, settings):
         target = urllib.parse.urljoin(url, location.strip()) if status in REDIRECTS else None
         return Response(status, url, {k.lower(): v for k, v in response.headers.items()},
                         body, location=target)
+    except DeadlinePassed:
+        raise FetchError(f"response took longer than {limit:g} s") from None
     except (OSError, http.client.HTTPException) as e:
         raise FetchError(describe_error(e)) from None
     finally:
-        response.close()
+        if sock is not None:
+            sock.close()
 
 
-def http_get(url, settings, headers=None, gate=None):
+def http_get(url, settings, headers=None, gate=None, home=None, patience=None):
     """GET with redirects (at most 5; where a chain of permanent ones leads is
     reported as moved_to), gzip/deflate, a size cap after decompression and a
-    whole-response deadline. Returns any final status; only network failures
-    raise FetchError."""
+    whole-response deadline. Every hop must be http(s), and may reach a
+    loopback or private address only on the host of `home` (the source's
+    configured URL; by default `url` itself). The host gate is waited for at
+    most `patience` seconds (default: one request's deadline). Returns any
+    final status; network failures and refused links raise FetchError."""
     gate = gate or HostGate(0)
-    opener = urllib.request.build_opener(_NoRedirects())
+    policy = Policy(host_of(url if home is None else home), settings.allow_private)
     headers = request_headers(settings, headers)
     moved_to, permanent = None, True
     for _ in range(MAX_REDIRECTS + 1):
-        with gate.turn(url):
-            response = fetch_once(opener, url, headers, settings)
+        check_scheme(url)
+        with gate.turn(url, 3 * settings.timeout if patience is None else patience):
+            response = fetch_once(url, headers, settings, policy)
         if response.location is None:
             response.moved_to = moved_to
             return response
@@ -1379,7 +1785,6 @@ TRACKING_PARAMS = frozenset("""
 TRACKING_PREFIXES = ("utm_", "ga_", "hmb_", "mtm_", "pk_", "itm_", "stm_", "wt_", "ns_")
 # Parameters that are tracking only with such a value (Medium's ?source=rss-…).
 TRACKING_VALUES = {"source": "rss", "ref": "rss", "feature": "youtube_gdata"}
-DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def is_tracking_param(pair):
@@ -1571,7 +1976,8 @@ def conditional_get(source, state, settings, gate):
         headers["If-None-Match"] = state["etag"]
     if state.get("modified"):
         headers["If-Modified-Since"] = state["modified"]
-    return http_get(state.get("moved_to") or source["url"], settings, headers, gate)
+    return http_get(state.get("moved_to") or source["url"], settings, headers, gate,
+                    home=source["url"])
 
 
 # A server may ask to wait; no longer than a day.
@@ -1642,8 +2048,8 @@ def crawl_feed(db, source, settings, gate, trigger="cli"):
     run_id = start_run(conn, source["id"], "rss", trigger)
     try:
         status, new, note = fetch_feed(conn, source, settings, gate)
-    except SourceDeferred as e:
-        record_deferral(conn, source, str(e), e.seconds)
+    except (SourceDeferred, HostBusy) as e:
+        record_deferral(conn, source, str(e), getattr(e, "seconds", 0))
         save_rss_state(conn, source["id"], status="deferred", last_error=str(e))
         finish_run(conn, run_id, "deferred", error=str(e))
         return FeedResult(source["slug"], "deferred", error=str(e))
@@ -1653,6 +2059,8 @@ def crawl_feed(db, source, settings, gate, trigger="cli"):
         save_rss_state(conn, source["id"], status="gone" if gone else "error", last_error=str(e))
         finish_run(conn, run_id, "error", error=str(e))
         return FeedResult(source["slug"], "gone" if gone else "error", error=str(e))
+    except StorageError:
+        raise
     except Exception as e:
         log.exception("source %s: unexpected error", source["slug"])
         error = f"internal error: {type(e).__name__}: {e}"
@@ -1661,6 +2069,7 @@ def crawl_feed(db, source, settings, gate, trigger="cli"):
         return FeedResult(source["slug"], "error", error=error)
     record_success(conn, source)
     finish_run(conn, run_id, "ok", new, note)
+    log.info("source %s: %s, %d new posts", source["slug"], status.replace("_", " "), new)
     return FeedResult(source["slug"], status, new)
 
 
@@ -1669,8 +2078,7 @@ def group_by_host(sources, url_of):
     one host's sources are fetched one after another, hosts in parallel."""
     groups = {}
     for source in sources:
-        host = (urllib.parse.urlsplit(url_of(source)).hostname or "").lower()
-        groups.setdefault(host, []).append(source)
+        groups.setdefault(host_of(url_of(source)), []).append(source)
     return list(groups.values())
 
 
@@ -1709,7 +2117,11 @@ def crawl_rss(db, settings, selection=("all", None), trigger="cli", gate=None, q
             for source in group:
                 if stop.is_set():
                     break
-                results.append(crawl_feed(db, source, settings, gate, trigger))
+                try:
+                    results.append(crawl_feed(db, source, settings, gate, trigger))
+                except StorageError:
+                    stop.set()      # no other source can be stored either
+                    raise
                 progress.step(f"{source['slug']}: {results[-1].status}")
         return results
 
@@ -1728,10 +2140,6 @@ def crawl_rss(db, settings, selection=("all", None), trigger="cli", gate=None, q
 
 # FloodWait up to this many seconds is waited out; longer ones are an error.
 FLOOD_WAIT_MAX = 60
-
-
-class TelegramSetupError(VestiError):
-    """Telegram cannot be used at all: credentials, session or package missing."""
 
 
 CHANNEL_LINK = re.compile(
@@ -2016,12 +2424,18 @@ def crawl_everything(db, settings, selection=("all", None), trigger="cli", quiet
             with db.closing():
                 result["telegram"] = crawl_telegram(db, settings, selection, trigger,
                                                     client_factory, stop=stop, progress=progress)
+        except StorageError as e:
+            result["failure"] = e
         except Exception:
             log.exception("the Telegram crawl failed")
     channels = threading.Thread(target=crawl_channels_aside, name="telegram")
     channels.start()
-    feeds = crawl_rss(db, settings, selection, trigger, gate, stop=stop, progress=progress)
-    channels.join()
+    try:
+        feeds = crawl_rss(db, settings, selection, trigger, gate, stop=stop, progress=progress)
+    finally:
+        channels.join()
+    if "failure" in result:
+        raise result["failure"]
     summary = CrawlSummary(feeds.results + result["telegram"].results)
     progress.finish(summary.line())
     return summary
@@ -2184,19 +2598,26 @@ def extract_article(html_bytes, url):
                                include_tables=False, favor_precision=True)
 
 
-def fetch_full_text(url, summary, settings, gate):
-    """The full text of a summary-only post, or the summary when the page
-    cannot be fetched or read."""
+def fetch_full_text(url, summary, settings, gate, home=""):
+    """The full text of a summary-only post, or None (the summary stands)
+    when the page cannot be fetched or read. `home` is the source's URL: only
+    its host may be a loopback or private address. A busy article host is
+    waited for no longer than one request may take."""
+    patience = min(3 * settings.timeout, settings.host_delay + settings.timeout)
     try:
-        response = http_get(url, settings, {"Accept": "text/html,*/*;q=0.5"}, gate)
+        response = http_get(url, settings, {"Accept": "text/html,*/*;q=0.5"}, gate, home=home,
+                            patience=patience)
         if response.status != 200:
             raise FetchError(f"HTTP {response.status}")
         text = extract_article(response.body, response.url)
-    except (FetchError, MissingPackage) as e:
+    except FetchError as e:
         log.info("full text of %s: %s; using the summary", url, e)
         return None
-    except Exception as e:
-        log.info("full text of %s: extraction failed (%s); using the summary", url, e)
+    except MissingPackage as e:
+        warn_once("trafilatura", "%s; posts are classified on their feed's summary", e)
+        return None
+    except Exception:
+        log.warning("full text of %s: extraction failed; using the summary", url, exc_info=True)
         return None
     if not text or len(normalize_text(text)) <= len(normalize_text(summary)):
         return None
@@ -2230,7 +2651,8 @@ class Classifier:
         directions, keywords = self.vocabulary
         text, full_text = post["text"], None
         if post["content_type"] == "summary" and post["url"]:
-            full_text = fetch_full_text(post["url"], text, self.settings, self.gate)
+            home = post["source_url"] if "source_url" in post.keys() else None
+            full_text = fetch_full_text(post["url"], text, self.settings, self.gate, home or "")
             text = full_text or text
         verdict = classify_text(text, directions, self.settings, post["title"], keywords)
         return {**verdict, "text": full_text}
@@ -2298,7 +2720,11 @@ class WorkerPool:
 
     def work(self, forever):
         with self.db.closing():
-            self.claim_and_process(self.db.conn(), forever)
+            try:
+                self.claim_and_process(self.db.conn(), forever)
+            except StorageError:
+                self.stop.set()     # no other worker can write either
+                raise
 
     def claim_and_process(self, conn, forever):
         while not self.stop.is_set():
@@ -2374,6 +2800,9 @@ class WorkerPool:
 
     def complete(self, conn, post, verdict):
         written = complete_post(conn, post["id"], post["claim_token"], verdict)
+        log.info("post %s: %s, relevance %s, interest %s%s", post["id"],
+                 verdict["direction"] or "no direction", verdict["relevance"],
+                 verdict["interest"], "" if written else " (taken back by the lease; not written)")
         with self.lock:
             self.connection_failures = 0
             if written:
@@ -2385,7 +2814,9 @@ class WorkerPool:
 
     def fail(self, conn, post, error):
         message = str(error) if isinstance(error, VestiError) else f"{type(error).__name__}: {error}"
-        if not isinstance(error, VestiError):
+        if isinstance(error, VestiError):
+            log.info("post %s: %s", post["id"], message)
+        else:
             log.exception("post %s: classification failed", post["id"])
         unreachable = isinstance(error, OllamaUnreachable)
         if unreachable:
@@ -2395,8 +2826,8 @@ class WorkerPool:
             state = release_post(conn, post["id"], post["claim_token"], message,
                                  self.settings.max_attempts, self.settings.retry_delay)
         with self.lock:
-            self.stats.failed += state == -2
-            self.stats.returned += state == 0
+            self.stats.failed += state == FAILED
+            self.stats.returned += state == PENDING
             self.stats.lost += state is None
             self.note_connection(unreachable, message)
         if self.progress:
@@ -2445,8 +2876,13 @@ def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
     stop = stop or threading.Event()
     pool = WorkerPool(db, settings, classify or Classifier(registry, settings, gate), stop,
                       progress)
-    finished, _ = run_until_stopped(lambda: pool.run(workers, limit, forever), stop,
-                                    settings.stop_grace)
+    try:
+        finished, _ = run_until_stopped(lambda: pool.run(workers, limit, forever), stop,
+                                        settings.stop_grace)
+    except StorageError:
+        with contextlib.suppress(StorageError, sqlite3.Error):
+            pool.release_unfinished(wait=0)
+        raise
     released = 0 if finished else pool.release_unfinished()
     progress.finish(pool.stats.line() + (f", {released} put back unfinished" if released else ""))
     return pool.stats, finished
@@ -2643,7 +3079,7 @@ class WebApp:
             ("GET", re.compile(r"/crawlers"), self.crawlers),
             ("POST", re.compile(r"/crawlers/reset"), self.reset),
             ("GET", re.compile(r"/api/queue"), self.api_queue),
-            ("POST", re.compile(r"/posts/(\d+)/status"), self.decide),
+            ("POST", re.compile(r"/posts/([1-9][0-9]{0,17})/status"), self.decide),
             ("GET", re.compile(r"/healthz"), self.healthz),
         ]
 
@@ -2731,7 +3167,8 @@ class WebApp:
             return
         if form.get("status") not in DECISIONS:
             return request.reply(400, "text/plain", b"status must be new, approved or rejected\n")
-        set_decision(self.db.conn(), int(post_id), form["status"])
+        if not set_decision(self.db.conn(), int(post_id), form["status"]):
+            return request.reply(404, "text/plain", b"No such post\n")
         back = form.get("back", "/")
         back = back if LOCAL_PATH.fullmatch(back) else "/"
         request.reply(303, "text/plain", b"", {"Location": back})
@@ -2746,11 +3183,22 @@ class WebApp:
 
 
 
+# Control characters of a request line are written to the log escaped.
+LOG_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(32), 127]}
+
+
 class WebHandler(http.server.BaseHTTPRequestHandler):
     server_version = f"VESTI/{__version__}"
     access_log = logging.getLogger("vesti.access")
-    # A client that sends nothing is dropped after this many seconds.
-    timeout = 30
+    # The whole request (line, headers, body) must arrive within this many
+    # seconds, however slowly it trickles in; a slower client is dropped.
+    request_deadline = 10
+    timeout = request_deadline
+
+    def setup(self):
+        super().setup()
+        deadline = time.monotonic() + self.request_deadline
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, deadline, self.timeout))
 
     def do_GET(self):
         self.guard("GET")
@@ -2779,6 +3227,13 @@ class WebHandler(http.server.BaseHTTPRequestHandler):
                 self.server.app.handle(self, method)
         except (BrokenPipeError, ConnectionResetError):
             log.debug("web: %s %s: the client went away", method, self.path)
+        except TimeoutError:
+            self.close_connection = True
+            log.info("web: %s sent its request too slowly; dropped", self.address_string())
+        except StorageError as e:
+            log.error("web: %s", e)
+            with contextlib.suppress(OSError):
+                self.reply(503, "text/plain", b"The database is unavailable; see the server log\n")
         except Exception:
             log.exception("web: %s %s failed", method, self.path)
             with contextlib.suppress(OSError):
@@ -2799,7 +3254,8 @@ class WebHandler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def log_message(self, format, *args):
-        self.access_log.info("%s %s", self.address_string(), format % args)
+        self.access_log.info("%s %s", self.address_string(),
+                             (format % args).translate(LOG_ESCAPES))
 
 
 class WebServer(http.server.ThreadingHTTPServer):
@@ -2872,6 +3328,8 @@ class Scheduler:
         self.listeners = listeners
         self.clock = clock
         self.due = {}
+        self.crawls = {}
+        self.failure = None
         self.sources_mtime = self.mtime()
         self.next_prune = 0.0
 
@@ -2903,31 +3361,56 @@ class Scheduler:
         return enabled_priorities(self.db.conn())
 
     def tick(self):
-        """Crawl every priority that is due; returns the priorities crawled."""
+        """Start the crawl of every priority that is due and not still
+        running, each in its own thread, so a slow feed of one priority never
+        holds the others. Returns the priorities started."""
         self.reload_sources()
-        crawled = []
+        started = []
         for priority in self.priorities():
             if self.stop.is_set():
                 break
+            running = self.crawls.get(priority)
+            if running is not None and running.is_alive():
+                continue
             if self.clock() >= self.due.get(priority, 0):
-                crawl_everything(self.db, self.settings, ("priority", priority), "schedule",
-                                 gate=self.gate, stop=self.stop)
                 self.due[priority] = self.clock() + self.interval(priority)
-                crawled.append(priority)
+                self.crawls[priority] = threading.Thread(
+                    target=self.crawl, args=(priority,), name=f"crawl-{priority}", daemon=True)
+                self.crawls[priority].start()
+                started.append(priority)
         if self.clock() >= self.next_prune:
             prune_runs(self.db.conn(), KEEP_RUNS_DAYS)
             self.next_prune = self.clock() + 86400
-        return crawled
+        return started
+
+    def crawl(self, priority):
+        try:
+            with self.db.closing():
+                crawl_everything(self.db, self.settings, ("priority", priority), "schedule",
+                                 gate=self.gate, stop=self.stop)
+        except StorageError as e:
+            self.failure = e
+            self.stop.set()
+        except Exception:
+            log.exception("scheduled crawl of priority %d failed", priority)
+
+    def join(self, timeout=None):
+        """Wait for the crawls in flight; True when none is left."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in list(self.crawls.values()):
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self.crawls.values())
 
     def run(self):
         while not self.stop.is_set():
             try:
                 self.tick()
+            except StorageError as e:
+                self.failure = e
+                self.stop.set()
             except Exception:
                 log.exception("scheduled crawl failed")
             self.stop.wait(1.0)
-
-
 
 
 ###############################################################################
@@ -2938,7 +3421,7 @@ def open_intake(settings):
     """The registry and the database, with sources.yaml synced in: what every
     command does first."""
     registry = load_registry(settings.sources)
-    db = Database(settings.db)
+    db = Database(settings.db, settings.busy_timeout)
     sync_sources(db.conn(), registry)
     close_orphan_runs(db.conn())
     return registry, db
@@ -3004,8 +3487,10 @@ def cmd_rss(args, settings):
 def stop_on_signals(stop):
     """SIGTERM and SIGINT set `stop` instead of killing the process."""
     import signal
-    previous = {sig: signal.signal(sig, lambda *_: stop.set())
-                for sig in (signal.SIGTERM, signal.SIGINT)}
+    def handler(*_):
+        stop.set()
+        STOPPING.set()
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
@@ -3087,13 +3572,19 @@ def cmd_run(args, settings):
                               listeners=(classifier.use, server.app.use))
         crawls = threading.Thread(target=scheduler.run, name="scheduler", daemon=True)
         crawls.start()
-        stats, finished = run_workers(db, settings, registry, forever=True, classify=classifier,
-                                      stop=stop, quiet=True)
+        try:
+            stats, finished = run_workers(db, settings, registry, forever=True,
+                                          classify=classifier, stop=stop, quiet=True)
+        finally:
+            stop.set()
+            server.shutdown()
+            server.server_close()
     print(f"worker: {stats.line()}", flush=True)
-    server.shutdown()
-    server.server_close()
     crawls.join(settings.stop_grace)
-    if not finished or crawls.is_alive():
+    crawled = scheduler.join(settings.stop_grace)
+    if scheduler.failure is not None:
+        raise scheduler.failure
+    if not finished or not crawled:
         interrupt_runs(db.conn())
         leave_now(0)
     return 0
@@ -3236,6 +3727,9 @@ def main(argv=None):
     except (ConfigError, MissingPackage) as e:
         print(f"vesti: {e}", file=sys.stderr)
         return 2
+    except StorageError as e:
+        print(f"vesti: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("vesti: interrupted", file=sys.stderr)
         return 130

@@ -1,6 +1,11 @@
 #!/usr/bin/env python3
-"""Benchmark of the VESTI RSS crawler (phase 1). Prints figures and ratios;
-always exits 0. Run from the repository root: `python bench/crawl.py`.
+"""Benchmark of the VESTI RSS crawler (phase 1). Prints figures and ratios.
+Exits 0 when everything ran (a MISS is a figure, not a failure); exits 1
+when something broke: an exception, `vesti.py rss` exiting non-zero, a check
+after a crawl not holding (e.g. no posts stored), a big body not refused.
+Run from the repository root: `python bench/crawl.py`; `python
+bench/crawl.py --smoke` runs the whole path in a few seconds with tiny sizes
+(the figures only show that it runs).
 
 What it measures:
 
@@ -23,7 +28,8 @@ What it measures:
    expands to 1 GiB (about 1 MB of gzip: deflate compresses at most about
    1032:1, so a 50 KB bomb could only expand to about 50 MB). RSS_MAX_BYTES
    is 10 MiB by default, so each must end in FetchError with the peak RSS
-   staying near the baseline plus that cap.
+   staying near the baseline plus that cap. With --smoke: a 3 MB body and
+   a 32 MiB bomb against RSS_MAX_BYTES=1 MiB instead.
 """
 
 import argparse
@@ -41,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import zlib
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -57,6 +64,19 @@ RATE_ENTRIES = 5000
 BIG_BODY = 50 * 1000 * 1000
 BOMB_SIZE = 1 << 30
 CRAWL_TARGET = 1.5
+# --smoke: sizes of the whole path in a few seconds (each size overridable).
+SMOKE = {"feeds": 5, "entries": 5, "latency": 0.01}
+SMOKE_RATE_ENTRIES = 200
+SMOKE_BIG_BODY = 3 * 1000 * 1000
+SMOKE_BOMB_SIZE = 32 << 20
+SMOKE_MAX_BYTES = 1 << 20
+FAILURES = []
+
+
+def fail(message):
+    """Something broke (not a missed target): printed now, exit code 1 at the end."""
+    FAILURES.append(message)
+    print(f"    FAILED: {message}", flush=True)
 WORDS = """kernel release patch driver memory network storage scheduler compiler
     library server update security filesystem desktop terminal package mirror
     cluster database queue worker feed editor article reader browser protocol
@@ -248,6 +268,12 @@ def crawl_once(label, db, sources, env, counter, expect, timeout):
     for error in got["errors"]:
         print(f"    run error: {vesti.shorten(error, 200)}")
     print(f"    check: {'as expected' if ok else 'UNEXPECTED, expected ' + str(expect)}")
+    if proc.returncode != 0:
+        fail(f"{label}: `vesti.py rss --all` exited {proc.returncode}")
+    if got["posts"] == 0 and expect["posts"]:
+        fail(f"{label}: no post stored, {expect['posts']} expected")
+    elif not ok:
+        fail(f"{label}: {got} / served {served}, expected {expect}")
     return wall
 
 
@@ -293,6 +319,8 @@ def parse_store_rate(tmp, entries):
     print(f"    parse        {parse:6.2f} s  {entries / parse:8.0f} entries/s")
     print(f"    store        {store:6.2f} s  {entries / store:8.0f} entries/s")
     print(f"    parse+store  {parse + store:6.2f} s  {entries / (parse + store):8.0f} entries/s")
+    if len(feed.drafts) != entries or stored != entries:
+        fail(f"parse and store: {len(feed.drafts)} parsed, {stored} stored of {entries} entries")
 
 
 # Refused bodies ---------------------------------------------------------------
@@ -307,8 +335,8 @@ def gzip_bomb(size):
 
 
 class BigHandler(http.server.BaseHTTPRequestHandler):
-    """/plain: 50 MB with Content-Length; /stream: the same without it;
-    /bomb: the gzip bomb with Content-Encoding: gzip."""
+    """/plain: the big body (50 MB) with Content-Length; /stream: the same
+    without it; /bomb: the gzip bomb with Content-Encoding: gzip."""
 
     def do_GET(self):
         try:
@@ -321,14 +349,15 @@ class BigHandler(http.server.BaseHTTPRequestHandler):
                 self.end_headers()
                 self.wfile.write(bomb)
             elif self.path in ("/plain", "/stream"):
+                size = self.server.site["size"]
                 self.send_response(200)
                 self.send_header("Content-Type", CONTENT_TYPE)
                 if self.path == "/plain":
-                    self.send_header("Content-Length", str(BIG_BODY))
+                    self.send_header("Content-Length", str(size))
                 self.end_headers()
                 chunk = b"<item><title>x</title></item>\n" * 33_000
-                for offset in range(0, BIG_BODY, len(chunk)):
-                    self.wfile.write(chunk[:BIG_BODY - offset])
+                for offset in range(0, size, len(chunk)):
+                    self.wfile.write(chunk[:size - offset])
             else:
                 self.send_error(404)
         except (BrokenPipeError, ConnectionResetError):
@@ -344,7 +373,7 @@ sys.path.insert(0, sys.argv[1])
 import vesti
 def peak():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-settings = vesti.load_settings(environ={}, env_file=None)
+settings = vesti.load_settings(environ=json.loads(sys.argv[3]), env_file=None)
 before = peak()
 started = time.monotonic()
 try:
@@ -362,31 +391,37 @@ print(json.dumps({"before": before, "after": peak(), "seconds": time.monotonic()
 LAUNCHER = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"
 
 
-def probe(url):
-    command = [sys.executable, "-c", LAUNCHER, sys.executable, "-c", PROBE, REPO, url]
+def probe(url, environ):
+    command = [sys.executable, "-c", LAUNCHER, sys.executable, "-c", PROBE, REPO, url,
+               json.dumps(environ)]
     proc = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
-        return {"outcome": f"probe failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"}
+        tail = "\n    ".join(proc.stderr.strip().splitlines()[-6:])
+        return {"outcome": f"probe failed (exit {proc.returncode}):\n    {tail}"}
     return json.loads(proc.stdout)
 
 
-def refused_bodies():
-    bomb = gzip_bomb(BOMB_SIZE)
-    server = start_server("127.0.0.1", BigHandler, {"bomb": bomb})
+def refused_bodies(big_body=BIG_BODY, bomb_size=BOMB_SIZE, environ=None):
+    """`environ`: the probe's settings (default: none, so RSS_MAX_BYTES's default)."""
+    bomb = gzip_bomb(bomb_size)
+    server = start_server("127.0.0.1", BigHandler, {"bomb": bomb, "size": big_body})
     base = f"http://127.0.0.1:{server.server_address[1]}"
-    cases = [("50 MB body, Content-Length", "/plain"),
-             ("50 MB body, no Content-Length", "/stream"),
-             (f"gzip bomb {len(bomb) / 1e3:.0f} KB -> {BOMB_SIZE >> 20} MiB", "/bomb")]
+    cases = [(f"{big_body / 1e6:.0f} MB body, Content-Length", "/plain"),
+             (f"{big_body / 1e6:.0f} MB body, no Content-Length", "/stream"),
+             (f"gzip bomb {len(bomb) / 1e3:.0f} KB -> {bomb_size >> 20} MiB", "/bomb")]
     try:
         for label, path in cases:
-            got = probe(base + path)
+            got = probe(base + path, environ or {})
             if "before" not in got:
                 print(f"{label}: {got['outcome']}")
+                fail(f"{label}: the probe crashed (traceback above)")
                 continue
             print(f"{label}: peak RSS {got['after']:.1f} MB (baseline {got['before']:.1f} MB, "
                   f"+{got['after'] - got['before']:.1f} MB; limit "
                   f"{got['limit'] / 2**20:.0f} MiB), {got['seconds']:.2f} s")
             print(f"    {got['outcome']}")
+            if not got["outcome"].startswith("FetchError"):
+                fail(f"{label}: not refused ({got['outcome']})")
     finally:
         stop_servers([server])
 
@@ -435,21 +470,56 @@ def crawl_benchmark(tmp, feeds, entries, latency, concurrency):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--feeds", type=int, default=200, help="number of feeds (default 200)")
-    parser.add_argument("--entries", type=int, default=50, help="entries per feed (default 50)")
-    parser.add_argument("--latency", type=float, default=0.1,
+    parser.add_argument("--feeds", type=int, help="number of feeds (default 200)")
+    parser.add_argument("--entries", type=int, help="entries per feed (default 50)")
+    parser.add_argument("--latency", type=float,
                         help="seconds each server waits before answering (default 0.1)")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"tiny sizes ({SMOKE['feeds']} feeds x {SMOKE['entries']} entries, "
+                             f"{SMOKE['latency'] * 1000:.0f} ms latency, a feed of "
+                             f"{SMOKE_RATE_ENTRIES} entries for the rate, a "
+                             f"{SMOKE_BIG_BODY / 1e6:.0f} MB body and a "
+                             f"{SMOKE_BOMB_SIZE >> 20} MiB bomb against RSS_MAX_BYTES="
+                             f"{SMOKE_MAX_BYTES}): checks that the whole benchmark runs, "
+                             "in a few seconds")
     args = parser.parse_args(argv)
+    defaults = SMOKE if args.smoke else {"feeds": 200, "entries": 50, "latency": 0.1}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     concurrency = int(os.environ.get("VESTI_BENCH_CONCURRENCY") or 8)
     vesti.import_optional("feedparser", "feedparser", "the benchmark")  # not timed
+    if args.smoke:
+        print("smoke mode: tiny sizes; the figures show that the benchmark runs, the "
+              "PASS/MISS verdicts mean nothing\n")
     with tempfile.TemporaryDirectory(prefix="vesti-bench-") as tmp:
         crawl_benchmark(tmp, args.feeds, args.entries, args.latency, concurrency)
         print("\n== parse and store rate, in-process")
-        parse_store_rate(tmp, RATE_ENTRIES)
-        print("\n== memory while refusing big bodies (vesti.http_get, default settings)")
-        refused_bodies()
+        parse_store_rate(tmp, SMOKE_RATE_ENTRIES if args.smoke else RATE_ENTRIES)
+        if args.smoke:
+            print(f"\n== memory while refusing big bodies (vesti.http_get, smoke: "
+                  f"RSS_MAX_BYTES={SMOKE_MAX_BYTES}, small bodies)")
+            refused_bodies(SMOKE_BIG_BODY, SMOKE_BOMB_SIZE, {"RSS_MAX_BYTES": SMOKE_MAX_BYTES})
+        else:
+            print("\n== memory while refusing big bodies (vesti.http_get, default settings)")
+            refused_bodies()
+    return 0
+
+
+def run(argv=None):
+    """main(); exit code 1 if it raised or anything in it failed."""
+    try:
+        main(argv)
+    except Exception:  # noqa: BLE001 - printed, then the exit code says it
+        sys.stdout.flush()
+        traceback.print_exc()
+        print("benchmark aborted by the error above", flush=True)
+        FAILURES.append("aborted by an exception")
+    if FAILURES:
+        print(f"\nFAILED ({len(FAILURES)}): " + "; ".join(FAILURES), flush=True)
+        return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -1,7 +1,13 @@
 #!/usr/bin/env python3
 """Benchmark of the VESTI web page on a big database. Prints figures and
-PASS/MISS next to each target; always exits 0. Run from the repository root:
-`python bench/web.py`.
+PASS/MISS next to each target. Exits 0 when everything ran (a MISS is a
+figure, not a failure); exits 1 when something broke: an exception, the
+server not starting or not exiting 0 on SIGTERM, a check that does not hold
+(e.g. /api/queue differing from the file, no posts where posts were
+expected). Run from the repository root: `python bench/web.py`;
+`python bench/web.py --smoke` runs the whole path in a few seconds on a tiny
+database built in a temporary directory (the cache is not touched; the
+figures only show that it runs).
 
 What it measures:
 
@@ -75,6 +81,10 @@ USER = "admin"
 START_TIMEOUT = 180
 STOP_TIMEOUT = 30
 MEASURE_BUDGET = 300  # seconds per path at most, warm-up included
+# Sizes: the full benchmark's defaults, and --smoke's (each overridable).
+FULL = {"sources": 2000, "posts": 1_000_000, "runs": 10, "requests": 50, "warmup": 3,
+        "repeat": 10}
+SMOKE = {"sources": 20, "posts": 2000, "runs": 2, "requests": 5, "warmup": 1, "repeat": 3}
 DIRECTIONS = {"linux": "Linux", "security": "Security", "science": "Science", "ai": "AI"}
 # Crawl interval of each priority (VESTI_CRAWL_EVERY's default 15m,1h,6h).
 INTERVALS = (900, 3600, 21600, 21600)
@@ -94,6 +104,14 @@ ERRORS = (
     "RSS or Atom; check the address in sources.yaml or remove the source if the site "
     "has stopped publishing a feed ({url})",
 )
+
+FAILURES = []
+
+
+def fail(message):
+    """Something broke (not a missed target): printed now, exit code 1 at the end."""
+    FAILURES.append(message)
+    print(f"    FAILED: {message}", flush=True)
 
 
 # Building ----------------------------------------------------------------------
@@ -270,10 +288,45 @@ def post_rows(sources, n_posts, rng, now):
                summary)
 
 
-POST_INSERT = """INSERT INTO posts (id, source_id, external_id, url, canonical_url, title, text,
-    content_type, sha256, fetched_at, published_at, status, classified, attempts, claimed_at,
-    claim_token, next_attempt_at, error, direction, relevance, interest, summary)
-    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
+POST_COLUMNS = ("id", "source_id", "external_id", "url", "canonical_url", "title", "text",
+                "content_type", "sha256", "fetched_at", "published_at", "status", "classified",
+                "attempts", "claimed_at", "claim_token", "next_attempt_at", "error",
+                "direction", "relevance", "interest", "summary")
+SOURCE_COLUMNS = ("id", "slug", "name", "crawler", "url", "direction", "priority", "enabled",
+                  "status", "last_fetch", "last_error", "error_count", "next_fetch_at",
+                  "post_count")
+RSS_STATE_COLUMNS = ("source_id", "etag", "modified", "last_build_date", "last_error", "status",
+                     "http_status", "body_sha256", "moved_to", "updated_at")
+TG_STATE_COLUMNS = ("source_id", "last_message_id", "updated_at")
+RUN_COLUMNS = ("source_id", "task", "trigger", "started_at", "finished_at", "status",
+               "new_posts", "error")
+
+
+class Inserter:
+    """INSERTs of rows given as tuples in the order of `columns`, into only
+    the columns the table has in the schema vesti created (PRAGMA
+    table_info), so a column vesti drops cannot break the build: the
+    benchmark's values for it are left out, with a note. A column vesti adds
+    gets its default, or fails the build if it has none (NOT NULL)."""
+
+    def __init__(self, conn, table, columns):
+        have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        if not have:
+            raise RuntimeError(f"vesti's schema has no table {table}")
+        keep = [i for i, name in enumerate(columns) if name in have]
+        dropped = [name for name in columns if name not in have]
+        if dropped:
+            print(f"    note: vesti's {table} table has no {', '.join(dropped)}: left out")
+        self.conn = conn
+        self.sql = (f"INSERT INTO {table} ({', '.join(columns[i] for i in keep)}) "
+                    f"VALUES ({', '.join('?' * len(keep))})")
+        self.project = None if len(keep) == len(columns) else keep
+
+    def insert(self, rows):
+        if self.project is not None:
+            keep = self.project
+            rows = (tuple(row[i] for i in keep) for row in rows)
+        self.conn.executemany(self.sql, rows)
 
 
 def chunks(rows, size):
@@ -306,7 +359,7 @@ def state_rows(sources, rng, now):
                         404 if s["last_error"] else 304 if status == "not_modified" else 200,
                         f"{rng.getrandbits(256):064x}", moved, s["last_fetch"]))
         else:
-            tg.append((s["id"], 1000 + s["post_count"], f"Channel {s['slug']}", s["last_fetch"]))
+            tg.append((s["id"], 1000 + s["post_count"], s["last_fetch"]))
     return rss, tg
 
 
@@ -354,26 +407,18 @@ def _build(part, n_sources, n_posts, runs, seed):
         for source, count in zip(sources, spread(n_posts, [s["weight"] for s in sources])):
             source["post_count"] = count
         conn.execute("BEGIN")
-        conn.executemany(
-            """INSERT INTO sources (id, slug, name, crawler, url, direction, priority, enabled,
-                   status, last_fetch, last_error, error_count, next_fetch_at, post_count)
-               VALUES (:id, :slug, :name, :crawler, :url, :direction, :priority, :enabled,
-                   :status, :last_fetch, :last_error, :error_count, :next_fetch_at,
-                   :post_count)""", sources)
+        Inserter(conn, "sources", SOURCE_COLUMNS).insert(
+            [tuple(s[name] for name in SOURCE_COLUMNS) for s in sources])
         rss, tg = state_rows(sources, rng, now)
-        conn.executemany("""INSERT INTO rss_state (source_id, etag, modified, last_build_date,
-                            last_error, status, http_status, body_sha256, moved_to, updated_at)
-                            VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""", rss)
-        conn.executemany("""INSERT INTO tg_state (source_id, last_message_id, channel_title,
-                            updated_at) VALUES (?, ?, ?, ?)""", tg)
-        conn.executemany("""INSERT INTO runs (source_id, task, trigger, started_at, finished_at,
-                            status, new_posts, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
-                         run_rows(sources, runs, rng, now))
+        Inserter(conn, "rss_state", RSS_STATE_COLUMNS).insert(rss)
+        Inserter(conn, "tg_state", TG_STATE_COLUMNS).insert(tg)
+        Inserter(conn, "runs", RUN_COLUMNS).insert(run_rows(sources, runs, rng, now))
         conn.execute("COMMIT")
         done = 0
+        posts = Inserter(conn, "posts", POST_COLUMNS)
         for chunk in chunks(post_rows(sources, n_posts, rng, now), 100_000):
             conn.execute("BEGIN")
-            conn.executemany(POST_INSERT, chunk)
+            posts.insert(chunk)
             conn.execute("COMMIT")
             done += len(chunk)
             if sys.stdout.isatty():
@@ -423,6 +468,7 @@ def file_figures(path):
                 "failed": one("SELECT count(*) FROM posts WHERE classified = -2"),
             },
             "posts": one("SELECT count(*) FROM posts"),
+            "done": one("SELECT count(*) FROM posts WHERE classified = 1"),
             "sources": one("SELECT count(*) FROM sources"),
             "dead": one("SELECT count(*) FROM sources WHERE status = 'dead'"),
             "telegram": one("SELECT count(*) FROM sources WHERE crawler = 'telegram'"),
@@ -590,6 +636,7 @@ def latency_benchmark(program, db, sources_yaml, tmp, expected, warmup, requests
                   f"(exit {serve.proc.poll()})")
             for line in serve.tail():
                 print(f"    vesti> {line}")
+            fail("the server did not start")
             return
         print(f"server up on 127.0.0.1:{port} in {time.monotonic() - started:.2f} s "
               f"(start-up, sources.yaml read and synced)")
@@ -618,6 +665,8 @@ def latency_benchmark(program, db, sources_yaml, tmp, expected, warmup, requests
     finally:
         code, seconds = serve.stop()
         print(f"server stopped on SIGTERM: exit {code} in {seconds:.2f} s")
+        if code != 0:
+            fail(f"the server exited {code} on SIGTERM")
         for line in serve.tail(3):
             if "vesti.access" not in line:
                 print(f"    vesti> {line}")
@@ -632,14 +681,23 @@ def check_pages(results, expected):
     ok = status == 200 and got == expected["queue"]
     print(f"    check /api/queue: {got} -> "
           f"{'as counted in the file' if ok else 'UNEXPECTED, counted ' + str(expected['queue'])}")
+    if not ok:
+        fail(f"/api/queue: HTTP {status}, {got}, counted {expected['queue']}")
     status, body = results.get("/crawlers", (None, b""))
     rows = body.count(b'<tr id="source-')
     ok = status == 200 and rows == expected["sources"]
     print(f"    check /crawlers: {rows} source rows -> "
           f"{'one per source' if ok else 'UNEXPECTED, expected ' + str(expected['sources'])}")
+    if not ok:
+        fail(f"/crawlers: HTTP {status}, {rows} source rows for {expected['sources']} sources")
     for path in ("/", "/?page=200"):
         status, body = results.get(path, (None, b""))
-        print(f"    check {path}: HTTP {status}, {body.count(b'<article class=')} posts shown")
+        shown = body.count(b'<article class=')
+        print(f"    check {path}: HTTP {status}, {shown} posts shown")
+        if status != 200:
+            fail(f"GET {path}: HTTP {status}")
+        elif path == "/" and shown == 0 and expected["done"]:
+            fail(f"GET /: no post shown, {expected['done']} classified in the file")
 
 
 # In-process ----------------------------------------------------------------------
@@ -715,34 +773,40 @@ def use_vesti(path):
     vesti = module
 
 
-def prepare_database(args):
-    path = cache_path(args.sources, args.posts, args.runs)
-    for stale in stale_caches(path, args.sources, args.posts, args.runs):
-        remove_db(stale)
-    if args.rebuild or not os.path.exists(path):
+def prepare_database(args, tmp):
+    """The cached file of these sizes, built if needed; with --smoke a new
+    file in `tmp`, the cache left alone."""
+    if args.smoke:
+        path = os.path.join(tmp, "smoke.db")
+        print(f"== smoke: building {path}: {args.sources:,} sources, {args.posts:,} posts, "
+              f"{args.runs} runs per source (the cache is not used)")
+    else:
+        path = cache_path(args.sources, args.posts, args.runs)
+        for stale in stale_caches(path, args.sources, args.posts, args.runs):
+            remove_db(stale)
+        if not args.rebuild and os.path.exists(path):
+            print(f"== using the cached {path} (--rebuild to build it again)")
+            return path
         remove_db(path)
         print(f"== building {path}: {args.sources:,} sources, {args.posts:,} posts, "
               f"{args.runs} runs per source")
-        started = time.perf_counter()
-        build_database(path, args.sources, args.posts, args.runs)
-        print(f"built in {time.perf_counter() - started:.1f} s")
-    else:
-        print(f"== using the cached {path} (--rebuild to build it again)")
+    started = time.perf_counter()
+    build_database(path, args.sources, args.posts, args.runs)
+    print(f"built in {time.perf_counter() - started:.1f} s")
     return path
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sources", type=int, default=2000, help="sources (default 2000)")
-    parser.add_argument("--posts", type=int, default=1_000_000,
-                        help="posts (default 1000000)")
-    parser.add_argument("--runs", type=int, default=10, help="runs per source (default 10)")
-    parser.add_argument("--requests", type=int, default=50,
-                        help="timed requests per path (default 50)")
-    parser.add_argument("--warmup", type=int, default=3,
-                        help="untimed requests per path first (default 3)")
-    parser.add_argument("--repeat", type=int, default=10,
-                        help="calls per in-process figure (default 10)")
+    parser.add_argument("--sources", type=int, help=f"sources (default {FULL['sources']})")
+    parser.add_argument("--posts", type=int, help=f"posts (default {FULL['posts']})")
+    parser.add_argument("--runs", type=int, help=f"runs per source (default {FULL['runs']})")
+    parser.add_argument("--requests", type=int,
+                        help=f"timed requests per path (default {FULL['requests']})")
+    parser.add_argument("--warmup", type=int,
+                        help=f"untimed requests per path first (default {FULL['warmup']})")
+    parser.add_argument("--repeat", type=int,
+                        help=f"calls per in-process figure (default {FULL['repeat']})")
     parser.add_argument("--rebuild", action="store_true",
                         help="build the database even if a cached one exists")
     parser.add_argument("--explain", action="store_true",
@@ -750,38 +814,56 @@ def main(argv=None):
     parser.add_argument("--vesti", metavar="PATH", default=os.path.join(REPO, "vesti.py"),
                         help="the vesti.py to serve and time in-process, e.g. a patched "
                              "copy (default: the repository's)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes (" + ", ".join(f"{k} {v}" for k, v in SMOKE.items())
+                        + ") on a database built in a temporary directory, cache untouched: "
+                        "checks that the whole benchmark runs, in a few seconds")
     args = parser.parse_args(argv)
+    for name, value in (SMOKE if args.smoke else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     args.vesti = os.path.abspath(args.vesti)
     use_vesti(args.vesti)
     args.sources, args.posts = max(1, args.sources), max(1, args.posts)
     args.runs, args.requests = max(1, args.runs), max(1, args.requests)
+    args.warmup, args.repeat = max(0, args.warmup), max(1, args.repeat)
     vesti.import_optional("yaml", "pyyaml", "the benchmark")  # not timed
-    db = prepare_database(args)
-    figures = file_figures(db)
-    print(f"file: {figures['size'] / 1e6:,.0f} MB; {figures['posts']:,} posts, "
-          f"{figures['sources']:,} sources ({figures['telegram']} telegram, "
-          f"{figures['dead']} dead), {figures['runs']:,} runs, "
-          f"{figures['rss_state']:,} rss_state rows; queue {figures['queue']}")
-    print()
+    if args.smoke:
+        print("smoke mode: tiny sizes; the figures show that the benchmark runs, the "
+              "PASS/MISS verdicts mean nothing\n")
     with tempfile.TemporaryDirectory(prefix="vesti-bench-web-") as tmp:
+        db = prepare_database(args, tmp)
+        figures = file_figures(db)
+        print(f"file: {figures['size'] / 1e6:,.1f} MB; {figures['posts']:,} posts, "
+              f"{figures['sources']:,} sources ({figures['telegram']} telegram, "
+              f"{figures['dead']} dead), {figures['runs']:,} runs, "
+              f"{figures['rss_state']:,} rss_state rows; queue {figures['queue']}")
+        if figures["posts"] != args.posts or figures["sources"] != args.sources:
+            fail(f"the file has {figures['posts']} posts and {figures['sources']} sources, "
+                 f"built with {args.posts} and {args.sources}")
+        print()
         sources_yaml = os.path.join(tmp, "sources.yaml")
         write_sources(sources_yaml, sources_of(db))
         latency_benchmark(args.vesti, db, sources_yaml, tmp, file_figures(db), args.warmup,
                           args.requests)
-    print()
-    inprocess_benchmark(db, args.repeat, args.explain)
+        print()
+        inprocess_benchmark(db, args.repeat, args.explain)
     return 0
 
 
 def run(argv=None):
-    """main(), but a crash is printed, not turned into an exit code."""
+    """main(); exit code 1 if it raised or anything in it failed."""
     try:
-        return main(argv)
-    except Exception:  # noqa: BLE001 - a benchmark reports, it does not fail
+        main(argv)
+    except Exception:  # noqa: BLE001 - printed, then the exit code says it
         sys.stdout.flush()
         traceback.print_exc()
         print("benchmark aborted by the error above", flush=True)
-        return 0
+        FAILURES.append("aborted by an exception")
+    if FAILURES:
+        print(f"\nFAILED ({len(FAILURES)}): " + "; ".join(FAILURES), flush=True)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

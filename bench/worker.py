@@ -1,6 +1,11 @@
 #!/usr/bin/env python3
-"""Benchmark of the VESTI worker pool (phase 3). Prints figures and ratios;
-always exits 0. Run from the repository root: `python bench/worker.py`.
+"""Benchmark of the VESTI worker pool (phase 3). Prints figures and ratios.
+Exits 0 when everything ran (a MISS is a figure, not a failure); exits 1
+when something broke: an exception, a `vesti.py` run exiting non-zero, a
+check not holding (e.g. posts left unclassified, a post asked twice). Run
+from the repository root: `python bench/worker.py`; `python bench/worker.py
+--smoke` runs the whole path in a few seconds with tiny sizes (the figures
+only show that it runs).
 
 What it measures:
 
@@ -44,6 +49,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from collections import Counter
 
@@ -55,6 +61,16 @@ import vesti  # noqa: E402
 THROUGHPUT_TARGET = 0.5
 LLM_TARGET = 1.2
 STARTUP_RUNS = 3
+FULL = {"posts": 50_000, "llm_posts": 800, "latency": 0.05, "workers": 8}
+# --smoke: sizes of the whole path in a few seconds (each overridable).
+SMOKE = {"posts": 200, "llm_posts": 16, "latency": 0.01, "workers": 4}
+FAILURES = []
+
+
+def fail(message):
+    """Something broke (not a missed target): printed now, exit code 1 at the end."""
+    FAILURES.append(message)
+    print(f"    FAILED: {message}", flush=True)
 SOURCES_YAML = """\
 directions:
   linux: {title: Linux, keywords: [linux, kernel]}
@@ -114,10 +130,15 @@ def classified_counts(path):
         return dict(conn.execute("SELECT classified, count(*) FROM posts GROUP BY classified"))
 
 
-def check_all_done(path, posts):
+def check_all_done(path, posts, label):
+    """Prints the check; a failure when some post is not classified=1."""
     counts = classified_counts(path)
     ok = counts == {1: posts}
-    return ok, f"classified {counts}: {'all done' if ok else f'UNEXPECTED, expected {{1: {posts}}}'}"
+    print(f"    check: classified {counts}: "
+          f"{'all done' if ok else f'UNEXPECTED, expected {{1: {posts}}}'}")
+    if not ok:
+        fail(f"{label}: classified {counts}, expected {{1: {posts}}}")
+    return ok
 
 
 def write_sources(tmp):
@@ -151,6 +172,8 @@ def show_output(proc, lines=5):
     print(f"    exit {proc.returncode}")
     for line in (proc.stdout + proc.stderr).strip().splitlines()[-lines:]:
         print(f"    vesti> {line}")
+    if proc.returncode != 0:
+        fail(f"`vesti.py {proc.args[2] if len(proc.args) > 2 else ''}` exited {proc.returncode}")
 
 
 def run_worker_cli(db, sources, workers, env, timeout):
@@ -232,7 +255,7 @@ def throughput_benchmark(tmp, sources, posts, workers):
     cli_wall, proc = run_worker_cli(cli_db, sources, workers, env, timeout)
     print(f"CLI worker: {cli_wall:.2f} s wall, {rate(posts, cli_wall):.0f} posts/s")
     show_output(proc)
-    print(f"    check: {check_all_done(cli_db, posts)[1]}")
+    check_all_done(cli_db, posts, "CLI worker")
     startup = startup_seconds(cli_db, sources, env)
     if startup is not None:
         print(f"start-up (median of {STARTUP_RUNS} `vesti.py status` on the same db): "
@@ -242,14 +265,19 @@ def throughput_benchmark(tmp, sources, posts, workers):
     stats, finished, inproc_seconds = in_process(inproc_db, sources, workers)
     print(f"in-process run_workers: {inproc_seconds:.2f} s, {rate(posts, inproc_seconds):.0f} "
           f"posts/s ({stats.line()}{'' if finished else ', NOT finished'})")
-    print(f"    check: {check_all_done(inproc_db, posts)[1]}")
+    if not finished:
+        fail("in-process run_workers did not finish")
+    check_all_done(inproc_db, posts, "in-process run_workers")
 
     bare_db = copy_db(template, os.path.join(tmp, "bare.db"))
     cycles, bare_seconds = bare_loop(bare_db)
     bare = rate(cycles, bare_seconds)
     print(f"bare loop, one connection: {cycles} cycles in {bare_seconds:.2f} s, "
           f"{bare:.0f} cycles/s")
-    print(f"    check: {check_all_done(bare_db, posts)[1]}")
+    check_all_done(bare_db, posts, "bare loop")
+    if not bare:
+        fail("bare loop: no cycle")
+        return
 
     cli_rate = rate(posts, cli_wall)
     print(f"CLI / bare                  = {cli_rate / bare:.2f}   (raw, start-up included)")
@@ -329,6 +357,9 @@ def check_llm_posts(path, titles, posts):
     print(f"    fake Ollama: {sum(titles.values())} requests, {len(titles)} distinct titles, "
           f"{asked_twice} asked more than once -> "
           f"{'each post classified exactly once' if asked_ok else 'UNEXPECTED'}")
+    if not asked_ok:
+        fail(f"fake Ollama: {len(titles)} distinct titles of {posts} posts, "
+             f"{asked_twice} asked more than once")
     with contextlib.closing(sqlite3.connect(path)) as conn:
         rows = dict(conn.execute(
             "SELECT classified = 1 AND direction = ? AND relevance = ? AND interest = ?, count(*) "
@@ -337,6 +368,8 @@ def check_llm_posts(path, titles, posts):
     stored_ok = rows == {1: posts}
     print(f"    database: {rows.get(1, 0)} of {posts} posts classified=1 with the fake's verdict"
           f" -> {'as expected' if stored_ok else 'UNEXPECTED ' + str(classified_counts(path))}")
+    if not stored_ok:
+        fail(f"slow LLM: {rows.get(1, 0)} of {posts} posts classified with the fake's verdict")
 
 
 def llm_benchmark(tmp, sources, posts, latency, workers):
@@ -360,15 +393,27 @@ def llm_benchmark(tmp, sources, posts, latency, workers):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--posts", type=int, default=50_000,
-                        help="pending posts for the throughput part (default 50000)")
-    parser.add_argument("--llm-posts", type=int, default=800,
-                        help="pending posts for the slow-LLM part (default 800)")
-    parser.add_argument("--latency", type=float, default=0.05,
-                        help="seconds the fake Ollama waits before answering (default 0.05)")
-    parser.add_argument("--workers", type=int, default=8, help="worker threads (default 8)")
+    parser.add_argument("--posts", type=int,
+                        help=f"pending posts for the throughput part (default {FULL['posts']})")
+    parser.add_argument("--llm-posts", type=int,
+                        help=f"pending posts for the slow-LLM part (default {FULL['llm_posts']})")
+    parser.add_argument("--latency", type=float,
+                        help="seconds the fake Ollama waits before answering "
+                             f"(default {FULL['latency']})")
+    parser.add_argument("--workers", type=int,
+                        help=f"worker threads (default {FULL['workers']})")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes (" + ", ".join(f"{k.replace('_', '-')} {v}"
+                                                        for k, v in SMOKE.items())
+                        + "): checks that the whole benchmark runs, in a few seconds")
     args = parser.parse_args(argv)
+    for name, value in (SMOKE if args.smoke else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     vesti.import_optional("yaml", "pyyaml", "the benchmark")  # not timed
+    if args.smoke:
+        print("smoke mode: tiny sizes; the figures show that the benchmark runs, the "
+              "PASS/MISS verdicts mean nothing\n")
     with tempfile.TemporaryDirectory(prefix="vesti-bench-") as tmp:
         sources = write_sources(tmp)
         throughput_benchmark(tmp, sources, args.posts, args.workers)
@@ -377,5 +422,20 @@ def main(argv=None):
     return 0
 
 
+def run(argv=None):
+    """main(); exit code 1 if it raised or anything in it failed."""
+    try:
+        main(argv)
+    except Exception:  # noqa: BLE001 - printed, then the exit code says it
+        sys.stdout.flush()
+        traceback.print_exc()
+        print("benchmark aborted by the error above", flush=True)
+        FAILURES.append("aborted by an exception")
+    if FAILURES:
+        print(f"\nFAILED ({len(FAILURES)}): " + "; ".join(FAILURES), flush=True)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())
