@@ -2299,19 +2299,6 @@ def test_the_scheduler_crawls_each_priority_on_its_interval(home, server):
 
 # The repository ----------------------------------------------------------------
 
-@pytest.mark.parametrize" to the end) into test_vesti.py.
-# The lines down to ROOT are here only so this file also runs on its own
-# (`pytest /work/scratch/bench_smoke_test.py`).
-import pathlib
-import re
-import subprocess
-import sys
-
-import pytest
-
-ROOT = pathlib.Path("/work/main")  # test_vesti.py: pathlib.Path(__file__).resolve().parent
-
-
 @pytest.mark.parametrize("name, marker", [
     # a figure line each benchmark prints near its end, with a number in it
     ("crawl", r"second / ideal = \d+\.\d+ +target <= "),
