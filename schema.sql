@@ -37,7 +37,9 @@ CREATE TABLE IF NOT EXISTS posts (
     direction TEXT,
     relevance INTEGER,
     interest INTEGER,
-    summary TEXT
+    summary TEXT,
+    article_url TEXT,
+    edited_at TEXT
 );
 -- Queue sizes: pending (NULL/0), processing (-1), failed (-2), done today (1 + fetched_at).
 CREATE INDEX IF NOT EXISTS posts_queue ON posts(classified, fetched_at);
@@ -65,7 +67,10 @@ CREATE TABLE IF NOT EXISTS rss_state (
 CREATE TABLE IF NOT EXISTS tg_state (
     source_id INTEGER PRIMARY KEY,
     last_message_id INTEGER NOT NULL DEFAULT 0,
-    updated_at TEXT
+    updated_at TEXT,
+    channel_id INTEGER,
+    access_hash INTEGER,
+    username TEXT
 );
 
 CREATE TABLE IF NOT EXISTS runs (

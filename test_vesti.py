@@ -5,6 +5,7 @@ on 127.0.0.1 that misbehave on purpose, a fake Ollama speaking /api/chat, and
 the real-world corpus in ../shared/corpus.
 """
 
+import asyncio
 import base64
 import contextlib
 import datetime
@@ -30,7 +31,8 @@ import urllib.parse
 import zlib
 
 import pytest
-from telethon import errors as tg_errors
+from telethon import TelegramClient, errors as tg_errors
+from telethon.sessions import MemorySession
 from telethon.tl import types as tg
 
 import vesti
@@ -1574,36 +1576,100 @@ def channel_history():
 
 
 class FakeTelegram:
-    """Telethon's client surface that the crawler uses, over a fixed history."""
+    """Telethon's real TelegramClient with only its network layer replaced:
+    every request it sends reaches `answer`, which speaks Telegram's TL types
+    over fixed channel histories, and is counted by type."""
 
-    def __init__(self, history, authorized=True, flood=()):
-        self.history, self.authorized, self.flood = list(history), authorized, list(flood)
-        self.calls = []
+    def __init__(self, history=(), authorized=True, flood=(), channels=None):
+        self.channels = channels if channels is not None else {"linuxnews": list(history)}
+        self.authorized = authorized
+        self.flood = list(flood)          # FloodWait seconds for the next history requests
+        self.flood_on = {}                # username -> seconds, once
+        self.hashes = {}                  # username -> access hash Telegram accepts now
+        self.drop_connection = 0          # history requests to fail with ConnectionError
+        self.requests = []
+        self.connects = 0
+
+    @property
+    def history(self):
+        return self.channels["linuxnews"]
+
+    @history.setter
+    def history(self, messages):
+        self.channels["linuxnews"] = messages
+
+    def count(self, name):
+        return sum(r == name for r in self.requests)
 
     def __call__(self, settings):
-        return self
+        fake = self
 
-    async def connect(self):
-        self.calls.append("connect")
+        class Client(TelegramClient):
+            async def connect(self):
+                fake.connects += 1
 
-    async def disconnect(self):
-        self.calls.append("disconnect")
+            async def disconnect(self):
+                pass
 
-    async def is_user_authorized(self):
-        return self.authorized
+            async def is_user_authorized(self):
+                return fake.authorized
 
-    async def get_entity(self, channel):
-        self.calls.append(("get_entity", channel))
-        if self.flood:
-            raise tg_errors.FloodWaitError(request=None, capture=self.flood.pop(0))
-        return tg.PeerChannel(1001)
+        client = Client(MemorySession(), 1, "0" * 32, flood_sleep_threshold=0)
+        client._sender.send = self.send
+        return client
 
-    async def iter_messages(self, entity, limit=None, min_id=0, reverse=False):
-        self.calls.append(("iter_messages", min_id, limit, reverse))
-        found = sorted((m for m in self.history if m.id > min_id), key=lambda m: m.id,
-                       reverse=not reverse)
-        for message in found[:limit]:
-            yield message
+    def send(self, request, ordered=False):
+        future = asyncio.get_running_loop().create_future()
+        try:
+            future.set_result(self.answer(request))
+        except BaseException as e:
+            future.set_exception(e)
+        return future
+
+    def channel_id(self, name):
+        return 1000 + sorted(self.channels).index(name)
+
+    def answer(self, request):
+        name = type(request).__name__
+        self.requests.append(name)
+        if name == "ResolveUsernameRequest":
+            username = request.username.lower()
+            if username not in self.channels:
+                raise tg_errors.UsernameNotOccupiedError(request=request)
+            cid = self.channel_id(username)
+            self.hashes.setdefault(username, cid * 7)
+            chat = tg.Channel(id=cid, title=username, photo=tg.ChatPhotoEmpty(), date=None,
+                              broadcast=True, access_hash=self.hashes[username],
+                              username=username)
+            return tg.contacts.ResolvedPeer(peer=tg.PeerChannel(cid), chats=[chat], users=[])
+        if name == "GetHistoryRequest":
+            if self.drop_connection:
+                self.drop_connection -= 1
+                raise ConnectionError("Cannot send requests while disconnected")
+            username = next(n for n in self.channels if self.channel_id(n) == request.peer.channel_id)
+            if self.flood:
+                raise tg_errors.FloodWaitError(request=request, capture=self.flood.pop(0))
+            if username in self.flood_on:
+                raise tg_errors.FloodWaitError(request=request,
+                                               capture=self.flood_on.pop(username))
+            if request.peer.access_hash != self.hashes.get(username):
+                raise tg_errors.ChannelInvalidError(request=request)
+            return self.history_page(self.channels[username], request)
+        raise AssertionError(f"unexpected request {name}")
+
+    @staticmethod
+    def history_page(history, request):
+        """messages.getHistory: newest first, from offset_id (exclusive)
+        moved by add_offset, at most limit, within min_id and max_id."""
+        newest_first = sorted(history, key=lambda m: m.id, reverse=True)
+        start = next((i for i, m in enumerate(newest_first) if m.id < request.offset_id),
+                     len(newest_first)) if request.offset_id else 0
+        start += request.add_offset
+        page = newest_first[max(0, start):max(0, start + request.limit)]
+        page = [m for m in page if m.id > request.min_id and
+                (not request.max_id or m.id < request.max_id)]
+        return tg.messages.ChannelMessages(pts=1, count=len(history), messages=page, topics=[],
+                                           chats=[], users=[])
 
 
 def tg_intake(home, **settings):
@@ -1635,7 +1701,7 @@ def test_telegram_messages_become_posts(home):
     assert all(p["classified"] == 0 and p["direction"] == "linux" for p in posts.values())
     state = db.conn().execute("SELECT last_message_id FROM tg_state").fetchone()
     assert state[0] == 9
-    assert ("iter_messages", 0, s.max_entries, False) in fake.calls
+    assert fake.requests == ["ResolveUsernameRequest", "GetHistoryRequest"]
     run = runs_of(db, "chan")[-1]
     assert (run["task"], run["status"], run["new_posts"]) == ("telegram", "ok", summary.new_posts)
 
@@ -1664,7 +1730,7 @@ def test_the_second_telegram_run_takes_only_newer_messages_oldest_first(home):
     fake.history.append(tg_message(11, "Newest post about the kernel."))
     summary = crawl_tg(s, db, fake)
     assert summary.new_posts == 2
-    assert ("iter_messages", 9, s.max_entries, True) in fake.calls
+    assert fake.count("ResolveUsernameRequest") == 1      # resolved once, on the first run
     ids = [p["external_id"] for p in posts_of(db, "chan")][-2:]
     assert ids == ["10", "11"]
     assert db.conn().execute("SELECT last_message_id FROM tg_state").fetchone()[0] == 11
@@ -1703,14 +1769,174 @@ def test_a_short_floodwait_is_waited_out(home):
     assert source_row(db, "chan")["last_error"] is None
 
 
-def test_a_long_floodwait_is_an_error_and_the_run_goes_on(home):
+def test_a_long_floodwait_defers_every_channel_without_counting_an_error(home):
     s, db = tg_intake(home)
     sleeps = []
     summary = crawl_tg(s, db, FakeTelegram(channel_history(), flood=[3600]), sleeps)
-    assert sleeps == [] and summary.results[0].status == "error"
+    assert sleeps == [] and summary.results[0].status == "deferred"
     row = source_row(db, "chan")
-    assert (row["error_count"], row["last_error"]) == (1, "Telegram FloodWait of 3600 s; skipped this run")
+    assert row["error_count"] == 0 and row["status"] == "alive"
+    assert row["last_error"].startswith("Telegram FloodWait of 3600 s: every channel waits until")
+    assert row["next_fetch_at"] > vesti.utc_text(time.time() + 3500)
     assert posts_of(db, "chan") == []
+
+
+def many_channels(home, count, **settings):
+    channels = {f"chan{k:03d}": [tg_message(1, f"Channel {k}: the kernel news of the day, "
+                                                f"long enough to stand alone.")]
+                for k in range(count)}
+    s, db = intake(home, [{"slug": f"c{k:03d}", "crawler": "telegram", "url": f"@chan{k:03d}"}
+                          for k in range(count)], **settings)
+    return s, db, FakeTelegram(channels=channels)
+
+
+def test_channels_are_resolved_once_and_history_requests_are_paced(home):
+    s, db, fake = many_channels(home, 200)
+    sleeps = []
+    first = crawl_tg(s, db, fake, sleeps)
+    assert first.new_posts == 200
+    assert (fake.count("ResolveUsernameRequest"), fake.count("GetHistoryRequest")) == (200, 200)
+    # Telegram allows about 10 history requests per 30 s in bulk: after a burst
+    # of 10, the crawl waits about 3 s before each further one.
+    assert sum(sleeps) >= (200 - vesti.HISTORY_BURST) * vesti.HISTORY_EVERY * 0.99
+    assert max(sleeps) <= vesti.HISTORY_EVERY
+    fake.requests.clear()
+    for k, history in enumerate(fake.channels.values()):
+        history.append(tg_message(2, f"Channel {k}: a second post about the kernel, long enough."))
+    second = crawl_tg(s, db, fake)
+    assert second.new_posts == 200
+    assert (fake.count("ResolveUsernameRequest"), fake.count("GetHistoryRequest")) == (0, 200)
+    assert fake.connects == 2                 # one connection per crawl for every channel
+
+
+def test_a_floodwait_on_one_channel_defers_the_whole_telegram_crawl(home):
+    s, db, fake = many_channels(home, 10)
+    fake.flood_on["chan002"] = 3600
+    summary = crawl_tg(s, db, fake)
+    assert [r.status for r in summary.results] == ["ok", "ok"] + ["deferred"] * 8
+    assert fake.count("GetHistoryRequest") == 3           # nothing asked after the FloodWait
+    rows = db.conn().execute("SELECT slug, status, error_count, next_fetch_at, last_error "
+                             "FROM sources ORDER BY slug").fetchall()
+    assert all(r["status"] == "alive" and r["error_count"] == 0 for r in rows)
+    later = vesti.utc_text(time.time() + 3500)
+    assert all(r["next_fetch_at"] > later for r in rows)
+    assert "waits until" in rows[5]["last_error"]
+    fake.requests.clear()
+    assert crawl_tg(s, db, fake).results == [] and fake.requests == []   # --all waits it out
+
+
+def test_a_kept_channel_id_that_telegram_refuses_is_resolved_again(home):
+    s, db = tg_intake(home)
+    fake = FakeTelegram(channel_history())
+    crawl_tg(s, db, fake)
+    fake.hashes["linuxnews"] = 424242           # the channel's access hash changed
+    fake.history.append(tg_message(10, "A post after the change, long enough to be a post."))
+    fake.requests.clear()
+    summary = crawl_tg(s, db, fake)
+    assert summary.results[0].status == "ok" and summary.new_posts == 1
+    assert fake.requests == ["GetHistoryRequest", "ResolveUsernameRequest", "GetHistoryRequest"]
+    assert db.conn().execute("SELECT access_hash FROM tg_state").fetchone()[0] == 424242
+
+
+def test_a_changed_username_in_sources_yaml_is_resolved_again(home):
+    s, db = tg_intake(home)
+    fake = FakeTelegram(channels={"linuxnews": channel_history(), "kernelnews": []})
+    crawl_tg(s, db, fake)
+    db.conn().execute("UPDATE sources SET url = 'https://t.me/kernelnews'")
+    fake.requests.clear()
+    crawl_tg(s, db, fake)
+    assert fake.requests == ["ResolveUsernameRequest", "GetHistoryRequest"]
+
+
+def test_a_dropped_connection_is_reconnected_once_then_recorded(home):
+    s, db, fake = many_channels(home, 3)
+    fake.drop_connection = 1
+    summary = crawl_tg(s, db, fake)
+    assert [r.status for r in summary.results] == ["ok"] * 3 and fake.connects == 2
+    fake.drop_connection = 5
+    for history in fake.channels.values():
+        history.append(tg_message(2, "A second post about the kernel, long enough to stand."))
+    summary = crawl_tg(s, db, fake)
+    assert [r.status for r in summary.results] == ["error"] * 3
+    rows = db.conn().execute("SELECT error_count, last_error FROM sources").fetchall()
+    assert all(r["error_count"] == 0 and "connection to Telegram lost" in r["last_error"]
+               for r in rows)
+
+
+def recent(minutes_ago):
+    return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0) - \
+        datetime.timedelta(minutes=minutes_ago)
+
+
+def test_a_link_only_message_is_a_teaser_classified_from_its_article(home, server):
+    page = CORPUS / "html" / "bbc.com.52241221.html"
+    server.routes["/story?utm_source=telegram"] = lambda request: (
+        200, {"Content-Type": "text/html"}, page.read_bytes())
+    s, db = tg_intake(home, VESTI_ALLOW_PRIVATE_NETWORKS=1)
+    link = server.url + "/story?utm_source=telegram"
+    preview = tg.MessageMediaWebPage(webpage=tg.WebPage(
+        id=1, url=link, display_url=link, hash=0, title="New York from above",
+        description="Drone footage of an empty city"))
+    crawl_tg(s, db, FakeTelegram([tg_message(1, f"Look: {link}", media=preview)]))
+    post = posts_of(db, "chan")[0]
+    assert (post["content_type"], post["article_url"]) == ("summary", link)
+    assert post["url"] == "https://t.me/linuxnews/1"
+    assert "New York from above" in post["text"] and "Drone footage" in post["text"]
+    health = {"health": vesti.Direction("health", "Health", ("coronavirus", "outbreak"))}
+    vesti.run_workers(db, s, vesti.Registry("x", health, ()), workers=1, quiet=True)
+    post = posts_of(db, "chan")[0]
+    assert (post["classified"], post["content_type"]) == (1, "full")
+    assert post["direction"] == "health"          # found only in the article's text
+    assert server.sent("/story?utm_source=telegram")
+
+
+def test_a_link_in_the_text_alone_makes_a_teaser_too(home):
+    s, db = tg_intake(home)
+    crawl_tg(s, db, FakeTelegram([tg_message(1, "Read this: https://example.org/news/1."),
+                                  tg_message(2, "Another channel: https://t.me/other/5")]))
+    posts = posts_of(db, "chan")
+    assert [(p["content_type"], p["article_url"]) for p in posts] == \
+        [("summary", "https://example.org/news/1"), ("text", None)]
+
+
+def test_an_edited_message_updates_its_post_and_requeues_it_once(home):
+    s, db = tg_intake(home)
+    posted = recent(60)
+    original = tg.Message(id=1, peer_id=tg.PeerChannel(1001), date=posted,
+                          message="Kernel 7.1 brings 5 new drivers and a faster scheduler.")
+    fake = FakeTelegram([original])
+    crawl_tg(s, db, fake)
+    db.conn().execute("UPDATE posts SET classified = 1, relevance = 6")
+    fake.history = [tg.Message(id=1, peer_id=tg.PeerChannel(1001), date=posted,
+                               edit_date=posted + datetime.timedelta(minutes=5),
+                               message="Kernel 7.1 brings 6 new drivers and a faster scheduler.")]
+    crawl_tg(s, db, fake)
+    post = posts_of(db, "chan")[0]
+    assert "6 new drivers" in post["text"] and post["classified"] == 0
+    assert post["edited_at"] is not None
+    db.conn().execute("UPDATE posts SET classified = 1")
+    crawl_tg(s, db, fake)                          # the same edit seen again: nothing to do
+    assert posts_of(db, "chan")[0]["classified"] == 1
+    fake.history = [tg.Message(id=1, peer_id=tg.PeerChannel(1001), date=posted,
+                               edit_date=posted + datetime.timedelta(minutes=9),
+                               message="Kernel 7.1 brings 6 new drivers, and a faster scheduler!")]
+    crawl_tg(s, db, fake)                          # punctuation only: updated, not requeued
+    post = posts_of(db, "chan")[0]
+    assert post["text"].endswith("scheduler!") and post["classified"] == 1
+    assert len(posts_of(db, "chan")) == 1
+
+
+def test_edits_after_the_edit_window_are_not_read_again(home):
+    s, db = tg_intake(home, VESTI_TG_EDIT_HOURS=1)
+    posted = recent(180)
+    fake = FakeTelegram([tg.Message(id=1, peer_id=tg.PeerChannel(1001), date=posted,
+                                    message="Kernel 7.1 is out with many new drivers today.")])
+    crawl_tg(s, db, fake)
+    fake.history = [tg.Message(id=1, peer_id=tg.PeerChannel(1001), date=posted,
+                               edit_date=posted + datetime.timedelta(hours=2),
+                               message="Kernel 7.1 is out with some new drivers today.")]
+    crawl_tg(s, db, fake)
+    assert "many new drivers" in posts_of(db, "chan")[0]["text"]
 
 
 def test_a_channel_link_that_names_no_channel_is_a_recorded_error(home):

@@ -176,6 +176,7 @@ SETTINGS = [
     ("TG_API_ID", "tg_api_id", _text, ""),
     ("TG_API_HASH", "tg_api_hash", _text, ""),
     ("TG_SESSION", "tg_session", _required, "vesti.session"),
+    ("VESTI_TG_EDIT_HOURS", "tg_edit_hours", _number(float, 30 * 24), "24"),
 ]
 
 
@@ -209,6 +210,7 @@ class Settings:
     tg_api_id: str
     tg_api_hash: str
     tg_session: str
+    tg_edit_hours: float
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
@@ -296,6 +298,10 @@ class RefusedDestination(FetchError):
 
 class HostBusy(FetchError):
     """The host is busy with another request for longer than one request may take."""
+
+
+class DeadlinePassed(TimeoutError):
+    """The whole-request deadline passed while reading."""
 
 
 class FeedError(VestiError):
@@ -514,7 +520,9 @@ CREATE TABLE IF NOT EXISTS posts (
     direction TEXT,
     relevance INTEGER,
     interest INTEGER,
-    summary TEXT
+    summary TEXT,
+    article_url TEXT,
+    edited_at TEXT
 );
 -- Queue sizes: pending (NULL/0), processing (-1), failed (-2), done today (1 + fetched_at).
 CREATE INDEX IF NOT EXISTS posts_queue ON posts(classified, fetched_at);
@@ -542,7 +550,10 @@ CREATE TABLE IF NOT EXISTS rss_state (
 CREATE TABLE IF NOT EXISTS tg_state (
     source_id INTEGER PRIMARY KEY,
     last_message_id INTEGER NOT NULL DEFAULT 0,
-    updated_at TEXT
+    updated_at TEXT,
+    channel_id INTEGER,
+    access_hash INTEGER,
+    username TEXT
 );
 
 CREATE TABLE IF NOT EXISTS runs (
@@ -843,7 +854,8 @@ def claim_post(conn, now=None):
         WHERE id = (SELECT id FROM posts INDEXED BY posts_pending
                     WHERE {IS_PENDING} AND (next_attempt_at IS NULL OR next_attempt_at <= ?)
                     ORDER BY id LIMIT 1)
-        RETURNING id, source_id, url, title, text, content_type, attempts, claim_token,
+        RETURNING id, source_id, url, article_url, title, text, content_type, attempts,
+                  claim_token,
                   (SELECT url FROM sources WHERE sources.id = posts.source_id) AS source_url
     """, (now_text, claim_token(), now_text)).fetchone()
 
@@ -939,6 +951,8 @@ class Draft:
     published_at: str
     url_identifies: bool = True
     text_identifies: bool = True
+    article_url: str = None     # a Telegram teaser's link, fetched in phase 3
+    edited_at: str = None
 
 
 def is_stored(conn, source_id, draft, sha):
@@ -968,11 +982,12 @@ def store_posts(conn, source_id, direction, drafts, fetched_at=None):
             conn.execute("""
                 INSERT INTO posts (source_id, external_id, url, canonical_url, title, text,
                                    content_type, sha256, fetched_at, published_at,
-                                   classified, direction)
-                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)
+                                   classified, direction, article_url, edited_at)
+                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
             """, (source_id, draft.external_id, draft.url, draft.canonical_url,
                   draft.title, draft.text, draft.content_type, sha, fetched_at,
-                  draft.published_at or fetched_at, direction))
+                  draft.published_at or fetched_at, PENDING, direction,
+                  draft.article_url, draft.edited_at))
             new += 1
         if new:
             conn.execute("UPDATE sources SET post_count = post_count + ? WHERE id = ?",
@@ -1103,6 +1118,68 @@ def last_message_id(conn, source_id):
     row = conn.execute("SELECT last_message_id FROM tg_state WHERE source_id = ?",
                        (source_id,)).fetchone()
     return row[0] if row else 0
+
+
+def load_tg_state(conn, source_id):
+    row = conn.execute("SELECT * FROM tg_state WHERE source_id = ?", (source_id,)).fetchone()
+    return dict(row) if row else {}
+
+
+def save_channel_peer(conn, source_id, channel_id, access_hash, username):
+    """Keep what resolving a channel's username gave, so it is done once."""
+    conn.execute("""INSERT INTO tg_state (source_id, channel_id, access_hash, username, updated_at)
+                    VALUES (?, ?, ?, ?, ?)
+                    ON CONFLICT(source_id) DO UPDATE SET channel_id = excluded.channel_id,
+                        access_hash = excluded.access_hash, username = excluded.username,
+                        updated_at = excluded.updated_at""",
+                 (source_id, channel_id, access_hash, username, utc_text()))
+
+
+def edit_floor(conn, source_id, hours, now=None):
+    """Just below the oldest message of a channel posted within `hours`: the
+    messages above it are read again for edits. None when there is none."""
+    since = utc_text((time.time() if now is None else now) - hours * 3600)
+    row = conn.execute("""SELECT min(CAST(external_id AS INTEGER)) FROM posts
+                          WHERE source_id = ? AND published_at >= ?""",
+                       (source_id, since)).fetchone()
+    return row[0] - 1 if row and row[0] else None
+
+
+def meaningful_words(text):
+    return re.findall(r"\w+", (text or "").casefold())
+
+
+def update_edited_post(conn, source_id, draft):
+    """Store an edited message's new text. A classified post goes back to the
+    queue only when its words changed (not for a fixed comma or spacing).
+    Returns 1 when the text changed."""
+    row = conn.execute("SELECT id, text, classified FROM posts WHERE source_id = ? AND "
+                       "external_id = ?", (source_id, draft.external_id)).fetchone()
+    if row is None or normalize_text(row["text"]) == normalize_text(draft.text):
+        return 0
+    requeue = meaningful_words(row["text"]) != meaningful_words(draft.text) and \
+        row["classified"] in (DONE, FAILED)
+    conn.execute(f"""UPDATE posts SET text = ?, title = ?, sha256 = ?, edited_at = ?,
+                         content_type = ?, article_url = ?,
+                         classified = CASE WHEN ? THEN {PENDING} ELSE classified END,
+                         attempts = CASE WHEN ? THEN 0 ELSE attempts END,
+                         next_attempt_at = CASE WHEN ? THEN NULL ELSE next_attempt_at END
+                     WHERE id = ?""",
+                 (draft.text, draft.title, text_sha256(draft.text), draft.edited_at,
+                  draft.content_type, draft.article_url, requeue, requeue, requeue, row["id"]))
+    return 1
+
+
+def defer_telegram(conn, seconds, now=None):
+    """A long FloodWait binds the account: every Telegram source waits until
+    it ends (not counted toward dead). Returns when, as UTC text."""
+    now = time.time() if now is None else now
+    until = utc_text(now + seconds)
+    conn.execute("""UPDATE sources SET next_fetch_at = ?, last_fetch = ?,
+                    last_error = ? WHERE crawler = 'telegram' AND enabled = 1""",
+                 (until, utc_text(now), f"Telegram FloodWait of {int(seconds)} s: every "
+                  f"channel waits until {until} UTC"))
+    return until
 
 
 def save_last_message_id(conn, source_id, message_id):
@@ -1548,10 +1625,6 @@ def tls_context():
     if _tls is None:
         _tls = ssl.create_default_context()
     return _tls
-
-
-class DeadlinePassed(TimeoutError):
-    """The whole-request deadline passed while reading."""
 
 
 class _DeadlineReader(io.RawIOBase):
@@ -2054,6 +2127,7 @@ def crawl_feed(db, source, settings, gate, trigger="cli"):
         finish_run(conn, run_id, "deferred", error=str(e))
         return FeedResult(source["slug"], "deferred", error=str(e))
     except (FetchError, FeedError) as e:
+        log.info("source %s: %s", source["slug"], e)
         gone = isinstance(e, SourceGone)
         record_failure(conn, source, str(e), settings.dead_after, dead_now=gone)
         save_rss_state(conn, source["id"], status="gone" if gone else "error", last_error=str(e))
@@ -2138,8 +2212,18 @@ def crawl_rss(db, settings, selection=("all", None), trigger="cli", gate=None, q
 # Telegram crawler ############################################################
 ###############################################################################
 
-# FloodWait up to this many seconds is waited out; longer ones are an error.
+# FloodWait up to this many seconds is waited out; a longer one defers the
+# whole Telegram crawl (the limit is the account's, not one channel's).
 FLOOD_WAIT_MAX = 60
+# History requests in bulk: Telegram allows about 10 per 30 s (Telethon's docs),
+# so a crawl makes at most HISTORY_BURST at once, then one every HISTORY_EVERY s.
+HISTORY_BURST = 10
+HISTORY_EVERY = 3.0
+# Errors that mean the stored channel id and access hash no longer work.
+PEER_INVALID = ("ChannelInvalidError", "PeerIdInvalidError", "ChannelIdInvalidError")
+# Links to these hosts are other Telegram posts, not articles.
+TELEGRAM_HOSTS = ("t.me", "telegram.me", "telegram.org", "www.t.me")
+URL_IN_TEXT = re.compile(r"https?://[^\s<>\"'«»]+", re.IGNORECASE)
 
 
 CHANNEL_LINK = re.compile(
@@ -2235,21 +2319,61 @@ def group_messages(messages):
     return groups
 
 
+def message_link(group):
+    """(url, title, description) of the article a message points to: its web
+    page preview, else a link in its text; None when it carries none."""
+    for message in group:
+        page = getattr(getattr(message, "media", None), "webpage", None)
+        url = getattr(page, "url", None)
+        if url and is_article_link(url):
+            return url, (getattr(page, "title", None) or "").strip(), \
+                (getattr(page, "description", None) or "").strip()
+    for message in group:
+        links = [getattr(e, "url", None) for e in getattr(message, "entities", None) or []]
+        links += URL_IN_TEXT.findall(message.message or "")
+        for url in links:
+            url = (url or "").rstrip(".,;:!?)")
+            if url and is_article_link(url):
+                return url, "", ""
+    return None
+
+
+def is_article_link(url):
+    return urllib.parse.urlsplit(url).scheme in WEB_SCHEMES and \
+        host_of(url) not in TELEGRAM_HOSTS and bool(host_of(url))
+
+
 def message_draft(channel, group):
-    """One post from a message or an album of messages."""
+    """One post from a message or an album of messages. A short message
+    that carries a link is a teaser: the link preview's title and
+    description join its text, and its article is fetched in phase 3."""
     first = min(group, key=lambda m: m.id)
     text = "\n\n".join(m.message.strip() for m in sorted(group, key=lambda m: m.id)
                        if (m.message or "").strip())
     kind = "album" if len(group) > 1 else media_kind(first)
+    link = message_link(group) if len(normalize_text(text)) < FULL_TEXT_MIN else None
+    article_url = None
+    if link:
+        article_url, preview_title, description = link
+        preview = "\n".join(part for part in (preview_title, description)
+                            if part and part not in text)
+        text = f"{text}\n\n{preview}".strip() if preview else text
+        kind = "summary"
     source = forwarded_from(first)
     lead = text.split("\n", 1)[0].strip()
     title = shorten(lead, 120) if lead else f"[{kind}]"
     if source:
         title = f"Forwarded from {source}: {title}"
     url = f"https://t.me/{channel}/{first.id}"
-    published = first.date.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") \
-        if first.date else None
-    return Draft(str(first.id), url, url, title, text, kind, published)
+    published = telegram_time(first.date)
+    edited = max((m.edit_date for m in group if getattr(m, "edit_date", None)), default=None)
+    return Draft(str(first.id), url, url, title, text, kind, published,
+                 article_url=article_url, edited_at=telegram_time(edited))
+
+
+def telegram_time(moment):
+    return moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") \
+        if moment else None
 
 
 def flood_wait_seconds(error):
@@ -2259,35 +2383,116 @@ def flood_wait_seconds(error):
     return None
 
 
-async def channel_messages(client, channel, last_id, limit):
-    """Messages newer than last_id, oldest first; on the first run, the
-    latest `limit`. At most `limit` per run: the rest come next time."""
-    entity = await client.get_entity(channel)
-    if last_id:
-        return [m async for m in client.iter_messages(entity, min_id=last_id, reverse=True,
-                                                      limit=limit)]
-    latest = [m async for m in client.iter_messages(entity, limit=limit)]
-    return sorted(latest, key=lambda m: m.id)
+class TelegramFlood(VestiError):
+    """A FloodWait longer than FLOOD_WAIT_MAX: the account must wait."""
+
+    def __init__(self, seconds):
+        super().__init__(f"Telegram FloodWait of {seconds} s")
+        self.seconds = seconds
 
 
-async def fetch_channel(client, channel, last_id, limit, sleep):
-    """channel_messages, waiting out one short FloodWait."""
-    try:
-        return await channel_messages(client, channel, last_id, limit)
-    except Exception as e:
-        seconds = flood_wait_seconds(e)
-        if seconds is None:
+class TelegramDisconnected(VestiError):
+    """The connection to Telegram is gone and did not come back."""
+
+
+class Pacer:
+    """At most `burst` requests at once, then one every `every` seconds: a
+    token bucket, so a short crawl goes at full speed and a long one stays
+    inside Telegram's limits."""
+
+    def __init__(self, burst, every, sleep, clock=time.monotonic):
+        self.burst, self.every, self.sleep, self.clock = burst, every, sleep, clock
+        self.tokens, self.last = float(burst), clock()
+
+    async def turn(self):
+        now = max(self.clock(), self.last)
+        self.tokens = min(self.burst, self.tokens + (now - self.last) / self.every)
+        self.last = now
+        if self.tokens < 1:
+            wait = (1 - self.tokens) * self.every
+            await self.sleep(wait)
+            self.tokens, self.last = 1.0, now + wait
+        self.tokens -= 1
+
+
+class ChannelReader:
+    """One crawl's view of Telegram: one connection for every channel,
+    usernames resolved only when no id and access hash are kept, history
+    requests paced, FloodWaits waited out when short."""
+
+    def __init__(self, client, sleep, pacer):
+        self.client, self.sleep, self.pacer = client, sleep, pacer
+        self.telethon = import_optional("telethon", "telethon", "Telegram sources")
+        self.reconnected = False
+        self.resolutions = 0
+
+    async def call(self, request_of):
+        """Run one request (built by request_of()), waiting out one short
+        FloodWait and reconnecting once per crawl after a dropped connection."""
+        for attempt in range(3):
+            try:
+                return await request_of()
+            except ConnectionError as e:
+                if self.reconnected:
+                    raise TelegramDisconnected(f"connection to Telegram lost: {e}") from None
+                self.reconnected = True
+                log.warning("telegram: connection lost (%s); reconnecting once", e)
+                try:
+                    await self.client.connect()
+                except Exception as again:
+                    raise TelegramDisconnected(f"connection to Telegram lost: {again}") from None
+            except Exception as e:
+                seconds = flood_wait_seconds(e)
+                if seconds is None:
+                    raise
+                if seconds > FLOOD_WAIT_MAX or attempt:
+                    raise TelegramFlood(seconds) from None
+                log.info("telegram: FloodWait %d s, waiting", seconds)
+                await self.sleep(seconds)
+                # Waited out: Telethon's own note of it must not refuse the retry.
+                getattr(self.client, "_flood_waited_requests", {}).clear()
+        raise TelegramDisconnected("connection to Telegram lost")
+
+    async def resolve(self, channel):
+        """(channel id, access hash) of a public channel: one API call."""
+        functions, types = self.telethon.functions, self.telethon.types
+        self.resolutions += 1
+        try:
+            found = await self.call(lambda: self.client(
+                functions.contacts.ResolveUsernameRequest(username=channel)))
+        except Exception as e:
+            if type(e).__name__ in ("UsernameNotOccupiedError", "UsernameInvalidError"):
+                raise FetchError(f"@{channel}: no such channel") from None
             raise
-        if seconds > FLOOD_WAIT_MAX:
-            raise FetchError(f"Telegram FloodWait of {seconds} s; skipped this run") from None
-        log.info("telegram %s: FloodWait %d s, waiting", channel, seconds)
-        await sleep(seconds)
-    try:
-        return await channel_messages(client, channel, last_id, limit)
-    except Exception as e:
-        if flood_wait_seconds(e) is not None:
-            raise FetchError(f"Telegram FloodWait of {flood_wait_seconds(e)} s, twice") from None
-        raise
+        for chat in found.chats:
+            if isinstance(chat, types.Channel) and chat.access_hash is not None:
+                return chat.id, chat.access_hash
+        raise FetchError(f"@{channel} is not a public channel")
+
+    def peer(self, channel_id, access_hash):
+        return self.telethon.types.InputPeerChannel(channel_id, access_hash)
+
+    async def history(self, peer, **query):
+        await self.pacer.turn()
+        return await self.call(lambda: self._collect(peer, query))
+
+    async def _collect(self, peer, query):
+        return [m async for m in self.client.iter_messages(peer, **query)]
+
+
+async def channel_messages(reader, peer, last_id, floor, limit):
+    """Messages to look at, oldest first, and whether the batch may have cut
+    an album at its oldest end. A first run takes the latest `limit`; later
+    runs take what is newer than `floor` (the oldest post still open to
+    edits) in one request, or, when more than a batch is new, the oldest new
+    ones (the rest come next time)."""
+    if not last_id:
+        return sorted(await reader.history(peer, limit=limit), key=lambda m: m.id), True
+    lower = last_id if floor is None else min(floor, last_id)
+    latest = await reader.history(peer, min_id=lower, limit=limit)
+    if len(latest) < limit or min(m.id for m in latest) <= last_id + 1:
+        return sorted(latest, key=lambda m: m.id), len(latest) >= limit
+    return await reader.history(peer, min_id=last_id, reverse=True, limit=limit), False
 
 
 def whole_albums(messages, limit, first_run):
@@ -2315,28 +2520,73 @@ def describe_telegram_error(error):
     return f"{name}: {error}" if str(error) else name
 
 
-async def crawl_channel(db, client, source, settings, trigger, sleep):
-    """One channel into the queue, with its run and health recorded."""
+async def channel_peer(reader, conn, source, channel, resolve=False):
+    """The channel's InputPeer from its kept id and access hash; resolved
+    (one API call) only the first time, when the username in sources.yaml
+    changed, or when Telegram said the kept peer is invalid."""
+    state = load_tg_state(conn, source["id"])
+    if not resolve and state.get("access_hash") is not None and \
+            state.get("username") == channel.lower():
+        return reader.peer(state["channel_id"], state["access_hash"])
+    channel_id, access_hash = await reader.resolve(channel)
+    save_channel_peer(conn, source["id"], channel_id, access_hash, channel.lower())
+    return reader.peer(channel_id, access_hash)
+
+
+async def read_channel(reader, conn, source, channel, last_id, floor, limit):
+    peer = await channel_peer(reader, conn, source, channel)
+    try:
+        return await channel_messages(reader, peer, last_id, floor, limit)
+    except Exception as e:
+        if type(e).__name__ not in PEER_INVALID:
+            raise
+    log.info("telegram %s: the kept channel id is no longer valid; resolving again", channel)
+    peer = await channel_peer(reader, conn, source, channel, resolve=True)
+    return await channel_messages(reader, peer, last_id, floor, limit)
+
+
+async def crawl_channel(db, reader, source, settings, trigger):
+    """One channel into the queue (new posts, and edits of recent ones), with
+    its run and health recorded. A long FloodWait or a lost connection is
+    raised: they end the crawl of every channel."""
     conn = db.conn()
     run_id = start_run(conn, source["id"], "telegram", trigger)
     channel = channel_name(source["url"])
     last_id = last_message_id(conn, source["id"])
+    floor = edit_floor(conn, source["id"], settings.tg_edit_hours)
     try:
         if channel is None:
             raise FetchError(f"{source['url']!r} does not name a public channel")
-        messages = await fetch_channel(client, channel, last_id, settings.max_entries, sleep)
+        messages, cut = await read_channel(reader, conn, source, channel, last_id, floor,
+                                           settings.max_entries)
+    except (TelegramFlood, TelegramDisconnected) as e:
+        finish_run(conn, run_id, "deferred", error=str(e))
+        raise
     except Exception as e:
         error = describe_telegram_error(e)
+        log.info("telegram %s: %s", source["slug"], error)
         record_failure(conn, source, error, settings.dead_after)
         finish_run(conn, run_id, "error", error=error)
         return FeedResult(source["slug"], "error", error=error)
-    messages, newest = whole_albums(messages, settings.max_entries, first_run=not last_id)
-    drafts = [message_draft(channel, group) for group in group_messages(messages)]
+    messages, newest = whole_albums(messages, settings.max_entries, first_run=cut)
+    groups = group_messages(messages)
+    drafts = [message_draft(channel, g) for g in groups if min(m.id for m in g) > last_id]
     new = store_posts(conn, source["id"], source["direction"], drafts)
+    edits = [message_draft(channel, g) for g in groups
+             if min(m.id for m in g) <= last_id and edited_in_window(g, settings.tg_edit_hours)]
+    edited = sum(update_edited_post(conn, source["id"], d) for d in edits)
     save_last_message_id(conn, source["id"], max(newest, last_id))
     record_success(conn, source)
-    finish_run(conn, run_id, "ok", new)
+    note = f"{edited} edited posts updated" if edited else None
+    finish_run(conn, run_id, "ok", new, note)
+    log.info("telegram %s: %d new posts%s", source["slug"], new, f", {note}" if note else "")
     return FeedResult(source["slug"], "ok", new)
+
+
+def edited_in_window(group, hours):
+    """True when a message of the group was edited within `hours` of posting."""
+    return any(m.edit_date and m.date and m.edit_date - m.date <= datetime.timedelta(hours=hours)
+               for m in group if getattr(m, "edit_date", None))
 
 
 def record_setup_error(db, sources, error, trigger):
@@ -2360,11 +2610,25 @@ async def crawl_channels(db, settings, sources, trigger, client_factory, sleep, 
         if not await client.is_user_authorized():
             return record_setup_error(db, sources, "the Telegram session is not logged in: run "
                                       "`python vesti.py telegram --login`", trigger)
+        reader = ChannelReader(client, sleep, Pacer(HISTORY_BURST, HISTORY_EVERY, sleep))
         results = []
-        for source in sources:
+        for number, source in enumerate(sources):
             if stop.is_set():
                 break
-            results.append(await crawl_channel(db, client, source, settings, trigger, sleep))
+            try:
+                results.append(await crawl_channel(db, reader, source, settings, trigger))
+            except TelegramFlood as e:
+                until = defer_telegram(db.conn(), e.seconds)
+                log.warning("telegram: FloodWait of %d s; every channel waits until %s UTC",
+                            e.seconds, until)
+                return results + [FeedResult(s["slug"], "deferred", error=str(e))
+                                  for s in sources[number:]]
+            except TelegramDisconnected as e:
+                log.warning("telegram: %s; the other channels wait for the next crawl", e)
+                rest = sources[number:]
+                for s in rest:
+                    record_problem(db.conn(), s, str(e))
+                return results + [FeedResult(s["slug"], "error", error=str(e)) for s in rest]
             progress.step(f"{source['slug']}: {results[-1].status}")
         return results
     finally:
@@ -2650,9 +2914,11 @@ class Classifier:
     def __call__(self, post):
         directions, keywords = self.vocabulary
         text, full_text = post["text"], None
-        if post["content_type"] == "summary" and post["url"]:
-            home = post["source_url"] if "source_url" in post.keys() else None
-            full_text = fetch_full_text(post["url"], text, self.settings, self.gate, home or "")
+        known = post.keys()
+        link = (post["article_url"] if "article_url" in known else None) or post["url"]
+        if post["content_type"] == "summary" and link:
+            home = post["source_url"] if "source_url" in known else None
+            full_text = fetch_full_text(link, text, self.settings, self.gate, home or "")
             text = full_text or text
         verdict = classify_text(text, directions, self.settings, post["title"], keywords)
         return {**verdict, "text": full_text}
