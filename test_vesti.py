@@ -22,6 +22,7 @@ import re
 import select
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -2521,6 +2522,322 @@ def test_the_scheduler_crawls_each_priority_on_its_interval(home, server):
     now[0] = 3601
     assert scheduler.tick() == [0, 1, 5]          # priority 5 takes the last interval
     assert scheduler.join(10)
+
+
+# Network policy and slow peers -------------------------------------------------
+
+class DripServer:
+    """A raw TCP server on a loopback address that reads the request, sends a
+    status line and the start of a header, then one more header byte every
+    `every` seconds: the headers never end. Every loop is bounded: a
+    connection drips for `lifetime` seconds at most, accept() gives up after
+    `lifetime` too, and close() stops everything at once."""
+
+    def __init__(self, host="127.0.0.1", every=0.2, lifetime=30.0):
+        self.every, self.lifetime = every, lifetime
+        self.connections = 0
+        self.stopped = threading.Event()
+        self.listener = socket.create_server((host, 0))
+        self.listener.settimeout(0.05)
+        self.url = f"http://{host}:{self.listener.getsockname()[1]}"
+        self.threads = [threading.Thread(target=self.accept, daemon=True)]
+        self.threads[0].start()
+
+    def accept(self):
+        ends = time.monotonic() + self.lifetime
+        while not self.stopped.is_set() and time.monotonic() < ends:
+            try:
+                conn, _ = self.listener.accept()
+            except (socket.timeout, OSError):
+                continue
+            self.connections += 1
+            thread = threading.Thread(target=self.drip, args=(conn,), daemon=True)
+            self.threads.append(thread)
+            thread.start()
+
+    def drip(self, conn):
+        ends = time.monotonic() + self.lifetime
+        with conn, contextlib.suppress(OSError):
+            conn.settimeout(1)
+            conn.recv(65536)                                  # the request
+            conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+            while not self.stopped.wait(self.every) and time.monotonic() < ends:
+                conn.sendall(b"x")
+
+    def close(self):
+        self.stopped.set()
+        for thread in list(self.threads):
+            thread.join(2)
+        self.listener.close()
+
+
+class TcpListener:
+    """A bare TCP port that only records whether anyone connected."""
+
+    def __init__(self, host="127.0.0.1"):
+        self.listener = socket.create_server((host, 0))
+        self.listener.settimeout(0.05)
+        self.port = self.listener.getsockname()[1]
+        self.connected = threading.Event()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.accept, daemon=True)
+        self.thread.start()
+
+    def accept(self):
+        ends = time.monotonic() + 30
+        while not self.stopped.is_set() and time.monotonic() < ends:
+            try:
+                conn, _ = self.listener.accept()
+            except (socket.timeout, OSError):
+                continue
+            self.connected.set()
+            conn.close()
+
+    def close(self):
+        self.stopped.set()
+        self.thread.join(2)
+        self.listener.close()
+
+
+def finishes_within(seconds, function):
+    """Run function in a thread; (True, result) if it returned within
+    `seconds`, which is only an upper bound against hanging for good."""
+    outcome = {}
+    thread = threading.Thread(target=lambda: outcome.setdefault("result", function()),
+                              daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive(), outcome.get("result")
+
+
+def test_a_feed_that_drips_its_headers_cannot_hold_the_crawl(home, server):
+    drip = DripServer("127.0.0.3")
+    try:
+        server.feed("/feed", rss(items(2, host=server.url)))
+        s, db = intake(home, [rss_source("slow", drip.url + "/feed"),
+                              rss_source("fast", server.url + "/feed", priority=1)],
+                       RSS_TIMEOUT=0.5)
+        finished, result = finishes_within(10, lambda: crawl(s, db))
+    finally:
+        drip.close()
+    assert finished
+    assert drip.connections == 1
+    assert source_row(db, "slow")["last_error"] == "response took longer than 1.5 s"
+    assert [r["status"] for r in runs_of(db, "slow")] == ["error"]
+    assert len(posts_of(db, "fast")) == 2
+
+
+def test_rss_all_with_a_dripping_feed_exits_0_and_records_the_error(home):
+    drip = DripServer("127.0.0.3")
+    try:
+        write_sources(home / "sources.yaml", [rss_source("slow", drip.url + "/feed")])
+        result = cli("rss", "--all", cwd=home, env={"RSS_TIMEOUT": "0.5"}, timeout=20)
+    finally:
+        drip.close()
+    assert result.returncode == 0, result.stderr
+    conn = sqlite3.connect(home / "vesti.db")
+    assert conn.execute("SELECT last_error FROM sources WHERE slug = 'slow'").fetchone() == \
+        ("response took longer than 1.5 s",)
+    conn.close()
+
+
+def test_a_host_busy_longer_than_the_patience_gives_host_busy():
+    gate = vesti.HostGate(0)
+    entered = threading.Event()
+    leave = threading.Event()
+
+    def hold():
+        with gate.turn("http://slow.example/a"):
+            entered.set()
+            leave.wait(5)
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        assert entered.wait(5)
+        with pytest.raises(vesti.HostBusy) as busy:
+            with gate.turn("http://slow.example/b", patience=0.2):
+                pass
+        assert isinstance(busy.value, vesti.FetchError)
+        with gate.turn("http://other.example/", patience=0.2):   # another host is not held
+            pass
+    finally:
+        leave.set()
+        holder.join(5)
+    with gate.turn("http://slow.example/c", patience=0.2):       # free again once released
+        pass
+
+
+def test_articles_on_a_dripping_host_do_not_stall_the_workers(home):
+    page = (CORPUS / "html" / "bbc.com.52241221.html").read_bytes()
+    expected = json.loads((CORPUS / "html" / "expected.json").read_text())["pages"]
+    snippet = expected["bbc.com.52241221.html"]["with"][0]
+    fast, drip = FeedServer("127.0.0.2"), DripServer("127.0.0.3")
+    try:
+        s, db, registry = worker_home(home, "", RSS_TIMEOUT=0.5, VESTI_ALLOW_PRIVATE_NETWORKS=1)
+        add_posts(db.conn(), 12)
+        for k in range(12):
+            fast.routes[f"/a/{k}"] = lambda request: (200, {"Content-Type": "text/html"}, page)
+            url = f"{fast.url}/a/{k}" if k % 2 else f"{drip.url}/a/{k}"
+            db.conn().execute("UPDATE posts SET url = ?, content_type = 'summary' WHERE title = ?",
+                              (url, f"Post {k}"))
+        finished, _ = finishes_within(
+            20, lambda: vesti.run_workers(db, s, registry, workers=4, quiet=True))
+    finally:
+        drip.close()
+        fast.close()
+    assert finished
+    posts = db.conn().execute("SELECT * FROM posts ORDER BY id").fetchall()
+    assert [p["classified"] for p in posts] == [1] * 12
+    tarpit = [p for p in posts if p["url"].startswith(drip.url)]
+    served = [p for p in posts if p["url"].startswith(fast.url)]
+    assert [(p["content_type"], p["text"]) for p in tarpit] == \
+        [("summary", "News about the Linux kernel.")] * 6
+    assert [p["content_type"] for p in served] == ["full"] * 6
+    assert all(snippet in p["text"] for p in served)
+    assert drip.connections < 6         # the busy tarpit host was given up on, not queued for
+
+
+# The network policy: article links and redirects come from third parties.
+
+@pytest.fixture
+def internal():
+    """The "internal" host: a server on another loopback address that a feed
+    on 127.0.0.1 has no business reaching."""
+    srv = FeedServer("127.0.0.2")
+    srv.page = (CORPUS / "html" / "bbc.com.52241221.html").read_bytes()
+    srv.secret = json.loads((CORPUS / "html" / "expected.json").read_text()
+                            )["pages"]["bbc.com.52241221.html"]["with"][0]
+    srv.routes["/secret"] = lambda request: (200, {"Content-Type": "text/html"}, srv.page)
+    yield srv
+    srv.close()
+
+
+def everything_stored(db):
+    """Every value of every post, as one text."""
+    rows = db.conn().execute("SELECT * FROM posts").fetchall()
+    return "\n".join(str(value) for row in rows for value in tuple(row))
+
+
+def teaser_feed(links):
+    return rss([{"guid": f"t{k}", "link": link, "title": f"Teaser {k}",
+                 "text": "Short teaser about the Linux kernel."} for k, link in enumerate(links)])
+
+
+def test_entry_links_to_an_internal_host_are_fetched_only_when_allowed(home, server, internal):
+    internal.routes["/secret2"] = internal.routes["/secret"]
+    server.feed("/feed", teaser_feed([internal.url + "/secret"]), etag='"1"')
+    s, db = intake(home, [rss_source("x", server.url + "/feed")])
+    crawl(s, db)
+    vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=1, quiet=True)
+    assert internal.requests == []
+    assert internal.secret not in everything_stored(db)
+    post = posts_of(db, "x")[0]
+    assert (post["classified"], post["content_type"], post["text"]) == \
+        (1, "summary", "Short teaser about the Linux kernel.")     # the post's own text stands
+
+    allowed = make_settings(home, VESTI_ALLOW_PRIVATE_NETWORKS=1)
+    server.feed("/feed", teaser_feed([internal.url + "/secret", internal.url + "/secret2"]),
+                etag='"2"')
+    crawl(allowed, db)
+    vesti.run_workers(db, allowed, vesti.load_registry(s.sources), workers=1, quiet=True)
+    assert [path for path, *_ in internal.requests] == ["/secret2"]
+    post = posts_of(db, "x")[1]
+    assert (post["classified"], post["content_type"]) == (1, "full")
+    assert internal.secret in post["text"]
+
+
+def test_a_feed_redirect_to_an_internal_host_is_refused_unless_allowed(home, server, internal):
+    internal.feed("/feed", rss(items(2, host=internal.url)))
+    server.redirect("/feed", 302, internal.url + "/feed")
+    s, db = intake(home, [rss_source("x", server.url + "/feed")])
+    crawl(s, db)
+    assert internal.requests == []
+    error = source_row(db, "x")["last_error"]
+    assert "127.0.0.2" in error and "VESTI_ALLOW_PRIVATE_NETWORKS" in error
+    assert posts_of(db, "x") == []
+
+    crawl(make_settings(home, VESTI_ALLOW_PRIVATE_NETWORKS=1), db)
+    assert len(internal.sent("/feed")) == 1
+    assert source_row(db, "x")["last_error"] is None
+    assert len(posts_of(db, "x")) == 2
+
+
+@pytest.mark.parametrize("scheme, target", [("file", "file:///etc/passwd"),
+                                            ("ftp", "ftp://127.0.0.1:{ftp}/x"),
+                                            ("data", "data:text/plain,hello")])
+def test_a_redirect_to_a_scheme_other_than_http_is_refused(home, server, scheme, target):
+    ftp = TcpListener()
+    try:
+        server.redirect("/feed", 302, target.format(ftp=ftp.port))
+        s, db = intake(home, [rss_source("x", server.url + "/feed")])
+        crawl(s, db)
+    finally:
+        ftp.close()
+    assert not ftp.connected.is_set()
+    error = source_row(db, "x")["last_error"]
+    assert error and f"{scheme}:" in error and "refused" in error
+    assert posts_of(db, "x") == []
+
+
+def test_an_article_redirect_to_an_internal_host_is_refused_unless_allowed(home, server,
+                                                                          internal):
+    server.feed("/feed", teaser_feed([server.url + "/article"]), etag='"1"')
+    server.redirect("/article", 302, internal.url + "/secret")
+    s, db = intake(home, [rss_source("x", server.url + "/feed")])
+    crawl(s, db)
+    vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=1, quiet=True)
+    assert len(server.sent("/article")) == 1                # the source's own host is fine
+    assert internal.requests == []
+    assert internal.secret not in everything_stored(db)
+    assert [(p["classified"], p["content_type"]) for p in posts_of(db, "x")] == [(1, "summary")]
+
+    allowed = make_settings(home, VESTI_ALLOW_PRIVATE_NETWORKS=1)
+    server.redirect("/article2", 302, internal.url + "/secret")
+    server.feed("/feed", teaser_feed([server.url + "/article", server.url + "/article2"]),
+                etag='"2"')
+    crawl(allowed, db)
+    vesti.run_workers(db, allowed, vesti.load_registry(s.sources), workers=1, quiet=True)
+    assert len(internal.sent("/secret")) == 1
+    post = posts_of(db, "x")[1]
+    assert (post["classified"], post["content_type"]) == (1, "full")
+    assert internal.secret in post["text"]
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "10.1.2.3", "169.254.1.1", "::1", "fc00::1",
+                                     "::ffff:127.0.0.1", "0.0.0.0", "224.0.0.1", "100.64.0.1"])
+def test_loopback_private_and_reserved_addresses_are_refused(address):
+    assert vesti.why_refused(address)
+
+
+@pytest.mark.parametrize("address", ["93.184.216.34", "2606:4700::1"])
+def test_public_addresses_are_allowed(address):
+    assert vesti.why_refused(address) is None
+
+
+def test_a_dripping_feed_does_not_hold_the_crawls_of_other_priorities(home, server):
+    drip = DripServer("127.0.0.3", lifetime=10)
+    stop = threading.Event()
+    try:
+        server.feed("/feed", rss(items(3, host=server.url)))
+        s, db = intake(home, [rss_source("slow", drip.url + "/feed", priority=0),
+                              rss_source("fast", server.url + "/feed", priority=1)],
+                       RSS_TIMEOUT=5, VESTI_CRAWL_EVERY="10m,1h")
+        now = [0.0]
+        scheduler = vesti.Scheduler(db, s, vesti.load_registry(s.sources), stop,
+                                    clock=lambda: now[0])
+        assert scheduler.tick() == [0, 1]
+        assert wait_for(lambda: len(posts_of(db, "fast")) == 3, timeout=10)
+        assert wait_for(lambda: drip.connections == 1, timeout=5)
+        assert [r["status"] for r in runs_of(db, "slow")] == ["running"]
+        now[0] = 601                                        # priority 0 is due again
+        assert scheduler.tick() == []                       # but still running: not restarted
+        assert drip.connections == 1
+    finally:
+        stop.set()
+        drip.close()
+    assert scheduler.join(10)
+    run = runs_of(db, "slow")[0]
+    assert run["status"] == "error" and run["finished_at"]      # the cut-off crawl is closed
 
 
 # The repository ----------------------------------------------------------------

@@ -320,6 +320,18 @@ class TelegramSetupError(VestiError):
     """Telegram cannot be used at all: credentials, session or package missing."""
 
 
+class TelegramFlood(VestiError):
+    """A FloodWait longer than FLOOD_WAIT_MAX: the account must wait."""
+
+    def __init__(self, seconds):
+        super().__init__(f"Telegram FloodWait of {seconds} s")
+        self.seconds = seconds
+
+
+class TelegramDisconnected(VestiError):
+    """The connection to Telegram is gone and did not come back."""
+
+
 class StorageError(VestiError):
     """The database cannot be used (disk full, a corrupt file, an I/O error):
     not a source's fault; the command ends with exit code 1."""
@@ -1498,7 +1510,7 @@ DEFAULT_PORTS = {"http": 80, "https": 443}
 
 def host_of(url):
     try:
-        return (urllib.parse.urlsplit(url).hostname or "").lower()
+        return (urllib.parse.urlsplit(url).hostname or "").lower().rstrip(".")
     except ValueError:
         return ""
 
@@ -1683,7 +1695,7 @@ def send_get(url, headers, settings, policy, deadline):
         port = parts.port or DEFAULT_PORTS[parts.scheme.lower()]
     except (ValueError, KeyError) as e:
         raise FetchError(f"bad URL {shorten(url, 200)!r}: {e}") from None
-    host = (parts.hostname or "").rstrip(".")
+    host = host_of(url)
     if not host:
         raise FetchError(f"bad URL {shorten(url, 200)!r}: no host")
     timeout = max(0.001, min(settings.timeout, deadline - time.monotonic()))
@@ -2381,18 +2393,6 @@ def flood_wait_seconds(error):
     if type(error).__name__.startswith("FloodWait"):
         return getattr(error, "seconds", None)
     return None
-
-
-class TelegramFlood(VestiError):
-    """A FloodWait longer than FLOOD_WAIT_MAX: the account must wait."""
-
-    def __init__(self, seconds):
-        super().__init__(f"Telegram FloodWait of {seconds} s")
-        self.seconds = seconds
-
-
-class TelegramDisconnected(VestiError):
-    """The connection to Telegram is gone and did not come back."""
 
 
 class Pacer:
