@@ -19,6 +19,7 @@ import logging
 import os
 import pathlib
 import re
+import resource
 import select
 import shutil
 import signal
@@ -2838,6 +2839,285 @@ def test_a_dripping_feed_does_not_hold_the_crawls_of_other_priorities(home, serv
     assert scheduler.join(10)
     run = runs_of(db, "slow")[0]
     assert run["status"] == "error" and run["finished_at"]      # the cut-off crawl is closed
+
+
+# Resilience of long runs: a locked database, a full disk ---------------------
+
+LOCK_HOLDER = """
+import select, sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("BEGIN IMMEDIATE")
+conn.execute("UPDATE sources SET name = name")       # a long manual UPDATE
+print("locked", flush=True)
+select.select([sys.stdin], [], [], 30)                # until told (or 30 s)
+conn.execute("COMMIT")
+"""
+
+
+@contextlib.contextmanager
+def write_lock_held(path):
+    """Another process holds the database's write lock until release()."""
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(path)], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    holder.release = lambda: (holder.stdin.write("\n"), holder.stdin.flush())
+    try:
+        assert holder.stdout.readline() == "locked\n", holder.stderr.read()
+        yield holder
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+        holder.communicate()
+
+
+class Output:
+    """The lines a child process writes to a pipe, read as they come."""
+
+    def __init__(self, pipe):
+        self.lines = []
+        self.thread = threading.Thread(target=lambda: self.lines.extend(pipe), daemon=True)
+        self.thread.start()
+
+    def text(self, timeout=None):
+        self.thread.join(timeout)
+        return "".join(self.lines)
+
+
+def locked_warnings(text):
+    return [line for line in text.splitlines() if "is locked" in line]
+
+
+def wait_out_the_lock(holder, child, err):
+    """Keep the lock until the child says it is waiting for it (it has waited
+    out its busy timeout), a little longer still, then let go."""
+    waited = wait_for(lambda: locked_warnings(err.text(0)) or child.poll() is not None, 10)
+    if waited and child.poll() is None:
+        time.sleep(1)
+    holder.release()
+    assert holder.wait(timeout=10) == 0
+
+
+def test_a_forever_worker_waits_out_a_database_locked_past_the_busy_timeout(home):
+    s, db, _ = worker_home(home, "")
+    add_posts(db.conn(), 40)
+    worker = None
+    try:
+        with write_lock_held(home / "vesti.db") as holder:
+            worker = worker_process(home, "", "--forever", "--workers", "2",
+                                    env={"VESTI_BUSY_TIMEOUT": "1"})
+            out, err = Output(worker.stdout), Output(worker.stderr)
+            wait_out_the_lock(holder, worker, err)
+        assert worker.poll() is None, err.text()             # still running after the lock
+        assert wait_for(lambda: queue_of(db) == {1: 40}), queue_of(db)
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=15) == 0, err.text()
+        assert -1 not in queue_of(db)
+        assert len(locked_warnings(err.text())) == 1, err.text()   # one warning per episode
+        assert "Traceback" not in err.text()
+    finally:
+        if worker is not None and worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+
+def test_a_crawl_started_while_the_database_is_locked_waits_and_stores_its_posts(home, server):
+    server.feed("/a", rss(items(5, host=server.url)))
+    server.feed("/b", rss(items(5, start=100, host=server.url)))
+    s, db = intake(home, [rss_source("a", server.url + "/a"), rss_source("b", server.url + "/b")])
+    crawl = None
+    try:
+        with write_lock_held(home / "vesti.db") as holder:
+            crawl = subprocess.Popen(
+                [sys.executable, str(ROOT / "vesti.py"), "rss", "--all"], cwd=home, text=True,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                env={**os.environ, "VESTI_BUSY_TIMEOUT": "0.5", "RSS_HOST_DELAY": "0"})
+            out, err = Output(crawl.stdout), Output(crawl.stderr)
+            wait_out_the_lock(holder, crawl, err)
+        assert crawl.wait(timeout=30) == 0, err.text()
+    finally:
+        if crawl is not None and crawl.poll() is None:
+            crawl.kill()
+            crawl.wait()
+    assert db.conn().execute("SELECT count(*) FROM posts").fetchone()[0] == 10
+    assert len(locked_warnings(err.text())) == 1, err.text()
+    assert "Traceback" not in err.text()
+    assert {source_row(db, slug)["error_count"] for slug in ("a", "b")} == {0}
+
+
+def run_on_a_small_disk(home, *args, env=None, timeout=60):
+    """vesti.py as `cli` runs it, but no file it writes may grow past a bit
+    more than the database is now: a disk that is about to be full."""
+    files = [home / name for name in ("vesti.db", "vesti.db-wal", "vesti.db-shm")]
+    limit = max([f.stat().st_size for f in files if f.exists()] + [32768]) + 256 * 1024
+
+    def small_disk():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)      # a write fails with EFBIG instead
+    full_env = {k: v for k, v in os.environ.items()
+                if not k.startswith(("VESTI_", "RSS_", "OLLAMA_", "TG_"))}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, str(ROOT / "vesti.py"), *args], cwd=home,
+                          env=full_env, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=small_disk)
+
+
+def big_feed(start, host):
+    return rss([{**entry, "text": entry["text"] + " Long paragraph of the article. " * 100}
+                for entry in items(200, start=start, host=host)])
+
+
+def test_a_full_disk_ends_the_crawl_with_one_line_and_blames_no_source(home):
+    servers = [FeedServer(f"127.0.0.{n}") for n in (1, 2, 3)]     # three hosts, crawled at once
+    try:
+        for n, feeds in enumerate(servers):
+            feeds.feed("/feed", big_feed(1000 * n, feeds.url))
+        write_sources(home / "sources.yaml", [rss_source(f"s{n}", f"{feeds.url}/feed")
+                                              for n, feeds in enumerate(servers)])
+        assert cli("init", cwd=home).returncode == 0
+        result = run_on_a_small_disk(home, "rss", "--all", env={"RSS_HOST_DELAY": "0"})
+    finally:
+        for feeds in servers:
+            feeds.close()
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert result.stderr.startswith("vesti: ") and result.stderr.count("\n") == 1, result.stderr
+    assert "vesti.db" in result.stderr and "Traceback" not in result.stderr
+    conn = sqlite3.connect(home / "vesti.db")
+    health = conn.execute("SELECT slug, status, error_count FROM sources ORDER BY slug").fetchall()
+    assert health == [("s0", "alive", 0), ("s1", "alive", 0), ("s2", "alive", 0)]
+
+
+def test_a_full_disk_ends_the_worker_with_one_line(home):
+    s, db, _ = worker_home(home, "")
+    add_posts(db.conn(), 500)
+    db.close()                               # checkpointed: the posts are in vesti.db
+    result = run_on_a_small_disk(home, "worker", "--workers", "2", env={"OLLAMA_URL": ""})
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert result.stderr.startswith("vesti: ") and result.stderr.count("\n") == 1, result.stderr
+    assert "vesti.db" in result.stderr and "Traceback" not in result.stderr
+    queue = dict(sqlite3.connect(home / "vesti.db")
+                 .execute("SELECT classified, count(*) FROM posts GROUP BY 1").fetchall())
+    assert 0 < queue.get(0, 0) < 500 and -2 not in queue   # stopped part-way; nothing failed
+
+
+# Web: slow clients, the access log, posts that do not exist -------------------
+
+def test_a_client_that_drips_its_request_is_dropped_while_others_are_served(web, monkeypatch):
+    monkeypatch.setattr(vesti.WebHandler, "request_deadline", 1)
+    request = (b"GET /api/queue HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: "
+               + web.auth.encode() + b"\r\nX-Slow: " + b"z" * 100 + b"\r\n\r\n")
+    slow = socket.create_connection(("127.0.0.1", web.port), timeout=10)
+    dropped, answered = False, None
+    try:
+        give_up = time.monotonic() + 8
+        for byte in request:                               # one byte every 0.5 s
+            try:
+                slow.sendall(bytes([byte]))
+            except OSError:
+                dropped = True
+                break
+            if answered is None:                           # a normal request meanwhile
+                answered = web.get("/api/queue")
+            if select.select([slow], [], [], 0.5)[0]:
+                try:
+                    dropped = slow.recv(65536) == b""
+                except OSError:
+                    dropped = True
+                break
+            if time.monotonic() > give_up:
+                break
+    finally:
+        slow.close()
+    assert dropped
+    assert answered[0] == 200 and json.loads(answered[2])["pending"] == 0
+
+
+def test_control_characters_of_a_request_line_are_escaped_in_the_access_log(web, caplog):
+    with caplog.at_level(logging.INFO, logger="vesti.access"):
+        with socket.create_connection(("127.0.0.1", web.port), timeout=10) as raw:
+            raw.sendall(b"GET /\x1b[31mred\x07 HTTP/1.0\r\n\r\n")
+            answer = b""
+            while chunk := raw.recv(65536):
+                answer += chunk
+    assert answer.split(b"\r\n")[0].split()[1] == b"401"
+    lines = [r.getMessage() for r in caplog.records
+             if r.name == "vesti.access" and "red" in r.getMessage()]
+    assert lines
+    assert not any("\x1b" in line or "\x07" in line for line in lines), lines
+    assert any(r"\x1b[31mred\x07" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("post_id", ["99999999999999999999", "12345"])
+def test_deciding_on_a_post_that_does_not_exist_is_404(web, post_id):
+    conn = web.db.conn()
+    classified_posts(conn, 1)
+    status, _, _ = web.post(f"/posts/{post_id}/status", {"token": web.token(), "status": "approved"})
+    assert status == 404
+    assert [tuple(r) for r in conn.execute("SELECT id, status FROM posts")] == [(1, "new")]
+
+
+# Configuration: hostile or absurd values -------------------------------------
+
+def alias_bomb(levels=7):
+    """The "billion laughs" shape: each anchor is nine aliases of the last."""
+    nested = ["&x0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    nested += [f"&x{n} [" + ", ".join([f"*x{n - 1}"] * 9) + "]" for n in range(1, levels)]
+    return "[" + ", ".join(nested) + "]"
+
+
+A_SOURCE = '  - slug: a\n    crawler: rss\n    url: "http://x.test/feed"\n'
+
+
+@pytest.mark.parametrize("extra", [
+    f"    name: {alias_bomb()}\n",
+    "    ? [a, b]\n    : x\n",
+    "    name: " + "[" * 5000 + "]" * 5000 + "\n",
+    "    priority: 100000000000000000000000\n",
+], ids=["alias-bomb", "non-scalar-key", "5000-deep", "huge-priority"])
+def test_a_hostile_sources_yaml_is_a_one_line_error(home, extra):
+    (home / "sources.yaml").write_text(SOURCES_YAML.format(sources=A_SOURCE + extra))
+    result = cli("status", cwd=home, timeout=30)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1 and "sources.yaml" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_url_that_does_not_parse_is_a_one_line_error(home):
+    (home / "sources.yaml").write_text(SOURCES_YAML.format(
+        sources='  - slug: a\n    crawler: rss\n    url: "http://[::1"\n'))
+    result = cli("status", cwd=home)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1 and "source 'a'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("name,value", [("VESTI_DB", ""), ("VESTI_LEASE_SECONDS", "1e308"),
+                                        ("VESTI_WEB_USER", "a:b"), ("RSS_TIMEOUT", "1e308"),
+                                        ("VESTI_CRAWL_EVERY", "0s")])
+def test_an_absurd_setting_stops_the_command_with_one_line_and_exit_2(home, name, value):
+    write_sources(home / "sources.yaml", [rss_source("a", "http://x.test/feed")])
+    result = cli("status", cwd=home, env={name: value})
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert result.stderr.count("\n") == 1 and name in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# Migration: posts claimed before leases existed --------------------------------
+
+def test_posts_left_processing_by_a_database_from_before_leases_are_classified(home):
+    old = sqlite3.connect(home / "vesti.db")
+    old.execute("CREATE TABLE posts (id INTEGER PRIMARY KEY, source_id INTEGER, text TEXT, "
+                "classified INTEGER)")
+    old.executemany("INSERT INTO posts (source_id, text, classified) VALUES (1, ?, ?)",
+                    [(f"Old news {k} about the Linux kernel.", -1 if k < 5 else 0)
+                     for k in range(8)])
+    old.commit()
+    old.close()
+    s, db = intake(home, [rss_source("old", "http://x.test/feed")])
+    columns = {r["name"] for r in db.conn().execute("PRAGMA table_info(posts)")}
+    assert {"claimed_at", "claim_token", "attempts", "next_attempt_at"} <= columns
+    vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=2, quiet=True)
+    assert queue_of(db) == {1: 8}
+    assert {r[0] for r in db.conn().execute("SELECT direction FROM posts")} == {"linux"}
 
 
 # The repository ----------------------------------------------------------------

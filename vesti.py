@@ -682,16 +682,17 @@ class Connection(sqlite3.Connection):
         return self._retrying(self.cursor(StorageCursor).execute, sql, parameters)
 
     def executemany(self, sql, rows):
-        return self._retrying(self.cursor(StorageCursor).executemany, sql, rows)
+        # Not retried: rows written before a lock would be written twice.
+        return self._retrying(self.cursor(StorageCursor).executemany, sql, rows, retry=False)
 
-    def _retrying(self, call, sql, parameters):
+    def _retrying(self, call, sql, parameters, retry=True):
         waiting = False
         try:
             while True:
                 try:
                     return call(sql, parameters)
                 except sqlite3.OperationalError as e:
-                    if not is_busy(e):
+                    if not is_busy(e) or not retry:
                         raise
                     if STOPPING.is_set():
                         raise StorageError(f"{self.path}: {e}; stopped waiting for it "
@@ -2562,9 +2563,14 @@ async def crawl_channel(db, reader, source, settings, trigger):
     except (TelegramFlood, TelegramDisconnected) as e:
         finish_run(conn, run_id, "deferred", error=str(e))
         raise
+    except StorageError:
+        raise
     except Exception as e:
         error = describe_telegram_error(e)
-        log.info("telegram %s: %s", source["slug"], error)
+        # Telegram's own errors are the channel's; anything else is a bug here.
+        expected = isinstance(e, VestiError) or type(e).__module__.startswith("telethon")
+        log.log(logging.INFO if expected else logging.WARNING, "telegram %s: %s",
+                source["slug"], error, exc_info=not expected)
         record_failure(conn, source, error, settings.dead_after)
         finish_run(conn, run_id, "error", error=error)
         return FeedResult(source["slug"], "error", error=error)
@@ -3449,8 +3455,10 @@ class WebApp:
 
 
 
-# Control characters of a request line are written to the log escaped.
-LOG_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(32), 127]}
+# Control characters of a request line (C0, DEL, C1) are written to the log
+# escaped, and so is the backslash, so an escape cannot be forged.
+LOG_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(32), *range(127, 160)]}
+LOG_ESCAPES[ord("\\")] = "\\\\"
 
 
 class WebHandler(http.server.BaseHTTPRequestHandler):
