@@ -39,7 +39,12 @@ CREATE TABLE IF NOT EXISTS posts (
     interest INTEGER,
     summary TEXT,
     article_url TEXT,
-    edited_at TEXT
+    edited_at TEXT,
+    keywords TEXT,
+    reason TEXT,
+    decided_at TEXT,
+    decided_by TEXT,
+    story_id INTEGER
 );
 -- Queue sizes: pending (NULL/0), processing (-1), failed (-2), done today (1 + fetched_at).
 CREATE INDEX IF NOT EXISTS posts_queue ON posts(classified, fetched_at);
@@ -49,6 +54,11 @@ CREATE INDEX IF NOT EXISTS posts_sha256 ON posts(sha256);
 CREATE INDEX IF NOT EXISTS posts_canonical_url ON posts(canonical_url);
 CREATE INDEX IF NOT EXISTS posts_external_id ON posts(source_id, external_id);
 CREATE INDEX IF NOT EXISTS posts_candidates ON posts(classified, published_at);
+-- The desk: classified posts of one decision, newest first or by a score.
+CREATE INDEX IF NOT EXISTS posts_desk ON posts(status, published_at, id) WHERE classified = 1;
+CREATE INDEX IF NOT EXISTS posts_desk_relevance ON posts(status, relevance, published_at, id) WHERE classified = 1;
+CREATE INDEX IF NOT EXISTS posts_desk_interest ON posts(status, interest, published_at, id) WHERE classified = 1;
+CREATE INDEX IF NOT EXISTS posts_decided ON posts(status, decided_at);
 
 CREATE TABLE IF NOT EXISTS rss_state (
     source_id INTEGER PRIMARY KEY,
@@ -86,5 +96,42 @@ CREATE TABLE IF NOT EXISTS runs (
     pid INTEGER
 );
 CREATE INDEX IF NOT EXISTS runs_source ON runs(source_id, id);
+
+-- Facts the processes leave for each other: the web page's token secret, the
+-- workers' last sign of life, Ollama's state.
+CREATE TABLE IF NOT EXISTS meta (
+    key TEXT PRIMARY KEY,
+    value TEXT,
+    updated_at TEXT
+);
+
+-- Classified posts counted by decision, direction and relevance (and the same
+-- per source), kept in step by triggers: the desk's filter counts without
+-- scanning posts.
+CREATE TABLE IF NOT EXISTS post_counts (
+    status TEXT NOT NULL,
+    direction TEXT NOT NULL,
+    relevance INTEGER NOT NULL,
+    n INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (status, direction, relevance)
+);
+CREATE TABLE IF NOT EXISTS source_post_counts (
+    source_id INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    direction TEXT NOT NULL,
+    relevance INTEGER NOT NULL,
+    n INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (source_id, status, direction, relevance)
+);
+CREATE TRIGGER IF NOT EXISTS posts_counted AFTER INSERT ON posts WHEN new.classified = 1 BEGIN INSERT INTO post_counts (status, direction, relevance, n) VALUES (new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1) ON CONFLICT DO UPDATE SET n = n + 1; INSERT INTO source_post_counts (source_id, status, direction, relevance, n) VALUES (coalesce(new.source_id, 0), new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1) ON CONFLICT DO UPDATE SET n = n + 1; END;
+CREATE TRIGGER IF NOT EXISTS posts_recounted AFTER UPDATE OF classified, status, direction, relevance, source_id ON posts WHEN old.classified = 1 OR new.classified = 1 BEGIN UPDATE post_counts SET n = n - 1 WHERE old.classified = 1 AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); UPDATE source_post_counts SET n = n - 1 WHERE old.classified = 1 AND source_id = coalesce(old.source_id, 0) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); INSERT INTO post_counts (status, direction, relevance, n) SELECT new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1 WHERE new.classified = 1 ON CONFLICT DO UPDATE SET n = n + 1; INSERT INTO source_post_counts (source_id, status, direction, relevance, n) SELECT coalesce(new.source_id, 0), new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1 WHERE new.classified = 1 ON CONFLICT DO UPDATE SET n = n + 1; END;
+CREATE TRIGGER IF NOT EXISTS posts_uncounted AFTER DELETE ON posts WHEN old.classified = 1 BEGIN UPDATE post_counts SET n = n - 1 WHERE status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); UPDATE source_post_counts SET n = n - 1 WHERE source_id = coalesce(old.source_id, 0) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); END;
+
+-- Full-text search over title and text (SQLite FTS5; where a Python build
+-- lacks it, search falls back to LIKE).
+CREATE VIRTUAL TABLE IF NOT EXISTS posts_fts USING fts5(title, text, content='posts', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
+CREATE TRIGGER IF NOT EXISTS posts_fts_insert AFTER INSERT ON posts BEGIN INSERT INTO posts_fts (rowid, title, text) VALUES (new.id, new.title, new.text); END;
+CREATE TRIGGER IF NOT EXISTS posts_fts_update AFTER UPDATE OF title, text ON posts BEGIN INSERT INTO posts_fts (posts_fts, rowid, title, text) VALUES ('delete', old.id, old.title, old.text); INSERT INTO posts_fts (rowid, title, text) VALUES (new.id, new.title, new.text); END;
+CREATE TRIGGER IF NOT EXISTS posts_fts_delete AFTER DELETE ON posts BEGIN INSERT INTO posts_fts (posts_fts, rowid, title, text) VALUES ('delete', old.id, old.title, old.text); END;
 -- Runs still marked running: a stopped or killed crawl leaves them behind.
 CREATE INDEX IF NOT EXISTS runs_running ON runs(pid) WHERE status = 'running';

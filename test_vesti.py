@@ -8,12 +8,14 @@ the real-world corpus in ../shared/corpus.
 import asyncio
 import base64
 import contextlib
+import csv
 import datetime
 import fcntl
 import gzip
 import html
 import http.client
 import http.server
+import io
 import json
 import logging
 import os
@@ -896,13 +898,16 @@ def serve_files(server, paths, root):
     return sources
 
 
-def test_every_real_feed_yields_posts_or_a_recorded_error(home, server):
-    sources = serve_files(server, REAL_FEEDS, CORPUS / "feeds" / "real")
+@pytest.mark.parametrize("part", range(4))     # four parts, so two cores share the work
+def test_every_real_feed_yields_posts_or_a_recorded_error(home, server, part):
+    assert len(REAL_FEEDS) == 101
+    feeds = REAL_FEEDS[part::4]
+    sources = serve_files(server, feeds, CORPUS / "feeds" / "real")
     s, db = intake(home, sources)
     summary = crawl(s, db)
-    assert len(summary.results) == len(REAL_FEEDS) == 101
+    assert len(summary.results) == len(feeds)
     conn = db.conn()
-    for source, path in zip(conn.execute("SELECT * FROM sources ORDER BY id"), REAL_FEEDS):
+    for source, path in zip(conn.execute("SELECT * FROM sources ORDER BY id"), feeds):
         posts = conn.execute("SELECT count(*) FROM posts WHERE source_id = ?",
                              (source["id"],)).fetchone()[0]
         if posts == 0 and not source["last_error"]:
@@ -911,7 +916,7 @@ def test_every_real_feed_yields_posts_or_a_recorded_error(home, server):
             assert drafts and all(conn.execute(
                 "SELECT 1 FROM posts WHERE canonical_url = ?", (d.canonical_url,)).fetchone()
                 for d in drafts), path.name
-    assert summary.count("ok") == 101       # every real feed is readable
+    assert summary.count("ok") == len(feeds)       # every real feed is readable
 
 
 def test_every_illformed_feed_is_stored_whole_or_recorded_as_an_error(home, server):
@@ -1140,7 +1145,7 @@ def test_no_keyword_hit_is_not_relevant_and_never_asks_the_llm(ollama):
     verdict = vesti.classify_text("Football results. The home team won.", DIRECTIONS, s,
                                   title="Sports")
     assert verdict == {"direction": None, "relevance": 0, "interest": 0,
-                       "summary": "Football results. The home team won."}
+                       "summary": "Football results. The home team won.", "keywords": None}
     assert ollama.requests == []
 
 
@@ -1148,14 +1153,16 @@ def test_a_keyword_hit_asks_ollama_exactly_as_the_contract_says(ollama):
     s = vesti.load_settings(environ={"OLLAMA_URL": ollama.url, "OLLAMA_MODEL": "m:1"},
                             env_file=None)
     verdict = vesti.classify_text("A new kernel is out.", DIRECTIONS, s, title="Kernel 7.0")
+    assert verdict.pop("llm_seconds") >= 0
     assert verdict == {"direction": "linux", "relevance": 8, "interest": 6,
-                       "summary": "Summary: Kernel 7.0"}
+                       "summary": "Summary: Kernel 7.0", "reason": None, "keywords": "kernel"}
     path, body = ollama.requests[0]
     assert path == "/api/chat"
     assert (body["model"], body["stream"], body["options"]) == ("m:1", False, {"temperature": 0})
     schema = body["format"]
     assert schema["properties"]["direction"]["enum"] == ["linux", "space", None]
     assert set(schema["required"]) == {"direction", "relevance", "interest", "summary"}
+    assert schema["properties"]["reason"] == {"type": "string"}      # optional
     assert body["messages"][-1]["role"] == "user" and "A new kernel is out." in body["messages"][-1]["content"]
 
 
@@ -2056,8 +2063,8 @@ class Web:
     def get(self, path, **kwargs):
         return self.request("GET", path, **kwargs)
 
-    def post(self, path, form, origin=None, **kwargs):
-        headers = {"Origin": origin or self.origin}
+    def post(self, path, form, origin=None, headers=None, **kwargs):
+        headers = {"Origin": origin or self.origin, **(headers or {})}
         return self.request("POST", path, urllib.parse.urlencode(form), headers, **kwargs)
 
     def token(self):
@@ -2198,7 +2205,8 @@ def test_a_malformed_but_readable_feed_shows_its_warning_in_grey(web, home, serv
     vesti.sync_sources(web.db.conn(), vesti.load_registry(str(home / "sources.yaml")))
     crawl(web.settings, web.db)
     assert source_row(web.db, "lwn")["last_error"] is None and len(posts_of(web.db, "lwn")) == 2
-    cell = re.search(r'<tr id="source-lwn">.*?<td class="error">(.*?)</td>', web.get("/crawlers")[2])[1]
+    cell = re.search(r'<tr id="source-lwn">.*?<td class="error">(.*?)</td>',
+                     web.get("/crawlers")[2])[1]
     assert cell.startswith('<span class="muted">malformed feed, 2 entries kept: ')
     crawl(web.settings, web.db)                        # 304: the same body, the same warning
     assert state_row(web.db, "lwn")["status"] == "not_modified"
@@ -2212,7 +2220,7 @@ def classified_posts(conn, count, direction="linux"):
                  "datetime('2026-11-01', '+' || id || ' minutes')", (direction,))
 
 
-def test_candidates_are_newest_first_escaped_and_paginated(web):
+def test_the_desk_is_newest_first_escaped_and_keyset_paged(web):
     conn = web.db.conn()
     classified_posts(conn, 60)
     add_posts(conn, 3, start=100)                             # pending: not candidates
@@ -2221,17 +2229,20 @@ def test_candidates_are_newest_first_escaped_and_paginated(web):
     ids = [int(i) for i in re.findall(r'<article class="post" id="post-(\d+)"', page)]
     assert ids == list(range(60, 10, -1))                     # 50 per page, newest first
     assert "Summary &lt;i&gt;60" in page and "relevance <b>7</b>" in page
-    assert "older →" in page
-    second = web.get("/?page=2")[2]
+    older = html.unescape(re.search(r'<a href="([^"]+)" rel="next">older →</a>', page)[1])
+    assert "after=" in older and "page=" not in older
+    second = web.get(older)[2]
     assert [int(i) for i in re.findall(r'id="post-(\d+)"', second)] == list(range(10, 0, -1))
+    assert 'rel="next"' not in second
 
 
 def test_only_web_links_are_clickable_and_a_huge_page_number_is_harmless(web):
     conn = web.db.conn()
     classified_posts(conn, 2)
     conn.execute("UPDATE posts SET url = 'javascript:alert(1)' WHERE id = 1")
-    status, _, page = web.get("/?page=99999999999999999999")
-    assert status == 200
+    for junk in ("?page=99999999999999999999", "?after=9~x~99999999999999999999",
+                 "?after=%3Cscript%3E", "?min=99&sort=evil&status=%00"):
+        assert web.get("/" + junk)[0] == 200
     page = web.get("/")[2]
     assert "javascript:" not in page, re.findall(r".{80}javascript:.{40}", page)
     assert 'href="http://x/1"' in page           # post 2's link
@@ -2250,7 +2261,7 @@ def test_an_editor_approves_and_rejects_candidates(web):
     classified_posts(conn, 2)
     status, headers, _ = web.post("/posts/2/status", {"token": web.token(), "status": "approved",
                                                       "back": "/?direction=linux"})
-    assert status == 303 and headers["Location"] == "/?direction=linux"
+    assert status == 303 and headers["Location"] == "/?direction=linux&decided=2#post-2"
     web.post("/posts/1/status", {"token": web.token(), "status": "rejected",
                                  "back": "//evil.example/"})
     assert dict(conn.execute("SELECT id, status FROM posts").fetchall()) == \
@@ -2259,9 +2270,312 @@ def test_an_editor_approves_and_rejects_candidates(web):
     for back in ("/x\r\nSet-Cookie: injected=1", "/\\evil.example", "https://evil.example/"):
         status, headers, _ = web.post("/posts/1/status", {"token": web.token(), "status": "new",
                                                           "back": back})
-        assert status == 303 and headers["Location"] == "/" and "Set-Cookie" not in headers
+        assert status == 303 and headers["Location"] == "/?decided=1#post-1"
+        assert "Set-Cookie" not in headers
     assert web.post("/posts/1/status", {"token": "x", "status": "approved"})[0] == 403
     assert web.post("/posts/1/status", {"token": web.token(), "status": "published"})[0] == 400
+
+
+# The editor's desk -------------------------------------------------------------
+
+def desk_post(conn, source_id, k, relevance=7, interest=4, direction="linux", status="new",
+              title=None, text=None, minute=None):
+    """A classified post, as a worker leaves it."""
+    return conn.execute(
+        "INSERT INTO posts (source_id, external_id, url, title, text, classified, status, "
+        "direction, relevance, interest, summary, published_at, keywords) "
+        "VALUES (?, ?, ?, ?, ?, 1, ?, ?, ?, ?, ?, datetime('2026-11-01', ?), ?)",
+        (source_id, f"e{k}", f"http://x/{k}", title or f"Post {k}", text or f"Body of post {k}.",
+         status, direction, relevance, interest, f"Summary {k}",
+         f"+{k if minute is None else minute} minutes", "linux, kernel")).lastrowid
+
+
+def card_ids(page):
+    return [int(i) for i in re.findall(r'<article class="post" id="post-(\d+)"', page)]
+
+
+def facet(page, block, label):
+    """The count beside a filter link: block is 'directions' or 'statuses'."""
+    links = re.search(rf'<p class="facets[^"]*" id="{block}">(.*?)</p>', page)[1]
+    return int(re.search(rf'>{re.escape(label)}</a> <span class="muted">(\d+)</span>', links)[1])
+
+
+def lwn(web):
+    return source_row(web.db, "lwn")["id"]
+
+
+def test_the_default_desk_hides_what_is_decided_or_not_relevant(web):
+    conn = web.db.conn()
+    relevant = desk_post(conn, lwn(web), 1, relevance=7)
+    desk_post(conn, lwn(web), 2, relevance=0, direction=None)
+    desk_post(conn, lwn(web), 3, relevance=2)
+    desk_post(conn, lwn(web), 4, relevance=9, status="approved")
+    page = web.get("/")[2]
+    assert card_ids(page) == [relevant]
+    assert "2 less relevant posts are hidden." in page
+    assert card_ids(web.get("/?min=0")[2]) == [3, 2, 1]
+    assert card_ids(web.get("/?status=any")[2]) == [4, 1]
+    assert card_ids(web.get("/?status=approved&min=0")[2]) == [4]
+
+
+def test_filters_show_counts_under_the_other_filters(web):
+    conn = web.db.conn()
+    other = conn.execute("INSERT INTO sources (slug, name, url) VALUES "
+                         "('orbit', 'Orbit news', 'http://o/')").lastrowid
+    for k in range(1, 6):
+        desk_post(conn, lwn(web), k, direction="linux")
+    for k in range(6, 9):
+        desk_post(conn, other, k, direction="space")
+    desk_post(conn, other, 9, direction="space", status="approved")
+    desk_post(conn, other, 10, direction=None, relevance=0)
+    page = web.get("/")[2]
+    assert facet(page, "directions", "Linux") == 5 and facet(page, "directions", "Space") == 3
+    assert facet(page, "directions", "all directions") == 8
+    assert facet(page, "statuses", "to decide") == 8 and facet(page, "statuses", "approved") == 1
+    page = web.get("/?direction=space")[2]
+    assert card_ids(page) == [8, 7, 6]
+    assert facet(page, "statuses", "to decide") == 3 and facet(page, "statuses", "approved") == 1
+    assert facet(page, "directions", "Linux") == 5          # the direction's own filter is off
+    page = web.get("/?source=orbit&min=0")[2]
+    assert card_ids(page) == [10, 8, 7, 6]
+    assert facet(page, "directions", "no direction") == 1 and facet(page, "directions", "Linux") == 0
+    conn.execute("UPDATE posts SET status = 'rejected' WHERE id = 6")
+    assert facet(web.get("/?direction=space")[2], "statuses", "rejected") == 1
+
+
+def test_search_finds_words_in_any_case_in_russian_and_english(web):
+    conn = web.db.conn()
+    desk_post(conn, lwn(web), 1, title="Новое ядро Linux", text="Вышло ядро с планировщиком.")
+    desk_post(conn, lwn(web), 2, title="Kernel release", text="The KERNEL team shipped it.")
+    desk_post(conn, lwn(web), 3, title="Rocket launch", text="An orbit was reached.")
+    assert card_ids(web.get("/?q=" + urllib.parse.quote("ЯДРО"))[2]) == [1]
+    assert card_ids(web.get("/?q=kernel")[2]) == [2]
+    assert card_ids(web.get("/?q=Linux")[2]) == [1]
+    assert card_ids(web.get("/?q=" + urllib.parse.quote("планировщик*"))[2]) == [1]  # a word's beginning
+    assert card_ids(web.get("/?q=" + urllib.parse.quote("планировщик"))[2]) == []
+    page = web.get("/?q=nothing-like-this")[2]
+    assert card_ids(page) == [] and "No posts match these filters." in page
+    for hostile in ('"', "a AND", "NEAR(", "*", "-x", "'; DROP TABLE posts; --"):
+        assert web.get("/?q=" + urllib.parse.quote(hostile))[0] == 200
+    conn.execute("UPDATE posts SET title = 'Orbit reached' WHERE id = 3")
+    assert card_ids(web.get("/?q=orbit")[2]) == [3]              # the index follows edits
+
+
+def test_without_fts5_search_falls_back_to_like(web, monkeypatch):
+    monkeypatch.setattr(vesti, "FTS5", False)
+    conn = web.db.conn()
+    desk_post(conn, lwn(web), 1, title="Новое ядро Linux", text="100% готово")
+    desk_post(conn, lwn(web), 2, title="Kernel release", text="The KERNEL team shipped it.")
+    assert card_ids(web.get("/?q=kernel")[2]) == [2]
+    assert card_ids(web.get("/?q=" + urllib.parse.quote("ядро"))[2]) == [1]
+    assert card_ids(web.get("/?sort=relevance&q=kernel")[2]) == [2]
+    assert card_ids(web.get("/?q=" + urllib.parse.quote("100%"))[2]) == [1]
+    assert card_ids(web.get("/?q=" + urllib.parse.quote("_%"))[2]) == []
+
+
+def test_paging_by_position_covers_every_post_once_in_every_order(web):
+    conn = web.db.conn()
+    for k in range(1, 121):
+        desk_post(conn, lwn(web), k, relevance=3 + k % 8, interest=k % 5, minute=k // 3)
+    for sort in ("newest", "relevance", "interest"):
+        seen, path = [], f"/?sort={sort}"
+        while path:
+            page = web.get(path)[2]
+            seen += card_ids(page)
+            found = re.search(r'<a href="([^"]+)" rel="next">', page)
+            path = html.unescape(found[1]) if found else None
+        assert sorted(seen) == list(range(1, 121)), sort
+        rows = {r["id"]: r for r in conn.execute("SELECT * FROM posts")}
+        key = {"newest": lambda i: (rows[i]["published_at"], i),
+               "relevance": lambda i: (rows[i]["relevance"], rows[i]["published_at"], i),
+               "interest": lambda i: (rows[i]["interest"], rows[i]["published_at"], i)}[sort]
+        assert seen == sorted(seen, key=key, reverse=True), sort
+
+
+def test_a_decision_with_json_answers_json_and_records_who_and_when(web):
+    conn = web.db.conn()
+    post = desk_post(conn, lwn(web), 1)
+    status, headers, body = web.post(f"/posts/{post}/status",
+                                     {"token": web.token(), "status": "approved"},
+                                     headers={"Accept": "application/json"})
+    assert status == 200 and json.loads(body) == {"id": post, "status": "approved"}
+    row = conn.execute("SELECT status, decided_at, decided_by FROM posts").fetchone()
+    assert row["status"] == "approved" and row["decided_by"] == "admin"
+    assert row["decided_at"] >= vesti.utc_text(time.time() - 60)
+    assert web.post("/posts/424242/status", {"token": web.token(), "status": "approved"})[0] == 404
+
+
+def test_bulk_decisions_reject_every_card_shown(web):
+    conn = web.db.conn()
+    ids = [desk_post(conn, lwn(web), k) for k in range(1, 6)]
+    page = web.get("/")[2]
+    form = re.search(r'<form class="actions bulk".*?</form>', page)[0]
+    shown = re.search(r'name="ids" value="([^"]+)"', form)[1]
+    assert sorted(int(i) for i in shown.split(",")) == ids
+    status, headers, _ = web.post("/posts/status", {"token": web.token(), "ids": shown,
+                                                    "status": "rejected", "back": "/"})
+    assert status == 303 and headers["Location"] == "/"
+    assert {r[0] for r in conn.execute("SELECT status FROM posts")} == {"rejected"}
+    assert card_ids(web.get("/")[2]) == []
+    status, _, body = web.post("/posts/status", {"token": web.token(), "ids": "1,2,999",
+                                                 "status": "new"},
+                               headers={"Accept": "application/json"})
+    assert status == 200 and json.loads(body)["changed"] == 2
+    assert web.post("/posts/status", {"token": web.token(), "ids": "", "status": "new"})[0] == 400
+    assert web.post("/posts/status", {"token": "forged", "ids": "1", "status": "new"})[0] == 403
+
+
+def test_a_page_left_open_across_a_restart_still_decides(web, home):
+    conn = web.db.conn()
+    post = desk_post(conn, lwn(web), 1)
+    token_before = re.search(r'name="token" value="([0-9a-f]+)"', web.get("/")[2])[1]
+    web.close()
+    restarted = Web(home)             # a new server process on the same database
+    try:
+        status, headers, _ = restarted.post(f"/posts/{post}/status",
+                                            {"token": token_before, "status": "approved"})
+        assert status == 303 and headers["Location"].endswith(f"#post-{post}")
+    finally:
+        restarted.close()
+    assert conn.execute("SELECT status FROM posts").fetchone()[0] == "approved"
+
+
+def test_cards_explain_scores_and_hold_the_stored_text(web):
+    conn = web.db.conn()
+    desk_post(conn, lwn(web), 1, text="<b>Full</b> text of the article.")
+    conn.execute("UPDATE posts SET reason = 'A kernel release <b>matters</b>'")
+    page = web.get("/")[2]
+    card = re.search(r'<article class="post" id="post-1".*?</article>', page, re.S)[0]
+    assert "keywords: linux, kernel" in card
+    assert "why: A kernel release &lt;b&gt;matters&lt;/b&gt;" in card
+    assert re.search(r"<details><summary[^>]*>Stored text</summary><div class=\"text\">"
+                     r"&lt;b&gt;Full&lt;/b&gt; text of the article.</div></details>", card)
+    buttons = re.findall(r'<button name="status" value="(\w+)"', card)
+    assert buttons == ["approved", "rejected", "new"]            # the same places, always
+
+
+class ReasoningOllama(FakeOllama):
+    def verdict(self, body):
+        return {**super().verdict(body), "reason": "It is about a kernel release."}
+
+
+def test_the_worker_keeps_matched_keywords_and_the_llms_reason(home):
+    fake = ReasoningOllama()
+    try:
+        s, db, registry = worker_home(home, fake.url)
+        add_posts(db.conn(), 1, text="The Linux kernel 7.0 is out.")
+        add_posts(db.conn(), 1, start=1, text="Football results from the weekend.")
+        vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    finally:
+        fake.close()
+    rows = db.conn().execute("SELECT keywords, reason FROM posts ORDER BY id").fetchall()
+    assert tuple(rows[0]) == ("kernel, linux", "It is about a kernel release.")
+    assert tuple(rows[1]) == (None, None)
+
+
+def test_banners_say_why_nothing_is_classified(home):
+    write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss")])
+    dead_ollama = "http://127.0.0.1:9"
+    s, db, registry = worker_home(home, dead_ollama)
+    add_posts(db.conn(), 4, text="Linux kernel news.")
+    w = Web(home)
+    try:
+        w.settings = w.app.settings = s
+        page = w.get("/")[2]
+        assert "4 posts wait and no worker has run yet" in page
+        vesti.run_workers(db, s, registry, workers=1, quiet=True)     # Ollama refuses
+        for path in ("/", "/crawlers"):
+            page = w.get(path)[2]
+            assert "Ollama has been unreachable since" in page and "127.0.0.1:9" in page
+            assert "no worker has run" not in page                  # it ran a moment ago
+        db.conn().execute("UPDATE meta SET value = datetime('now', '-5 minutes') "
+                          "WHERE key = 'worker_seen'")
+        assert "no worker has run for 5 minutes" in w.get("/")[2]
+        keyword_only = s.replace(ollama_url="")
+        vesti.run_workers(db, keyword_only, registry, workers=1, quiet=True)
+        w.app.settings = keyword_only
+        page = w.get("/crawlers")[2]
+        assert "Keyword-only mode" in page and "unreachable" not in page
+    finally:
+        w.close()
+
+
+def test_pages_speak_english_and_russian(web):
+    desk_post(web.db.conn(), lwn(web), 1)
+    english = web.get("/crawlers")[2]
+    assert "Reset dead sources" in english and "Сбросить" not in english
+    russian = web.get("/crawlers?lang=ru")[2]
+    assert "Сбросить dead" in russian and '<html lang="ru">' in russian
+    assert "Одобрить" in web.get("/", headers={"Accept-Language": "ru-RU,ru;q=0.9,en;q=0.5"})[2]
+    assert "Approve" in web.get("/", headers={"Accept-Language": "de, en;q=0.5"})[2]
+    web.app.settings = web.settings.replace(lang="en")
+    assert "Approve" in web.get("/", headers={"Accept-Language": "ru"})[2]
+    assert "Одобрить" in web.get("/?lang=ru", headers={"Accept-Language": "en"})[2]
+    page = web.get("/?lang=ru")[2]
+    links = [html.unescape(link) for link in re.findall(r'href="(/[^"]*)"', page)]
+    assert all("lang=ru" in link for link in links if "lang=en" not in link)
+
+
+def test_the_crawlers_page_lists_failing_and_dead_sources_first(home):
+    write_sources(home / "sources.yaml", [rss_source(slug, f"https://{slug}.example/rss")
+                                          for slug in ("aaa", "bbb", "ccc", "ddd")])
+    w = Web.__new__(Web)
+    s = make_settings(home, VESTI_WEB_PASSWORD="pw")
+    registry, db = vesti.open_intake(s)
+    db.conn().execute("UPDATE sources SET status = 'dead', error_count = 9 WHERE slug = 'ccc'")
+    db.conn().execute("UPDATE sources SET error_count = 2, last_error = 'HTTP 500' "
+                      "WHERE slug = 'ddd'")
+    page = vesti.crawlers_page(db.conn(), vesti.Page("en", "t", {}), s)
+    assert re.findall(r'<tr id="source-(\w+)">', page) == ["ddd", "ccc", "aaa", "bbb"]
+    assert "UTC" in page
+
+
+def test_approved_posts_as_atom_and_json_feed(web):
+    feedparser = pytest.importorskip("feedparser")
+    conn = web.db.conn()
+    for k in range(1, 5):
+        desk_post(conn, lwn(web), k, title=f"Story <{k}> & co", direction="linux" if k < 4 else "space")
+    for post, minutes in ((1, 30), (2, 10), (4, 20)):
+        conn.execute("UPDATE posts SET status = 'approved', decided_at = datetime('now', ?) "
+                     "WHERE id = ?", (f"-{minutes} minutes", post))
+    status, headers, body = web.get("/approved.atom")
+    assert status == 200 and headers["Content-Type"].startswith("application/atom+xml")
+    feed = feedparser.parse(body.encode("utf-8"))
+    assert not feed.bozo, feed.bozo_exception
+    assert [e.title for e in feed.entries] == ["Story <2> & co", "Story <4> & co", "Story <1> & co"]
+    assert feed.entries[0].link == "http://x/2"
+    linux = feedparser.parse(web.get("/approved.atom?direction=linux")[2].encode())
+    assert [e.title for e in linux.entries] == ["Story <2> & co", "Story <1> & co"]
+    status, headers, body = web.get("/approved.json")
+    feed = json.loads(body)
+    assert feed["version"] == "https://jsonfeed.org/version/1.1" and feed["title"]
+    assert [item["id"] for item in feed["items"]] == ["2", "4", "1"]
+    for item in feed["items"]:
+        assert isinstance(item["id"], str) and ("content_text" in item or "content_html" in item)
+    assert web.get("/approved.json", auth=False)[0] == 401
+
+
+def test_export_writes_decided_posts_as_csv_json_and_atom(home):
+    write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss")])
+    s = make_settings(home)
+    _, db = vesti.open_intake(s)
+    conn = db.conn()
+    for k in range(1, 4):
+        desk_post(conn, 1, k)
+    conn.execute("UPDATE posts SET status = 'approved', decided_at = '2026-11-20 10:00:00' "
+                 "WHERE id = 1")
+    conn.execute("UPDATE posts SET status = 'approved', decided_at = '2026-11-29 10:00:00' "
+                 "WHERE id = 2")
+    result = cli("export", cwd=home)
+    assert result.returncode == 0, result.stderr
+    rows = list(csv.DictReader(io.StringIO(result.stdout)))
+    assert [r["id"] for r in rows] == ["2", "1"] and rows[0]["decided_at"] == "2026-11-29 10:00:00"
+    since = cli("export", "--since", "2026-11-25", "--format", "json", cwd=home)
+    assert [i["id"] for i in json.loads(since.stdout)["items"]] == ["2"]
+    every = cli("export", "--status", "any", "--format", "atom", cwd=home)
+    assert every.stdout.count("<entry>") == 3
+    bad = cli("export", "--since", "yesterday", cwd=home)
+    assert bad.returncode == 2 and "--since" in bad.stderr
 
 
 def test_reset_dead_command_does_what_the_button_does(home):
@@ -2312,9 +2626,17 @@ class Chromium:
             preexec_fn=lambda: self._pipes_to_3_and_4(to_browser_r, from_browser_w))
         os.close(to_browser_r)
         os.close(from_browser_w)
-        self.buffer, self.next_id, self.events = b"", 0, []
-        target = self.call("Target.createTarget", url="about:blank")["targetId"]
-        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        self.buffer, self.next_id, self.events, self.target = b"", 0, [], None
+        self.new_page()
+
+    def new_page(self):
+        """A fresh tab (no emulation, no history); the previous one is closed."""
+        if self.target:
+            self.call("Target.closeTarget", targetId=self.target)
+        self.target = self.call("Target.createTarget", url="about:blank")["targetId"]
+        self.session = self.call("Target.attachToTarget", targetId=self.target,
+                                 flatten=True)["sessionId"]
+        self.events.clear()
         self.call("Page.enable", session=True)
 
     @staticmethod
@@ -2386,30 +2708,137 @@ class Chromium:
         os.close(self.from_browser)
 
 
-def test_the_crawlers_page_in_a_real_browser(web, tmp_path):
+@pytest.fixture(scope="module")
+def chromium(tmp_path_factory):
+    """One headless Chromium for the browser tests (starting one takes a while)."""
+    browser = Chromium(tmp_path_factory.mktemp("chromium"))
+    yield browser
+    browser.close()
+
+
+@pytest.fixture
+def browser(chromium):
+    chromium.new_page()
+    return chromium
+
+
+def test_the_crawlers_page_in_a_real_browser(web, browser):
     conn = web.db.conn()
     add_posts(conn, 15, source_id=source_row(web.db, "lwn")["id"])
     conn.execute("UPDATE sources SET status = 'dead', error_count = 7, last_error = 'HTTP 500'")
-    browser = Chromium(tmp_path)
-    try:
-        browser.open(web.origin + "/crawlers", {"Authorization": web.auth})
-        shown = browser.evaluate("""({
-            pending: document.querySelector('#queue-pending b').textContent,
-            cards: document.querySelectorAll('.card').length,
-            status: document.querySelector('#source-lwn td.dead').textContent,
-            error: document.querySelector('#source-lwn td.error').textContent,
-            tableWidth: document.querySelector('table').getBoundingClientRect().width})""")
-        assert shown["pending"] == "15" and shown["cards"] == 4
-        assert (shown["status"], shown["error"]) == ("dead", "HTTP 500")
-        assert shown["tableWidth"] > 300
-        browser.evaluate("document.querySelector('form[action=\"/crawlers/reset\"] button').click()")
-        browser.wait_for_load()
-        assert browser.evaluate("location.pathname") == "/crawlers"
-        assert browser.evaluate("document.querySelector('#source-lwn td.alive').textContent") == "alive"
-    finally:
-        browser.close()
+    browser.open(web.origin + "/crawlers", {"Authorization": web.auth})
+    shown = browser.evaluate("""({
+        pending: document.querySelector('#queue-pending b').textContent,
+        cards: document.querySelectorAll('.card').length,
+        status: document.querySelector('#source-lwn td.dead').textContent,
+        error: document.querySelector('#source-lwn td.error').textContent,
+        tableWidth: document.querySelector('table').getBoundingClientRect().width})""")
+    assert shown["pending"] == "15" and shown["cards"] == 4
+    assert (shown["status"], shown["error"]) == ("dead", "HTTP 500")
+    assert shown["tableWidth"] > 300
+    browser.evaluate("document.querySelector('form[action=\"/crawlers/reset\"] button').click()")
+    browser.wait_for_load()
+    assert browser.evaluate("location.pathname") == "/crawlers"
+    assert browser.evaluate("document.querySelector('#source-lwn td.alive').textContent") == "alive"
     row = source_row(web.db, "lwn")
     assert (row["status"], row["error_count"], row["last_error"]) == ("alive", 0, None)
+
+
+def press(browser, key):
+    """A real key press, as the keyboard sends it."""
+    browser.call("Input.dispatchKeyEvent", session=True, type="keyDown", key=key, text=key)
+    browser.call("Input.dispatchKeyEvent", session=True, type="keyUp", key=key)
+
+
+def wait_until(browser, expression, timeout=10):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if browser.evaluate(expression):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_the_desk_from_the_keyboard_decides_in_place(web, browser):
+    conn = web.db.conn()
+    ids = [desk_post(conn, lwn(web), k) for k in range(1, 41)]
+    browser.open(web.origin + "/", {"Authorization": web.auth})
+    browser.evaluate("window.marker = 'same page'")
+    for _ in range(31):
+        press(browser, "j")                               # to the 31st card
+    current = browser.evaluate("document.querySelector('article.current').dataset.id")
+    assert int(current) == ids[-31]
+    press(browser, "a")
+    assert wait_until(browser, f"document.getElementById('post-{current}').dataset.status"
+                               f" === 'approved'")
+    shown = browser.evaluate(f"""({{
+        badge: document.querySelector('#post-{current} .state').textContent,
+        disabled: [...document.querySelectorAll('#post-{current} button')].map(b => b.disabled),
+        next: document.querySelector('article.current').dataset.id,
+        marker: window.marker, top: window.scrollY}})""")
+    assert shown["badge"] == "approved" and shown["disabled"] == [True, False, False]
+    assert int(shown["next"]) == ids[-32]                # focus moved on, no reload
+    assert shown["marker"] == "same page" and shown["top"] > 0
+    assert wait_until(browser, "true") and conn.execute(
+        "SELECT status, decided_by FROM posts WHERE id = ?", (current,)).fetchone()[:] == \
+        ("approved", "admin")
+    press(browser, "r")
+    press(browser, "u")                                   # undo the reject
+    assert wait_until(browser, f"document.getElementById('post-{ids[-32]}').dataset.status"
+                               f" === 'new'")
+    assert conn.execute("SELECT status FROM posts WHERE id = ?", (ids[-32],)).fetchone()[0] \
+        == "new"
+    press(browser, "?")
+    assert browser.evaluate("!document.getElementById('keys').hidden")
+
+
+def test_without_javascript_a_decision_comes_back_to_its_card(web, browser):
+    conn = web.db.conn()
+    ids = [desk_post(conn, lwn(web), k) for k in range(1, 41)]
+    target = ids[-31]
+    browser.open(web.origin + "/?min=0", {"Authorization": web.auth})
+    # What a browser without JavaScript does: post the card's form as it is.
+    browser.evaluate(f"""(() => {{
+        const form = document.querySelector('#post-{target} form.decide');
+        const choice = Object.assign(document.createElement('input'),
+                                     {{type: 'hidden', name: 'status', value: 'approved'}});
+        form.appendChild(choice);
+        HTMLFormElement.prototype.submit.call(form); }})()""")
+    browser.wait_for_load()
+    assert wait_until(browser, "window.scrollY > 0")     # scrolled back to the card
+    where = browser.evaluate(f"""({{path: location.pathname + location.search,
+        hash: location.hash,
+        cardTop: document.getElementById('post-{target}').getBoundingClientRect().top}})""")
+    assert where["hash"] == f"#post-{target}"
+    assert where["path"] == f"/?min=0&decided={target}"
+    assert 0 <= where["cardTop"] < 100
+    assert browser.evaluate(f"document.getElementById('post-{target}').dataset.status") == \
+        "approved"                                        # shown decided, in its place
+    assert conn.execute("SELECT status FROM posts WHERE id = ?", (target,)).fetchone()[0] == \
+        "approved"
+
+
+def test_on_a_phone_each_source_shows_its_status_and_last_error(web, browser):
+    web.db.conn().execute("UPDATE sources SET status = 'dead', error_count = 7, "
+                          "last_error = 'HTTP 500 Internal Server Error'")
+    browser.call("Emulation.setDeviceMetricsOverride", session=True, width=390, height=844,
+                 deviceScaleFactor=3, mobile=True)
+    browser.open(web.origin + "/crawlers", {"Authorization": web.auth})
+    boxes = browser.evaluate("""(() => {
+        const box = e => { const r = e.getBoundingClientRect();
+                           return {left: r.left, right: r.right, width: r.width, height: r.height}; };
+        const row = document.querySelector('#source-lwn');
+        return {status: box(row.querySelector('td.dead')),
+                error: box(row.querySelector('td.error')),
+                errorText: row.querySelector('td.error').innerText,
+                page: document.documentElement.scrollWidth,
+                viewport: window.innerWidth}; })()""")
+    assert boxes["viewport"] == 390 and boxes["page"] <= 390       # no sideways scrolling
+    for cell in ("status", "error"):
+        box = boxes[cell]
+        assert box["width"] > 0 and box["height"] > 0
+        assert 0 <= box["left"] and box["right"] <= 390, (cell, box)
+    assert "HTTP 500 Internal Server Error" in boxes["errorText"]
 
 
 # run: everything at once -------------------------------------------------------

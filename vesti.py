@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import csv
 import dataclasses
 import datetime
 import email.utils
@@ -109,6 +110,15 @@ def _flag(name, raw):
     raise ConfigError(f"{name}: expected 0 or 1, got {raw!r}")
 
 
+def _choice(*choices):
+    def parse(name, raw):
+        value = raw.strip().lower()
+        if value not in choices:
+            raise ConfigError(f"{name}: expected one of {', '.join(choices)}, got {raw!r}")
+        return value
+    return parse
+
+
 def _user(name, raw):
     if not raw or ":" in raw:
         raise ConfigError(f"{name}: must be a non-empty name without ':' (Basic auth "
@@ -177,6 +187,8 @@ SETTINGS = [
     ("TG_API_HASH", "tg_api_hash", _text, ""),
     ("TG_SESSION", "tg_session", _required, "vesti.session"),
     ("VESTI_TG_EDIT_HOURS", "tg_edit_hours", _number(float, 30 * 24), "24"),
+    ("VESTI_MIN_RELEVANCE", "min_relevance", _number(int, 10), "3"),
+    ("VESTI_LANG", "lang", _choice("auto", "en", "ru"), "auto"),
 ]
 
 
@@ -211,6 +223,8 @@ class Settings:
     tg_api_hash: str
     tg_session: str
     tg_edit_hours: float
+    min_relevance: int
+    lang: str
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
@@ -335,6 +349,16 @@ class TelegramDisconnected(VestiError):
 class StorageError(VestiError):
     """The database cannot be used (disk full, a corrupt file, an I/O error):
     not a source's fault; the command ends with exit code 1."""
+
+
+class EarlyReply(Exception):
+    """A web handler's early answer (an error status, a redirect): raised by
+    abort() and turned into the reply, so a handler never replies and then
+    returns a signal to its caller."""
+
+    def __init__(self, status, text, headers=None):
+        super().__init__(f"HTTP {status}: {text}")
+        self.status, self.text, self.headers = status, text, headers
 
 
 class MissingPackage(VestiError):
@@ -534,7 +558,12 @@ CREATE TABLE IF NOT EXISTS posts (
     interest INTEGER,
     summary TEXT,
     article_url TEXT,
-    edited_at TEXT
+    edited_at TEXT,
+    keywords TEXT,
+    reason TEXT,
+    decided_at TEXT,
+    decided_by TEXT,
+    story_id INTEGER
 );
 -- Queue sizes: pending (NULL/0), processing (-1), failed (-2), done today (1 + fetched_at).
 CREATE INDEX IF NOT EXISTS posts_queue ON posts(classified, fetched_at);
@@ -544,6 +573,11 @@ CREATE INDEX IF NOT EXISTS posts_sha256 ON posts(sha256);
 CREATE INDEX IF NOT EXISTS posts_canonical_url ON posts(canonical_url);
 CREATE INDEX IF NOT EXISTS posts_external_id ON posts(source_id, external_id);
 CREATE INDEX IF NOT EXISTS posts_candidates ON posts(classified, published_at);
+-- The desk: classified posts of one decision, newest first or by a score.
+CREATE INDEX IF NOT EXISTS posts_desk ON posts(status, published_at, id) WHERE classified = 1;
+CREATE INDEX IF NOT EXISTS posts_desk_relevance ON posts(status, relevance, published_at, id) WHERE classified = 1;
+CREATE INDEX IF NOT EXISTS posts_desk_interest ON posts(status, interest, published_at, id) WHERE classified = 1;
+CREATE INDEX IF NOT EXISTS posts_decided ON posts(status, decided_at);
 
 CREATE TABLE IF NOT EXISTS rss_state (
     source_id INTEGER PRIMARY KEY,
@@ -581,6 +615,43 @@ CREATE TABLE IF NOT EXISTS runs (
     pid INTEGER
 );
 CREATE INDEX IF NOT EXISTS runs_source ON runs(source_id, id);
+
+-- Facts the processes leave for each other: the web page's token secret, the
+-- workers' last sign of life, Ollama's state.
+CREATE TABLE IF NOT EXISTS meta (
+    key TEXT PRIMARY KEY,
+    value TEXT,
+    updated_at TEXT
+);
+
+-- Classified posts counted by decision, direction and relevance (and the same
+-- per source), kept in step by triggers: the desk's filter counts without
+-- scanning posts.
+CREATE TABLE IF NOT EXISTS post_counts (
+    status TEXT NOT NULL,
+    direction TEXT NOT NULL,
+    relevance INTEGER NOT NULL,
+    n INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (status, direction, relevance)
+);
+CREATE TABLE IF NOT EXISTS source_post_counts (
+    source_id INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    direction TEXT NOT NULL,
+    relevance INTEGER NOT NULL,
+    n INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (source_id, status, direction, relevance)
+);
+CREATE TRIGGER IF NOT EXISTS posts_counted AFTER INSERT ON posts WHEN new.classified = 1 BEGIN INSERT INTO post_counts (status, direction, relevance, n) VALUES (new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1) ON CONFLICT DO UPDATE SET n = n + 1; INSERT INTO source_post_counts (source_id, status, direction, relevance, n) VALUES (coalesce(new.source_id, 0), new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1) ON CONFLICT DO UPDATE SET n = n + 1; END;
+CREATE TRIGGER IF NOT EXISTS posts_recounted AFTER UPDATE OF classified, status, direction, relevance, source_id ON posts WHEN old.classified = 1 OR new.classified = 1 BEGIN UPDATE post_counts SET n = n - 1 WHERE old.classified = 1 AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); UPDATE source_post_counts SET n = n - 1 WHERE old.classified = 1 AND source_id = coalesce(old.source_id, 0) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); INSERT INTO post_counts (status, direction, relevance, n) SELECT new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1 WHERE new.classified = 1 ON CONFLICT DO UPDATE SET n = n + 1; INSERT INTO source_post_counts (source_id, status, direction, relevance, n) SELECT coalesce(new.source_id, 0), new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1 WHERE new.classified = 1 ON CONFLICT DO UPDATE SET n = n + 1; END;
+CREATE TRIGGER IF NOT EXISTS posts_uncounted AFTER DELETE ON posts WHEN old.classified = 1 BEGIN UPDATE post_counts SET n = n - 1 WHERE status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); UPDATE source_post_counts SET n = n - 1 WHERE source_id = coalesce(old.source_id, 0) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); END;
+
+-- Full-text search over title and text (SQLite FTS5; where a Python build
+-- lacks it, search falls back to LIKE).
+CREATE VIRTUAL TABLE IF NOT EXISTS posts_fts USING fts5(title, text, content='posts', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
+CREATE TRIGGER IF NOT EXISTS posts_fts_insert AFTER INSERT ON posts BEGIN INSERT INTO posts_fts (rowid, title, text) VALUES (new.id, new.title, new.text); END;
+CREATE TRIGGER IF NOT EXISTS posts_fts_update AFTER UPDATE OF title, text ON posts BEGIN INSERT INTO posts_fts (posts_fts, rowid, title, text) VALUES ('delete', old.id, old.title, old.text); INSERT INTO posts_fts (rowid, title, text) VALUES (new.id, new.title, new.text); END;
+CREATE TRIGGER IF NOT EXISTS posts_fts_delete AFTER DELETE ON posts BEGIN INSERT INTO posts_fts (posts_fts, rowid, title, text) VALUES ('delete', old.id, old.title, old.text); END;
 -- Runs still marked running: a stopped or killed crawl leaves them behind.
 CREATE INDEX IF NOT EXISTS runs_running ON runs(pid) WHERE status = 'running';
 """
@@ -740,19 +811,38 @@ def transaction(conn):
     conn.execute("COMMIT")
 
 
+def has_fts5():
+    try:
+        sqlite3.connect(":memory:").execute("CREATE VIRTUAL TABLE t USING fts5(x)")
+    except sqlite3.OperationalError:
+        return False
+    return True
+
+
+FTS5 = has_fts5()
+
+
 def schema_statements():
-    """SCHEMA split into statements, comments dropped: tables first, then indexes."""
+    """SCHEMA as statements, comments dropped, in the order they can run:
+    tables, then indexes, then triggers. Without FTS5 the search table and
+    its triggers are left out."""
     statements = ["\n".join(line for line in chunk.splitlines() if not line.startswith("--")).strip()
                   for chunk in SCHEMA.split(";\n")]
-    tables = [s for s in statements if s.startswith("CREATE TABLE")]
-    return tables, [s for s in statements if s.startswith("CREATE INDEX")]
+    statements = [s for s in statements if s and (FTS5 or "posts_fts" not in s)]
+
+    def kind(statement):
+        return ("CREATE TABLE", "CREATE VIRTUAL", "CREATE INDEX", "CREATE TRIGGER").index(
+            " ".join(statement.split()[:2]))
+    return sorted(statements, key=kind)
 
 
 def missing_columns(conn):
     """(table, column, type, default) for every column SCHEMA has and `conn`
     lacks, found by comparing with a fresh in-memory copy of SCHEMA."""
     fresh = sqlite3.connect(":memory:")
-    fresh.executescript(SCHEMA)
+    for statement in schema_statements():
+        if statement.startswith("CREATE TABLE"):
+            fresh.execute(statement)
     for (table,) in fresh.execute("SELECT name FROM sqlite_master WHERE type = 'table'"):
         have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
         for _, column, kind, _, default, _ in fresh.execute(f"PRAGMA table_info({table})"):
@@ -773,16 +863,33 @@ def add_column(conn, table, column, kind, default):
 
 
 def migrate(conn):
-    """Create what is missing, idempotently: tables, then the columns an older
-    database lacks, then indexes."""
-    tables, indexes = schema_statements()
+    """Create what is missing, idempotently: tables, the columns an older
+    database lacks, indexes and triggers; tables that mirror posts (counts,
+    search) are filled when they are new."""
+    statements = schema_statements()
+    tables = [s for s in statements if s.startswith(("CREATE TABLE", "CREATE VIRTUAL"))]
+    existing = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
     with transaction(conn):
         for statement in tables:
             conn.execute(statement)
         for missing in list(missing_columns(conn)):
             add_column(conn, *missing)
-        for statement in indexes:
+        for statement in statements[len(tables):]:
             conn.execute(statement)
+        if "post_counts" not in existing:
+            recount_posts(conn)
+        if FTS5 and "posts_fts" not in existing:
+            conn.execute("INSERT INTO posts_fts (posts_fts) VALUES ('rebuild')")
+
+
+def recount_posts(conn):
+    """Fill the count tables from posts (a database from before them)."""
+    for table, key in (("post_counts", ""), ("source_post_counts", "coalesce(source_id, 0), ")):
+        conn.execute(f"DELETE FROM {table}")
+        conn.execute(f"""INSERT INTO {table} SELECT {key}status, coalesce(direction, ''),
+                             coalesce(relevance, 0), count(*)
+                         FROM posts WHERE classified = {DONE}
+                         GROUP BY {key}status, coalesce(direction, ''), coalesce(relevance, 0)""")
 
 
 class Database:
@@ -875,16 +982,18 @@ def claim_post(conn, now=None):
 
 def complete_post(conn, post_id, token, verdict):
     """Write the classification (and the article's full text, when phase 3
-    fetched it), only if the claim is still ours."""
-    full_text = verdict.get("text")
+    fetched it), only if the claim is still ours. The text is only written
+    when there is a new one: search reindexes a post whose text is set."""
+    article = ", text = :text, content_type = 'full'" if verdict.get("text") else ""
     cursor = conn.execute(f"""
-        UPDATE posts SET classified = {DONE}, direction = ?, relevance = ?, interest = ?,
-                         summary = ?, error = NULL, claim_token = NULL,
-                         text = coalesce(?, text),
-                         content_type = CASE WHEN ? IS NULL THEN content_type ELSE 'full' END
-        WHERE id = ? AND classified = {PROCESSING} AND claim_token = ?
-    """, (verdict["direction"], verdict["relevance"], verdict["interest"],
-          verdict["summary"], full_text, full_text, post_id, token))
+        UPDATE posts SET classified = {DONE}, direction = :direction, relevance = :relevance,
+                         interest = :interest, summary = :summary, keywords = :keywords,
+                         reason = :reason, error = NULL, claim_token = NULL{article}
+        WHERE id = :id AND classified = {PROCESSING} AND claim_token = :token
+    """, {"direction": verdict["direction"], "relevance": verdict["relevance"],
+          "interest": verdict["interest"], "summary": verdict["summary"],
+          "keywords": verdict.get("keywords"), "reason": verdict.get("reason"),
+          "text": verdict.get("text"), "id": post_id, "token": token})
     return cursor.rowcount == 1
 
 
@@ -1203,6 +1312,50 @@ def save_last_message_id(conn, source_id, message_id):
                  (source_id, message_id, utc_text()))
 
 
+# Facts between processes ----------------------------------------------------
+
+def get_meta(conn, key):
+    row = conn.execute("SELECT value, updated_at FROM meta WHERE key = ?", (key,)).fetchone()
+    return (row[0], row[1]) if row else (None, None)
+
+
+def set_meta(conn, key, value):
+    conn.execute("""INSERT INTO meta (key, value, updated_at) VALUES (?, ?, ?)
+                    ON CONFLICT(key) DO UPDATE SET value = excluded.value,
+                                                   updated_at = excluded.updated_at""",
+                 (key, value, utc_text()))
+
+
+def delete_meta(conn, *keys):
+    conn.execute(f"DELETE FROM meta WHERE key IN ({','.join('?' * len(keys))})", keys)
+
+
+def lasting_secret(conn, key):
+    """A random secret made once and kept in the database, so what it signs
+    (the page's form tokens) outlives a restart."""
+    conn.execute("INSERT OR IGNORE INTO meta (key, value, updated_at) VALUES (?, ?, ?)",
+                 (key, secrets.token_hex(32), utc_text()))
+    return get_meta(conn, key)[0]
+
+
+def note_ollama_down(conn, error):
+    """Ollama is unreachable: the time it was first seen so is kept."""
+    conn.execute("""INSERT INTO meta (key, value, updated_at) VALUES ('ollama_down', ?, ?)
+                    ON CONFLICT(key) DO UPDATE SET value = excluded.value""",
+                 (error, utc_text()))
+
+
+def classification_state(conn):
+    """What the workers last said about themselves and Ollama."""
+    rows = {row[0]: (row[1], row[2]) for row in conn.execute(
+        "SELECT key, value, updated_at FROM meta WHERE key IN "
+        "('worker_seen', 'ollama_down', 'classify_mode')")}
+    return {"worker_seen": rows.get("worker_seen", (None, None))[0],
+            "ollama_down_since": rows.get("ollama_down", (None, None))[1],
+            "ollama_error": rows.get("ollama_down", (None, None))[0],
+            "classify_mode": rows.get("classify_mode", (None, None))[0]}
+
+
 # Reading for pages and commands ---------------------------------------------
 
 def find_source(conn, slug):
@@ -1219,8 +1372,9 @@ def enabled_priorities(conn):
 
 
 def source_health(conn):
-    """Every source with its feed state and its last run; the last run is
-    found through the runs(source_id, id) index."""
+    """Every source with its feed state and its last run, the ones that need
+    a look first: failing, then dead, then the rest, disabled last. The last
+    run is found through the runs(source_id, id) index."""
     return conn.execute("""
         SELECT s.*, r.etag, r.modified, r.last_build_date, r.moved_to,
                r.last_error AS feed_warning,
@@ -1229,30 +1383,45 @@ def source_health(conn):
         FROM sources s
         LEFT JOIN rss_state r ON r.source_id = s.id
         LEFT JOIN runs run ON run.id = (SELECT max(id) FROM runs WHERE source_id = s.id)
-        ORDER BY s.enabled DESC, s.priority, s.slug""").fetchall()
+        ORDER BY s.enabled DESC,
+                 CASE WHEN s.status = 'dead' THEN 1 WHEN s.error_count > 0 THEN 0 ELSE 2 END,
+                 s.priority, s.slug""").fetchall()
 
 
-def candidate_posts(conn, direction=None, decision=None, offset=0, limit=50):
-    """Classified posts, newest first, optionally of one direction or decision."""
+def set_decision(conn, post_id, decision, editor):
+    """The editor's decision on a post (posts.status), independent of the
+    queue; returns 0 for an unknown post."""
+    return conn.execute("UPDATE posts SET status = ?, decided_at = ?, decided_by = ? WHERE id = ?",
+                        (decision, utc_text(), editor, post_id)).rowcount
+
+
+def set_decisions(conn, post_ids, decision, editor):
+    """One decision on many posts at once; returns how many exist."""
+    with transaction(conn):
+        return sum(set_decision(conn, post_id, decision, editor) for post_id in post_ids)
+
+
+def decided_posts(conn, status="approved", direction=None, limit=None, since=None):
+    """Classified posts of one decision (or any), newest decision first."""
     where, params = [f"p.classified = {DONE}"], []
+    if status != "any":
+        where.append("p.status = ?")
+        params.append(status)
     if direction:
         where.append("p.direction = ?")
         params.append(direction)
-    if decision:
-        where.append("p.status = ?")
-        params.append(decision)
+    if since:
+        where.append("coalesce(p.decided_at, p.published_at) >= ?")
+        params.append(since)
+    order = "p.decided_at DESC, p.id DESC" if status != "any" else \
+        "coalesce(p.decided_at, p.published_at) DESC, p.id DESC"
     return conn.execute(f"""
         SELECT p.id, p.title, p.url, p.summary, p.direction, p.relevance, p.interest,
-               p.status, p.published_at, p.content_type, s.name AS source
+               p.status, p.published_at, p.decided_at, p.decided_by, p.keywords, p.reason,
+               s.name AS source
         FROM posts p LEFT JOIN sources s ON s.id = p.source_id
-        WHERE {' AND '.join(where)}
-        ORDER BY p.published_at DESC, p.id DESC LIMIT ? OFFSET ?""",
-                        [*params, limit, offset]).fetchall()
-
-
-def set_decision(conn, post_id, decision):
-    """The editor's decision on a post (posts.status), independent of the queue."""
-    return conn.execute("UPDATE posts SET status = ? WHERE id = ?", (decision, post_id)).rowcount
+        WHERE {' AND '.join(where)} ORDER BY {order} LIMIT ?""",
+                        [*params, -1 if limit is None else limit]).fetchall()
 
 
 def prune_runs(conn, days):
@@ -2734,13 +2903,17 @@ class KeywordIndex:
         return r"\s+".join(map(re.escape, words)) + (r"\w*" if stem else "")
 
     def hits(self, text):
-        """{direction: distinct keywords found}, best first."""
+        """{direction: number of distinct keywords found}, best first."""
+        return {direction: len(words) for direction, words in self.matches(text).items()}
+
+    def matches(self, text):
+        """{direction: the distinct words found, sorted}, best first."""
         found = {}
         for direction, pattern in self.patterns.items():
-            words = {m.casefold() for m in pattern.findall(text)}
+            words = sorted({m.casefold() for m in pattern.findall(text)})
             if words:
-                found[direction] = len(words)
-        return dict(sorted(found.items(), key=lambda item: -item[1]))
+                found[direction] = words
+        return dict(sorted(found.items(), key=lambda item: -len(item[1])))
 
 
 def lead_summary(text, limit=300):
@@ -2766,12 +2939,19 @@ def keyword_verdict(title, text, hits):
             "interest": min(10, 2 + count), "summary": lead_summary(text or title)}
 
 
+def matched_keywords(matches):
+    """posts.keywords: the words that matched, each once, best direction first."""
+    words = [w for found in matches.values() for w in found]
+    return ", ".join(dict.fromkeys(words)) or None
+
+
 OLLAMA_SYSTEM_PROMPT = """\
 You screen news for the editors of a news channel. Read the post and answer in
 JSON: "direction" is the id of the topic it belongs to (one of: {ids}) or null
 if none fits; "relevance" (0-10) is how well it fits that topic; "interest"
 (0-10) is how interesting it is for the channel's readers; "summary" is one or
-two sentences in the language of the post.
+two sentences in the language of the post; "reason" is one short line saying
+why it scored so.
 Topics:
 {topics}"""
 
@@ -2785,7 +2965,8 @@ def ollama_request(title, text, directions, settings):
                   "direction": {"type": ["string", "null"], "enum": [*ids, None]},
                   "relevance": {"type": "integer", "minimum": 0, "maximum": 10},
                   "interest": {"type": "integer", "minimum": 0, "maximum": 10},
-                  "summary": {"type": "string"}}}
+                  "summary": {"type": "string"},
+                  "reason": {"type": "string"}}}
     topics = "\n".join(f"- {d.id}: {d.title} ({', '.join(d.keywords)})"
                        for d in directions.values())
     return {"model": settings.ollama_model, "stream": False, "format": schema,
@@ -2840,8 +3021,11 @@ def parse_verdict(answer, directions):
     summary = reply.get("summary")
     if not isinstance(summary, str):
         raise ClassifyError(f"Ollama gave no summary: {shorten(str(reply), 200)!r}")
+    reason = reply.get("reason")
     return {"direction": direction, "relevance": _score(reply, "relevance"),
-            "interest": _score(reply, "interest"), "summary": summary.strip()}
+            "interest": _score(reply, "interest"), "summary": summary.strip(),
+            "reason": shorten(reason.strip(), 300) if isinstance(reason, str) and reason.strip()
+            else None}
 
 
 def ask_ollama(title, text, directions, settings):
@@ -2855,10 +3039,15 @@ def classify_text(text, directions, settings, title="", keywords=None):
     """Keywords first (title and text): no hit means not relevant, and no LLM
     call. Then Ollama, or with OLLAMA_URL empty the keywords alone decide."""
     keywords = keywords or KeywordIndex(directions)
-    hits = keywords.hits(f"{title}\n{text}")
+    matches = keywords.matches(f"{title}\n{text}")
+    hits = {direction: len(words) for direction, words in matches.items()}
     if not hits or not settings.ollama_url:
-        return keyword_verdict(title, text, hits)
-    return ask_ollama(title, text, directions, settings)
+        verdict = keyword_verdict(title, text, hits)
+    else:
+        started = time.monotonic()
+        verdict = ask_ollama(title, text, directions, settings)
+        verdict["llm_seconds"] = time.monotonic() - started
+    return {**verdict, "keywords": matched_keywords(matches)}
 
 
 def extract_article(html_bytes, url):
@@ -2902,6 +3091,8 @@ def fetch_full_text(url, summary, settings, gate, home=""):
 OLLAMA_DOWN_AFTER = 3
 # With --forever, how long workers wait before asking an unreachable Ollama again.
 OLLAMA_PAUSE = 60
+# How often workers leave a sign of life for the page (meta 'worker_seen').
+HEARTBEAT = 10
 
 
 class Classifier:
@@ -2963,6 +3154,7 @@ class WorkerPool:
         self.connection_failures = 0
         self.paused_until = 0.0
         self.last_expiry = 0.0
+        self.last_heartbeat = -math.inf
 
     def run(self, workers, limit=None, forever=False):
         self.tickets = limit
@@ -3039,6 +3231,7 @@ class WorkerPool:
         and try again, and take back expired leases now and then."""
         if forever and self.lease_check_due():
             self.expire_leases()
+        self.heartbeat()
         while self.stats.ollama_down:
             if not forever:
                 return False
@@ -3050,6 +3243,17 @@ class WorkerPool:
             if self.stop.wait(min(wait, 1.0)):
                 return False
         return True
+
+    def heartbeat(self):
+        """Tell the page, every HEARTBEAT seconds, that workers are running and
+        how they classify."""
+        with self.lock:
+            if time.monotonic() - self.last_heartbeat < HEARTBEAT:
+                return
+            self.last_heartbeat = time.monotonic()
+        conn = self.db.conn()
+        set_meta(conn, "worker_seen", utc_text())
+        set_meta(conn, "classify_mode", "ollama" if self.settings.ollama_url else "keywords")
 
     def lease_check_due(self):
         """True for one worker at a time, every min(60 s, lease / 4)."""
@@ -3072,6 +3276,10 @@ class WorkerPool:
 
     def complete(self, conn, post, verdict):
         written = complete_post(conn, post["id"], post["claim_token"], verdict)
+        if "llm_seconds" in verdict and self.stats.ollama_down is None and \
+                get_meta(conn, "ollama_down")[0] is not None:
+            delete_meta(conn, "ollama_down")
+            log.warning("Ollama answers again")
         log.info("post %s: %s, relevance %s, interest %s%s", post["id"],
                  verdict["direction"] or "no direction", verdict["relevance"],
                  verdict["interest"], "" if written else " (taken back by the lease; not written)")
@@ -3101,7 +3309,9 @@ class WorkerPool:
             self.stats.failed += state == FAILED
             self.stats.returned += state == PENDING
             self.stats.lost += state is None
-            self.note_connection(unreachable, message)
+            down = self.note_connection(unreachable, message)
+        if down:
+            note_ollama_down(conn, message)
         if self.progress:
             self.progress.step()
 
@@ -3114,6 +3324,8 @@ class WorkerPool:
             self.paused_until = time.monotonic() + OLLAMA_PAUSE
             log.warning("%s; stopped claiming after %d connection failures",
                         message, self.connection_failures)
+            return True
+        return False
 
     def release_unfinished(self, wait=35):
         """After a stop: wait for claims still blocked on the database (at
@@ -3165,21 +3377,33 @@ def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
 ###############################################################################
 
 PAGE_SIZE = 50
-MAX_PAGE = 100000
 MAX_REQUEST_BODY = 64 * 1024
 REFRESH_SECONDS = 5
 DECISIONS = ("new", "approved", "rejected")
+SORTS = ("newest", "relevance", "interest")
+# A bulk decision takes at most this many posts (a page shows 50).
+MAX_BULK = 500
+# Posts waiting and no worker seen for this long: the page says so.
+WORKER_SILENT_AFTER = 120
+# Searches matching more posts than this show no counts (counting them would
+# cost more than the page).
+SEARCH_COUNT_CAP = 2000
+# The stored text behind a card's disclosure is cut to this many characters.
+CARD_TEXT = 6000
+FEED_POSTS = 100
 # Where a form may send the browser back to: a path on this site, nothing else.
 LOCAL_PATH = re.compile(r"/(?![/\\])[A-Za-z0-9\-._~/?=&%+]*")
 
 STYLE = """
-:root{--fg:#1d2330;--muted:#667085;--line:#e4e7ec;--bg:#f7f8fa;--ok:#127a3d;--bad:#b42318;--accent:#2554c7}
+:root{--fg:#1d2330;--muted:#667085;--line:#e4e7ec;--bg:#f7f8fa;--ok:#127a3d;--bad:#b42318;--warn:#b54708;--accent:#2554c7}
 *{box-sizing:border-box}
 body{margin:0;font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:var(--fg);background:var(--bg)}
 header{display:flex;gap:1.2em;align-items:baseline;flex-wrap:wrap;padding:.8em 1.2em;background:#fff;border-bottom:1px solid var(--line)}
 header h1{font-size:1.15em;margin:0}
 header a{color:var(--muted);text-decoration:none}header a.here{color:var(--fg);font-weight:600}
+header .lang{margin-left:auto;font-size:.85em}
 main{padding:1em 1.2em;max-width:1400px}
+.banner{background:#fffaeb;border:1px solid #fedf89;color:var(--warn);border-radius:8px;padding:.6em 1em;margin-bottom:.8em}
 .cards{display:grid;grid-template-columns:repeat(auto-fit,minmax(130px,1fr));gap:.8em;margin-bottom:1.2em}
 .card{background:#fff;border:1px solid var(--line);border-radius:8px;padding:.7em 1em}
 .card span{display:block;color:var(--muted);font-size:.85em}.card b{font-size:1.8em}
@@ -3189,42 +3413,217 @@ th,td{text-align:left;padding:.45em .6em;border-bottom:1px solid var(--line);ver
 th{background:#fafbfc;font-weight:600;white-space:nowrap}
 td.error{max-width:28em;word-break:break-word;color:var(--bad)}
 .alive{color:var(--ok);font-weight:600}.dead{color:var(--bad);font-weight:600}.disabled{color:var(--muted)}
+.failing{color:var(--warn);font-weight:600}
 .muted{color:var(--muted)}.small{font-size:.85em}
 button{font:inherit;padding:.35em .9em;border-radius:6px;border:1px solid var(--line);background:#fff;cursor:pointer}
+button:disabled{opacity:.45;cursor:default}
 button.primary{background:var(--accent);border-color:var(--accent);color:#fff}
-.actions{display:flex;gap:.6em;align-items:center;margin:.4em 0 1em}
-.post{background:#fff;border:1px solid var(--line);border-radius:8px;padding:.8em 1em;margin-bottom:.7em}
+.actions{display:flex;gap:.6em;align-items:center;margin:.4em 0 1em;flex-wrap:wrap}
+form.filters{display:flex;gap:.5em;flex-wrap:wrap;align-items:center;margin-bottom:.6em}
+form.filters input[type=search]{min-width:16em}
+input,select{font:inherit;padding:.3em .4em;border:1px solid var(--line);border-radius:6px;background:#fff}
+.facets{margin:.2em 0 .6em}.facet{margin-right:1.1em;white-space:nowrap;display:inline-block}.facets a.here{font-weight:600;color:var(--fg)}
+.post{background:#fff;border:1px solid var(--line);border-radius:8px;padding:.8em 1em;margin-bottom:.7em;scroll-margin-top:1em}
+.post.current{outline:2px solid var(--accent)}
+.post[data-status=approved]{border-left:4px solid var(--ok)}.post[data-status=rejected]{border-left:4px solid var(--bad);opacity:.7}
 .post h2{font-size:1.05em;margin:0 0 .3em}.post h2 a{color:var(--fg)}
-.post p{margin:.3em 0}.post form{display:inline}
+.post p{margin:.3em 0}.post form{display:flex;gap:.5em;align-items:center}
+.post details{margin:.3em 0}.post .text{white-space:pre-wrap;font-size:.9em;max-height:24em;overflow:auto}
 .badge{display:inline-block;padding:0 .5em;border-radius:10px;background:#eef2ff;font-size:.8em}
-.filters a{margin-right:.6em}.filters a.here{font-weight:600;color:var(--fg)}
 nav.pages{margin:1em 0;display:flex;gap:1em}
-@media (max-width:600px){main{padding:.6em}.wide{display:none}th,td{padding:.35em .4em}.card b{font-size:1.4em}}
+#keys{position:fixed;right:1em;bottom:1em;background:#fff;border:1px solid var(--line);border-radius:8px;padding:.8em 1.2em;box-shadow:0 4px 16px #0002}
+#keys[hidden]{display:none}#keys kbd{display:inline-block;min-width:1.4em;font-weight:600}
+@media (max-width:600px){
+ main{padding:.6em}.card b{font-size:1.4em}
+ .table{border:0;background:none}
+ table.sources,table.sources tbody,table.sources tr,table.sources td{display:block;width:100%}
+ table.sources thead{display:none}
+ table.sources tr{background:#fff;border:1px solid var(--line);border-radius:8px;margin-bottom:.6em;padding:.3em .2em}
+ table.sources td{border:0;padding:.15em .6em;max-width:none}
+ table.sources td::before{color:var(--muted);font-weight:400}
+ table.sources td.wide{display:none}
+}
 """
+
+# Every string a page shows, in English and Russian.
+STRINGS = {
+    "en": {
+        "desk": "Desk", "crawlers": "Crawlers", "pending": "pending", "processing": "processing",
+        "done_today": "done today", "failed": "failed", "reset_dead": "Reset dead sources",
+        "dead_count": "{n} dead", "status.new": "to decide", "status.approved": "approved",
+        "status.rejected": "rejected", "status.any": "any status",
+        "all_directions": "all directions", "no_direction": "no direction",
+        "all_sources": "all sources", "sort.newest": "newest first",
+        "sort.relevance": "most relevant first", "sort.interest": "most interesting first",
+        "min": "relevance at least", "search": "Search title and text",
+        "show": "Show", "approve": "Approve", "reject": "Reject", "undo": "Undo",
+        "reject_shown": "Reject all {n} shown", "relevance": "relevance", "interest": "interest",
+        "keywords": "keywords", "reason": "why", "stored_text": "Stored text",
+        "older": "older →", "first": "← newest", "untitled": "(untitled)",
+        "empty_filtered": "No posts match these filters.",
+        "empty_none": "No classified posts yet: they appear here as the workers classify "
+                      "the queue.",
+        "hidden_low": "{n} less relevant posts are hidden.", "show_all": "Show them",
+        "many_matches": "more than {n} matches", "utc": "UTC",
+        "banner_ollama": "Classification is stopped: Ollama has been unreachable since {since} "
+                         "UTC ({error}). Posts wait in the queue until it answers; to classify "
+                         "by keywords alone, set OLLAMA_URL= (empty).",
+        "banner_no_worker": "{n} posts wait and no worker has run {when}: start "
+                            "`python vesti.py worker --forever` or `python vesti.py run`.",
+        "never": "yet", "for_minutes": "for {n} minutes",
+        "banner_keywords": "Keyword-only mode: OLLAMA_URL is empty, so relevance comes from "
+                           "keyword hits alone.",
+        "keys_title": "Keyboard", "key.j": "next card", "key.k": "previous card",
+        "key.a": "approve", "key.r": "reject", "key.u": "undo the last decision",
+        "key.o": "open the article", "key./": "search", "key.?": "this list",
+        "keys_hint": "Press ? for keys",
+        "col.slug": "slug", "col.name": "name", "col.crawler": "crawler", "col.status": "status",
+        "col.priority": "priority", "col.last_fetch": "last fetch (UTC)", "col.errors": "errors",
+        "col.last_error": "last error", "col.posts": "posts", "col.last_run": "last run (UTC)",
+        "col.etag": "etag", "col.modified": "modified", "col.last_build_date": "last build date",
+        "never_fetched": "never", "moved": "moved permanently to {url}; update sources.yaml",
+        "failing": "failing",
+    },
+    "ru": {
+        "desk": "Отбор", "crawlers": "Источники", "pending": "в очереди",
+        "processing": "в работе", "done_today": "готово сегодня", "failed": "ошибки",
+        "reset_dead": "Сбросить dead", "dead_count": "мёртвых: {n}",
+        "status.new": "к решению", "status.approved": "одобрено", "status.rejected": "отклонено",
+        "status.any": "все решения", "all_directions": "все направления",
+        "no_direction": "без направления", "all_sources": "все источники",
+        "sort.newest": "сначала новые", "sort.relevance": "сначала релевантные",
+        "sort.interest": "сначала интересные", "min": "релевантность не ниже",
+        "search": "Поиск по заголовку и тексту", "show": "Показать", "approve": "Одобрить",
+        "reject": "Отклонить", "undo": "Вернуть", "reject_shown": "Отклонить все показанные ({n})",
+        "relevance": "релевантность", "interest": "интерес", "keywords": "ключевые слова",
+        "reason": "почему", "stored_text": "Сохранённый текст", "older": "старше →",
+        "first": "← новые", "untitled": "(без заголовка)",
+        "empty_filtered": "Под эти фильтры ничего не подходит.",
+        "empty_none": "Классифицированных постов пока нет: они появятся здесь, когда воркеры "
+                      "разберут очередь.",
+        "hidden_low": "Скрыто менее релевантных постов: {n}.", "show_all": "Показать их",
+        "many_matches": "больше {n} совпадений", "utc": "UTC",
+        "banner_ollama": "Классификация остановлена: Ollama недоступна с {since} UTC ({error}). "
+                         "Посты ждут в очереди, пока она не ответит; чтобы классифицировать "
+                         "только по ключевым словам, задайте пустой OLLAMA_URL=.",
+        "banner_no_worker": "В очереди {n} постов, а воркер не работал {when}: запустите "
+                            "`python vesti.py worker --forever` или `python vesti.py run`.",
+        "never": "ни разу", "for_minutes": "уже {n} мин",
+        "banner_keywords": "Режим ключевых слов: OLLAMA_URL пуст, релевантность считается "
+                           "только по совпадениям ключевых слов.",
+        "keys_title": "Клавиши", "key.j": "следующая карточка", "key.k": "предыдущая карточка",
+        "key.a": "одобрить", "key.r": "отклонить", "key.u": "отменить последнее решение",
+        "key.o": "открыть статью", "key./": "поиск", "key.?": "этот список",
+        "keys_hint": "? — список клавиш",
+        "col.slug": "slug", "col.name": "название", "col.crawler": "тип", "col.status": "статус",
+        "col.priority": "приоритет", "col.last_fetch": "последний запрос (UTC)",
+        "col.errors": "ошибок", "col.last_error": "последняя ошибка", "col.posts": "постов",
+        "col.last_run": "последний запуск (UTC)", "col.etag": "etag",
+        "col.modified": "modified", "col.last_build_date": "last build date",
+        "never_fetched": "ни разу", "moved": "переехал насовсем на {url}; поправьте sources.yaml",
+        "failing": "сбоит",
+    },
+}
+LANGUAGES = tuple(STRINGS)
+
+
+def choose_language(setting, asked=None, accept=None):
+    """?lang= first, then VESTI_LANG, then (for auto) the browser's
+    Accept-Language; English when nothing matches."""
+    if asked in LANGUAGES:
+        return asked
+    if setting in LANGUAGES:
+        return setting
+    ranked = []
+    for part in (accept or "").split(","):
+        tag, _, weight = part.strip().partition(";q=")
+        try:
+            ranked.append((float(weight or 1), tag.split("-")[0].strip().lower()))
+        except ValueError:
+            continue
+    for _, tag in sorted(ranked, reverse=True):
+        if tag in LANGUAGES:
+            return tag
+    return "en"
+
+
+class Page:
+    """What every page needs to speak: the language, the form token and the
+    query it was asked with."""
+
+    def __init__(self, lang, token, query):
+        self.lang, self.token, self.query = lang, token, query
+        self.strings = STRINGS[lang]
+
+    def t(self, key, **values):
+        return esc(self.strings[key].format(**values))
+
+    def link(self, path, **query):
+        """A link on this site that keeps the chosen language."""
+        query = {k: v for k, v in query.items() if v not in (None, "")}
+        if "lang" in self.query:
+            query["lang"] = self.lang
+        return path + ("?" + urllib.parse.urlencode(query) if query else "")
 
 
 def esc(value):
     """Everything shown on a page goes through here."""
-    return html.escape("" if value is None else str(value), quote=True)
+    if value is None:
+        return ""
+    if type(value) is int:      # nothing to escape in a number: the long tables have many
+        return str(value)
+    return html.escape(str(value), quote=True)
 
 
-def page(title, body, here, refresh=False):
-    nav = "".join(f'<a href="{href}"{" class=here" if href == here else ""}>{label}</a>'
-                  for href, label in (("/", "Candidates"), ("/crawlers", "Crawlers")))
+def layout(page, title, body, here, refresh=False):
+    nav = "".join(f'<a href="{esc(page.link(href))}"{" class=here" if href == here else ""}>'
+                  f'{page.t(label)}</a>' for href, label in (("/", "desk"), ("/crawlers", "crawlers")))
+    path = here
+    langs = " · ".join(
+        f'<a href="{esc(path + "?" + urllib.parse.urlencode({**page.query, "lang": code}))}"'
+        f'{" class=here" if code == page.lang else ""}>{code.upper()}</a>' for code in LANGUAGES)
     meta = f'<meta http-equiv="refresh" content="{REFRESH_SECONDS}">' if refresh else ""
-    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
+    return (f'<!doctype html><html lang="{page.lang}"><head><meta charset="utf-8">'
             f'<meta name="viewport" content="width=device-width,initial-scale=1">{meta}'
             f"<title>{esc(title)} · VESTI</title><style>{STYLE}</style></head>"
-            f"<body><header><h1>VESTI</h1>{nav}</header><main>{body}</main></body></html>")
+            f'<body><header><h1>VESTI</h1>{nav}<span class="lang">{langs}</span></header>'
+            f"<main>{body}</main></body></html>")
 
 
-def queue_cards(queue):
-    labels = (("pending", "pending"), ("processing", "processing"),
-              ("done_today", "done today"), ("failed", "failed"))
+def minutes_since(stamp, now=None):
+    try:
+        then = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S").replace(
+            tzinfo=datetime.timezone.utc).timestamp()
+    except (TypeError, ValueError):
+        return None
+    return max(0, int(((time.time() if now is None else now) - then) // 60))
+
+
+def banners(conn, settings, page):
+    """Why classification is not happening, when it is not: Ollama down,
+    no worker running while posts wait, or keyword-only mode."""
+    state = classification_state(conn)
+    shown = []
+    if state["ollama_down_since"] and settings.ollama_url:
+        shown.append(page.t("banner_ollama", since=state["ollama_down_since"],
+                            error=shorten(state["ollama_error"], 200)))
+    pending = queue_sizes(conn)["pending"]
+    silent = minutes_since(state["worker_seen"])
+    if pending and (silent is None or silent * 60 >= WORKER_SILENT_AFTER):
+        when = page.strings["never"] if silent is None else \
+            page.strings["for_minutes"].format(n=silent)
+        shown.append(page.t("banner_no_worker", n=pending, when=when))
+    if (state["classify_mode"] or ("ollama" if settings.ollama_url else "keywords")) == "keywords":
+        shown.append(page.t("banner_keywords"))
+    return "".join(f'<p class="banner" role="status">{text}</p>' for text in shown)
+
+
+# Crawlers page ---------------------------------------------------------------
+
+def queue_cards(queue, page):
     return '<section class="cards">' + "".join(
-        f'<div class="card" id="queue-{key}"><span>{label}</span><b>{int(queue[key])}</b></div>'
-        for key, label in labels) + "</section>"
-
+        f'<div class="card" id="queue-{key}"><span>{page.t(key)}</span><b>{int(queue[key])}</b></div>'
+        for key in ("pending", "processing", "done_today", "failed")) + "</section>"
 
 
 def last_error_html(s):
@@ -3237,106 +3636,527 @@ def last_error_html(s):
     return ""
 
 
-def source_row_html(s):
-    status = s["status"] if s["enabled"] else "disabled"
+def source_state(s):
+    if not s["enabled"]:
+        return "disabled"
+    return s["status"]
+
+
+def source_row_html(s, page):
+    status = source_state(s)
     last_run = (f'{esc(s["run_started"])} <span class="muted">{esc(s["run_trigger"])}: '
                 f'{esc(s["run_status"])}, +{esc(s["run_new_posts"])}</span>'
-                if s["run_started"] else '<span class="muted">never</span>')
-    moved = (f'<br><span class="small">moved permanently to {esc(s["moved_to"])}; '
-             f'update sources.yaml</span>' if s["moved_to"] else "")
+                if s["run_started"] else f'<span class="muted">{page.t("never_fetched")}</span>')
+    moved = (f'<br><span class="small">{page.t("moved", url=s["moved_to"])}</span>'
+             if s["moved_to"] else "")
     rss = "".join(f'<td class="small wide">{esc(s[c]) if s["crawler"] == "rss" else ""}</td>'
                   for c in ("etag", "modified", "last_build_date"))
+    failing = " failing" if status == "alive" and s["error_count"] else ""
     return (f'<tr id="source-{esc(s["slug"])}"><td><b>{esc(s["slug"])}</b></td>'
             f'<td>{esc(s["name"])}{moved}</td><td>{esc(s["crawler"])}</td>'
-            f'<td class="{esc(status)}">{esc(status)}</td><td>{esc(s["priority"])}</td>'
-            f'<td class="small">{esc(s["last_fetch"] or "never")}</td>'
+            f'<td class="{esc(status)}{failing}">{esc(status)}</td><td>{esc(s["priority"])}</td>'
+            f'<td class="small">{esc(s["last_fetch"] or page.strings["never_fetched"])}</td>'
             f'<td>{esc(s["error_count"])}</td>'
             f'<td class="error">{last_error_html(s)}</td>'
             f'<td>{esc(s["post_count"])}</td><td class="small wide">{last_run}</td>{rss}</tr>')
 
 
-SOURCE_COLUMNS = ("slug", "name", "crawler", "status", "priority", "last fetch", "errors",
-                  "last error", "posts", "last run", "etag", "modified", "last build date")
+def card_labels(page):
+    """On a phone each source row is a card; its cells are labelled by
+    column, in the page's language, from CSS (not an attribute per cell)."""
+    rules = "".join(
+        f'table.sources td:nth-child({n})::before{{content:{json.dumps(page.strings["col." + c] + ": ")}}}'
+        for n, c in enumerate(SOURCE_COLUMNS, 1) if c != "slug")
+    return f"<style>@media (max-width:600px){{{rules}}}</style>"
+
+
+SOURCE_COLUMNS = ("slug", "name", "crawler", "status", "priority", "last_fetch", "errors",
+                  "last_error", "posts", "last_run", "etag", "modified", "last_build_date")
 # Columns a phone screen leaves out.
-WIDE_COLUMNS = ("last run", "etag", "modified", "last build date")
+WIDE_COLUMNS = ("last_run", "etag", "modified", "last_build_date")
 
 
-def crawlers_page(conn, token):
+def crawlers_page(conn, page, settings):
     queue = queue_sizes(conn)
     rows = source_health(conn)
     dead = sum(1 for s in rows if s["status"] == "dead" and s["enabled"])
-    head = "".join(f'<th{" class=wide" if c in WIDE_COLUMNS else ""}>{esc(c)}</th>'
+    head = "".join(f'<th{" class=wide" if c in WIDE_COLUMNS else ""}>{page.t("col." + c)}</th>'
                    for c in SOURCE_COLUMNS)
-    body = "".join(source_row_html(s) for s in rows)
+    body = "".join(source_row_html(s, page) for s in rows)
     reset = (f'<form method="post" action="/crawlers/reset" class="actions">'
-             f'<input type="hidden" name="token" value="{esc(token)}">'
-             f'<button class="primary" type="submit">Сбросить dead</button>'
-             f'<span class="muted">{dead} dead</span></form>')
-    html_body = (f"{queue_cards(queue)}{reset}<div class=table><table><thead><tr>{head}</tr>"
-                 f"</thead><tbody>{body}</tbody></table></div>")
-    return page("Crawlers", html_body, "/crawlers", refresh=queue["processing"] > 0)
+             f'<input type="hidden" name="token" value="{esc(page.token)}">'
+             f'<button class="primary" type="submit">{page.t("reset_dead")}</button>'
+             f'<span class="muted">{page.t("dead_count", n=dead)}</span></form>')
+    html_body = (f"{card_labels(page)}{banners(conn, settings, page)}{queue_cards(queue, page)}{reset}"
+                 f"<div class=table><table class=sources><thead><tr>{head}</tr></thead>"
+                 f"<tbody>{body}</tbody></table></div>")
+    return layout(page, page.strings["crawlers"], html_body, "/crawlers",
+                  refresh=queue["processing"] > 0)
 
 
+# The editor's desk -----------------------------------------------------------
 
-def link_to(path, **query):
-    query = {k: v for k, v in query.items() if v not in (None, "", 1)}
-    return path + ("?" + urllib.parse.urlencode(query) if query else "")
+@dataclasses.dataclass
+class DeskQuery:
+    """The desk's filters, read from the query string; anything unknown
+    falls back to the default view."""
+    direction: str = None        # a direction id, "none", or None for all
+    status: str = "new"          # new | approved | rejected | any
+    min: int = 3
+    q: str = ""
+    source: str = None
+    sort: str = "newest"
+    after: tuple = None          # the keyset cursor: the last card of the page before
+    decided: int = None          # a post just decided without JavaScript: kept in view
+
+    @classmethod
+    def read(cls, query, directions, default_min):
+        direction = query.get("direction")
+        status = query.get("status")
+        floor = query.get("min", "")
+        sort = query.get("sort")
+        desk = cls(direction if direction in directions or direction == "none" else None,
+                   status if status in (*DECISIONS, "any") else "new",
+                   int(floor) if re.fullmatch(r"(?:10|[0-9])", floor) else default_min,
+                   search_words(query.get("q", "")),
+                   query.get("source") or None,
+                   sort if sort in SORTS else "newest")
+        desk.after = desk.cursor(query.get("after", ""))
+        decided = query.get("decided", "")
+        desk.decided = int(decided) if re.fullmatch(r"[1-9][0-9]{0,17}", decided) else None
+        return desk
+
+    def cursor(self, text):
+        """(score, published_at, id) from 'score~published~id'; None if malformed."""
+        parts = text.split("~")
+        if len(parts) != 3 or not re.fullmatch(r"[0-9]{1,18}", parts[2]) or \
+                not re.fullmatch(r"(?:[0-9]{1,2})?", parts[0]) or len(parts[1]) > 40:
+            return None
+        return (int(parts[0]) if parts[0] else None, parts[1], int(parts[2]))
+
+    def params(self, **changes):
+        """The query string of this view (with changes), defaults left out."""
+        values = {"direction": self.direction, "status": None if self.status == "new" else self.status,
+                  "min": self.min, "q": self.q or None, "source": self.source,
+                  "sort": None if self.sort == "newest" else self.sort}
+        values.update(changes)
+        return values
 
 
-def decision_buttons(post, token, back):
-    buttons = "".join(
-        f'<form method="post" action="/posts/{post["id"]}/status">'
-        f'<input type="hidden" name="token" value="{esc(token)}">'
-        f'<input type="hidden" name="back" value="{esc(back)}">'
-        f'<button name="status" value="{value}">{label}</button></form> '
-        for value, label in (("approved", "Approve"), ("rejected", "Reject"), ("new", "Undo"))
-        if value != post["status"])
-    return f'<div class="actions">{buttons}<span class="badge">{esc(post["status"])}</span></div>'
+def search_words(text):
+    """A search as typed, or "" when it has no word to look for."""
+    text = " ".join(text.split())[:200]
+    return text if re.search(r"\w", text) else ""
+
+
+def fts_query(text):
+    """Words as FTS5 terms, any case; a word typed with a * after it matches
+    every word it begins: 'Linux ядр*' -> '"linux" "ядр"*'. (Prefixes are
+    asked for, not implied: a common prefix makes the index merge the lists
+    of every word it begins.)"""
+    words = re.findall(r"(\w+)(\*?)", text.casefold())
+    return " ".join(f'"{w}"{star}' for w, star in words[:12])
+
+
+def desk_filters(desk, direction_column="p.direction"):
+    """WHERE clauses and parameters of every filter but the search. The
+    relevance floor is marked not to pick an index (the unary +) unless the
+    order is by relevance: the page then walks the index of its own order
+    instead of sorting every relevant post."""
+    where, params = [f"p.classified = {DONE}"], []
+    if desk.status != "any" and desk.decided:
+        where.append("(p.status = ? OR p.id = ?)")
+        params += [desk.status, desk.decided]
+    elif desk.status != "any":
+        where.append("p.status = ?")
+        params.append(desk.status)
+    if desk.min:
+        where.append(f"{'' if desk.sort == 'relevance' else '+'}p.relevance >= ?")
+        params.append(desk.min)
+    if desk.direction == "none":
+        where.append(f"{direction_column} IS NULL")
+    elif desk.direction:
+        where.append(f"{direction_column} = ?")
+        params.append(desk.direction)
+    if desk.source:
+        where.append("p.source_id = (SELECT id FROM sources WHERE slug = ?)")
+        params.append(desk.source)
+    return where, params
+
+
+DESK_COLUMNS = """p.id, p.title, p.url, p.summary, p.direction, p.relevance, p.interest,
+                  p.status, p.published_at, p.content_type, p.keywords, p.reason,
+                  substr(p.text, 1, {card_text}) AS text, p.decided_at, p.decided_by,
+                  s.name AS source, s.slug AS source_slug""".format(card_text=CARD_TEXT + 1)
+
+
+def desk_posts(conn, desk, limit=PAGE_SIZE + 1):
+    """One page of the desk, keyset-paged: the page after `desk.after` in the
+    chosen order. A search walks the search index newest-collected first."""
+    where, params = desk_filters(desk)
+    if desk.q and desk.sort == "newest":
+        return search_posts(conn, desk, where, params, limit)
+    if desk.q:
+        clause, values = search_filter(desk.q)
+        where.append(clause)
+        params += values
+    score = {"newest": None, "relevance": "p.relevance", "interest": "p.interest"}[desk.sort]
+    keys = [score, "p.published_at", "p.id"] if score else ["p.published_at", "p.id"]
+    if desk.after:
+        values = list(desk.after[1:] if not score else desk.after)
+        where.append(f"({', '.join(keys)}) < ({', '.join('?' * len(keys))})")
+        params += values
+    order = ", ".join(f"{k} DESC" for k in keys)
+    return conn.execute(f"""
+        SELECT {DESK_COLUMNS} FROM posts p LEFT JOIN sources s ON s.id = p.source_id
+        WHERE {' AND '.join(where)} ORDER BY {order} LIMIT ?""", [*params, limit]).fetchall()
+
+
+def like_pattern(text):
+    return "%" + re.sub(r"([%_\\])", r"\\\1", text) + "%"
+
+
+def search_filter(text):
+    """The WHERE clause and parameters of a search: FTS5, or LIKE where this
+    Python's SQLite has no FTS5."""
+    if FTS5:
+        return "p.id IN (SELECT rowid FROM posts_fts WHERE posts_fts MATCH ?)", [fts_query(text)]
+    pattern = like_pattern(text)
+    return "(p.title LIKE ? ESCAPE '\\' OR p.text LIKE ? ESCAPE '\\')", [pattern, pattern]
+
+
+def search_posts(conn, desk, where, params, limit):
+    """A search, newest collected first: the search index gives matching ids
+    in descending order, so a common word costs no more than a rare one."""
+    if not FTS5:
+        clause, values = search_filter(desk.q)
+        where, params = [*where, clause], [*params, *values]
+        source = "posts p"
+    else:
+        where = [*where, "posts_fts MATCH ?"]
+        params = [*params, fts_query(desk.q)]
+        source = "posts_fts f JOIN posts p ON p.id = f.rowid"
+    if desk.after:
+        where.append(f"{'f.rowid' if FTS5 else 'p.id'} < ?")
+        params.append(desk.after[2])
+    return conn.execute(f"""
+        SELECT {DESK_COLUMNS} FROM {source} LEFT JOIN sources s ON s.id = p.source_id
+        WHERE {' AND '.join(where)} ORDER BY {"f.rowid" if FTS5 else "p.id"} DESC LIMIT ?""",
+                        [*params, limit]).fetchall()
+
+
+def next_cursor(desk, post):
+    score = {"newest": "", "relevance": post["relevance"], "interest": post["interest"]}[desk.sort]
+    return f"{'' if score is None else score}~{post['published_at']}~{post['id']}"
+
+
+def desk_counts(conn, desk):
+    """Posts per direction and per decision, each under the other filters,
+    and the number hidden by the relevance floor. From post_counts (kept by
+    triggers); a search counts its matches when there are few enough."""
+    if desk.q:
+        return search_counts(conn, desk)
+    table, where, params = "post_counts", [], []
+    if desk.source:
+        table = "source_post_counts"
+        where.append("source_id = (SELECT id FROM sources WHERE slug = ?)")
+        params.append(desk.source)
+
+    def counted(group, conditions, values):
+        clause = " AND ".join([*where, *conditions, "n > 0"])
+        return {row[0]: row[1] for row in conn.execute(
+            f"SELECT {group}, sum(n) FROM {table} WHERE {clause} GROUP BY {group}",
+            [*params, *values])}
+    direction = [] if not desk.direction else \
+        (["direction = ''"] if desk.direction == "none" else ["direction = ?"])
+    direction_value = [desk.direction] if desk.direction not in (None, "none") else []
+    status = [] if desk.status == "any" else ["status = ?"]
+    status_value = [] if desk.status == "any" else [desk.status]
+    by_direction = counted("direction", [*status, "relevance >= ?"], [*status_value, desk.min])
+    by_status = counted("status", [*direction, "relevance >= ?"], [*direction_value, desk.min])
+    below = sum(counted("status", [*direction, *status, "relevance < ?"],
+                        [*direction_value, *status_value, desk.min]).values())
+    return {"direction": {k or None: v for k, v in by_direction.items()},
+            "status": by_status, "hidden": below, "capped": False}
+
+
+def search_counts(conn, desk):
+    """Counts over a search's matches, when at most SEARCH_COUNT_CAP."""
+    if FTS5:
+        matches = "SELECT rowid FROM posts_fts WHERE posts_fts MATCH ? LIMIT ?"
+        values = [fts_query(desk.q), SEARCH_COUNT_CAP + 1]
+    else:
+        clause, values = search_filter(desk.q)
+        matches = f"SELECT id FROM posts p WHERE {clause} LIMIT ?"
+        values = [*values, SEARCH_COUNT_CAP + 1]
+    ids = [row[0] for row in conn.execute(matches, values)]
+    if len(ids) > SEARCH_COUNT_CAP:
+        return {"direction": {}, "status": {}, "hidden": 0, "capped": True}
+    marks = ",".join("?" * len(ids)) or "NULL"
+    rows = conn.execute(f"""SELECT direction, status, relevance >= ? AS shown, count(*)
+                            FROM posts p WHERE id IN ({marks}) AND +classified = {DONE}
+                            {"AND p.source_id = (SELECT id FROM sources WHERE slug = ?)"
+                             if desk.source else ""}
+                            GROUP BY 1, 2, 3""",
+                        [desk.min, *ids, *([desk.source] if desk.source else [])]).fetchall()
+    counts = {"direction": {}, "status": {}, "hidden": 0, "capped": False}
+    for direction, status, shown, n in rows:
+        wanted_direction = desk.direction is None or direction == desk.direction or \
+            (desk.direction == "none" and direction is None)
+        if shown and (desk.status in ("any", status)):
+            counts["direction"][direction] = counts["direction"].get(direction, 0) + n
+        if shown and wanted_direction:
+            counts["status"][status] = counts["status"].get(status, 0) + n
+        if not shown and wanted_direction and desk.status in ("any", status):
+            counts["hidden"] += n
+    return counts
+
+
+def facet_links(page, desk, directions, counts):
+    def count(number):
+        shown = "" if counts["capped"] else f' <span class="muted">{int(number or 0)}</span>'
+        return shown + "</span>"
+
+    def link(label, here, **change):
+        return (f'<span class="facet"><a href="{esc(page.link("/", **desk.params(**change)))}"'
+                f'{" class=here" if here else ""}>{esc(label)}</a>')
+    by_direction = counts["direction"]
+    direction_links = [link(page.strings["all_directions"], desk.direction is None, direction=None)
+                       + count(sum(by_direction.values()))]
+    direction_links += [link(d.title, desk.direction == d.id, direction=d.id)
+                        + count(by_direction.get(d.id)) for d in directions.values()]
+    direction_links.append(link(page.strings["no_direction"], desk.direction == "none",
+                                direction="none") + count(by_direction.get(None)))
+    by_status = counts["status"]
+    status_links = [link(page.strings[f"status.{s}"], desk.status == s,
+                         status=None if s == "new" else s) + count(by_status.get(s))
+                    for s in DECISIONS]
+    status_links.append(link(page.strings["status.any"], desk.status == "any", status="any")
+                        + count(sum(by_status.values())))
+    note = f' <span class="muted">({page.t("many_matches", n=SEARCH_COUNT_CAP)})</span>' \
+        if counts["capped"] else ""
+    return (f'<p class="facets" id="directions">{"".join(direction_links)}</p>'
+            f'<p class="facets small" id="statuses">{"".join(status_links)}{note}</p>')
+
+
+def filter_form(page, desk, sources):
+    def options(values, chosen):
+        return "".join(f'<option value="{esc(v)}"{" selected" if v == chosen else ""}>'
+                       f'{esc(label)}</option>' for v, label in values)
+    hidden = "".join(f'<input type="hidden" name="{k}" value="{esc(v)}">'
+                     for k, v in (("direction", desk.direction),
+                                  ("status", None if desk.status == "new" else desk.status),
+                                  ("lang", page.lang if "lang" in page.query else None)) if v)
+    source_options = options([("", page.strings["all_sources"])] +
+                             [(s["slug"], s["name"]) for s in sources], desk.source or "")
+    sort_options = options([(s, page.strings[f"sort.{s}"]) for s in SORTS], desk.sort)
+    return (f'<form class="filters" method="get" action="/" role="search">{hidden}'
+            f'<input type="search" name="q" value="{esc(desk.q)}" '
+            f'placeholder="{page.t("search")}" aria-label="{page.t("search")}">'
+            f'<select name="source" aria-label="{page.t("all_sources")}">{source_options}</select>'
+            f'<label class="small">{page.t("min")} <input type="number" name="min" min="0" '
+            f'max="10" value="{desk.min}" style="width:4em"></label>'
+            f'<select name="sort" aria-label="sort">{sort_options}</select>'
+            f'<button type="submit">{page.t("show")}</button></form>')
 
 
 def is_web_link(url):
-    return bool(url) and urllib.parse.urlsplit(url).scheme in ("http", "https")
+    return bool(url) and urllib.parse.urlsplit(url).scheme in WEB_SCHEMES
 
 
-def candidate_html(post, token, back):
-    title = esc(post["title"] or "(untitled)")
+def decision_form(post, page, back):
+    buttons = "".join(
+        f'<button name="status" value="{value}" class="{value}"'
+        f'{" disabled" if post["status"] == value else ""}>{page.t(label)}</button>'
+        for value, label in (("approved", "approve"), ("rejected", "reject"), ("new", "undo")))
+    return (f'<form class="decide" method="post" action="/posts/{post["id"]}/status">'
+            f'<input type="hidden" name="token" value="{esc(page.token)}">'
+            f'<input type="hidden" name="back" value="{esc(back)}">{buttons}'
+            f'<span class="badge state">{page.t("status." + post["status"])}</span></form>')
+
+
+def card_html(post, page, back):
+    title = esc(post["title"] or page.strings["untitled"])
     link = (f'<a href="{esc(post["url"])}" rel="noopener noreferrer" target="_blank">{title}</a>'
             if is_web_link(post["url"]) else title)
-    return (f'<article class="post" id="post-{post["id"]}"><h2>{link}</h2>'
-            f'<p class="small muted">{esc(post["source"])} · {esc(post["published_at"])} · '
-            f'<span class="badge">{esc(post["direction"] or "no direction")}</span> '
-            f'relevance <b>{esc(post["relevance"])}</b> · interest <b>{esc(post["interest"])}</b></p>'
-            f'<p>{esc(post["summary"])}</p>{decision_buttons(post, token, back)}</article>')
+    why = []
+    if post["keywords"]:
+        why.append(f'{page.t("keywords")}: {esc(post["keywords"])}')
+    if post["reason"]:
+        why.append(f'{page.t("reason")}: {esc(post["reason"])}')
+    why_html = f'<p class="why small muted">{" · ".join(why)}</p>' if why else ""
+    text = shorten(post["text"], CARD_TEXT)
+    stored = (f'<details><summary class="small">{page.t("stored_text")}</summary>'
+              f'<div class="text">{esc(text)}</div></details>' if text else "")
+    direction = post["direction"] or page.strings["no_direction"]
+    return (f'<article class="post" id="post-{post["id"]}" data-id="{post["id"]}" '
+            f'data-status="{esc(post["status"])}"><h2>{link}</h2>'
+            f'<p class="small muted">{esc(post["source"])} · {esc(post["published_at"])} '
+            f'{page.t("utc")} · <span class="badge">{esc(direction)}</span> '
+            f'{page.t("relevance")} <b>{esc(post["relevance"])}</b> · '
+            f'{page.t("interest")} <b>{esc(post["interest"])}</b></p>'
+            f'<p>{esc(post["summary"])}</p>{why_html}{stored}{decision_form(post, page, back)}'
+            f'</article>')
 
 
-def candidates_page(conn, directions, query, token):
-    direction = query.get("direction") if query.get("direction") in directions else None
-    decision = query.get("status") if query.get("status") in DECISIONS else None
-    page_text = str(query.get("page", ""))
-    number = min(int(page_text), MAX_PAGE) if re.fullmatch(r"[1-9][0-9]{0,5}", page_text) else 1
-    posts = candidate_posts(conn, direction, decision, (number - 1) * PAGE_SIZE, PAGE_SIZE + 1)
+def bulk_form(page, posts, back):
+    if not posts:
+        return ""
+    ids = ",".join(str(p["id"]) for p in posts)
+    return (f'<form class="actions bulk" method="post" action="/posts/status">'
+            f'<input type="hidden" name="token" value="{esc(page.token)}">'
+            f'<input type="hidden" name="ids" value="{ids}">'
+            f'<input type="hidden" name="back" value="{esc(back)}">'
+            f'<button name="status" value="rejected">{page.t("reject_shown", n=len(posts))}'
+            f'</button><span class="muted small">{page.t("keys_hint")}</span></form>')
+
+
+def keys_overlay(page):
+    keys = "".join(f"<li><kbd>{esc(k)}</kbd> {page.t('key.' + k)}</li>" for k in "jkaruo/?")
+    return (f'<aside id="keys" hidden><b>{page.t("keys_title")}</b>'
+            f'<ul style="list-style:none;padding:0;margin:.4em 0 0">{keys}</ul></aside>')
+
+
+DESK_SCRIPT = """
+(function(){
+var cards=[].slice.call(document.querySelectorAll('article.post')),cur=-1,last=null;
+var names=JSON.parse(document.getElementById('names').textContent);
+function focus(i){if(!cards.length)return;cur=Math.max(0,Math.min(i,cards.length-1));
+ cards.forEach(function(c,k){c.classList.toggle('current',k===cur)});
+ cards[cur].scrollIntoView({block:'nearest'});}
+function show(card,status){card.dataset.status=status;
+ card.querySelector('.state').textContent=names[status];
+ [].forEach.call(card.querySelectorAll('form.decide button'),function(b){b.disabled=b.value===status});}
+function decide(card,status,move){
+ var form=card.querySelector('form.decide'),body=new URLSearchParams();
+ body.set('token',form.token.value);body.set('status',status);
+ last={card:card,previous:card.dataset.status};
+ fetch(form.action,{method:'POST',credentials:'same-origin',body:body,
+  headers:{'Accept':'application/json','Content-Type':'application/x-www-form-urlencoded'}})
+ .then(function(r){if(!r.ok)throw new Error('HTTP '+r.status);return r.json()})
+ .then(function(j){show(card,j.status)})
+ .catch(function(e){card.classList.add('failed');alert(e)});
+ if(move)focus(cards.indexOf(card)+1);}
+document.addEventListener('submit',function(e){var form=e.target;
+ if(!form.classList.contains('decide')||!e.submitter)return;
+ e.preventDefault();var card=form.closest('article.post');cur=cards.indexOf(card);
+ decide(card,e.submitter.value,e.submitter.value!=='new');});
+document.addEventListener('keydown',function(e){
+ if(e.ctrlKey||e.metaKey||e.altKey||/^(INPUT|SELECT|TEXTAREA)$/.test(e.target.tagName))return;
+ var card=cards[cur],keys=document.getElementById('keys');
+ if(e.key==='j')focus(cur+1);else if(e.key==='k')focus(cur-1);
+ else if(e.key==='a'&&card)decide(card,'approved',true);
+ else if(e.key==='r'&&card)decide(card,'rejected',true);
+ else if(e.key==='u'&&last)decide(last.card,last.previous,false);
+ else if(e.key==='o'&&card){var a=card.querySelector('h2 a');if(a)window.open(a.href,'_blank','noopener');}
+ else if(e.key==='/'){e.preventDefault();document.querySelector('input[name=q]').focus();}
+ else if(e.key==='?')keys.hidden=!keys.hidden;
+ else if(e.key==='Escape')keys.hidden=true;
+ else return;});
+})();
+"""
+
+
+def desk_page(conn, desk, page, directions, settings):
+    posts = desk_posts(conn, desk)
     more, posts = len(posts) > PAGE_SIZE, posts[:PAGE_SIZE]
-    back = link_to("/", direction=direction, status=decision, page=number)
-    filters = " ".join(
-        f'<a href="{esc(link_to("/", direction=d, status=decision))}"'
-        f'{" class=here" if d == direction else ""}>{esc(label)}</a>'
-        for d, label in [(None, "all directions")] + [(d.id, d.title) for d in directions.values()])
-    statuses = " ".join(
-        f'<a href="{esc(link_to("/", direction=direction, status=s))}"'
-        f'{" class=here" if s == decision else ""}>{esc(s or "any status")}</a>'
-        for s in (None, *DECISIONS))
-    pages = "".join([
-        f'<a href="{esc(link_to("/", direction=direction, status=decision, page=number - 1))}">← newer</a>'
-        if number > 1 else "",
-        f'<a href="{esc(link_to("/", direction=direction, status=decision, page=number + 1))}">older →</a>'
-        if more else ""])
-    empty = "No posts match these filters." if direction or decision else \
-        "No classified posts yet: they appear here as the workers classify the queue."
-    items = "".join(candidate_html(p, token, back) for p in posts) or \
-        f'<p class="muted">{empty}</p>'
-    body = (f'<p class="filters">{filters}</p><p class="filters small">{statuses}</p>{items}'
-            f'<nav class="pages">{pages}</nav>')
-    return page("Candidates", body, "/")
+    counts = desk_counts(conn, desk)
+    here = page.link("/", **desk.params(after="~".join(
+        "" if v is None else str(v) for v in desk.after) if desk.after else None))
+    cards = "".join(card_html(p, page, here) for p in posts)
+    if not cards:
+        empty = "empty_filtered" if desk.direction or desk.q or desk.source or \
+            desk.status != "new" or counts["hidden"] else "empty_none"
+        cards = f'<p class="muted">{page.t(empty)}</p>'
+    hidden = (f'<p class="small muted">{page.t("hidden_low", n=counts["hidden"])} '
+              f'<a href="{esc(page.link("/", **desk.params(min=0)))}">{page.t("show_all")}</a></p>'
+              if counts["hidden"] and desk.min else "")
+    pager = "".join([
+        f'<a href="{esc(page.link("/", **desk.params()))}">{page.t("first")}</a>'
+        if desk.after else "",
+        f'<a href="{esc(page.link("/", **desk.params(after=next_cursor(desk, posts[-1]))))}" '
+        f'rel="next">{page.t("older")}</a>' if more else ""])
+    names = json.dumps({s: page.strings[f"status.{s}"] for s in DECISIONS}).replace("<", "\\u003c")
+    sources = conn.execute("SELECT slug, name FROM sources WHERE enabled = 1 ORDER BY name").fetchall()
+    body = (f"{banners(conn, settings, page)}{filter_form(page, desk, sources)}"
+            f"{facet_links(page, desk, directions, counts)}{hidden}{bulk_form(page, posts, here)}"
+            f"{cards}<nav class=pages>{pager}</nav>{keys_overlay(page)}"
+            f'<script type="application/json" id="names">{names}</script>'
+            f"<script>{DESK_SCRIPT}</script>")
+    return layout(page, page.strings["desk"], body, "/")
+
+
+# Exports ---------------------------------------------------------------------
+
+def iso_time(stamp):
+    """'2026-11-30 10:00:00' (UTC) -> '2026-11-30T10:00:00Z'."""
+    return (stamp or "1970-01-01 00:00:00").replace(" ", "T") + "Z"
+
+
+def post_link(post):
+    return post["url"] if is_web_link(post["url"]) else None
+
+
+def atom_feed(posts, title, self_url=None):
+    """Atom 1.0 of decided posts, newest decision first."""
+    updated = iso_time(max((p["decided_at"] or p["published_at"] for p in posts), default=None))
+    entries = []
+    for p in posts:
+        link = post_link(p)
+        entries.append(
+            f"<entry><id>urn:vesti:post:{p['id']}</id><title>{esc(p['title'] or '(untitled)')}</title>"
+            + (f'<link rel="alternate" href="{esc(link)}"/>' if link else "")
+            + f"<published>{iso_time(p['published_at'])}</published>"
+            f"<updated>{iso_time(p['decided_at'] or p['published_at'])}</updated>"
+            f"<author><name>{esc(p['source'] or 'VESTI')}</name></author>"
+            + (f'<category term="{esc(p["direction"])}"/>' if p["direction"] else "")
+            + f"<summary>{esc(p['summary'] or '')}</summary></entry>")
+    self_link = f'<link rel="self" href="{esc(self_url)}"/>' if self_url else ""
+    return ('<?xml version="1.0" encoding="utf-8"?>\n<feed xmlns="http://www.w3.org/2005/Atom">'
+            f"<id>urn:vesti:{esc(title)}</id><title>{esc(title)}</title><updated>{updated}</updated>"
+            f"{self_link}<generator>VESTI {__version__}</generator>{''.join(entries)}</feed>\n")
+
+
+def json_feed(posts, title, self_url=None):
+    """JSON Feed 1.1 of decided posts, newest decision first."""
+    items = []
+    for p in posts:
+        item = {"id": str(p["id"]), "title": p["title"] or "(untitled)",
+                "content_text": p["summary"] or p["title"] or "",
+                "date_published": iso_time(p["published_at"]),
+                "date_modified": iso_time(p["decided_at"] or p["published_at"]),
+                "authors": [{"name": p["source"] or "VESTI"}],
+                "tags": [p["direction"]] if p["direction"] else [],
+                "_vesti": {"status": p["status"], "relevance": p["relevance"],
+                           "interest": p["interest"]}}
+        if post_link(p):
+            item["url"] = post_link(p)
+        items.append(item)
+    feed = {"version": "https://jsonfeed.org/version/1.1", "title": title, "items": items}
+    if self_url:
+        feed["feed_url"] = self_url
+    return json.dumps(feed, ensure_ascii=False, indent=1)
+
+
+EXPORT_FIELDS = ("id", "status", "decided_at", "decided_by", "direction", "relevance",
+                 "interest", "title", "url", "source", "published_at", "summary", "keywords",
+                 "reason")
+
+
+def csv_export(posts):
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(EXPORT_FIELDS)
+    for p in posts:
+        writer.writerow([p[f] for f in EXPORT_FIELDS])
+    return out.getvalue()
+
+
+# The web application ---------------------------------------------------------
+
+def abort(status, text, headers=None):
+    """Reply at once with `status` and a one-line text (bottle's abort)."""
+    raise EarlyReply(status, text, headers)
 
 
 class WebApp:
@@ -3345,13 +4165,20 @@ class WebApp:
     def __init__(self, db, settings, registry, password):
         self.db, self.settings, self.registry = db, settings, registry
         self.user, self.password = settings.web_user, password
-        self.secret = secrets.token_bytes(32)
+        # Kept in the database: pages left open across a restart still post.
+        self.secret = lasting_secret(db.conn(), "web_secret").encode()
+        if not FTS5:
+            log.warning("this Python's SQLite has no FTS5: the desk searches with LIKE "
+                        "(slower on a big database)")
         self.routes = [
-            ("GET", re.compile(r"/"), self.candidates),
+            ("GET", re.compile(r"/"), self.desk),
             ("GET", re.compile(r"/crawlers"), self.crawlers),
             ("POST", re.compile(r"/crawlers/reset"), self.reset),
             ("GET", re.compile(r"/api/queue"), self.api_queue),
             ("POST", re.compile(r"/posts/([1-9][0-9]{0,17})/status"), self.decide),
+            ("POST", re.compile(r"/posts/status"), self.decide_many),
+            ("GET", re.compile(r"/approved\.atom"), self.approved_atom),
+            ("GET", re.compile(r"/approved\.json"), self.approved_json),
             ("GET", re.compile(r"/healthz"), self.healthz),
         ]
 
@@ -3384,66 +4211,121 @@ class WebApp:
         return urllib.parse.urlsplit(origin).netloc == host
 
     def handle(self, request, method):
+        try:
+            self.route(request, method)
+        except EarlyReply as e:
+            request.reply(e.status, "text/plain; charset=utf-8", f"{e.text}\n".encode(), e.headers)
+
+    def route(self, request, method):
         path, _, query = request.path.partition("?")
         if not (method in ("GET", "HEAD") and path == "/healthz") and \
                 not self.authorized(request.headers.get("Authorization")):
-            return request.reply(401, "text/plain", b"Authentication required\n",
-                                 {"WWW-Authenticate": 'Basic realm="VESTI", charset="UTF-8"'})
+            abort(401, "Authentication required",
+                  {"WWW-Authenticate": 'Basic realm="VESTI", charset="UTF-8"'})
         matches = [(m, r.fullmatch(path), h) for m, r, h in self.routes if r.fullmatch(path)]
         if not matches:
-            return request.reply(404, "text/plain", b"Not found\n")
+            abort(404, "Not found")
         for route_method, match, handler in matches:
             if route_method == method or (method == "HEAD" and route_method == "GET"):
                 form = self.read_form(request) if method == "POST" else {}
-                if form is None:
-                    return None
-                return handler(request, urllib.parse.parse_qs(query), form, *match.groups())
+                flat = {k: v[-1] for k, v in urllib.parse.parse_qs(query).items()}
+                return handler(request, flat, form, *match.groups())
         methods = {m for m, _, _ in matches}
         allowed = ", ".join(sorted(methods | ({"HEAD"} if "GET" in methods else set())))
-        return request.reply(405, "text/plain", b"Method not allowed\n", {"Allow": allowed})
+        abort(405, "Method not allowed", {"Allow": allowed})
 
     def read_form(self, request):
         length = request.headers.get("Content-Length", "0")
         if not length.isdigit() or int(length) > MAX_REQUEST_BODY:
-            request.reply(413, "text/plain", b"Request body too large\n")
-            return None
+            abort(413, "Request body too large")
         body = request.rfile.read(int(length)).decode("utf-8", "replace")
-        return {k: v[-1] for k, v in urllib.parse.parse_qs(body).items()}
+        return urllib.parse.parse_qs(body)
 
     def check_forgery(self, request, form):
-        if not hmac.compare_digest(form.get("token", "").encode(), self.token().encode()) or \
+        token = (form.get("token") or [""])[-1]
+        if not hmac.compare_digest(token.encode(), self.token().encode()) or \
                 not self.same_origin(request):
-            request.reply(403, "text/plain", b"Cross-site request refused\n")
-            return False
-        return True
+            abort(403, "Cross-site request refused")
+
+    def page(self, request, query):
+        lang = choose_language(self.settings.lang, query.get("lang"),
+                               request.headers.get("Accept-Language"))
+        return Page(lang, self.token(), {k: v for k, v in query.items() if k == "lang"})
 
     def html(self, request, text):
         request.reply(200, "text/html; charset=utf-8", text.encode("utf-8"))
 
-    def crawlers(self, request, query, form):
-        self.html(request, crawlers_page(self.db.conn(), self.token()))
+    def desk(self, request, query, form):
+        desk = DeskQuery.read(query, self.registry.directions, self.settings.min_relevance)
+        page = self.page(request, query)
+        self.html(request, desk_page(self.db.conn(), desk, page, self.registry.directions,
+                                     self.settings))
 
-    def candidates(self, request, query, form):
-        flat = {k: v[-1] for k, v in query.items()}
-        self.html(request, candidates_page(self.db.conn(), self.registry.directions, flat,
-                                           self.token()))
+    def crawlers(self, request, query, form):
+        self.html(request, crawlers_page(self.db.conn(), self.page(request, query), self.settings))
 
     def reset(self, request, query, form):
-        if self.check_forgery(request, form):
-            count = reset_dead(self.db.conn())
-            log.info("web: %d dead sources reset", count)
-            request.reply(303, "text/plain", b"", {"Location": "/crawlers"})
+        self.check_forgery(request, form)
+        count = reset_dead(self.db.conn())
+        log.info("web: %d dead sources reset", count)
+        request.reply(303, "text/plain", b"", {"Location": "/crawlers"})
+
+    def decision(self, form):
+        status = (form.get("status") or [""])[-1]
+        if status not in DECISIONS:
+            abort(400, "status must be new, approved or rejected")
+        return status
 
     def decide(self, request, query, form, post_id):
-        if not self.check_forgery(request, form):
-            return
-        if form.get("status") not in DECISIONS:
-            return request.reply(400, "text/plain", b"status must be new, approved or rejected\n")
-        if not set_decision(self.db.conn(), int(post_id), form["status"]):
-            return request.reply(404, "text/plain", b"No such post\n")
-        back = form.get("back", "/")
+        self.check_forgery(request, form)
+        status = self.decision(form)
+        if not set_decision(self.db.conn(), int(post_id), status, self.user):
+            abort(404, "No such post")
+        if "application/json" in request.headers.get("Accept", ""):
+            return self.json(request, {"id": int(post_id), "status": status})
+        self.back(request, form, int(post_id))
+
+    def decide_many(self, request, query, form):
+        self.check_forgery(request, form)
+        status = self.decision(form)
+        ids = [int(i) for value in form.get("ids", []) for i in value.split(",")
+               if re.fullmatch(r"[1-9][0-9]{0,17}", i.strip())]
+        if not ids or len(ids) > MAX_BULK:
+            abort(400, f"ids must name 1 to {MAX_BULK} posts")
+        changed = set_decisions(self.db.conn(), ids, status, self.user)
+        if "application/json" in request.headers.get("Accept", ""):
+            return self.json(request, {"ids": ids, "status": status, "changed": changed})
+        self.back(request, form)
+
+    def back(self, request, form, post_id=None):
+        """To the page the form came from; after one post's decision, to its
+        card, kept in view even when the page's filter no longer matches it."""
+        back = (form.get("back") or ["/"])[-1]
         back = back if LOCAL_PATH.fullmatch(back) else "/"
+        if post_id:
+            path, _, query = back.partition("?")
+            query = [(k, v) for k, v in urllib.parse.parse_qsl(query) if k != "decided"]
+            back = f"{path}?{urllib.parse.urlencode([*query, ('decided', post_id)])}#post-{post_id}"
         request.reply(303, "text/plain", b"", {"Location": back})
+
+    def json(self, request, data):
+        request.reply(200, "application/json", json.dumps(data, ensure_ascii=False).encode())
+
+    def exported(self, request, query):
+        direction = query.get("direction")
+        direction = direction if direction in self.registry.directions else None
+        posts = decided_posts(self.db.conn(), "approved", direction, FEED_POSTS)
+        title = "VESTI: approved" + (f" ({direction})" if direction else "")
+        host = request.headers.get("Host")
+        return posts, title, (f"http://{host}{request.path}" if host else None)
+
+    def approved_atom(self, request, query, form):
+        request.reply(200, "application/atom+xml; charset=utf-8",
+                      atom_feed(*self.exported(request, query)).encode("utf-8"))
+
+    def approved_json(self, request, query, form):
+        request.reply(200, "application/feed+json; charset=utf-8",
+                      json_feed(*self.exported(request, query)).encode("utf-8"))
 
     def api_queue(self, request, query, form):
         request.reply(200, "application/json", json.dumps(queue_sizes(self.db.conn())).encode())
@@ -3451,8 +4333,6 @@ class WebApp:
     def healthz(self, request, query, form):
         self.db.conn().execute("SELECT 1").fetchone()
         request.reply(200, "text/plain", b"ok\n")
-
-
 
 
 # Control characters of a request line (C0, DEL, C1) are written to the log
@@ -3904,6 +4784,35 @@ def cmd_status(args, settings):
     return 0
 
 
+def cmd_export(args, settings):
+    registry, db = open_intake(settings)
+    if args.direction and args.direction not in registry.directions:
+        raise ConfigError(f"unknown direction {args.direction!r} (defined: "
+                          f"{', '.join(registry.directions) or 'none'})")
+    posts = decided_posts(db.conn(), args.status, args.direction, since=args.since)
+    title = f"VESTI: {args.status}" + (f" ({args.direction})" if args.direction else "")
+    if args.format == "csv":
+        sys.stdout.write(csv_export(posts))
+    elif args.format == "json":
+        sys.stdout.write(json_feed(posts, title) + "\n")
+    else:
+        sys.stdout.write(atom_feed(posts, title))
+    print(f"export: {len(posts)} posts", file=sys.stderr)
+    return 0
+
+
+def since_date(text):
+    """--since: a UTC date or date and time, as stored (YYYY-MM-DD[ HH:MM:SS])."""
+    text = text.strip().replace("T", " ").rstrip("Z")
+    for layout in ("%Y-%m-%d %H:%M:%S", "%Y-%m-%d %H:%M", "%Y-%m-%d"):
+        try:
+            return datetime.datetime.strptime(text, layout).strftime("%Y-%m-%d %H:%M:%S")
+        except ValueError:
+            continue
+    raise argparse.ArgumentTypeError(f"expected a date like 2026-11-30 or "
+                                     f"'2026-11-30 08:00', got {text!r}")
+
+
 def positive_int(text):
     try:
         value = int(text)
@@ -3980,6 +4889,14 @@ def build_parser():
     command("reset-dead", cmd_reset_dead, "make every dead source alive again")
     status = command("status", cmd_status, "queue sizes and source health")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    export = command("export", cmd_export, "classified posts to stdout (approved by default)")
+    export.add_argument("--status", choices=(*DECISIONS, "any"), default="approved",
+                        help="the editor's decision (default approved; any = all)")
+    export.add_argument("--format", choices=("csv", "json", "atom"), default="csv",
+                        help="csv (default), json (JSON Feed 1.1) or atom")
+    export.add_argument("--direction", metavar="D", help="posts of one direction")
+    export.add_argument("--since", metavar="DATE", type=since_date,
+                        help="decided (or, undecided, published) at or after DATE, UTC")
     return parser
 
 
