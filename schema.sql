@@ -105,6 +105,15 @@ CREATE TABLE IF NOT EXISTS meta (
     updated_at TEXT
 );
 
+-- Monotonic counters for /metrics (fetch outcomes, new posts, LLM calls and
+-- their latency), kept here so they survive a restart.
+CREATE TABLE IF NOT EXISTS counters (
+    name TEXT NOT NULL,
+    labels TEXT NOT NULL DEFAULT '',
+    value REAL NOT NULL DEFAULT 0,
+    PRIMARY KEY (name, labels)
+);
+
 -- Classified posts counted by decision, direction and relevance (and the same
 -- per source), kept in step by triggers: the desk's filter counts without
 -- scanning posts.

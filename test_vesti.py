@@ -2484,6 +2484,8 @@ def test_banners_say_why_nothing_is_classified(home):
         page = w.get("/")[2]
         assert "4 posts wait and no worker has run yet" in page
         vesti.run_workers(db, s, registry, workers=1, quiet=True)     # Ollama refuses
+        assert 'vesti_llm_failures_total{reason="unreachable"} 3' in \
+            vesti.metrics_text(db.conn())
         for path in ("/", "/crawlers"):
             page = w.get(path)[2]
             assert "Ollama has been unreachable since" in page and "127.0.0.1:9" in page
@@ -2576,6 +2578,53 @@ def test_export_writes_decided_posts_as_csv_json_and_atom(home):
     assert every.stdout.count("<entry>") == 3
     bad = cli("export", "--since", "yesterday", cwd=home)
     assert bad.returncode == 2 and "--since" in bad.stderr
+
+
+def metric_samples(text):
+    parser = pytest.importorskip("prometheus_client.parser")
+    families = {f.name: f for f in parser.text_string_to_metric_families(text)}
+    return families, {(s.name, tuple(sorted(s.labels.items()))): s.value
+                      for f in families.values() for s in f.samples}
+
+
+def test_metrics_speak_prometheus_and_count_what_happened(home, server, ollama):
+    server.feed("/feed", rss(items(3, host=server.url)))
+    s, db = intake(home, [rss_source("lwn", server.url + "/feed", direction="linux"),
+                          rss_source("gone", server.url + "/gone")], OLLAMA_URL=ollama.url)
+    server.status("/gone", 500)
+    crawl(s, db)
+    crawl(s, db)                                       # the feed answers 304 this time
+    vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=2, quiet=True)
+    db.conn().execute("UPDATE posts SET status = 'approved' WHERE id = 1")
+    w = Web.__new__(Web)
+    w.settings, w.registry, w.db = s, vesti.load_registry(s.sources), db
+    w.app = vesti.WebApp(db, s, w.registry, "pw")
+    w.server = vesti.make_web_server(w.app, "127.0.0.1", 0)
+    w.port = w.server.server_address[1]
+    w.origin = f"http://127.0.0.1:{w.port}"
+    w.auth = "Basic " + base64.b64encode(b"admin:pw").decode()
+    threading.Thread(target=w.server.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        assert w.get("/metrics", auth=False)[0] == 401
+        status, headers, body = w.get("/metrics")
+    finally:
+        w.close()
+    assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    families, samples = metric_samples(body)
+    assert families["vesti_llm_seconds"].type == "histogram"
+    assert families["vesti_fetches"].type == "counter"
+    assert samples[("vesti_queue_posts", (("state", "done_today"),))] == 3
+    assert samples[("vesti_sources", (("crawler", "rss"), ("status", "alive")))] == 2
+    fetched = {o: samples[("vesti_fetches_total", (("crawler", "rss"), ("outcome", o)))]
+               for o in ("ok", "not_modified", "error", "deferred")}
+    assert fetched == {"ok": 1, "not_modified": 1, "error": 2, "deferred": 0}
+    assert samples[("vesti_new_posts_total", (("crawler", "rss"),))] == 3
+    assert samples[("vesti_llm_calls_total", ())] == 3 == len(ollama.requests)
+    assert samples[("vesti_llm_seconds_count", ())] == 3
+    assert samples[("vesti_llm_seconds_bucket", (("le", "+Inf"),))] == 3
+    assert samples[("vesti_classified_posts", (("status", "approved"),))] == 1
+    restarted = vesti.metrics_text(vesti.Database(s.db).conn())   # counters outlive a restart
+    assert metric_samples(restarted)[1][("vesti_llm_calls_total", ())] == 3
 
 
 def test_reset_dead_command_does_what_the_button_does(home):
@@ -2769,8 +2818,7 @@ def test_the_desk_from_the_keyboard_decides_in_place(web, browser):
     current = browser.evaluate("document.querySelector('article.current').dataset.id")
     assert int(current) == ids[-31]
     press(browser, "a")
-    assert wait_until(browser, f"document.getElementById('post-{current}').dataset.status"
-                               f" === 'approved'")
+    assert wait_until(browser, f"document.getElementById('post-{current}').dataset.busy === '0'")
     shown = browser.evaluate(f"""({{
         badge: document.querySelector('#post-{current} .state').textContent,
         disabled: [...document.querySelectorAll('#post-{current} button')].map(b => b.disabled),
@@ -2779,13 +2827,12 @@ def test_the_desk_from_the_keyboard_decides_in_place(web, browser):
     assert shown["badge"] == "approved" and shown["disabled"] == [True, False, False]
     assert int(shown["next"]) == ids[-32]                # focus moved on, no reload
     assert shown["marker"] == "same page" and shown["top"] > 0
-    assert wait_until(browser, "true") and conn.execute(
-        "SELECT status, decided_by FROM posts WHERE id = ?", (current,)).fetchone()[:] == \
-        ("approved", "admin")
+    assert conn.execute("SELECT status, decided_by FROM posts WHERE id = ?",
+                        (current,)).fetchone()[:] == ("approved", "admin")
     press(browser, "r")
-    press(browser, "u")                                   # undo the reject
-    assert wait_until(browser, f"document.getElementById('post-{ids[-32]}').dataset.status"
-                               f" === 'new'")
+    press(browser, "u")                                   # undo the reject at once
+    assert wait_until(browser, f"document.getElementById('post-{ids[-32]}').dataset.busy === '0'")
+    assert browser.evaluate(f"document.getElementById('post-{ids[-32]}').dataset.status") == "new"
     assert conn.execute("SELECT status FROM posts WHERE id = ?", (ids[-32],)).fetchone()[0] \
         == "new"
     press(browser, "?")

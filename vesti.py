@@ -624,6 +624,15 @@ CREATE TABLE IF NOT EXISTS meta (
     updated_at TEXT
 );
 
+-- Monotonic counters for /metrics (fetch outcomes, new posts, LLM calls and
+-- their latency), kept here so they survive a restart.
+CREATE TABLE IF NOT EXISTS counters (
+    name TEXT NOT NULL,
+    labels TEXT NOT NULL DEFAULT '',
+    value REAL NOT NULL DEFAULT 0,
+    PRIMARY KEY (name, labels)
+);
+
 -- Classified posts counted by decision, direction and relevance (and the same
 -- per source), kept in step by triggers: the desk's filter counts without
 -- scanning posts.
@@ -1354,6 +1363,54 @@ def classification_state(conn):
             "ollama_down_since": rows.get("ollama_down", (None, None))[1],
             "ollama_error": rows.get("ollama_down", (None, None))[0],
             "classify_mode": rows.get("classify_mode", (None, None))[0]}
+
+
+# Counters for /metrics -------------------------------------------------------
+
+# Upper bounds (seconds) of the LLM latency histogram's buckets.
+LLM_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+FETCH_OUTCOMES = {"ok": "ok", "not_modified": "not_modified", "unchanged": "not_modified",
+                  "error": "error", "gone": "error", "deferred": "deferred"}
+
+
+def add_counts(conn, increments):
+    """Add to counters: {(name, labels): amount}, in one transaction."""
+    if not increments:
+        return
+    with transaction(conn):
+        conn.executemany("""INSERT INTO counters (name, labels, value) VALUES (?, ?, ?)
+                            ON CONFLICT(name, labels) DO UPDATE SET value = value + excluded.value""",
+                         [(name, labels, amount) for (name, labels), amount in increments.items()])
+
+
+def count_fetches(conn, crawler, results):
+    """A crawl's outcomes and new posts, by crawler kind."""
+    increments = {}
+    for result in results:
+        key = ("fetches", f'crawler="{crawler}",outcome="{FETCH_OUTCOMES[result.status]}"')
+        increments[key] = increments.get(key, 0) + 1
+        key = ("new_posts", f'crawler="{crawler}"')
+        increments[key] = increments.get(key, 0) + result.new_posts
+    add_counts(conn, increments)
+
+
+def count_llm_call(conn, seconds):
+    bucket = next((b for b in LLM_BUCKETS if seconds <= b), "+Inf")
+    add_counts(conn, {("llm_calls", ""): 1, ("llm_seconds_sum", ""): seconds,
+                      ("llm_seconds_bucket", f'le="{bucket}"'): 1})
+
+
+def counters(conn):
+    """{name: {labels: value}}."""
+    found = {}
+    for name, labels, value in conn.execute("SELECT name, labels, value FROM counters"):
+        found.setdefault(name, {})[labels] = value
+    return found
+
+
+def sources_by_status(conn):
+    return conn.execute("""SELECT crawler, CASE WHEN enabled = 0 THEN 'disabled' ELSE status END,
+                                  count(*) FROM sources GROUP BY 1, 2""").fetchall()
 
 
 # Reading for pages and commands ---------------------------------------------
@@ -2384,6 +2441,7 @@ def crawl_rss(db, settings, selection=("all", None), trigger="cli", gate=None, q
     with ThreadPoolExecutor(max_workers=settings.concurrency,
                             thread_name_prefix="rss") as pool:
         results = [r for group in pool.map(crawl_group, groups) for r in group]
+    count_fetches(db.conn(), "rss", results)
     summary = CrawlSummary(results)
     if own_progress:
         progress.finish(summary.line())
@@ -2822,6 +2880,7 @@ def crawl_telegram(db, settings, selection=("all", None), trigger="cli", client_
                                              client_factory or telegram_client,
                                              sleep or asyncio.sleep, progress,
                                              stop or threading.Event()))
+        count_fetches(db.conn(), "telegram", results)
     summary = CrawlSummary(results)
     if own_progress:
         progress.finish(summary.line())
@@ -3276,10 +3335,11 @@ class WorkerPool:
 
     def complete(self, conn, post, verdict):
         written = complete_post(conn, post["id"], post["claim_token"], verdict)
-        if "llm_seconds" in verdict and self.stats.ollama_down is None and \
-                get_meta(conn, "ollama_down")[0] is not None:
-            delete_meta(conn, "ollama_down")
-            log.warning("Ollama answers again")
+        if "llm_seconds" in verdict:
+            count_llm_call(conn, verdict["llm_seconds"])
+            if self.stats.ollama_down is None and get_meta(conn, "ollama_down")[0] is not None:
+                delete_meta(conn, "ollama_down")
+                log.warning("Ollama answers again")
         log.info("post %s: %s, relevance %s, interest %s%s", post["id"],
                  verdict["direction"] or "no direction", verdict["relevance"],
                  verdict["interest"], "" if written else " (taken back by the lease; not written)")
@@ -3299,6 +3359,8 @@ class WorkerPool:
         else:
             log.exception("post %s: classification failed", post["id"])
         unreachable = isinstance(error, OllamaUnreachable)
+        if isinstance(error, ClassifyError):
+            add_counts(conn, {("llm_failures", f'reason="{"unreachable" if unreachable else "answer"}"'): 1})
         if unreachable:
             state = defer_post(conn, post["id"], post["claim_token"], message,
                                self.settings.retry_delay)
@@ -4027,15 +4089,20 @@ function focus(i){if(!cards.length)return;cur=Math.max(0,Math.min(i,cards.length
 function show(card,status){card.dataset.status=status;
  card.querySelector('.state').textContent=names[status];
  [].forEach.call(card.querySelectorAll('form.decide button'),function(b){b.disabled=b.value===status});}
-function decide(card,status,move){
+function send(card,status){
  var form=card.querySelector('form.decide'),body=new URLSearchParams();
  body.set('token',form.token.value);body.set('status',status);
- last={card:card,previous:card.dataset.status};
- fetch(form.action,{method:'POST',credentials:'same-origin',body:body,
+ return fetch(form.action,{method:'POST',credentials:'same-origin',body:body,
   headers:{'Accept':'application/json','Content-Type':'application/x-www-form-urlencoded'}})
- .then(function(r){if(!r.ok)throw new Error('HTTP '+r.status);return r.json()})
- .then(function(j){show(card,j.status)})
- .catch(function(e){card.classList.add('failed');alert(e)});
+ .then(function(r){if(!r.ok)throw new Error('HTTP '+r.status);return r.json()});}
+function decide(card,status,move){
+ last={card:card,previous:card.dataset.status};
+ show(card,status);card.dataset.busy=(+card.dataset.busy||0)+1;
+ /* One card's decisions reach the server in the order they were made. */
+ card.chain=(card.chain||Promise.resolve()).then(function(){return send(card,status)})
+ .then(function(j){if(+card.dataset.busy===1)show(card,j.status)})
+ .catch(function(e){card.classList.add('failed');alert(e)})
+ .then(function(){card.dataset.busy=+card.dataset.busy-1});
  if(move)focus(cards.indexOf(card)+1);}
 document.addEventListener('submit',function(e){var form=e.target;
  if(!form.classList.contains('decide')||!e.submitter)return;
@@ -4152,6 +4219,57 @@ def csv_export(posts):
     return out.getvalue()
 
 
+# Metrics ---------------------------------------------------------------------
+
+def metric_lines(name, kind, help_text, samples):
+    """One metric family in Prometheus' text exposition format."""
+    lines = [f"# HELP vesti_{name} {help_text}", f"# TYPE vesti_{name} {kind}"]
+    for suffix, labels, value in samples:
+        lines.append(f"vesti_{name}{suffix}{{{labels}}} {value:g}" if labels
+                     else f"vesti_{name}{suffix} {value:g}")
+    return lines
+
+
+def metrics_text(conn):
+    """Queue sizes, sources by status, fetch outcomes and new posts by
+    crawler kind, LLM calls, failures and latency, and decisions."""
+    queue = queue_sizes(conn)
+    counted = counters(conn)
+    sources = {(crawler, status): n for crawler, status, n in sources_by_status(conn)}
+    decisions = dict(conn.execute("SELECT status, sum(n) FROM post_counts GROUP BY status"))
+    fetches = counted.get("fetches", {})
+    buckets, cumulative = counted.get("llm_seconds_bucket", {}), 0
+    histogram = []
+    for bound in [*LLM_BUCKETS, "+Inf"]:
+        cumulative += buckets.get(f'le="{bound}"', 0)
+        histogram.append(("_bucket", f'le="{bound}"', cumulative))
+    histogram += [("_sum", "", counted.get("llm_seconds_sum", {}).get("", 0)),
+                  ("_count", "", cumulative)]
+    lines = [
+        *metric_lines("queue_posts", "gauge", "Posts in the queue by state.",
+                      [("", f'state="{k}"', v) for k, v in queue.items()]),
+        *metric_lines("sources", "gauge", "Sources by crawler kind and status.",
+                      [("", f'crawler="{c}",status="{st}"', sources.get((c, st), 0))
+                       for c in CRAWLERS for st in ("alive", "dead", "disabled")]),
+        *metric_lines("fetches_total", "counter", "Source fetches by crawler kind and outcome.",
+                      [("", labels, fetches.get(labels, 0)) for labels in
+                       (f'crawler="{c}",outcome="{o}"' for c in CRAWLERS
+                        for o in ("ok", "not_modified", "error", "deferred"))]),
+        *metric_lines("new_posts_total", "counter", "New posts stored, by crawler kind.",
+                      [("", f'crawler="{c}"', counted.get("new_posts", {}).get(f'crawler="{c}"', 0))
+                       for c in CRAWLERS]),
+        *metric_lines("llm_calls_total", "counter", "Classifications answered by the LLM.",
+                      [("", "", counted.get("llm_calls", {}).get("", 0))]),
+        *metric_lines("llm_failures_total", "counter", "LLM calls that failed, by reason.",
+                      [("", f'reason="{r}"', counted.get("llm_failures", {}).get(f'reason="{r}"', 0))
+                       for r in ("unreachable", "answer")]),
+        *metric_lines("llm_seconds", "histogram", "Seconds per LLM classification.", histogram),
+        *metric_lines("classified_posts", "gauge", "Classified posts by the editor's decision.",
+                      [("", f'status="{d}"', decisions.get(d) or 0) for d in DECISIONS]),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 # The web application ---------------------------------------------------------
 
 def abort(status, text, headers=None):
@@ -4179,6 +4297,7 @@ class WebApp:
             ("POST", re.compile(r"/posts/status"), self.decide_many),
             ("GET", re.compile(r"/approved\.atom"), self.approved_atom),
             ("GET", re.compile(r"/approved\.json"), self.approved_json),
+            ("GET", re.compile(r"/metrics"), self.metrics),
             ("GET", re.compile(r"/healthz"), self.healthz),
         ]
 
@@ -4329,6 +4448,10 @@ class WebApp:
 
     def api_queue(self, request, query, form):
         request.reply(200, "application/json", json.dumps(queue_sizes(self.db.conn())).encode())
+
+    def metrics(self, request, query, form):
+        request.reply(200, "text/plain; version=0.0.4; charset=utf-8",
+                      metrics_text(self.db.conn()).encode("utf-8"))
 
     def healthz(self, request, query, form):
         self.db.conn().execute("SELECT 1").fetchone()
