@@ -901,12 +901,17 @@ def recount_posts(conn):
                          GROUP BY {key}status, coalesce(direction, ''), coalesce(relevance, 0)""")
 
 
+# Connections the web server keeps open between requests.
+IDLE_CONNECTIONS = 4
+
+
 class Database:
     """The SQLite file: one connection per thread, schema applied once."""
 
     def __init__(self, path, busy_timeout=30):
         self.path, self.busy_timeout = path, busy_timeout
         self._local = threading.local()
+        self._idle, self._idle_lock = [], threading.Lock()
         try:
             migrate(self.conn())
         except sqlite3.DatabaseError as e:
@@ -937,6 +942,25 @@ class Database:
             yield self
         finally:
             self.close()
+
+    @contextlib.contextmanager
+    def lent(self):
+        """For a thread that lives one web request: a connection lent from a
+        few kept open (opening one costs more than most pages), given back
+        at the end."""
+        with self._idle_lock:
+            conn = self._idle.pop() if self._idle else None
+        self._local.conn = conn or connect(self.path, self.busy_timeout)
+        try:
+            yield self
+        finally:
+            conn, self._local.conn = self._local.conn, None
+            with self._idle_lock:
+                kept = len(self._idle) < IDLE_CONNECTIONS and not conn.in_transaction
+                if kept:
+                    self._idle.append(conn)
+            if not kept:
+                conn.close()
 
 
 # Queue ----------------------------------------------------------------------
@@ -3453,6 +3477,8 @@ SEARCH_COUNT_CAP = 2000
 # The stored text behind a card's disclosure is cut to this many characters.
 CARD_TEXT = 6000
 FEED_POSTS = 100
+# How long the desk's list of sources may be reused before it is read again.
+SOURCES_FRESH = 60
 # Where a form may send the browser back to: a path on this site, nothing else.
 LOCAL_PATH = re.compile(r"/(?![/\\])[A-Za-z0-9\-._~/?=&%+]*")
 
@@ -4009,8 +4035,10 @@ def filter_form(page, desk, sources):
                      for k, v in (("direction", desk.direction),
                                   ("status", None if desk.status == "new" else desk.status),
                                   ("lang", page.lang if "lang" in page.query else None)) if v)
-    source_options = options([("", page.strings["all_sources"])] +
-                             [(s["slug"], s["name"]) for s in sources], desk.source or "")
+    source_options = options([("", page.strings["all_sources"])], "") + sources
+    if desk.source:
+        chosen = f'value="{esc(desk.source)}">'
+        source_options = source_options.replace(chosen, chosen[:-1] + " selected>", 1)
     sort_options = options([(s, page.strings[f"sort.{s}"]) for s in SORTS], desk.sort)
     return (f'<form class="filters" method="get" action="/" role="search">{hidden}'
             f'<input type="search" name="q" value="{esc(desk.q)}" '
@@ -4124,7 +4152,13 @@ document.addEventListener('keydown',function(e){
 """
 
 
-def desk_page(conn, desk, page, directions, settings):
+def source_options(conn):
+    """The <option>s of every enabled source, for the desk's source filter."""
+    return "".join(f'<option value="{esc(s["slug"])}">{esc(s["name"])}</option>' for s in
+                   conn.execute("SELECT slug, name FROM sources WHERE enabled = 1 ORDER BY name"))
+
+
+def desk_page(conn, desk, page, directions, settings, sources=None):
     posts = desk_posts(conn, desk)
     more, posts = len(posts) > PAGE_SIZE, posts[:PAGE_SIZE]
     counts = desk_counts(conn, desk)
@@ -4144,7 +4178,7 @@ def desk_page(conn, desk, page, directions, settings):
         f'<a href="{esc(page.link("/", **desk.params(after=next_cursor(desk, posts[-1]))))}" '
         f'rel="next">{page.t("older")}</a>' if more else ""])
     names = json.dumps({s: page.strings[f"status.{s}"] for s in DECISIONS}).replace("<", "\\u003c")
-    sources = conn.execute("SELECT slug, name FROM sources WHERE enabled = 1 ORDER BY name").fetchall()
+    sources = source_options(conn) if sources is None else sources
     body = (f"{banners(conn, settings, page)}{filter_form(page, desk, sources)}"
             f"{facet_links(page, desk, directions, counts)}{hidden}{bulk_form(page, posts, here)}"
             f"{cards}<nav class=pages>{pager}</nav>{keys_overlay(page)}"
@@ -4283,6 +4317,7 @@ class WebApp:
     def __init__(self, db, settings, registry, password):
         self.db, self.settings, self.registry = db, settings, registry
         self.user, self.password = settings.web_user, password
+        self._sources = (-math.inf, "")
         # Kept in the database: pages left open across a restart still post.
         self.secret = lasting_secret(db.conn(), "web_secret").encode()
         if not FTS5:
@@ -4302,8 +4337,9 @@ class WebApp:
         ]
 
     def use(self, registry):
-        """Show these directions from now on (sources.yaml changed)."""
+        """Show these directions and sources from now on (sources.yaml changed)."""
         self.registry = registry
+        self._sources = (-math.inf, "")
 
     def token(self):
         return hmac.new(self.secret, self.user.encode(), hashlib.sha256).hexdigest()
@@ -4378,7 +4414,16 @@ class WebApp:
         desk = DeskQuery.read(query, self.registry.directions, self.settings.min_relevance)
         page = self.page(request, query)
         self.html(request, desk_page(self.db.conn(), desk, page, self.registry.directions,
-                                     self.settings))
+                                     self.settings, self.source_options()))
+
+    def source_options(self):
+        """The source filter's options, built at most once a minute: with
+        thousands of sources they cost more than the rest of the page."""
+        built, options = self._sources
+        if time.monotonic() - built > SOURCES_FRESH:
+            options = source_options(self.db.conn())
+            self._sources = (time.monotonic(), options)
+        return options
 
     def crawlers(self, request, query, form):
         self.html(request, crawlers_page(self.db.conn(), self.page(request, query), self.settings))
@@ -4500,7 +4545,7 @@ class WebHandler(http.server.BaseHTTPRequestHandler):
 
     def guard(self, method):
         try:
-            with self.server.app.db.closing():
+            with self.server.app.db.lent():
                 self.server.app.handle(self, method)
         except (BrokenPipeError, ConnectionResetError):
             log.debug("web: %s %s: the client went away", method, self.path)
