@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import urllib.parse
+import xml.etree.ElementTree as ElementTree
 import zlib
 
 import pytest
@@ -2625,6 +2626,66 @@ def test_metrics_speak_prometheus_and_count_what_happened(home, server, ollama):
     assert samples[("vesti_classified_posts", (("status", "approved"),))] == 1
     restarted = vesti.metrics_text(vesti.Database(s.db).conn())   # counters outlive a restart
     assert metric_samples(restarted)[1][("vesti_llm_calls_total", ())] == 3
+
+
+OPML = ROOT / "tests" / "fixtures" / "opml"
+
+
+def test_an_opml_export_is_added_to_sources_yaml_keeping_every_comment(home):
+    shipped = (ROOT / "sources.yaml").read_text(encoding="utf-8")
+    (home / "sources.yaml").write_text(shipped, encoding="utf-8")
+    result = cli("opml-import", str(OPML / "feedly.opml"), "--direction", "linux", cwd=home)
+    assert result.returncode == 0, result.stderr
+    assert "3 feeds added" in result.stdout and "1 skipped" in result.stdout   # lwn is there
+    text = (home / "sources.yaml").read_text(encoding="utf-8")
+    assert text.startswith(shipped.rstrip("\n")) or all(
+        line in text.splitlines() for line in shipped.splitlines())
+    assert "# - slug: durov" in text and "# VESTI source registry" in text
+    registry = vesti.load_registry(str(home / "sources.yaml"))
+    added = {s.slug: s for s in registry.sources if s.slug != "lwn"}
+    assert sorted(added) == ["nasa", "opennet", "phoronix"]
+    assert added["opennet"].name == "OpenNET: новости" and added["nasa"].direction == "linux"
+    assert added["phoronix"].priority == 1
+    again = cli("opml-import", str(OPML / "freshrss.opml"), cwd=home)
+    assert "1 feeds added" in again.stdout and "2 skipped" in again.stdout   # phoronix, ftp
+    slugs = [s.slug for s in vesti.load_registry(str(home / "sources.yaml")).sources]
+    assert slugs[-1] == "habr" and len(slugs) == len(set(slugs)) == 5
+    rows = sqlite3.connect(home / "vesti.db").execute("SELECT count(*) FROM sources").fetchone()
+    assert rows[0] == 5                                     # synced at once
+
+
+def test_a_broken_opml_file_changes_nothing(home):
+    write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss")])
+    before = (home / "sources.yaml").read_bytes()
+    for name in ("broken.opml", "missing.opml"):
+        result = cli("opml-import", str(OPML / name), cwd=home)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert "Traceback" not in result.stderr and name in result.stderr
+    (home / "bomb.opml").write_text('<?xml version="1.0"?><!DOCTYPE x [<!ENTITY a "aaaa">]>'
+                                    '<opml><body><outline xmlUrl="&a;"/></body></opml>')
+    assert cli("opml-import", "bomb.opml", cwd=home).returncode == 2
+    assert (home / "sources.yaml").read_bytes() == before
+
+
+def test_opml_export_is_opml_2_that_imports_back(home):
+    write_sources(home / "sources.yaml", [
+        rss_source("lwn", "https://lwn.net/headlines/rss", name="LWN <&> news", direction="linux"),
+        rss_source("nasa", "https://www.nasa.gov/rss/dyn/breaking_news.rss"),
+        {"slug": "chan", "crawler": "telegram", "url": "@linuxnews"}])
+    result = cli("opml-export", cwd=home)
+    assert result.returncode == 0, result.stderr
+    root = ElementTree.fromstring(result.stdout.encode("utf-8"))
+    assert root.tag == "opml" and root.get("version") == "2.0" and root.find("head/title") is not None
+    feeds = {o.get("xmlUrl"): o.get("text") for o in root.iter("outline") if o.get("xmlUrl")}
+    assert feeds == {"https://lwn.net/headlines/rss": "LWN <&> news",
+                     "https://www.nasa.gov/rss/dyn/breaking_news.rss": "nasa"}
+    (home / "export.opml").write_text(result.stdout, encoding="utf-8")
+    (home / "other").mkdir()
+    (home / "other" / "sources.yaml").write_text("sources: []\n", encoding="utf-8")
+    back = cli("opml-import", str(home / "export.opml"), cwd=home / "other")
+    assert "2 feeds added" in back.stdout, back.stderr
+    urls = {s.url for s in vesti.load_registry(str(home / "other" / "sources.yaml")).sources}
+    assert urls == set(feeds)
 
 
 def test_reset_dead_command_does_what_the_button_does(home):

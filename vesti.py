@@ -49,6 +49,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import xml.etree.ElementTree as ElementTree
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -4971,6 +4972,162 @@ def cmd_export(args, settings):
     return 0
 
 
+# OPML ------------------------------------------------------------------------
+
+MAX_OPML_BYTES = 10 * 1024 * 1024
+
+
+def opml_feeds(path):
+    """(title, feed URL) of every outline with an xmlUrl, nested ones too."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_OPML_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    if len(data) > MAX_OPML_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_OPML_BYTES} bytes; not an OPML file")
+    if b"<!DOCTYPE" in data or b"<!ENTITY" in data:
+        raise ConfigError(f"{path}: OPML with a DOCTYPE or entities is not accepted")
+    try:
+        root = ElementTree.fromstring(data)
+    except ElementTree.ParseError as e:
+        raise ConfigError(f"{path}: not valid OPML ({e})") from None
+    if root.tag.lower() != "opml" or root.find("body") is None:
+        raise ConfigError(f"{path}: not OPML (no <opml> with a <body>)")
+    feeds = []
+    for outline in root.iter("outline"):
+        url = (outline.get("xmlUrl") or outline.get("xmlurl") or "").strip()
+        if url:
+            title = outline.get("title") or outline.get("text") or ""
+            feeds.append((" ".join(title.split()), url))
+    return feeds
+
+
+def slug_for(title, url, taken):
+    """A slug from the feed's site (or title), unique among `taken`."""
+    host = host_of(url).removeprefix("www.")
+    base = re.sub(r"[^a-z0-9]+", "-", (host.rsplit(".", 1)[0] if host else title).lower())
+    base = base.strip("-")[:40] or "feed"
+    slug, n = base, 2
+    while slug in taken:
+        slug, n = f"{base}-{n}", n + 1
+    taken.add(slug)
+    return slug
+
+
+def yaml_text(value):
+    return json.dumps(value, ensure_ascii=False)
+
+
+def source_entries(feeds, indent, direction, priority):
+    lines = []
+    for slug, title, url in feeds:
+        lines += [f"{indent}- slug: {slug}", f"{indent}  name: {yaml_text(title or slug)}",
+                  f"{indent}  crawler: rss", f"{indent}  url: {yaml_text(url)}"]
+        if direction:
+            lines.append(f"{indent}  direction: {direction}")
+        lines += [f"{indent}  priority: {priority}", ""]
+    return lines
+
+
+def append_sources(text, entries):
+    """sources.yaml with the entries added at the end of its sources list;
+    every other line (comments included) stays as it was."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if re.match(r"sources:\s*(#.*)?$", line)
+                  or re.match(r"sources:\s*\[\s*\]\s*$", line)), None)
+    if start is None:
+        return text.rstrip("\n") + "\n\nsources:\n" + "\n".join(entries) + "\n"
+    if "[" in lines[start]:
+        lines[start] = "sources:"
+    end = start + 1
+    for i in range(start + 1, len(lines)):  # past the last item; comments after it stay after
+        if lines[i].strip() and not lines[i].startswith((" ", "#", "-")):
+            break
+        if lines[i].strip() and not lines[i].lstrip().startswith("#"):
+            end = i + 1
+    if end < len(lines) and not lines[end].strip():
+        entries = entries[:-1]          # the blank line that follows is kept instead
+    return "\n".join(lines[:end] + [""] * (end > start + 1) + entries + lines[end:]).rstrip("\n") + "\n"
+
+
+def import_opml(registry, path, direction=None, priority=0):
+    """Add an OPML file's feeds to sources.yaml (checked before it is written).
+    Returns (added, skipped)."""
+    feeds = opml_feeds(path)
+    if not feeds:
+        raise ConfigError(f"{path}: no feeds (no outline with an xmlUrl)")
+    known = {canonical_url(s.url) for s in registry.sources}
+    taken = {s.slug for s in registry.sources}
+    added, skipped = [], 0
+    for title, url in feeds:
+        if canonical_url(url) in known or urllib.parse.urlsplit(url).scheme not in WEB_SCHEMES:
+            skipped += 1
+            continue
+        known.add(canonical_url(url))
+        added.append((slug_for(title, url, taken), title, url))
+    if added:
+        with open(registry.path, encoding="utf-8") as f:
+            text = f.read()
+        item = re.search(r"^( *)- slug:", text, re.MULTILINE)
+        updated = append_sources(text, source_entries(added, item[1] if item else "  ",
+                                                      direction, priority))
+        scratch = f"{registry.path}.importing"
+        with open(scratch, "w", encoding="utf-8") as f:
+            f.write(updated)
+        try:
+            load_registry(scratch)
+        except ConfigError as e:
+            os.unlink(scratch)
+            raise ConfigError(f"{path}: the import would break {registry.path} ({e}); "
+                              f"nothing was changed") from None
+        os.replace(scratch, registry.path)
+    return len(added), skipped
+
+
+def opml_document(sources):
+    """OPML 2.0 of the RSS sources, grouped by direction."""
+    root = ElementTree.Element("opml", version="2.0")
+    head = ElementTree.SubElement(root, "head")
+    ElementTree.SubElement(head, "title").text = "VESTI sources"
+    ElementTree.SubElement(head, "dateCreated").text = email.utils.formatdate(usegmt=True)
+    body = ElementTree.SubElement(root, "body")
+    folders = {}
+    for source in sources:
+        if source["crawler"] != "rss":
+            continue
+        parent = body
+        if source["direction"]:
+            parent = folders.get(source["direction"])
+            if parent is None:
+                parent = folders[source["direction"]] = ElementTree.SubElement(
+                    body, "outline", text=source["direction"], title=source["direction"])
+        ElementTree.SubElement(parent, "outline", type="rss", text=source["name"],
+                               title=source["name"], xmlUrl=source["url"])
+    ElementTree.indent(root)
+    return '<?xml version="1.0" encoding="utf-8"?>\n' + \
+        ElementTree.tostring(root, encoding="unicode") + "\n"
+
+
+def cmd_opml_import(args, settings):
+    registry = load_registry(settings.sources)
+    if args.direction and args.direction not in registry.directions:
+        raise ConfigError(f"unknown direction {args.direction!r} (defined: "
+                          f"{', '.join(registry.directions) or 'none'})")
+    added, skipped = import_opml(registry, args.file, args.direction, args.priority)
+    print(f"opml-import: {added} feeds added to {registry.path}, {skipped} skipped "
+          f"(already there or not http)")
+    open_intake(settings)
+    return 0
+
+
+def cmd_opml_export(args, settings):
+    _, db = open_intake(settings)
+    sources = db.conn().execute("SELECT * FROM sources WHERE enabled = 1 ORDER BY priority, slug")
+    sys.stdout.write(opml_document(sources.fetchall()))
+    return 0
+
+
 def since_date(text):
     """--since: a UTC date or date and time, as stored (YYYY-MM-DD[ HH:MM:SS])."""
     text = text.strip().replace("T", " ").rstrip("Z")
@@ -5057,6 +5214,13 @@ def build_parser():
     serve.add_argument("--port", type=port_number, help="port (VESTI_WEB_PORT, default 8080)")
     command("run", cmd_run, "everything at once: scheduled crawls, the workers, the web page")
     command("reset-dead", cmd_reset_dead, "make every dead source alive again")
+    opml_in = command("opml-import", cmd_opml_import,
+                      "add an OPML file's feeds to sources.yaml (comments kept)")
+    opml_in.add_argument("file", metavar="FILE", help="an OPML file (a feed reader's export)")
+    opml_in.add_argument("--direction", metavar="D", help="direction of the new sources")
+    opml_in.add_argument("--priority", metavar="N", type=whole_number, default=1,
+                         help="priority of the new sources (default 1)")
+    command("opml-export", cmd_opml_export, "the enabled feeds as OPML 2.0 to stdout")
     status = command("status", cmd_status, "queue sizes and source health")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     export = command("export", cmd_export, "classified posts to stdout (approved by default)")
