@@ -36,6 +36,7 @@ import xml.etree.ElementTree as ElementTree
 import zlib
 
 import pytest
+import yaml
 from telethon import TelegramClient, errors as tg_errors
 from telethon.sessions import MemorySession
 from telethon.tl import types as tg
@@ -2686,6 +2687,34 @@ def test_opml_export_is_opml_2_that_imports_back(home):
     assert "2 feeds added" in back.stdout, back.stderr
     urls = {s.url for s in vesti.load_registry(str(home / "other" / "sources.yaml")).sources}
     assert urls == set(feeds)
+
+
+FAST = {"RSS_HOST_DELAY": "0"}
+
+
+def test_discover_finds_a_sites_feeds_and_writes_their_entries(home, server):
+    server.feed("/news/rss", rss(items(2, host=server.url), title="Kernel News"))
+    server.feed("/feed", rss(items(1, host=server.url), title="Path Feed"))
+    server.status("/", 200, {"Content-Type": "text/html"}, (
+        '<html><head><title>Site</title>'
+        '<link rel="alternate" type="application/rss+xml" title="Kernel news" href="/news/rss">'
+        '<link rel="alternate" type="application/atom+xml" href="/missing.atom">'
+        '<link rel="stylesheet" href="/style.css"></head><body>hi</body></html>').encode())
+    write_sources(home / "sources.yaml", [rss_source("127-0-0-1", "https://example.org/rss")])
+    result = cli("discover", server.url + "/", cwd=home, env=FAST)
+    assert result.returncode == 0, result.stderr
+    assert f"# Kernel News: {server.url}/news/rss" in result.stdout
+    assert "missing.atom" not in result.stdout                 # named, but not a feed
+    entry = yaml.safe_load(result.stdout)
+    assert entry[0]["slug"] == "127-0-0-1-2" and entry[0]["url"] == server.url + "/news/rss"
+    server.status("/plain", 200, {"Content-Type": "text/html"}, b"<html>no links</html>")
+    server.routes["/"] = server.routes["/plain"]
+    result = cli("discover", server.url + "/", cwd=home, env=FAST)       # no <link>: the common paths
+    assert result.returncode == 0 and f"{server.url}/feed" in result.stdout
+    server.routes.pop("/feed")
+    result = cli("discover", server.url + "/", cwd=home, env=FAST)
+    assert result.returncode == 1 and result.stderr.strip() == \
+        f"vesti: discover: no feed found at {server.url}/"
 
 
 def test_reset_dead_command_does_what_the_button_does(home):

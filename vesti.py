@@ -5006,7 +5006,9 @@ def opml_feeds(path):
 def slug_for(title, url, taken):
     """A slug from the feed's site (or title), unique among `taken`."""
     host = host_of(url).removeprefix("www.")
-    base = re.sub(r"[^a-z0-9]+", "-", (host.rsplit(".", 1)[0] if host else title).lower())
+    if host and not re.fullmatch(r"[0-9.:\[\]]+", host):
+        host = host.rsplit(".", 1)[0]                  # lwn.net -> lwn
+    base = re.sub(r"[^a-z0-9]+", "-", (host or title).lower())
     base = base.strip("-")[:40] or "feed"
     slug, n = base, 2
     while slug in taken:
@@ -5128,6 +5130,96 @@ def cmd_opml_export(args, settings):
     return 0
 
 
+# Discovering a site's feeds ----------------------------------------------------
+
+FEED_TYPES = ("application/rss+xml", "application/atom+xml", "application/rdf+xml",
+              "application/feed+json", "application/json", "text/xml", "application/xml")
+# Where sites usually keep their feed, tried when the page names none.
+COMMON_FEED_PATHS = ("/feed", "/rss", "/atom.xml", "/rss.xml", "/feed.xml", "/index.xml",
+                     "/feeds/posts/default")
+
+
+class _AlternateLinks(html.parser.HTMLParser):
+    """The <link rel="alternate"> feeds a page names: (title, href)."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.found = []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = {k.lower(): (v or "") for k, v in attrs}
+        rel = attrs.get("rel", "").lower().split()
+        kind = attrs.get("type", "").lower().split(";")[0].strip()
+        if tag == "link" and "alternate" in rel and kind in FEED_TYPES and attrs.get("href"):
+            self.found.append((" ".join(attrs.get("title", "").split()), attrs["href"].strip()))
+
+
+def feed_title(response):
+    """The title of a response that is a feed (RSS, Atom, RDF or JSON Feed),
+    or None when it is not one."""
+    kind = response.headers.get("content-type", "").lower()
+    if "json" in kind or response.body.lstrip()[:1] == b"{":
+        try:
+            data = json.loads(response.body)
+        except ValueError:
+            return None
+        is_feed = isinstance(data, dict) and "jsonfeed.org" in str(data.get("version", ""))
+        return (str(data.get("title") or "") or response.url) if is_feed else None
+    parsed = run_feedparser(response.body, response.url, kind or None)
+    if not parsed.get("version") or not (parsed.get("entries") or parsed.feed.get("title")):
+        return None
+    return dict.get(parsed.feed, "title") or response.url
+
+
+def discover_feeds(url, settings):
+    """The feeds a site offers, checked to be feeds: [(title, feed URL)]."""
+    gate = HostGate(settings.host_delay)
+    page = http_get(url, settings, {"Accept": "text/html,application/xhtml+xml,*/*;q=0.5"}, gate)
+    if page.status != 200:
+        raise FetchError(f"{url}: HTTP {page.status}")
+    title = feed_title(page)
+    if title is not None:
+        return [(title, page.url)]
+    links = _AlternateLinks()
+    links.feed(page.body[:2_000_000].decode("utf-8", "replace"))
+    named = [urllib.parse.urljoin(page.url, href) for _, href in links.found]
+    candidates = named or [urllib.parse.urljoin(page.url, path) for path in COMMON_FEED_PATHS]
+    feeds, seen = [], set()
+    for candidate in candidates:
+        if candidate in seen or urllib.parse.urlsplit(candidate).scheme not in WEB_SCHEMES:
+            continue
+        seen.add(candidate)
+        try:
+            response = http_get(candidate, settings, None, gate, home=url)
+        except FetchError as e:
+            log.info("discover: %s: %s", candidate, e)
+            continue
+        title = feed_title(response) if response.status == 200 else None
+        if title is not None:
+            feeds.append((title, response.url))
+    return feeds
+
+
+def cmd_discover(args, settings):
+    registry = load_registry(settings.sources)
+    url = args.url if "://" in args.url else f"https://{args.url}"
+    try:
+        check_feed_url("discover", url)
+        feeds = discover_feeds(url, settings)
+    except FetchError as e:
+        print(f"vesti: discover: {e}", file=sys.stderr)
+        return 1
+    if not feeds:
+        print(f"vesti: discover: no feed found at {url}", file=sys.stderr)
+        return 1
+    taken = {s.slug for s in registry.sources}
+    for title, feed in feeds:
+        slug = slug_for(title, feed, taken)
+        print(f"# {title}: {feed}")
+        print("\n".join(source_entries([(slug, title, feed)], "  ", None, 1)))
+    return 0
+
+
 def since_date(text):
     """--since: a UTC date or date and time, as stored (YYYY-MM-DD[ HH:MM:SS])."""
     text = text.strip().replace("T", " ").rstrip("Z")
@@ -5221,6 +5313,9 @@ def build_parser():
     opml_in.add_argument("--priority", metavar="N", type=whole_number, default=1,
                          help="priority of the new sources (default 1)")
     command("opml-export", cmd_opml_export, "the enabled feeds as OPML 2.0 to stdout")
+    discover = command("discover", cmd_discover,
+                       "the feeds a site offers, each with a ready sources.yaml entry")
+    discover.add_argument("url", metavar="URL", help="a site's address, e.g. https://lwn.net")
     status = command("status", cmd_status, "queue sizes and source health")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     export = command("export", cmd_export, "classified posts to stdout (approved by default)")
