@@ -53,6 +53,8 @@ CREATE INDEX IF NOT EXISTS posts_pending ON posts(id) WHERE classified IS NULL O
 CREATE INDEX IF NOT EXISTS posts_sha256 ON posts(sha256);
 CREATE INDEX IF NOT EXISTS posts_canonical_url ON posts(canonical_url);
 CREATE INDEX IF NOT EXISTS posts_external_id ON posts(source_id, external_id);
+-- A channel's recent posts (re-read for edits) without walking all of its posts.
+CREATE INDEX IF NOT EXISTS posts_source_time ON posts(source_id, published_at);
 CREATE INDEX IF NOT EXISTS posts_candidates ON posts(classified, published_at);
 -- The desk: classified posts of one decision, newest first or by a score.
 CREATE INDEX IF NOT EXISTS posts_desk ON posts(status, published_at, id) WHERE classified = 1;

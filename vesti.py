@@ -573,6 +573,8 @@ CREATE INDEX IF NOT EXISTS posts_pending ON posts(id) WHERE classified IS NULL O
 CREATE INDEX IF NOT EXISTS posts_sha256 ON posts(sha256);
 CREATE INDEX IF NOT EXISTS posts_canonical_url ON posts(canonical_url);
 CREATE INDEX IF NOT EXISTS posts_external_id ON posts(source_id, external_id);
+-- A channel's recent posts (re-read for edits) without walking all of its posts.
+CREATE INDEX IF NOT EXISTS posts_source_time ON posts(source_id, published_at);
 CREATE INDEX IF NOT EXISTS posts_candidates ON posts(classified, published_at);
 -- The desk: classified posts of one decision, newest first or by a score.
 CREATE INDEX IF NOT EXISTS posts_desk ON posts(status, published_at, id) WHERE classified = 1;
@@ -2677,7 +2679,6 @@ class ChannelReader:
         self.client, self.sleep, self.pacer = client, sleep, pacer
         self.telethon = import_optional("telethon", "telethon", "Telegram sources")
         self.reconnected = False
-        self.resolutions = 0
 
     async def call(self, request_of):
         """Run one request (built by request_of()), waiting out one short
@@ -2709,7 +2710,6 @@ class ChannelReader:
     async def resolve(self, channel):
         """(channel id, access hash) of a public channel: one API call."""
         functions, types = self.telethon.functions, self.telethon.types
-        self.resolutions += 1
         try:
             found = await self.call(lambda: self.client(
                 functions.contacts.ResolveUsernameRequest(username=channel)))
@@ -2986,10 +2986,6 @@ class KeywordIndex:
         words = keyword.rstrip("*").split()
         return r"\s+".join(map(re.escape, words)) + (r"\w*" if stem else "")
 
-    def hits(self, text):
-        """{direction: number of distinct keywords found}, best first."""
-        return {direction: len(words) for direction, words in self.matches(text).items()}
-
     def matches(self, text):
         """{direction: the distinct words found, sorted}, best first."""
         found = {}
@@ -3012,13 +3008,14 @@ def lead_summary(text, limit=300):
     return shorten(summary, limit)
 
 
-def keyword_verdict(title, text, hits):
+def keyword_verdict(title, text, matches):
     """What keywords alone can say: the direction with most distinct keywords
     found, relevance and interest growing with their number."""
-    if not hits:
+    if not matches:
         return {"direction": None, "relevance": 0, "interest": 0,
                 "summary": lead_summary(text or title)}
-    direction, count = next(iter(hits.items()))
+    direction, words = next(iter(matches.items()))
+    count = len(words)
     return {"direction": direction, "relevance": min(10, 2 + 2 * count),
             "interest": min(10, 2 + count), "summary": lead_summary(text or title)}
 
@@ -3124,9 +3121,8 @@ def classify_text(text, directions, settings, title="", keywords=None):
     call. Then Ollama, or with OLLAMA_URL empty the keywords alone decide."""
     keywords = keywords or KeywordIndex(directions)
     matches = keywords.matches(f"{title}\n{text}")
-    hits = {direction: len(words) for direction, words in matches.items()}
-    if not hits or not settings.ollama_url:
-        verdict = keyword_verdict(title, text, hits)
+    if not matches or not settings.ollama_url:
+        verdict = keyword_verdict(title, text, matches)
     else:
         started = time.monotonic()
         verdict = ask_ollama(title, text, directions, settings)
@@ -3667,9 +3663,8 @@ def esc(value):
 def layout(page, title, body, here, refresh=False):
     nav = "".join(f'<a href="{esc(page.link(href))}"{" class=here" if href == here else ""}>'
                   f'{page.t(label)}</a>' for href, label in (("/", "desk"), ("/crawlers", "crawlers")))
-    path = here
     langs = " · ".join(
-        f'<a href="{esc(path + "?" + urllib.parse.urlencode({**page.query, "lang": code}))}"'
+        f'<a href="{esc(here + "?" + urllib.parse.urlencode({**page.query, "lang": code}))}"'
         f'{" class=here" if code == page.lang else ""}>{code.upper()}</a>' for code in LANGUAGES)
     meta = f'<meta http-equiv="refresh" content="{REFRESH_SECONDS}">' if refresh else ""
     return (f'<!doctype html><html lang="{page.lang}"><head><meta charset="utf-8">'
@@ -3847,7 +3842,7 @@ def fts_query(text):
     return " ".join(f'"{w}"{star}' for w, star in words[:12])
 
 
-def desk_filters(desk, direction_column="p.direction"):
+def desk_filters(desk):
     """WHERE clauses and parameters of every filter but the search. The
     relevance floor is marked not to pick an index (the unary +) unless the
     order is by relevance: the page then walks the index of its own order
@@ -3863,9 +3858,9 @@ def desk_filters(desk, direction_column="p.direction"):
         where.append(f"{'' if desk.sort == 'relevance' else '+'}p.relevance >= ?")
         params.append(desk.min)
     if desk.direction == "none":
-        where.append(f"{direction_column} IS NULL")
+        where.append("p.direction IS NULL")
     elif desk.direction:
-        where.append(f"{direction_column} = ?")
+        where.append("p.direction = ?")
         params.append(desk.direction)
     if desk.source:
         where.append("p.source_id = (SELECT id FROM sources WHERE slug = ?)")
@@ -4215,7 +4210,7 @@ def atom_feed(posts, title, self_url=None):
             + f"<summary>{esc(p['summary'] or '')}</summary></entry>")
     self_link = f'<link rel="self" href="{esc(self_url)}"/>' if self_url else ""
     return ('<?xml version="1.0" encoding="utf-8"?>\n<feed xmlns="http://www.w3.org/2005/Atom">'
-            f"<id>urn:vesti:{esc(title)}</id><title>{esc(title)}</title><updated>{updated}</updated>"
+            f"<id>urn:vesti:{urllib.parse.quote(title.lower(), safe='')}</id><title>{esc(title)}</title><updated>{updated}</updated>"
             f"{self_link}<generator>VESTI {__version__}</generator>{''.join(entries)}</feed>\n")
 
 
@@ -4760,12 +4755,18 @@ def selection_of(args):
     return "all", None
 
 
+def check_direction(registry, direction):
+    """A --direction that names no direction of sources.yaml is a usage error."""
+    if direction is not None and direction not in registry.directions:
+        raise ConfigError(f"unknown direction {direction!r} (defined: "
+                          f"{', '.join(registry.directions) or 'none'})")
+
+
 def check_selection(conn, registry, selection, crawler):
     """A --source or --direction that names nothing is a usage error."""
     kind, value = selection
-    if kind == "direction" and value not in registry.directions:
-        raise ConfigError(f"unknown direction {value!r} (defined: "
-                          f"{', '.join(registry.directions) or 'none'})")
+    if kind == "direction":
+        check_direction(registry, value)
     if kind == "source":
         row = find_source(conn, value)
         if row is None:
@@ -4957,9 +4958,7 @@ def cmd_status(args, settings):
 
 def cmd_export(args, settings):
     registry, db = open_intake(settings)
-    if args.direction and args.direction not in registry.directions:
-        raise ConfigError(f"unknown direction {args.direction!r} (defined: "
-                          f"{', '.join(registry.directions) or 'none'})")
+    check_direction(registry, args.direction)
     posts = decided_posts(db.conn(), args.status, args.direction, since=args.since)
     title = f"VESTI: {args.status}" + (f" ({args.direction})" if args.direction else "")
     if args.format == "csv":
@@ -5113,9 +5112,7 @@ def opml_document(sources):
 
 def cmd_opml_import(args, settings):
     registry = load_registry(settings.sources)
-    if args.direction and args.direction not in registry.directions:
-        raise ConfigError(f"unknown direction {args.direction!r} (defined: "
-                          f"{', '.join(registry.directions) or 'none'})")
+    check_direction(registry, args.direction)
     added, skipped = import_opml(registry, args.file, args.direction, args.priority)
     print(f"opml-import: {added} feeds added to {registry.path}, {skipped} skipped "
           f"(already there or not http)")

@@ -47,7 +47,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 import zlib
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -57,6 +56,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import vesti  # noqa: E402
+from harness import fail, run  # noqa: E402
 
 CONTENT_TYPE = "application/rss+xml; charset=utf-8"
 LAST_MODIFIED = email.utils.formatdate(1_700_000_000, usegmt=True)
@@ -70,13 +70,6 @@ SMOKE_RATE_ENTRIES = 200
 SMOKE_BIG_BODY = 3 * 1000 * 1000
 SMOKE_BOMB_SIZE = 32 << 20
 SMOKE_MAX_BYTES = 1 << 20
-FAILURES = []
-
-
-def fail(message):
-    """Something broke (not a missed target): printed now, exit code 1 at the end."""
-    FAILURES.append(message)
-    print(f"    FAILED: {message}", flush=True)
 WORDS = """kernel release patch driver memory network storage scheduler compiler
     library server update security filesystem desktop terminal package mirror
     cluster database queue worker feed editor article reader browser protocol
@@ -506,20 +499,5 @@ def main(argv=None):
     return 0
 
 
-def run(argv=None):
-    """main(); exit code 1 if it raised or anything in it failed."""
-    try:
-        main(argv)
-    except Exception:  # noqa: BLE001 - printed, then the exit code says it
-        sys.stdout.flush()
-        traceback.print_exc()
-        print("benchmark aborted by the error above", flush=True)
-        FAILURES.append("aborted by an exception")
-    if FAILURES:
-        print(f"\nFAILED ({len(FAILURES)}): " + "; ".join(FAILURES), flush=True)
-        return 1
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(run())
+    sys.exit(run(main))

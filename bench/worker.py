@@ -49,7 +49,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 import uuid
 from collections import Counter
 
@@ -57,6 +56,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import vesti  # noqa: E402
+from harness import fail, run  # noqa: E402
 
 THROUGHPUT_TARGET = 0.5
 LLM_TARGET = 1.2
@@ -64,13 +64,6 @@ STARTUP_RUNS = 3
 FULL = {"posts": 50_000, "llm_posts": 800, "latency": 0.05, "workers": 8}
 # --smoke: sizes of the whole path in a few seconds (each overridable).
 SMOKE = {"posts": 200, "llm_posts": 16, "latency": 0.01, "workers": 4}
-FAILURES = []
-
-
-def fail(message):
-    """Something broke (not a missed target): printed now, exit code 1 at the end."""
-    FAILURES.append(message)
-    print(f"    FAILED: {message}", flush=True)
 SOURCES_YAML = """\
 directions:
   linux: {title: Linux, keywords: [linux, kernel]}
@@ -422,20 +415,5 @@ def main(argv=None):
     return 0
 
 
-def run(argv=None):
-    """main(); exit code 1 if it raised or anything in it failed."""
-    try:
-        main(argv)
-    except Exception:  # noqa: BLE001 - printed, then the exit code says it
-        sys.stdout.flush()
-        traceback.print_exc()
-        print("benchmark aborted by the error above", flush=True)
-        FAILURES.append("aborted by an exception")
-    if FAILURES:
-        print(f"\nFAILED ({len(FAILURES)}): " + "; ".join(FAILURES), flush=True)
-        return 1
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(run())
+    sys.exit(run(main))
