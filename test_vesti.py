@@ -2347,6 +2347,66 @@ def test_filters_show_counts_under_the_other_filters(web):
     assert facet(web.get("/?direction=space")[2], "statuses", "rejected") == 1
 
 
+def searched(conn, word):
+    return [r[0] for r in conn.execute(
+        "SELECT rowid FROM posts_fts WHERE posts_fts MATCH ? ORDER BY rowid", (word,))]
+
+
+def counted(conn):
+    return {(r[0], r[1]): r[2] for r in conn.execute(
+        "SELECT status, relevance, sum(n) FROM post_counts GROUP BY status, relevance") if r[2]}
+
+
+@pytest.mark.skipif(not vesti.FTS5, reason="this Python's SQLite has no FTS5")
+def test_stored_edited_and_deleted_posts_keep_search_and_counts_right(tmp_path):
+    conn = vesti.Database(str(tmp_path / "v.db")).conn()
+    conn.execute("INSERT INTO sources (slug, url) VALUES ('a', 'http://a/')")
+    text = "A quokka was seen near the river bank this morning by many walkers. "
+    assert vesti.store_posts(conn, 1, None, [draft(f"http://a.com/{k}", text * k) for k in (1, 2)]) == 2
+    assert searched(conn, "quokka") == [1, 2]
+    conn.execute("UPDATE posts SET text = 'A wombat instead.', classified = 1, relevance = 5 "
+                 "WHERE id = 1")
+    assert searched(conn, "quokka") == [2] and searched(conn, "wombat") == [1]
+    assert counted(conn) == {("new", 5): 1}
+    conn.execute("DELETE FROM posts WHERE id = 2")        # by hand: the newest post
+    assert vesti.store_posts(conn, 1, None, [draft("http://a.com/3", "A platypus swam by. " * 3)]) == 1
+    assert conn.execute("SELECT max(id) FROM posts").fetchone()[0] == 2   # its id, handed out again
+    assert searched(conn, "quokka") == [] and searched(conn, "platypus") == [2]
+    conn.execute("INSERT INTO posts (source_id, text, classified, relevance, status) "
+                 "VALUES (1, 'An echidna, by hand.', 1, 5, 'approved')")
+    vesti.catch_up_index(conn)
+    assert searched(conn, "echidna") == [3]
+    assert counted(conn) == {("new", 5): 1, ("approved", 5): 1}
+    conn.execute("INSERT INTO posts_fts (posts_fts) VALUES ('integrity-check')")
+
+
+@pytest.mark.skipif(not vesti.FTS5, reason="this Python's SQLite has no FTS5")
+def test_a_database_of_the_previous_version_keeps_its_counts_and_search(tmp_path):
+    """Its triggers counted and indexed each post as it was stored; the
+    batches take over from there without counting anything twice."""
+    path = tmp_path / "old.db"
+    old = sqlite3.connect(path)
+    old.executescript((ROOT / "tests" / "fixtures" / "schema-2026-11.sql").read_text())
+    old.execute("INSERT INTO sources (slug, url) VALUES ('a', 'http://a/')")
+    for k in range(3):
+        old.execute("INSERT INTO posts (source_id, text, classified, relevance) "
+                    "VALUES (1, ?, 1, 5)", (f"Quokka number {k}",))
+    old.execute("INSERT INTO posts (source_id, text) VALUES (1, 'A pending quokka')")
+    old.commit()
+    old.close()
+    conn = vesti.Database(str(path)).conn()
+    assert counted(conn) == {("new", 5): 3}
+    assert searched(conn, "quokka") == [1, 2, 3, 4]
+    conn.execute("UPDATE posts SET classified = 1, relevance = 5 WHERE id = 4")
+    conn.execute("UPDATE posts SET status = 'approved' WHERE id = 1")
+    assert counted(conn) == {("new", 5): 3, ("approved", 5): 1}
+    assert vesti.store_posts(conn, 1, None, [draft("http://a.com/5", "One more quokka. " * 5)]) == 1
+    assert searched(conn, "quokka") == [1, 2, 3, 4, 5]
+    conn.execute("INSERT INTO posts_fts (posts_fts) VALUES ('integrity-check')")
+    names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+    assert not names & {"posts_fts_insert", "posts_counted", "posts_queue", "posts_candidates"}
+
+
 def test_search_finds_words_in_any_case_in_russian_and_english(web):
     conn = web.db.conn()
     desk_post(conn, lwn(web), 1, title="Новое ядро Linux", text="Вышло ядро с планировщиком.")

@@ -105,6 +105,8 @@ def build_queue(path, posts):
                 "INSERT INTO posts(source_id, title, text, url, classified) VALUES (?, ?, ?, ?, 0)",
                 ((source_id, f"Bench post {n}", post_text(n), f"http://127.0.0.1:9/post/{n}")
                  for n in range(1, posts + 1)))
+        if hasattr(vesti, "catch_up_index"):  # as store_posts leaves them: counted, searchable
+            vesti.catch_up_index(db.conn())
         db.conn().execute("PRAGMA wal_checkpoint(TRUNCATE)")
     finally:
         db.close()
