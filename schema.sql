@@ -12,7 +12,16 @@ CREATE TABLE IF NOT EXISTS sources (
     last_error TEXT,
     error_count INTEGER NOT NULL DEFAULT 0,
     next_fetch_at TEXT,
-    post_count INTEGER NOT NULL DEFAULT 0
+    post_count INTEGER NOT NULL DEFAULT 0,
+    -- Its rhythm: when it last brought new posts, the gaps between them
+    -- (seconds, JSON, the latest last), since when it has been silent.
+    last_new_at TEXT,
+    rhythm TEXT,
+    silent_since TEXT,
+    -- Figures for the operator, refreshed after each of its runs.
+    week_posts INTEGER NOT NULL DEFAULT 0,
+    relevant_share REAL,
+    approved INTEGER NOT NULL DEFAULT 0
 );
 
 CREATE TABLE IF NOT EXISTS posts (
@@ -77,6 +86,7 @@ CREATE TABLE IF NOT EXISTS rss_state (
     body_sha256 TEXT,
     moved_to TEXT,
     keep_fragments INTEGER NOT NULL DEFAULT 0,
+    ttl INTEGER,
     updated_at TEXT
 );
 
@@ -102,6 +112,14 @@ CREATE TABLE IF NOT EXISTS runs (
     pid INTEGER
 );
 CREATE INDEX IF NOT EXISTS runs_source ON runs(source_id, id);
+
+-- New posts per source and UTC day: the last week's figure on /crawlers.
+CREATE TABLE IF NOT EXISTS source_days (
+    source_id INTEGER NOT NULL,
+    day TEXT NOT NULL,
+    new_posts INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (source_id, day)
+);
 
 -- Facts the processes leave for each other: the web page's token secret, the
 -- workers' last sign of life, Ollama's state.
@@ -140,7 +158,10 @@ CREATE TABLE IF NOT EXISTS source_post_counts (
     n INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (source_id, status, direction, relevance)
 );
-CREATE TRIGGER IF NOT EXISTS posts_recounted AFTER UPDATE OF classified, status, direction, relevance, source_id ON posts WHEN (old.classified = 1 OR new.classified = 1) AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n - 1 WHERE old.classified = 1 AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); UPDATE source_post_counts SET n = n - 1 WHERE old.classified = 1 AND source_id = coalesce(old.source_id, 0) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); INSERT INTO post_counts (status, direction, relevance, n) SELECT new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1 WHERE new.classified = 1 ON CONFLICT DO UPDATE SET n = n + 1; INSERT INTO source_post_counts (source_id, status, direction, relevance, n) SELECT coalesce(new.source_id, 0), new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1 WHERE new.classified = 1 ON CONFLICT DO UPDATE SET n = n + 1; END;
+-- A completion (the common case) only adds one to rows made ready beforehand
+-- (ready_counts): an insert in a trigger costs several times an update.
+CREATE TRIGGER IF NOT EXISTS posts_completed AFTER UPDATE OF classified ON posts WHEN new.classified = 1 AND old.classified IS NOT 1 AND new.status = 'new' AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n + 1 WHERE status = 'new' AND direction = coalesce(new.direction, '') AND relevance = coalesce(new.relevance, 0); UPDATE source_post_counts SET n = n + 1 WHERE source_id = coalesce(new.source_id, 0) AND status = 'new' AND direction = coalesce(new.direction, '') AND relevance = coalesce(new.relevance, 0); END;
+CREATE TRIGGER IF NOT EXISTS posts_recounted AFTER UPDATE OF classified, status, direction, relevance, source_id ON posts WHEN (old.classified = 1 OR new.classified = 1) AND NOT (new.classified = 1 AND old.classified IS NOT 1 AND new.status = 'new') AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n - 1 WHERE old.classified = 1 AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); UPDATE source_post_counts SET n = n - 1 WHERE old.classified = 1 AND source_id = coalesce(old.source_id, 0) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); INSERT INTO post_counts (status, direction, relevance, n) SELECT new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1 WHERE new.classified = 1 ON CONFLICT DO UPDATE SET n = n + 1; INSERT INTO source_post_counts (source_id, status, direction, relevance, n) SELECT coalesce(new.source_id, 0), new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1 WHERE new.classified = 1 ON CONFLICT DO UPDATE SET n = n + 1; END;
 CREATE TRIGGER IF NOT EXISTS posts_uncounted AFTER DELETE ON posts WHEN old.classified = 1 AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n - 1 WHERE status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); UPDATE source_post_counts SET n = n - 1 WHERE source_id = coalesce(old.source_id, 0) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); END;
 
 -- Full-text search over title and text (SQLite FTS5; where a Python build

@@ -17,6 +17,7 @@ import http.client
 import http.server
 import io
 import json
+import collections
 import logging
 import os
 import pathlib
@@ -2380,6 +2381,47 @@ def test_stored_edited_and_deleted_posts_keep_search_and_counts_right(tmp_path):
     conn.execute("INSERT INTO posts_fts (posts_fts) VALUES ('integrity-check')")
 
 
+def counts_match_posts(conn):
+    """The desk's count tables say what counting the posts says."""
+    def rows(sql):
+        return {tuple(r[:-1]): r[-1] for r in conn.execute(sql)}
+    actual = rows("SELECT source_id, status, coalesce(direction, ''), coalesce(relevance, 0), "
+                  "count(*) FROM posts WHERE classified = 1 GROUP BY 1, 2, 3, 4")
+    overall = collections.Counter()
+    for (_, *key), n in actual.items():
+        overall[tuple(key)] += n
+    return rows("SELECT * FROM source_post_counts WHERE n != 0") == actual and \
+        rows("SELECT * FROM post_counts WHERE n != 0") == dict(overall)
+
+
+def test_counts_follow_the_worker_decisions_and_a_new_direction(home, server):
+    texts = ["The Linux kernel is out.", "A rocket reached orbit.", "Kernel and rocket news.",
+             "Gardening with roses.", "The sea was calm; a ship sailed."]
+    server.feed("/feed", rss([{"guid": f"g{k}", "link": f"{server.url}/p/{k}", "title": t,
+                               "text": t + " More words here. " * 5} for k, t in enumerate(texts)]))
+    s, db = intake(home, [rss_source("news", server.url + "/feed")])
+    crawl(s, db)
+    vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=2, quiet=True)
+    conn = db.conn()
+    assert conn.execute("SELECT count(*) FROM posts WHERE classified = 1").fetchone()[0] == 5
+    assert counts_match_posts(conn)
+    vesti.set_decisions(conn, [1, 2], "approved", "editor")
+    vesti.set_decision(conn, 3, "rejected", "editor")
+    assert counts_match_posts(conn)
+    text = (home / "sources.yaml").read_text().replace(
+        "sources:", "  sea:\n    title: Sea\n    keywords: [sea, ship]\nsources:")
+    (home / "sources.yaml").write_text(text)
+    registry = vesti.load_registry(s.sources)
+    vesti.sync_sources(db.conn(), registry)
+    db.conn().execute("UPDATE posts SET classified = 0")          # classified again, by hand
+    vesti.run_workers(db, s, registry, workers=2, quiet=True)
+    assert db.conn().execute("SELECT direction FROM posts WHERE id = 5").fetchone()[0] == "sea"
+    assert counts_match_posts(db.conn())
+    db.conn().execute("UPDATE post_counts SET n = n + 7 WHERE direction = 'sea'")   # a drift
+    vesti.recount_posts(db.conn())
+    assert counts_match_posts(db.conn())
+
+
 @pytest.mark.skipif(not vesti.FTS5, reason="this Python's SQLite has no FTS5")
 def test_a_database_of_the_previous_version_keeps_its_counts_and_search(tmp_path):
     """Its triggers counted and indexed each post as it was stored; the
@@ -2681,6 +2723,159 @@ def test_metrics_speak_prometheus_and_count_what_happened(home, server, ollama):
     assert samples[("vesti_classified_posts", (("status", "approved"),))] == 1
     restarted = vesti.metrics_text(vesti.Database(s.db).conn())   # counters outlive a restart
     assert metric_samples(restarted)[1][("vesti_llm_calls_total", ())] == 3
+
+
+# Operating many sources: silence, figures, polite polling ---------------------
+
+def crawlers_row(page, slug):
+    return re.search(rf'<tr id="source-{slug}">.*?</tr>', page)[0]
+
+
+def test_a_source_that_goes_quiet_for_longer_than_its_rhythm_turns_silent(home, caplog):
+    s, db = intake(home, [rss_source("wire", "http://127.0.0.1:9/wire"),
+                          rss_source("steady", "http://127.0.0.1:9/steady")])
+    conn = db.conn()
+    wire, steady = source_row(db, "wire"), source_row(db, "steady")
+    start = time.time() - 40 * 3600
+    for hour in range(0, 8, 2):                      # new posts every two hours
+        vesti.record_success(conn, wire, 3, now=start + hour * 3600)
+        vesti.record_success(conn, steady, 1, now=start + hour * 3600)
+    for hour in range(8, 14):                        # six hours of nothing: still its rhythm...
+        vesti.record_success(conn, wire, 0, now=start + hour * 3600)
+    assert source_row(db, "wire")["silent_since"] is None   # ...and too little history yet
+    for hour in range(14, 20, 2):
+        vesti.record_success(conn, wire, 2, now=start + hour * 3600)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vesti"):
+        for hour in (23, 25, 27, 30):                 # twice its longest gap (8 h) is 16 h
+            vesti.record_success(conn, wire, 0, now=start + hour * 3600)
+        assert source_row(db, "wire")["silent_since"] is None
+        for hour in (37, 38, 39):
+            vesti.record_success(conn, wire, 0, now=start + hour * 3600)
+    assert source_row(db, "wire")["silent_since"] is not None
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == ["source wire is silent: no new post for 19 h (it usually brings some "
+                        "every 2 h)"]                # once, not at every fetch
+    report = vesti.status_report(conn)
+    states = {src["slug"]: src["state"] for src in report["sources"]}
+    assert states == {"wire": "silent", "steady": "alive"}
+    assert [src["slug"] for src in report["sources"]][0] == "wire"          # shown first
+    w = Web(home, settings=s)
+    try:
+        page = w.get("/crawlers")[2]
+        metrics = metric_samples(w.get("/metrics")[2])[1]
+    finally:
+        w.close()
+    assert page.index('id="source-wire"') < page.index('id="source-steady"')
+    assert 'class="silent">silent<br><span class="small">no new post for 22 h</span>' in \
+        crawlers_row(page, "wire")
+    assert metrics[("vesti_sources", (("crawler", "rss"), ("status", "silent")))] == 1
+    assert metrics[("vesti_sources", (("crawler", "rss"), ("status", "alive")))] == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vesti"):
+        vesti.record_success(conn, source_row(db, "wire"), 4, now=time.time())
+    assert [r.getMessage() for r in caplog.records] == [
+        "source wire speaks again: 4 new posts after 22 h of silence"]
+    assert source_row(db, "wire")["silent_since"] is None
+
+
+def test_the_crawlers_page_and_status_show_each_sources_figures(home, server):
+    server.feed("/feed", rss(items(4, host=server.url)))
+    server.feed("/other", rss([{"guid": f"o{k}", "link": f"{server.url}/o/{k}",
+                                "title": f"Gardening note {k}",
+                                "text": f"Roses and tulips, note {k}. " + "Soil. " * 20}
+                               for k in range(2)]))
+    s, db = intake(home, [rss_source("lwn", server.url + "/feed", direction="linux"),
+                          rss_source("garden", server.url + "/other")])
+    crawl(s, db)
+    vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=2, quiet=True)
+    w = Web(home, settings=s)
+    try:
+        assert w.post("/posts/1/status", {"status": "approved", "token": w.token()})[0] == 303
+        crawl(s, db)                                  # the figures follow each run
+        page = w.get("/crawlers")[2]
+    finally:
+        w.close()
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", crawlers_row(page, "lwn"))
+    assert cells[8:13] == ["4", "4", source_row(db, "lwn")["last_new_at"], "100%", "1"]
+    garden = re.findall(r"<td[^>]*>(.*?)</td>", crawlers_row(page, "garden"))
+    assert garden[8:13] == ["2", "2", source_row(db, "garden")["last_new_at"], "0%", "0"]
+    assert "new posts, 7 days" in page and "last new post (UTC)" in page
+    report = json.loads(cli("status", "--json", cwd=home,
+                            env={"RSS_HOST_DELAY": "0"}).stdout)
+    lwn_report = next(src for src in report["sources"] if src["slug"] == "lwn")
+    assert (lwn_report["week_posts"], lwn_report["relevant_share"], lwn_report["approved"]) == (4, 1.0, 1)
+    assert lwn_report["last_new_at"] == source_row(db, "lwn")["last_new_at"]
+
+
+def cached_feed(server, path, headers, body):
+    def handler(request):
+        return 200, {"Content-Type": "application/rss+xml", **headers}, body
+    server.routes[path] = handler
+
+
+@pytest.mark.parametrize("headers, ttl, wait", [
+    ({"Cache-Control": "public, max-age=7200"}, None, 7200),
+    ({"Expires": "Tue, 01 Dec 2026 14:00:00 GMT", "Date": "Tue, 01 Dec 2026 12:00:00 GMT"}, None, 7200),
+    ({}, 120, 7200),                                  # <ttl> is in minutes
+    ({"Cache-Control": "max-age=999999999"}, None, 86400),   # a silly value: a day at most
+])
+def test_the_scheduler_never_polls_sooner_than_the_feed_allows(home, server, headers, ttl, wait,
+                                                               monkeypatch):
+    body = rss(items(2, host=server.url))
+    if ttl:
+        body = body.replace(b"<channel>", f"<channel><ttl>{ttl}</ttl>".encode())
+    cached_feed(server, "/feed", headers, body)
+    server.feed("/plain", rss(items(2, start=10, host=server.url)), etag=None, modified=None)
+    s, db = intake(home, [rss_source("cached", server.url + "/feed"),
+                          rss_source("plain", server.url + "/plain")], VESTI_CRAWL_EVERY="10m")
+    start = time.time()
+    now = [start]
+    monkeypatch.setattr(time, "time", lambda: now[0])   # the wall clock, moved by the test
+    scheduler = vesti.Scheduler(db, s, vesti.load_registry(s.sources), threading.Event(),
+                                clock=lambda: now[0])
+    fetched = lambda: (len(server.sent("/feed")), len(server.sent("/plain")))  # noqa: E731
+    assert scheduler.tick() == [0] and scheduler.join(10)
+    assert fetched() == (1, 1)
+    for minutes in range(15, wait // 60, 15):          # every 15 minutes until it allows
+        now[0] = start + minutes * 60
+        scheduler.tick()
+        assert scheduler.join(10)
+    assert fetched()[0] == 1 and fetched()[1] >= 2      # the plain feed kept its interval
+    now[0] = start + wait + 15 * 60
+    scheduler.tick()
+    assert scheduler.join(10)
+    assert fetched()[0] == 2
+    crawl(s, db, ("all", None))                          # cron's --all waits as well
+    assert fetched()[0] == 2
+    crawl(s, db, ("source", "cached"))                   # --source is the operator asking
+    assert fetched()[0] == 3
+
+
+def test_run_spreads_a_prioritys_sources_over_its_interval(home, server, monkeypatch):
+    slugs = [f"feed{k:02d}" for k in range(12)]
+    for slug in slugs:
+        server.feed(f"/{slug}", rss(items(1, host=f"{server.url}/{slug}")))
+    s, db = intake(home, [rss_source(slug, f"{server.url}/{slug}") for slug in slugs],
+                   VESTI_CRAWL_EVERY="10m")
+    start = 1_900_000_000.0                             # a fixed moment: the same slots every run
+    now = [start]
+    monkeypatch.setattr(time, "time", lambda: now[0])
+    scheduler = vesti.Scheduler(db, s, vesti.load_registry(s.sources), threading.Event(),
+                                clock=lambda: now[0])
+    assert scheduler.tick() == [0] and scheduler.join(10)
+    assert len(server.requests) == 12                   # the first round: everything at once
+    rounds = []
+    for second in range(0, 15 * 60 + 1, 30):           # then a tick every 30 s for 15 minutes
+        now[0] = start + second
+        before = len(server.requests)
+        scheduler.tick()
+        assert scheduler.join(10)
+        rounds.append(len(server.requests) - before)
+    per_feed = collections.Counter(path for path, *_ in server.requests)
+    assert set(per_feed.values()) == {2}                # each once more, at its own slot
+    assert sum(1 for n in rounds if n) >= 6             # spread over many ticks, not one
+    assert max(rounds) <= 4
 
 
 OPML = ROOT / "tests" / "fixtures" / "opml"
@@ -3132,15 +3327,16 @@ def test_the_scheduler_crawls_each_priority_on_its_interval(home, server):
                           rss_source("b", server.url + "/b", priority=1),
                           rss_source("c", server.url + "/c", priority=5)],
                    VESTI_CRAWL_EVERY="10m,1h")
-    now = [0.0]
+    start = time.time()
+    now = [start]
     scheduler = vesti.Scheduler(db, s, vesti.load_registry(s.sources), threading.Event(),
                                 clock=lambda: now[0])
     assert scheduler.tick() == [0, 1, 5]
     assert scheduler.join(10)
-    now[0] = 601
+    now[0] = start + 901                          # every slot of 0 has come, none of 1
     assert scheduler.tick() == [0]
     assert scheduler.join(10)
-    now[0] = 3601
+    now[0] = start + 5401
     assert scheduler.tick() == [0, 1, 5]          # priority 5 takes the last interval
     assert scheduler.join(10)
 
@@ -3443,14 +3639,14 @@ def test_a_dripping_feed_does_not_hold_the_crawls_of_other_priorities(home, serv
         s, db = intake(home, [rss_source("slow", drip.url + "/feed", priority=0),
                               rss_source("fast", server.url + "/feed", priority=1)],
                        RSS_TIMEOUT=5, VESTI_CRAWL_EVERY="10m,1h")
-        now = [0.0]
+        now = [time.time()]
         scheduler = vesti.Scheduler(db, s, vesti.load_registry(s.sources), stop,
                                     clock=lambda: now[0])
         assert scheduler.tick() == [0, 1]
         assert wait_for(lambda: len(posts_of(db, "fast")) == 3, timeout=10)
         assert wait_for(lambda: drip.connections == 1, timeout=5)
         assert [r["status"] for r in runs_of(db, "slow")] == ["running"]
-        now[0] = 601                                        # priority 0 is due again
+        now[0] += 901                                       # priority 0 is due again
         assert scheduler.tick() == []                       # but still running: not restarted
         assert drip.connections == 1
     finally:

@@ -20,6 +20,7 @@ __all__ = [
 import argparse
 import asyncio
 import base64
+import calendar
 import contextlib
 import csv
 import dataclasses
@@ -378,6 +379,24 @@ def utc_text(timestamp=None):
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(timestamp))
 
 
+def parse_utc(text):
+    """Seconds since the epoch of a utc_text; None for anything else."""
+    try:
+        return calendar.timegm(time.strptime(text, "%Y-%m-%d %H:%M:%S"))
+    except (TypeError, ValueError):
+        return None
+
+
+def duration_text(seconds):
+    """'45 min', '5 h', '3 d': how long, roughly."""
+    seconds = max(0, int(seconds or 0))
+    if seconds < 2 * 3600:
+        return f"{seconds // 60} min"
+    if seconds < 2 * 86400:
+        return f"{seconds // 3600} h"
+    return f"{seconds // 86400} d"
+
+
 def normalize_text(text):
     return " ".join((text or "").split())
 
@@ -532,7 +551,16 @@ CREATE TABLE IF NOT EXISTS sources (
     last_error TEXT,
     error_count INTEGER NOT NULL DEFAULT 0,
     next_fetch_at TEXT,
-    post_count INTEGER NOT NULL DEFAULT 0
+    post_count INTEGER NOT NULL DEFAULT 0,
+    -- Its rhythm: when it last brought new posts, the gaps between them
+    -- (seconds, JSON, the latest last), since when it has been silent.
+    last_new_at TEXT,
+    rhythm TEXT,
+    silent_since TEXT,
+    -- Figures for the operator, refreshed after each of its runs.
+    week_posts INTEGER NOT NULL DEFAULT 0,
+    relevant_share REAL,
+    approved INTEGER NOT NULL DEFAULT 0
 );
 
 CREATE TABLE IF NOT EXISTS posts (
@@ -597,6 +625,7 @@ CREATE TABLE IF NOT EXISTS rss_state (
     body_sha256 TEXT,
     moved_to TEXT,
     keep_fragments INTEGER NOT NULL DEFAULT 0,
+    ttl INTEGER,
     updated_at TEXT
 );
 
@@ -622,6 +651,14 @@ CREATE TABLE IF NOT EXISTS runs (
     pid INTEGER
 );
 CREATE INDEX IF NOT EXISTS runs_source ON runs(source_id, id);
+
+-- New posts per source and UTC day: the last week's figure on /crawlers.
+CREATE TABLE IF NOT EXISTS source_days (
+    source_id INTEGER NOT NULL,
+    day TEXT NOT NULL,
+    new_posts INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (source_id, day)
+);
 
 -- Facts the processes leave for each other: the web page's token secret, the
 -- workers' last sign of life, Ollama's state.
@@ -660,7 +697,10 @@ CREATE TABLE IF NOT EXISTS source_post_counts (
     n INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (source_id, status, direction, relevance)
 );
-CREATE TRIGGER IF NOT EXISTS posts_recounted AFTER UPDATE OF classified, status, direction, relevance, source_id ON posts WHEN (old.classified = 1 OR new.classified = 1) AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n - 1 WHERE old.classified = 1 AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); UPDATE source_post_counts SET n = n - 1 WHERE old.classified = 1 AND source_id = coalesce(old.source_id, 0) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); INSERT INTO post_counts (status, direction, relevance, n) SELECT new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1 WHERE new.classified = 1 ON CONFLICT DO UPDATE SET n = n + 1; INSERT INTO source_post_counts (source_id, status, direction, relevance, n) SELECT coalesce(new.source_id, 0), new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1 WHERE new.classified = 1 ON CONFLICT DO UPDATE SET n = n + 1; END;
+-- A completion (the common case) only adds one to rows made ready beforehand
+-- (ready_counts): an insert in a trigger costs several times an update.
+CREATE TRIGGER IF NOT EXISTS posts_completed AFTER UPDATE OF classified ON posts WHEN new.classified = 1 AND old.classified IS NOT 1 AND new.status = 'new' AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n + 1 WHERE status = 'new' AND direction = coalesce(new.direction, '') AND relevance = coalesce(new.relevance, 0); UPDATE source_post_counts SET n = n + 1 WHERE source_id = coalesce(new.source_id, 0) AND status = 'new' AND direction = coalesce(new.direction, '') AND relevance = coalesce(new.relevance, 0); END;
+CREATE TRIGGER IF NOT EXISTS posts_recounted AFTER UPDATE OF classified, status, direction, relevance, source_id ON posts WHEN (old.classified = 1 OR new.classified = 1) AND NOT (new.classified = 1 AND old.classified IS NOT 1 AND new.status = 'new') AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n - 1 WHERE old.classified = 1 AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); UPDATE source_post_counts SET n = n - 1 WHERE old.classified = 1 AND source_id = coalesce(old.source_id, 0) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); INSERT INTO post_counts (status, direction, relevance, n) SELECT new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1 WHERE new.classified = 1 ON CONFLICT DO UPDATE SET n = n + 1; INSERT INTO source_post_counts (source_id, status, direction, relevance, n) SELECT coalesce(new.source_id, 0), new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1 WHERE new.classified = 1 ON CONFLICT DO UPDATE SET n = n + 1; END;
 CREATE TRIGGER IF NOT EXISTS posts_uncounted AFTER DELETE ON posts WHEN old.classified = 1 AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n - 1 WHERE status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); UPDATE source_post_counts SET n = n - 1 WHERE source_id = coalesce(old.source_id, 0) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); END;
 
 -- Full-text search over title and text (SQLite FTS5; where a Python build
@@ -917,10 +957,12 @@ INDEXED_TO = "indexed_to"
 def reindex_posts(conn):
     """Count and index every post again (a database from before the count
     tables or the search index)."""
-    for table, key in (("post_counts", ""), ("source_post_counts", "coalesce(source_id, 0), ")):
-        conn.execute(f"DELETE FROM {table}")
+    for table in COUNT_TABLES:
+        conn.execute(f"UPDATE {table} SET n = 0")
     if FTS5:
         conn.execute("INSERT INTO posts_fts (posts_fts) VALUES ('delete-all')")
+    conn.executemany("INSERT OR IGNORE INTO post_counts (status, direction, relevance, n) "
+                     "VALUES ('new', '', ?, 0)", [(r,) for r in RELEVANCES])
     set_meta(conn, INDEXED_TO, 0)
     index_new_posts(conn)
 
@@ -939,16 +981,74 @@ def index_new_posts(conn):
             set_meta(conn, INDEXED_TO, top)
         return 0
     new = "FROM posts WHERE id > ? AND id <= ?"
+    ready_source_counts(conn, mark + 1, top)
     if FTS5:
         conn.execute(f"INSERT INTO posts_fts (rowid, title, text) SELECT id, title, text {new}",
                      (mark, top))
-    for table, key in (("post_counts", ""), ("source_post_counts", "coalesce(source_id, 0), ")):
-        columns = f"{key}status, coalesce(direction, ''), coalesce(relevance, 0)"
-        conn.execute(f"""INSERT INTO {table} SELECT {columns}, count(*) {new} AND classified = {DONE}
-                         GROUP BY {columns} ON CONFLICT DO UPDATE SET n = n + excluded.n""",
-                     (mark, top))
+    count_posts(conn, mark, top)
     set_meta(conn, INDEXED_TO, top)
     return top - mark
+
+
+COUNT_TABLES = {"post_counts": "", "source_post_counts": "coalesce(source_id, 0), "}
+
+
+def count_posts(conn, after, last):
+    """Add the classified posts with ids after..last to the count tables."""
+    for table, key in COUNT_TABLES.items():
+        columns = f"{key}status, coalesce(direction, ''), coalesce(relevance, 0)"
+        conn.execute(f"""INSERT INTO {table} SELECT {columns}, count(*) FROM posts
+                         WHERE id > ? AND id <= ? AND classified = {DONE}
+                         GROUP BY {columns} ON CONFLICT DO UPDATE SET n = n + excluded.n""",
+                     (after, last))
+
+
+def recount_posts(conn):
+    """Count the counted posts again, in one transaction: heals a count the
+    completion trigger could not keep (a post of a direction gone from
+    sources.yaml, a relevance set by hand out of range). `run` does it daily."""
+    with transaction(conn):
+        mark = int(get_meta(conn, INDEXED_TO)[0] or 0)
+        for table in COUNT_TABLES:
+            conn.execute(f"UPDATE {table} SET n = 0")
+        count_posts(conn, 0, mark)
+
+
+RELEVANCES = range(11)
+
+
+def ready_counts(conn, directions):
+    """The zero rows a completion adds one to (decision 'new', each direction
+    and none, each relevance; overall and for every source), so that the
+    completion trigger only updates. Done again only when the directions or
+    the sources have changed."""
+    directions = sorted({"", *directions})
+    signature = json.dumps([directions, *conn.execute(
+        "SELECT count(*), coalesce(max(id), 0) FROM sources").fetchone()])
+    if get_meta(conn, "count_keys")[0] == signature:
+        return
+    with transaction(conn):
+        conn.executemany("""INSERT OR IGNORE INTO post_counts (status, direction, relevance, n)
+                            VALUES ('new', ?, ?, 0)""",
+                         [(d, r) for d in directions for r in RELEVANCES])
+        conn.execute("""INSERT OR IGNORE INTO source_post_counts
+                            (source_id, status, direction, relevance, n)
+                        SELECT s.id, 'new', k.direction, k.relevance, 0
+                        FROM sources s JOIN post_counts k ON k.status = 'new'""")
+        set_meta(conn, "count_keys", signature)
+
+
+def ready_source_counts(conn, first, last):
+    """The zero rows of the sources of posts first..last that have none yet
+    (a source added without a sync, a post with no source)."""
+    conn.execute("""INSERT OR IGNORE INTO source_post_counts (source_id, status, direction, relevance, n)
+                    SELECT b.source_id, 'new', k.direction, k.relevance, 0
+                    FROM (SELECT DISTINCT coalesce(source_id, 0) AS source_id FROM posts
+                          WHERE id >= ? AND id <= ?) b
+                    JOIN post_counts k ON k.status = 'new'
+                    WHERE NOT EXISTS (SELECT 1 FROM source_post_counts c
+                                      WHERE c.source_id = b.source_id AND c.status = 'new')""",
+                 (first, last))
 
 
 def catch_up_index(conn):
@@ -1254,12 +1354,95 @@ DEAD_PROBE_FIRST = 3600
 DEAD_PROBE_MAX = 86400
 
 
-def record_success(conn, source, now=None):
+# The longest a server's cache headers or a feed's <ttl> may keep a source
+# from being fetched.
+MAX_FRESH = 86400
+
+
+def record_success(conn, source, new_posts=0, fresh_for=None, now=None):
+    """A fetch that worked: the source is alive, fetched again no sooner than
+    its server allows (`fresh_for` seconds, at most a day), and its rhythm
+    of new posts is brought up to date."""
+    now = time.time() if now is None else now
+    not_before = utc_text(now + min(fresh_for, MAX_FRESH)) if fresh_for and fresh_for > 0 else None
     conn.execute("""UPDATE sources SET status = 'alive', error_count = 0, last_error = NULL,
-                    last_fetch = ?, next_fetch_at = NULL WHERE id = ?""",
-                 (utc_text(now), source["id"]))
+                    last_fetch = ?, next_fetch_at = ? WHERE id = ?""",
+                 (utc_text(now), not_before, source["id"]))
     if source["status"] == "dead":
         log.warning("source %s is alive again", source["slug"])
+    note_rhythm(conn, source, new_posts, now)
+
+
+# Silence: a source is silent when it has brought nothing new for twice the
+# longest of its last RHYTHM_GAPS gaps between new posts (a night's or a
+# weekend's pause is part of its rhythm), never sooner than SILENT_AFTER_MIN,
+# and only once it has a history. The silence itself is not remembered as a gap.
+RHYTHM_GAPS = 20
+RHYTHM_MIN_GAPS = 5
+SILENT_AFTER_MIN = 6 * 3600
+
+
+def silence_limit(gaps):
+    """Seconds without a new post after which a source with these gaps
+    between its new posts is silent; None while its history is too short."""
+    if len(gaps) < RHYTHM_MIN_GAPS:
+        return None
+    return max(2 * max(gaps), SILENT_AFTER_MIN)
+
+
+def usual_gap(gaps):
+    return sorted(gaps)[len(gaps) // 2] if gaps else None
+
+
+def read_gaps(text):
+    try:
+        gaps = json.loads(text or "[]")
+    except ValueError:
+        return []
+    return [g for g in gaps if isinstance(g, (int, float)) and g >= 0] if isinstance(gaps, list) else []
+
+
+def note_rhythm(conn, source, new_posts, now):
+    """After a fetch that worked: new posts add a gap to the source's rhythm
+    (and end its silence); none for too long makes it silent. One warning
+    each way."""
+    row = conn.execute("SELECT last_new_at, rhythm, silent_since FROM sources WHERE id = ?",
+                       (source["id"],)).fetchone()
+    gaps, last_new = read_gaps(row["rhythm"]), parse_utc(row["last_new_at"])
+    if new_posts:
+        if last_new is not None and not row["silent_since"]:
+            gaps = (gaps + [max(0, int(now - last_new))])[-RHYTHM_GAPS:]
+        conn.execute("""UPDATE sources SET last_new_at = ?, rhythm = ?, silent_since = NULL
+                        WHERE id = ?""", (utc_text(now), json.dumps(gaps), source["id"]))
+        conn.execute("""INSERT INTO source_days (source_id, day, new_posts) VALUES (?, ?, ?)
+                        ON CONFLICT DO UPDATE SET new_posts = new_posts + excluded.new_posts""",
+                     (source["id"], utc_text(now)[:10], new_posts))
+        if row["silent_since"] and last_new is not None:
+            log.warning("source %s speaks again: %d new posts after %s of silence",
+                        source["slug"], new_posts, duration_text(now - last_new))
+        return
+    limit = silence_limit(gaps)
+    if row["silent_since"] or last_new is None or limit is None or now - last_new < limit:
+        return
+    conn.execute("UPDATE sources SET silent_since = ? WHERE id = ?", (utc_text(now), source["id"]))
+    log.warning("source %s is silent: no new post for %s (it usually brings some every %s)",
+                source["slug"], duration_text(now - last_new), duration_text(usual_gap(gaps)))
+
+
+def refresh_figures(conn, source_id, min_relevance, now=None):
+    """The operator's figures of one source: new posts in the last 7 days,
+    the share of its classified posts that are relevant, approved posts."""
+    since = utc_text((time.time() if now is None else now) - 6 * 86400)[:10]
+    conn.execute("""
+        UPDATE sources SET
+            week_posts = (SELECT coalesce(sum(new_posts), 0) FROM source_days
+                          WHERE source_id = :id AND day >= :since),
+            relevant_share = (SELECT CAST(sum(CASE WHEN relevance >= :floor THEN n ELSE 0 END) AS REAL)
+                                     / nullif(sum(n), 0)
+                              FROM source_post_counts WHERE source_id = :id),
+            approved = (SELECT coalesce(sum(n), 0) FROM source_post_counts
+                        WHERE source_id = :id AND status = 'approved')
+        WHERE id = :id""", {"id": source_id, "since": since, "floor": min_relevance})
 
 
 def record_failure(conn, source, error, dead_after, dead_now=False, now=None):
@@ -1494,8 +1677,9 @@ def counters(conn):
 
 
 def sources_by_status(conn):
-    return conn.execute("""SELECT crawler, CASE WHEN enabled = 0 THEN 'disabled' ELSE status END,
-                                  count(*) FROM sources GROUP BY 1, 2""").fetchall()
+    return conn.execute("""SELECT crawler, CASE WHEN enabled = 0 THEN 'disabled'
+                                  WHEN status = 'alive' AND silent_since IS NOT NULL THEN 'silent'
+                                  ELSE status END, count(*) FROM sources GROUP BY 1, 2""").fetchall()
 
 
 # Reading for pages and commands ---------------------------------------------
@@ -1515,8 +1699,8 @@ def enabled_priorities(conn):
 
 def source_health(conn):
     """Every source with its feed state and its last run, the ones that need
-    a look first: failing, then dead, then the rest, disabled last. The last
-    run is found through the runs(source_id, id) index."""
+    a look first: failing, then dead, then silent, then the rest, disabled
+    last. The last run is found through the runs(source_id, id) index."""
     return conn.execute("""
         SELECT s.*, r.etag, r.modified, r.last_build_date, r.moved_to,
                r.last_error AS feed_warning,
@@ -1526,15 +1710,22 @@ def source_health(conn):
         LEFT JOIN rss_state r ON r.source_id = s.id
         LEFT JOIN runs run ON run.id = (SELECT max(id) FROM runs WHERE source_id = s.id)
         ORDER BY s.enabled DESC,
-                 CASE WHEN s.status = 'dead' THEN 1 WHEN s.error_count > 0 THEN 0 ELSE 2 END,
+                 CASE WHEN s.status = 'dead' THEN 1 WHEN s.error_count > 0 THEN 0
+                      WHEN s.silent_since IS NOT NULL THEN 2 ELSE 3 END,
                  s.priority, s.slug""").fetchall()
 
 
 def set_decision(conn, post_id, decision, editor):
     """The editor's decision on a post (posts.status), independent of the
     queue; returns 0 for an unknown post."""
-    return conn.execute("UPDATE posts SET status = ?, decided_at = ?, decided_by = ? WHERE id = ?",
-                        (decision, utc_text(), editor, post_id)).rowcount
+    row = conn.execute("""UPDATE posts SET status = ?, decided_at = ?, decided_by = ? WHERE id = ?
+                          RETURNING source_id""", (decision, utc_text(), editor, post_id)).fetchone()
+    if row is None:
+        return 0
+    conn.execute("""UPDATE sources SET approved = (SELECT coalesce(sum(n), 0) FROM source_post_counts
+                                                   WHERE source_id = :id AND status = 'approved')
+                    WHERE id = :id""", {"id": row[0]})
+    return 1
 
 
 def set_decisions(conn, post_ids, decision, editor):
@@ -1567,6 +1758,7 @@ def decided_posts(conn, status="approved", direction=None, limit=None, since=Non
 
 
 def prune_runs(conn, days):
+    conn.execute("DELETE FROM source_days WHERE day < date('now', ?)", (f"-{int(days)} days",))
     return conn.execute("DELETE FROM runs WHERE started_at < datetime('now', ?)",
                         (f"-{int(days)} days",)).rowcount
 
@@ -1781,6 +1973,7 @@ def sync_sources(conn, registry):
         slugs = [spec.slug for spec in registry.sources]
         conn.execute(f"UPDATE sources SET enabled = 0 WHERE slug NOT IN "
                      f"({','.join('?' * len(slugs))})", slugs)
+    ready_counts(conn, registry.directions)
 
 
 def select_sources(conn, crawler, selection, now=None):
@@ -1796,6 +1989,8 @@ def select_sources(conn, crawler, selection, now=None):
     if kind == "source":
         where.append("slug = ?")
         params.append(value)
+    elif kind == "ids":         # chosen by run's scheduler, which has asked the same
+        where.append(f"id IN ({','.join(str(int(i)) for i in value) or 'NULL'})")
     else:
         where.append("(next_fetch_at IS NULL OR next_fetch_at <= ?)")
         params.append(utc_text(now))
@@ -2110,6 +2305,34 @@ def retry_after_seconds(value, now=None):
     return max(0, when.timestamp() - (time.time() if now is None else now))
 
 
+def http_time(value):
+    """Seconds since the epoch of an HTTP date; None if unreadable."""
+    try:
+        when = email.utils.parsedate_to_datetime((value or "").strip())
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return when.timestamp()
+
+
+def fresh_for(headers, now=None):
+    """Seconds the server says its answer stays fresh: Cache-Control max-age,
+    else Expires against the server's own Date. None when it says nothing or
+    asks to be asked every time; an unreadable Expires ("0") means stale."""
+    cache = (headers.get("cache-control") or "").lower()
+    age = re.search(r"(?:^|[,\s])max-age\s*=\s*\"?(\d{1,9})", cache)
+    if age:
+        return int(age[1])
+    if "no-cache" in cache or "no-store" in cache or not headers.get("expires"):
+        return None
+    expires = http_time(headers["expires"])
+    if expires is None:
+        return None
+    date = http_time(headers.get("date")) or (time.time() if now is None else now)
+    return max(0, int(expires - date))
+
+
 def request_headers(settings, extra=None):
     return {"User-Agent": settings.user_agent, "Accept-Encoding": "gzip, deflate",
             "Accept": "application/rss+xml, application/atom+xml, application/xml;q=0.9, "
@@ -2278,6 +2501,13 @@ class ParsedFeed:
     last_build_date: str
     warning: str
     keep_fragments: bool
+    ttl: int = None       # seconds the feed asks to be left alone (RSS <ttl>)
+
+
+def feed_ttl(parsed):
+    """An RSS <ttl> (minutes) as seconds; None when absent or unreadable."""
+    value = str(dict.get(parsed.feed, "ttl") or "").strip()
+    return int(value) * 60 if value.isdigit() and len(value) < 9 else None
 
 
 def _fragment_sensitive(links):
@@ -2320,7 +2550,7 @@ def parse_feed(body, feed_url, max_entries, keep_fragments=False, content_type=N
         if problem is not None or not parsed.get("version"):
             reason = f": {shorten(str(problem), 200)}" if problem is not None else ""
             raise FeedError(f"not a feed (no entries found{reason})")
-        return ParsedFeed([], built, None, keep_fragments)
+        return ParsedFeed([], built, None, keep_fragments, feed_ttl(parsed))
     links = [entry_link(e, feed_url) for e in entries]
     keep_fragments = keep_fragments or _fragment_sensitive(
         [canonical_url(link, keep_fragment=True) for link in links if link])
@@ -2329,7 +2559,7 @@ def parse_feed(body, feed_url, max_entries, keep_fragments=False, content_type=N
     mark_ambiguous(drafts)
     warning = f"malformed feed, {len(drafts)} entries kept: {shorten(str(problem), 200)}" \
         if problem is not None else None
-    return ParsedFeed(drafts, built, warning, keep_fragments)
+    return ParsedFeed(drafts, built, warning, keep_fragments, feed_ttl(parsed))
 
 
 def mark_ambiguous(drafts):
@@ -2408,8 +2638,18 @@ class FeedResult:
 FETCHED = ("ok", "not_modified", "unchanged")
 
 
+@dataclasses.dataclass
+class Fetched:
+    """What one feed fetch did: its status, new posts, the parser's warning,
+    and how long the server asks to be left alone (seconds or None)."""
+    status: str
+    new: int = 0
+    note: str = None
+    fresh_for: int = None
+
+
 def fetch_feed(conn, source, settings, gate):
-    """One conditional fetch of one feed, stored. Returns (status, new, note)."""
+    """One conditional fetch of one feed, stored."""
     state = load_rss_state(conn, source["id"])
     response = conditional_get(source, state, settings, gate)
     check_status(response)
@@ -2419,13 +2659,14 @@ def fetch_feed(conn, source, settings, gate):
                   "moved_to": moved_to, "http_status": response.status}
     # The same body keeps the parser's warning about it; an old error goes.
     warning = state.get("last_error") if state.get("status") in FETCHED else None
+    cached = fresh_for(response.headers)
     if response.status == 304:
         save_rss_state(conn, source["id"], status="not_modified", last_error=warning, **validators)
-        return "not_modified", 0, None
+        return Fetched("not_modified", fresh_for=polite_wait(cached, state.get("ttl")))
     body_hash = hashlib.sha256(response.body).hexdigest()
     if body_hash == state.get("body_sha256"):
         save_rss_state(conn, source["id"], status="unchanged", last_error=warning, **validators)
-        return "unchanged", 0, None
+        return Fetched("unchanged", fresh_for=polite_wait(cached, state.get("ttl")))
     feed = parse_feed(response.body, response.url, settings.max_entries,
                       bool(state.get("keep_fragments")), response.headers.get("content-type"))
     if not feed.keep_fragments and fragments_seen_before(conn, source["id"], feed.drafts):
@@ -2434,8 +2675,14 @@ def fetch_feed(conn, source, settings, gate):
     new = store_posts(conn, source["id"], source["direction"], feed.drafts)
     save_rss_state(conn, source["id"], status="ok", last_error=feed.warning,
                    body_sha256=body_hash, last_build_date=feed.last_build_date,
-                   keep_fragments=int(feed.keep_fragments), **validators)
-    return "ok", new, feed.warning
+                   keep_fragments=int(feed.keep_fragments), ttl=feed.ttl, **validators)
+    return Fetched("ok", new, feed.warning, polite_wait(cached, feed.ttl))
+
+
+def polite_wait(cached, ttl):
+    """The longer of what the cache headers and the feed's <ttl> ask for."""
+    asked = [seconds for seconds in (cached, ttl) if seconds]
+    return max(asked) if asked else None
 
 
 def crawl_feed(db, source, settings, gate, trigger="cli"):
@@ -2444,7 +2691,14 @@ def crawl_feed(db, source, settings, gate, trigger="cli"):
     conn = db.conn()
     run_id = start_run(conn, source["id"], "rss", trigger)
     try:
-        status, new, note = fetch_feed(conn, source, settings, gate)
+        return record_feed_run(conn, source, settings, gate, run_id)
+    finally:
+        refresh_figures(conn, source["id"], settings.min_relevance)
+
+
+def record_feed_run(conn, source, settings, gate, run_id):
+    try:
+        fetched = fetch_feed(conn, source, settings, gate)
     except (SourceDeferred, HostBusy) as e:
         record_deferral(conn, source, str(e), getattr(e, "seconds", 0))
         save_rss_state(conn, source["id"], status="deferred", last_error=str(e))
@@ -2465,10 +2719,12 @@ def crawl_feed(db, source, settings, gate, trigger="cli"):
         record_failure(conn, source, error, settings.dead_after)
         finish_run(conn, run_id, "error", error=error)
         return FeedResult(source["slug"], "error", error=error)
-    record_success(conn, source)
-    finish_run(conn, run_id, "ok", new, note)
-    log.info("source %s: %s, %d new posts", source["slug"], status.replace("_", " "), new)
-    return FeedResult(source["slug"], status, new)
+    record_success(conn, source, fetched.new, fetched.fresh_for)
+    finish_run(conn, run_id, "ok", fetched.new, fetched.note)
+    log.info("source %s: %s, %d new posts%s", source["slug"], fetched.status.replace("_", " "),
+             fetched.new, f"; next fetch in {duration_text(fetched.fresh_for)} at the earliest, "
+             f"as the server asks" if fetched.fresh_for else "")
+    return FeedResult(source["slug"], fetched.status, fetched.new)
 
 
 def group_by_host(sources, url_of):
@@ -2892,9 +3148,10 @@ async def crawl_channel(db, reader, source, settings, trigger):
              if min(m.id for m in g) <= last_id and edited_in_window(g, settings.tg_edit_hours)]
     edited = sum(update_edited_post(conn, source["id"], d) for d in edits)
     save_last_message_id(conn, source["id"], max(newest, last_id))
-    record_success(conn, source)
+    record_success(conn, source, new)
     note = f"{edited} edited posts updated" if edited else None
     finish_run(conn, run_id, "ok", new, note)
+    refresh_figures(conn, source["id"], settings.min_relevance)
     log.info("telegram %s: %d new posts%s", source["slug"], new, f", {note}" if note else "")
     return FeedResult(source["slug"], "ok", new)
 
@@ -3495,6 +3752,7 @@ def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
     stuck in a call, so the caller knows threads are left behind."""
     workers = workers or settings.workers
     warn_short_lease(settings)
+    ready_counts(db.conn(), registry.directions)
     pending = queue_sizes(db.conn())["pending"]
     total = pending if limit is None else min(limit, pending)
     progress = Progress("worker", total, quiet)
@@ -3556,7 +3814,7 @@ th,td{text-align:left;padding:.45em .6em;border-bottom:1px solid var(--line);ver
 th{background:#fafbfc;font-weight:600;white-space:nowrap}
 td.error{max-width:28em;word-break:break-word;color:var(--bad)}
 .alive{color:var(--ok);font-weight:600}.dead{color:var(--bad);font-weight:600}.disabled{color:var(--muted)}
-.failing{color:var(--warn);font-weight:600}
+.failing,.silent{color:var(--warn);font-weight:600}
 .muted{color:var(--muted)}.small{font-size:.85em}
 button{font:inherit;padding:.35em .9em;border-radius:6px;border:1px solid var(--line);background:#fff;cursor:pointer}
 button:disabled{opacity:.45;cursor:default}
@@ -3625,6 +3883,9 @@ STRINGS = {
         "col.last_error": "last error", "col.posts": "posts", "col.last_run": "last run (UTC)",
         "col.etag": "etag", "col.modified": "modified", "col.last_build_date": "last build date",
         "never_fetched": "never", "moved": "moved permanently to {url}; update sources.yaml",
+        "col.week": "new posts, 7 days", "col.last_new": "last new post (UTC)",
+        "col.relevant": "relevant", "col.approved": "approved",
+        "silent_for": "no new post for {d}",
         "failing": "failing",
     },
     "ru": {
@@ -3664,6 +3925,9 @@ STRINGS = {
         "col.last_run": "последний запуск (UTC)", "col.etag": "etag",
         "col.modified": "modified", "col.last_build_date": "last build date",
         "never_fetched": "ни разу", "moved": "переехал насовсем на {url}; поправьте sources.yaml",
+        "col.week": "новых постов за 7 дней", "col.last_new": "последний новый пост (UTC)",
+        "col.relevant": "релевантных", "col.approved": "одобрено",
+        "silent_for": "нет новых постов {d}",
         "failing": "сбоит",
     },
 }
@@ -3779,9 +4043,16 @@ def last_error_html(s):
 
 
 def source_state(s):
+    """disabled, dead, silent or alive."""
     if not s["enabled"]:
         return "disabled"
+    if s["status"] == "alive" and s["silent_since"]:
+        return "silent"
     return s["status"]
+
+
+def share_text(share):
+    return "" if share is None else f"{round(share * 100)}%"
 
 
 def source_row_html(s, page):
@@ -3793,14 +4064,20 @@ def source_row_html(s, page):
              if s["moved_to"] else "")
     rss = "".join(f'<td class="small wide">{esc(s[c]) if s["crawler"] == "rss" else ""}</td>'
                   for c in ("etag", "modified", "last_build_date"))
-    failing = " failing" if status == "alive" and s["error_count"] else ""
+    failing = " failing" if status in ("alive", "silent") and s["error_count"] else ""
+    quiet = parse_utc(s["last_new_at"])
+    silent = (f'<br><span class="small">{page.t("silent_for", d=duration_text(time.time() - quiet))}'
+              f'</span>' if status == "silent" and quiet is not None else "")
     return (f'<tr id="source-{esc(s["slug"])}"><td><b>{esc(s["slug"])}</b></td>'
             f'<td>{esc(s["name"])}{moved}</td><td>{esc(s["crawler"])}</td>'
-            f'<td class="{esc(status)}{failing}">{esc(status)}</td><td>{esc(s["priority"])}</td>'
+            f'<td class="{esc(status)}{failing}">{esc(status)}{silent}</td><td>{esc(s["priority"])}</td>'
             f'<td class="small">{esc(s["last_fetch"] or page.strings["never_fetched"])}</td>'
             f'<td>{esc(s["error_count"])}</td>'
             f'<td class="error">{last_error_html(s)}</td>'
-            f'<td>{esc(s["post_count"])}</td><td class="small wide">{last_run}</td>{rss}</tr>')
+            f'<td>{esc(s["post_count"])}</td><td>{esc(s["week_posts"])}</td>'
+            f'<td class="small">{esc(s["last_new_at"])}</td>'
+            f'<td>{share_text(s["relevant_share"])}</td><td>{esc(s["approved"])}</td>'
+            f'<td class="small wide">{last_run}</td>{rss}</tr>')
 
 
 def card_labels(page):
@@ -3813,7 +4090,8 @@ def card_labels(page):
 
 
 SOURCE_COLUMNS = ("slug", "name", "crawler", "status", "priority", "last_fetch", "errors",
-                  "last_error", "posts", "last_run", "etag", "modified", "last_build_date")
+                  "last_error", "posts", "week", "last_new", "relevant", "approved", "last_run",
+                  "etag", "modified", "last_build_date")
 # Columns a phone screen leaves out.
 WIDE_COLUMNS = ("last_run", "etag", "modified", "last_build_date")
 
@@ -4340,7 +4618,7 @@ def metrics_text(conn):
                       [("", f'state="{k}"', v) for k, v in queue.items()]),
         *metric_lines("sources", "gauge", "Sources by crawler kind and status.",
                       [("", f'crawler="{c}",status="{st}"', sources.get((c, st), 0))
-                       for c in CRAWLERS for st in ("alive", "dead", "disabled")]),
+                       for c in CRAWLERS for st in ("alive", "dead", "silent", "disabled")]),
         *metric_lines("fetches_total", "counter", "Source fetches by crawler kind and outcome.",
                       [("", labels, fetches.get(labels, 0)) for labels in
                        (f'crawler="{c}",outcome="{o}"' for c in CRAWLERS
@@ -4694,18 +4972,31 @@ def announce_web(server, settings, password, generated):
 KEEP_RUNS_DAYS = 30
 
 
+def source_slot(slug, interval):
+    """A source's second within its priority's interval, the same in every run."""
+    return int.from_bytes(hashlib.sha256(slug.encode()).digest()[:8], "big") % int(interval)
+
+
+def next_slot(last_fetch, slot, interval):
+    """The first time at the source's slot (time % interval == slot) that is
+    at least half an interval after its last fetch."""
+    earliest = last_fetch + interval / 2
+    return earliest + (slot - earliest) % interval
+
+
 class Scheduler:
     """`run`'s crawls: each priority on its own interval (VESTI_CRAWL_EVERY,
     the last interval for every higher priority), sources.yaml re-read when
-    it changes."""
+    it changes. A priority's sources are spread over its interval: each has
+    its own slot in it (from its slug, the same in every run), so they are
+    not all fetched in the same second. `clock` is the wall clock."""
 
-    def __init__(self, db, settings, registry, stop, clock=time.monotonic, gate=None,
+    def __init__(self, db, settings, registry, stop, clock=time.time, gate=None,
                  listeners=()):
         self.db, self.settings, self.registry, self.stop = db, settings, registry, stop
         self.gate = gate
         self.listeners = listeners
         self.clock = clock
-        self.due = {}
         self.crawls = {}
         self.failure = None
         self.sources_mtime = self.mtime()
@@ -4739,9 +5030,10 @@ class Scheduler:
         return enabled_priorities(self.db.conn())
 
     def tick(self):
-        """Start the crawl of every priority that is due and not still
-        running, each in its own thread, so a slow feed of one priority never
-        holds the others. Returns the priorities started."""
+        """Start, for every priority whose crawl is not still running, the
+        crawl of its sources that are due, in a thread of its own, so a slow
+        feed of one priority never holds the others. Returns the priorities
+        started."""
         self.reload_sources()
         started = []
         for priority in self.priorities():
@@ -4750,24 +5042,44 @@ class Scheduler:
             running = self.crawls.get(priority)
             if running is not None and running.is_alive():
                 continue
-            if self.clock() >= self.due.get(priority, 0):
-                self.due[priority] = self.clock() + self.interval(priority)
+            due = self.due_sources(priority, self.clock())
+            if due:
                 self.crawls[priority] = threading.Thread(
-                    target=self.crawl, args=(priority,), name=f"crawl-{priority}", daemon=True)
+                    target=self.crawl, args=(priority, due), name=f"crawl-{priority}", daemon=True)
                 self.crawls[priority].start()
                 started.append(priority)
         if self.clock() >= self.next_prune:
             prune_runs(self.db.conn(), KEEP_RUNS_DAYS)
+            if self.next_prune:
+                recount_posts(self.db.conn())
             # Fresh statistics keep the desk's queries on their indexes as posts grow.
             self.db.conn().execute("PRAGMA optimize")
             self.next_prune = self.clock() + 86400
         return started
 
-    def crawl(self, priority):
+    def due_sources(self, priority, now):
+        """Ids of the sources of a priority to fetch now: those never fetched,
+        and those whose slot has come at least half an interval after their
+        last fetch (so after the first round each keeps its own slot). Never
+        one that asked to wait (cache headers, Retry-After, dead-probe backoff)."""
+        interval = self.interval(priority)
+        due = []
+        for source in self.db.conn().execute(
+                """SELECT id, slug, last_fetch FROM sources WHERE enabled = 1 AND priority = ?
+                   AND (next_fetch_at IS NULL OR next_fetch_at <= ?) ORDER BY id""",
+                (priority, utc_text(now))):
+            last = parse_utc(source["last_fetch"])
+            if last is None or interval <= 0 or \
+                    now >= next_slot(last, source_slot(source["slug"], interval), interval):
+                due.append(source["id"])
+        return due
+
+    def crawl(self, priority, source_ids):
         try:
             with self.db.closing():
-                crawl_everything(self.db, self.settings, ("priority", priority), "schedule",
-                                 gate=self.gate, stop=self.stop)
+                summary = crawl_everything(self.db, self.settings, ("ids", source_ids),
+                                           "schedule", quiet=True, gate=self.gate, stop=self.stop)
+            log.info("scheduled crawl of priority %d: %s", priority, summary.line())
         except StorageError as e:
             self.failure = e
             self.stop.set()
@@ -4986,8 +5298,10 @@ def status_report(conn):
     """Queue sizes and every source's health, as `status --json` prints them."""
     fields = ("slug", "name", "crawler", "status", "enabled", "priority", "last_fetch",
               "last_error", "error_count", "post_count", "next_fetch_at", "etag", "modified",
-              "last_build_date", "moved_to", "run_started", "run_status", "run_new_posts")
-    sources = [{field: row[field] for field in fields} for row in source_health(conn)]
+              "last_build_date", "moved_to", "run_started", "run_status", "run_new_posts",
+              "last_new_at", "silent_since", "week_posts", "relevant_share", "approved")
+    sources = [{field: row[field] for field in fields} | {"state": source_state(row)}
+               for row in source_health(conn)]
     return {"queue": queue_sizes(conn), "sources": sources}
 
 
@@ -4995,11 +5309,12 @@ def print_status(report):
     queue = report["queue"]
     print("queue: " + ", ".join(f"{name.replace('_', ' ')} {count}"
                                 for name, count in queue.items()))
-    rows = [("source", "crawler", "prio", "status", "errors", "posts", "last fetch", "last error")]
+    rows = [("source", "crawler", "prio", "status", "errors", "posts", "7 days", "last new post",
+             "last fetch", "last error")]
     for s in report["sources"]:
-        status = s["status"] if s["enabled"] else "disabled"
-        rows.append((s["slug"], s["crawler"], str(s["priority"]), status, str(s["error_count"]),
-                     str(s["post_count"]), s["last_fetch"] or "never",
+        rows.append((s["slug"], s["crawler"], str(s["priority"]), s["state"], str(s["error_count"]),
+                     str(s["post_count"]), str(s["week_posts"]), s["last_new_at"] or "never",
+                     s["last_fetch"] or "never",
                      shorten((s["last_error"] or "").replace("\n", " "), 60)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
