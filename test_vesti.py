@@ -16,6 +16,7 @@ import html
 import http.client
 import http.server
 import io
+import itertools
 import json
 import collections
 import logging
@@ -2482,15 +2483,18 @@ def test_without_fts5_search_falls_back_to_like(web, monkeypatch):
 def test_paging_by_position_covers_every_post_once_in_every_order(web):
     conn = web.db.conn()
     for k in range(1, 121):
-        desk_post(conn, lwn(web), k, relevance=3 + k % 8, interest=k % 5, minute=k // 3)
-    for sort in ("newest", "relevance", "interest"):
-        seen, path = [], f"/?sort={sort}"
+        desk_post(conn, lwn(web), k, relevance=3 + k % 8, interest=k % 5, minute=k // 3,
+                  status=vesti.DECISIONS[k % 7 % 3])
+    for sort, status in itertools.product(("newest", "relevance", "interest"), ("new", "any")):
+        ids = [r[0] for r in conn.execute(
+            "SELECT id FROM posts WHERE ? IN (status, 'any') ORDER BY id", (status,))]
+        seen, path = [], f"/?sort={sort}&status={status}"
         while path:
             page = web.get(path)[2]
             seen += card_ids(page)
             found = re.search(r'<a href="([^"]+)" rel="next">', page)
             path = html.unescape(found[1]) if found else None
-        assert sorted(seen) == list(range(1, 121)), sort
+        assert sorted(seen) == ids, (sort, status)
         rows = {r["id"]: r for r in conn.execute("SELECT * FROM posts")}
         key = {"newest": lambda i: (rows[i]["published_at"], i),
                "relevance": lambda i: (rows[i]["relevance"], rows[i]["published_at"], i),

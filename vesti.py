@@ -4213,6 +4213,8 @@ DESK_COLUMNS = """p.id, p.title, p.url, p.summary, p.direction, p.relevance, p.i
 def desk_posts(conn, desk, limit=PAGE_SIZE + 1):
     """One page of the desk, keyset-paged: the page after `desk.after` in the
     chosen order. A search walks the search index newest-collected first."""
+    if desk.status == "any" and not desk.q:
+        return every_decision(conn, desk, limit)
     where, params = desk_filters(desk)
     if desk.q and desk.sort == "newest":
         return search_posts(conn, desk, where, params, limit)
@@ -4230,6 +4232,19 @@ def desk_posts(conn, desk, limit=PAGE_SIZE + 1):
     return conn.execute(f"""
         SELECT {DESK_COLUMNS} FROM posts p LEFT JOIN sources s ON s.id = p.source_id
         WHERE {' AND '.join(where)} ORDER BY {order} LIMIT ?""", [*params, limit]).fetchall()
+
+
+def every_decision(conn, desk, limit):
+    """The page of status=any: the pages of each decision (each on its own
+    index), merged in the chosen order."""
+    posts = [post for decision in DECISIONS for post in
+             desk_posts(conn, dataclasses.replace(desk, status=decision, decided=None), limit)]
+    score = {"newest": None, "relevance": "relevance", "interest": "interest"}[desk.sort]
+
+    def order(post):  # descending, NULLs last, as ORDER BY … DESC has them
+        value = -1 if score is None or post[score] is None else post[score]
+        return value, post["published_at"] or "", post["id"]
+    return sorted(posts, key=order, reverse=True)[:limit]
 
 
 def like_pattern(text):
