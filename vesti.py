@@ -4055,22 +4055,28 @@ def share_text(share):
     return "" if share is None else f"{round(share * 100)}%"
 
 
+def silent_html(s, page):
+    quiet = parse_utc(s["last_new_at"])
+    return "" if quiet is None else \
+        f'<br><span class="small">{page.t("silent_for", d=duration_text(time.time() - quiet))}</span>'
+
+
 def source_row_html(s, page):
     status = source_state(s)
+    slug, crawler = esc(s["slug"]), esc(s["crawler"])
     last_run = (f'{esc(s["run_started"])} <span class="muted">{esc(s["run_trigger"])}: '
                 f'{esc(s["run_status"])}, +{esc(s["run_new_posts"])}</span>'
                 if s["run_started"] else f'<span class="muted">{page.t("never_fetched")}</span>')
     moved = (f'<br><span class="small">{page.t("moved", url=s["moved_to"])}</span>'
              if s["moved_to"] else "")
-    rss = "".join(f'<td class="small wide">{esc(s[c]) if s["crawler"] == "rss" else ""}</td>'
-                  for c in ("etag", "modified", "last_build_date"))
+    rss = (f'<td class="small wide">{esc(s["etag"])}</td><td class="small wide">'
+           f'{esc(s["modified"])}</td><td class="small wide">{esc(s["last_build_date"])}</td>'
+           if crawler == "rss" else '<td class="small wide"></td>' * 3)
     failing = " failing" if status in ("alive", "silent") and s["error_count"] else ""
-    quiet = parse_utc(s["last_new_at"])
-    silent = (f'<br><span class="small">{page.t("silent_for", d=duration_text(time.time() - quiet))}'
-              f'</span>' if status == "silent" and quiet is not None else "")
-    return (f'<tr id="source-{esc(s["slug"])}"><td><b>{esc(s["slug"])}</b></td>'
-            f'<td>{esc(s["name"])}{moved}</td><td>{esc(s["crawler"])}</td>'
-            f'<td class="{esc(status)}{failing}">{esc(status)}{silent}</td><td>{esc(s["priority"])}</td>'
+    silent = silent_html(s, page) if status == "silent" else ""
+    return (f'<tr id="source-{slug}"><td><b>{slug}</b></td>'
+            f'<td>{esc(s["name"])}{moved}</td><td>{crawler}</td>'
+            f'<td class="{status}{failing}">{status}{silent}</td><td>{esc(s["priority"])}</td>'
             f'<td class="small">{esc(s["last_fetch"] or page.strings["never_fetched"])}</td>'
             f'<td>{esc(s["error_count"])}</td>'
             f'<td class="error">{last_error_html(s)}</td>'
