@@ -3961,6 +3961,18 @@ def test_every_benchmark_runs_in_smoke_mode(name, marker):
     assert re.search(marker, output), output[-3000:]
 
 
+@pytest.mark.skipif(not os.environ.get("VESTI_READER_PYTHON"),
+                    reason="VESTI_READER_PYTHON (a 3.12+ venv with reader, made by .ci/run) not set")
+def test_the_reader_comparison_runs_in_smoke_mode():
+    proc = subprocess.run([sys.executable, "bench/reader_compare.py", "--smoke", "--python",
+                           os.environ["VESTI_READER_PYTHON"]], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert re.search(r"wall VESTI / reader = \d+\.\d+ +goal <= ", output), output[-3000:]
+    assert re.search(r"VESTI +wall min .* stored entries 60", output), output[-3000:]
+
+
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     commands = re.findall(r"```sh\n(.+?)\n```", readme)

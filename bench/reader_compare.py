@@ -384,7 +384,7 @@ def summarize(results):
         walls = {name: [row["wall"] for row in rows[name]] for name in TOOLS}
         peaks = {name: statistics.median(row["peak"] for row in rows[name]) for name in TOOLS}
         median = {name: statistics.median(walls[name]) for name in TOOLS}
-        print(f"\n{label} crawl:")
+        print(f"\ncrawl: {label}")
         for name in TOOLS:
             stored = sorted({row["stored"] for row in rows[name]}, key=str)
             print(f"    {name:6}  wall min {min(walls[name]):6.2f} s  median {median[name]:6.2f} s"
@@ -505,7 +505,7 @@ def main(argv=None):
               "MET/MISS verdicts mean nothing\n")
     print(f"== VESTI vs reader {versions['reader']}: {args.feeds} feeds x {args.entries} "
           f"entries, {args.latency * 1000:.0f} ms per answer, {args.workers} workers, "
-          f"{args.rounds} rounds; Python {versions['python']} ({python})", flush=True)
+          f"{args.rounds} round(s); Python {versions['python']} ({python})", flush=True)
     timeout = 120 + 10 * (args.feeds * args.latency / args.workers
                           + args.feeds * (args.entries + GROWTH) / 1000)
     results = {kind: {name: [] for name in TOOLS} for kind, _, _ in CRAWLS}
