@@ -1978,9 +1978,10 @@ def sync_sources(conn, registry):
 
 def select_sources(conn, crawler, selection, now=None):
     """Enabled sources of one crawler kind (or all kinds) for a selection:
-    ('all', None), ('direction', d), ('source', slug) or ('priority', n).
-    --all and the others skip sources that asked to wait or whose dead-probe
-    is not due; --source fetches at once."""
+    ('all', None), ('direction', d), ('source', slug), ('priority', n) or
+    ('ids', [id, …]) from run's scheduler. --all and the others skip sources
+    that asked to wait (cache headers, Retry-After) or whose dead-probe is
+    not due; --source fetches at once; the scheduler has asked already."""
     kind, value = selection
     where, params = ["enabled = 1"], []
     if crawler:
