@@ -1718,20 +1718,20 @@ def source_health(conn):
 def set_decision(conn, post_id, decision, editor):
     """The editor's decision on a post (posts.status), independent of the
     queue; returns 0 for an unknown post."""
-    row = conn.execute("""UPDATE posts SET status = ?, decided_at = ?, decided_by = ? WHERE id = ?
-                          RETURNING source_id""", (decision, utc_text(), editor, post_id)).fetchone()
-    if row is None:
-        return 0
-    conn.execute("""UPDATE sources SET approved = (SELECT coalesce(sum(n), 0) FROM source_post_counts
-                                                   WHERE source_id = :id AND status = 'approved')
-                    WHERE id = :id""", {"id": row[0]})
-    return 1
+    return set_decisions(conn, [post_id], decision, editor)
 
 
 def set_decisions(conn, post_ids, decision, editor):
-    """One decision on many posts at once; returns how many exist."""
+    """One decision on many posts at once, and the approved figure of their
+    sources; returns how many exist."""
     with transaction(conn):
-        return sum(set_decision(conn, post_id, decision, editor) for post_id in post_ids)
+        sources = [row[0] for post_id in post_ids for row in conn.execute(
+            """UPDATE posts SET status = ?, decided_at = ?, decided_by = ? WHERE id = ?
+               RETURNING source_id""", (decision, utc_text(), editor, post_id))]
+        conn.executemany("""UPDATE sources SET approved = (SELECT coalesce(sum(n), 0)
+                                FROM source_post_counts WHERE source_id = :id AND status = 'approved')
+                            WHERE id = :id""", [{"id": i} for i in set(sources)])
+    return len(sources)
 
 
 def decided_posts(conn, status="approved", direction=None, limit=None, since=None):
@@ -2299,11 +2299,8 @@ def retry_after_seconds(value, now=None):
     value = (value or "").strip()
     if value.isdigit():
         return int(value[:9])
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError, OverflowError):
-        return None
-    return max(0, when.timestamp() - (time.time() if now is None else now))
+    when = http_time(value)
+    return None if when is None else max(0, when - (time.time() if now is None else now))
 
 
 def http_time(value):
@@ -2691,10 +2688,9 @@ def crawl_feed(db, source, settings, gate, trigger="cli"):
     Never raises for what a feed or its server did wrong."""
     conn = db.conn()
     run_id = start_run(conn, source["id"], "rss", trigger)
-    try:
-        return record_feed_run(conn, source, settings, gate, run_id)
-    finally:
-        refresh_figures(conn, source["id"], settings.min_relevance)
+    result = record_feed_run(conn, source, settings, gate, run_id)
+    refresh_figures(conn, source["id"], settings.min_relevance)
+    return result
 
 
 def record_feed_run(conn, source, settings, gate, run_id):
@@ -3998,12 +3994,8 @@ def layout(page, title, body, here, refresh=False):
 
 
 def minutes_since(stamp, now=None):
-    try:
-        then = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S").replace(
-            tzinfo=datetime.timezone.utc).timestamp()
-    except (TypeError, ValueError):
-        return None
-    return max(0, int(((time.time() if now is None else now) - then) // 60))
+    then = parse_utc(stamp)
+    return None if then is None else max(0, int(((time.time() if now is None else now) - then) // 60))
 
 
 def banners(conn, settings, page):
@@ -5019,6 +5011,7 @@ class Scheduler:
         self.gate = gate
         self.listeners = listeners
         self.clock = clock
+        self.due_at = {}        # source id -> ((last fetch, interval), when it is due)
         self.crawls = {}
         self.failure = None
         self.sources_mtime = self.mtime()
@@ -5085,16 +5078,23 @@ class Scheduler:
         last fetch (so after the first round each keeps its own slot). Never
         one that asked to wait (cache headers, Retry-After, dead-probe backoff)."""
         interval = self.interval(priority)
-        due = []
-        for source in self.db.conn().execute(
-                """SELECT id, slug, last_fetch FROM sources WHERE enabled = 1 AND priority = ?
-                   AND (next_fetch_at IS NULL OR next_fetch_at <= ?) ORDER BY id""",
-                (priority, utc_text(now))):
+        return [source["id"] for source in self.db.conn().execute(
+                    """SELECT id, slug, last_fetch FROM sources WHERE enabled = 1 AND priority = ?
+                       AND (next_fetch_at IS NULL OR next_fetch_at <= ?) ORDER BY id""",
+                    (priority, utc_text(now)))
+                if now >= self.due_time(source, interval)]
+
+    def due_time(self, source, interval):
+        """When a source is due; worked out again only after it was fetched
+        (the tick runs every second over every source)."""
+        key = (source["last_fetch"], interval)
+        known = self.due_at.get(source["id"])
+        if known is None or known[0] != key:
             last = parse_utc(source["last_fetch"])
-            if last is None or interval <= 0 or \
-                    now >= next_slot(last, source_slot(source["slug"], interval), interval):
-                due.append(source["id"])
-        return due
+            due = 0 if last is None or interval <= 0 else \
+                next_slot(last, source_slot(source["slug"], interval), interval)
+            self.due_at[source["id"]] = known = (key, due)
+        return known[1]
 
     def crawl(self, priority, source_ids):
         try:
