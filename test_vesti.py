@@ -2406,9 +2406,10 @@ def test_counts_follow_the_worker_decisions_and_a_new_direction(home, server):
     conn = db.conn()
     assert conn.execute("SELECT count(*) FROM posts WHERE classified = 1").fetchone()[0] == 5
     assert counts_match_posts(conn)
-    vesti.set_decisions(conn, [1, 2], "approved", "editor")
-    vesti.set_decision(conn, 3, "rejected", "editor")
+    assert vesti.set_decisions(conn, [1, 2, 999], "approved", "editor") == 2
+    assert vesti.set_decision(conn, 3, "rejected", "editor") == 1
     assert counts_match_posts(conn)
+    assert source_row(db, "news")["approved"] == 2          # the source's figure follows
     text = (home / "sources.yaml").read_text().replace(
         "sources:", "  sea:\n    title: Sea\n    keywords: [sea, ship]\nsources:")
     (home / "sources.yaml").write_text(text)
