@@ -1500,15 +1500,81 @@ def test_a_claim_that_lands_after_a_stop_is_given_back(home, monkeypatch):
     add_posts(db.conn(), 1)
     stop = threading.Event()
     pool = vesti.WorkerPool(db, s, vesti.Classifier(registry, s), stop)
-    real_claim = vesti.claim_post
+    real_claim = vesti.claim_posts
 
-    def claim_while_stopping(conn, now=None):
+    def claim_while_stopping(conn, limit, now=None):
         stop.set()                       # SIGTERM arrives while the claim waits for the lock
-        return real_claim(conn, now)
-    monkeypatch.setattr(vesti, "claim_post", claim_while_stopping)
-    assert pool.claim(db.conn()) is None
+        return real_claim(conn, limit, now)
+    monkeypatch.setattr(vesti, "claim_posts", claim_while_stopping)
+    assert pool.take_turn(db.conn(), [], 1) == []
     assert tuple(db.conn().execute("SELECT classified, attempts FROM posts").fetchone()) == (0, 0)
     assert pool.release_unfinished(wait=1) == 0
+
+
+def test_fast_posts_are_claimed_in_batches_and_the_limit_still_holds(home, monkeypatch):
+    """Keyword-only posts: many verdicts share one transaction with the next
+    claim, and --limit still counts single posts, none left claimed."""
+    s, db, registry = worker_home(home, "")
+    add_posts(db.conn(), 400)
+    turns = []
+    real_turn = vesti.complete_and_claim
+
+    def counted_turn(conn, completions, claims, now=None):
+        turns.append(len(completions))
+        return real_turn(conn, completions, claims, now)
+    monkeypatch.setattr(vesti, "complete_and_claim", counted_turn)
+    stats, finished = vesti.run_workers(db, s, registry, workers=4, limit=150, quiet=True)
+    assert finished and stats.done == 150
+    assert queue_of(db) == {1: 150, 0: 250}
+    attempts = dict(db.conn().execute("SELECT classified, max(attempts) FROM posts GROUP BY 1"))
+    assert attempts == {1: 1, 0: 0}              # the posts not taken kept their attempts
+    assert max(turns) > 1 and len(turns) < 150 / 2
+
+
+def test_a_post_waiting_for_the_llm_does_not_hold_the_posts_claimed_with_it(home):
+    """A batch of quick posts with one that needs the LLM: the rest of the
+    batch goes back to the queue, and another worker does it meanwhile."""
+    fake = FakeOllama(latency=3)
+    try:
+        s, db, registry = worker_home(home, fake.url)
+        conn = db.conn()
+        add_posts(conn, 40, text="Weather in the mountains.")
+        add_posts(conn, 1, text="News about the Linux kernel.", start=40)
+        add_posts(conn, 40, text="Weather in the mountains.", start=41)
+        result = {}
+        worker = threading.Thread(target=lambda: result.update(
+            stats=vesti.run_workers(db, s, registry, workers=2, quiet=True)[0]))
+        worker.start()
+        try:
+            assert wait_for(lambda: queue_of(db) == {1: 80, -1: 1}, timeout=2.5), queue_of(db)
+        finally:
+            worker.join(timeout=20)
+        assert queue_of(db) == {1: 81}
+        assert fake.titles() == ["Post 40"]
+        assert result["stats"].done == 81
+        assert db.conn().execute("SELECT max(attempts) FROM posts").fetchone()[0] == 1
+    finally:
+        fake.close()
+
+
+def test_a_stop_in_the_middle_of_a_batch_writes_what_is_done_and_gives_back_the_rest(home):
+    s, db, registry = worker_home(home, "")
+    add_posts(db.conn(), 200)
+    stop = threading.Event()
+    classifier = vesti.Classifier(registry, s)
+    seen = []
+
+    def classify(post):
+        seen.append(post["id"])
+        if len(seen) == 60:
+            stop.set()                   # SIGTERM with a batch in hand
+        return classifier(post)
+    classify.quick = classifier.quick
+    stats, finished = vesti.run_workers(db, s, registry, workers=1, classify=classify,
+                                        stop=stop, quiet=True)
+    assert finished and stats.done == 60
+    assert queue_of(db) == {1: 60, 0: 140}
+    assert db.conn().execute("SELECT max(attempts) FROM posts WHERE classified = 0").fetchone()[0] == 0
 
 
 def test_sigterm_releases_a_post_stuck_in_a_long_llm_call(home):

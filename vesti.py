@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import base64
 import calendar
+import collections
 import contextlib
 import csv
 import dataclasses
@@ -1158,17 +1159,24 @@ def process_claims(pid=None):
 def claim_post(conn, now=None):
     """Take the oldest claimable post, or None. One statement, so two workers
     can never hold the same post."""
+    posts = claim_posts(conn, 1, now)
+    return posts[0] if posts else None
+
+
+def claim_posts(conn, limit, now=None):
+    """Take up to `limit` of the oldest claimable posts, each with a claim
+    token of its own."""
     now_text = utc_text(now)
     return conn.execute(f"""
-        UPDATE posts SET classified = {PROCESSING}, claimed_at = ?, claim_token = ?,
-                         attempts = attempts + 1
-        WHERE id = (SELECT id FROM posts INDEXED BY posts_pending
-                    WHERE {IS_PENDING} AND (next_attempt_at IS NULL OR next_attempt_at <= ?)
-                    ORDER BY id LIMIT 1)
+        UPDATE posts SET classified = {PROCESSING}, claimed_at = ?,
+                         claim_token = ? || '-' || id, attempts = attempts + 1
+        WHERE id IN (SELECT id FROM posts INDEXED BY posts_pending
+                     WHERE {IS_PENDING} AND (next_attempt_at IS NULL OR next_attempt_at <= ?)
+                     ORDER BY id LIMIT ?)
         RETURNING id, source_id, url, article_url, title, text, content_type, attempts,
                   claim_token,
                   (SELECT url FROM sources WHERE sources.id = posts.source_id) AS source_url
-    """, (now_text, claim_token(), now_text)).fetchone()
+    """, (now_text, claim_token(), now_text, limit)).fetchall()
 
 
 def complete_post(conn, post_id, token, verdict):
@@ -1186,6 +1194,19 @@ def complete_post(conn, post_id, token, verdict):
           "keywords": verdict.get("keywords"), "reason": verdict.get("reason"),
           "text": verdict.get("text"), "id": post_id, "token": token})
     return cursor.rowcount == 1
+
+
+def complete_and_claim(conn, completions, claims, now=None):
+    """In one transaction: complete_post for each (post id, claim token,
+    verdict), their LLM calls counted, then claim_posts for `claims` posts.
+    Returns (whether each verdict was written, the posts claimed)."""
+    with transaction(conn):
+        written = [complete_post(conn, post_id, token, verdict)
+                   for post_id, token, verdict in completions]
+        add_llm_calls(conn, [verdict["llm_seconds"] for _, _, verdict in completions
+                             if "llm_seconds" in verdict])
+        posts = claim_posts(conn, claims, now) if claims else []
+    return written, posts
 
 
 def release_post(conn, post_id, token, error, max_attempts, retry_delay, now=None):
@@ -1248,6 +1269,16 @@ def release_claims(conn, pattern):
         UPDATE posts SET classified = {PENDING}, claim_token = NULL,
                          attempts = max(attempts - 1, 0)
         WHERE classified = {PROCESSING} AND claim_token LIKE ?""", (pattern,)).rowcount
+
+
+def give_back_posts(conn, tokens):
+    """Put claimed posts back to pending, their attempt uncounted: a worker
+    hands back what it claimed but will not classify."""
+    marks = ", ".join("?" * len(tokens))
+    return conn.execute(f"""
+        UPDATE posts SET classified = {PENDING}, claim_token = NULL,
+                         attempts = max(attempts - 1, 0)
+        WHERE classified = {PROCESSING} AND claim_token IN ({marks})""", tokens).rowcount
 
 
 # Posts ----------------------------------------------------------------------
@@ -1646,9 +1677,13 @@ def add_counts(conn, increments):
     if not increments:
         return
     with transaction(conn):
-        conn.executemany("""INSERT INTO counters (name, labels, value) VALUES (?, ?, ?)
-                            ON CONFLICT(name, labels) DO UPDATE SET value = value + excluded.value""",
-                         [(name, labels, amount) for (name, labels), amount in increments.items()])
+        upsert_counts(conn, increments)
+
+
+def upsert_counts(conn, increments):
+    conn.executemany("""INSERT INTO counters (name, labels, value) VALUES (?, ?, ?)
+                        ON CONFLICT(name, labels) DO UPDATE SET value = value + excluded.value""",
+                     [(name, labels, amount) for (name, labels), amount in increments.items()])
 
 
 def count_fetches(conn, crawler, results):
@@ -1662,10 +1697,17 @@ def count_fetches(conn, crawler, results):
     add_counts(conn, increments)
 
 
-def count_llm_call(conn, seconds):
-    bucket = next((b for b in LLM_BUCKETS if seconds <= b), "+Inf")
-    add_counts(conn, {("llm_calls", ""): 1, ("llm_seconds_sum", ""): seconds,
-                      ("llm_seconds_bucket", f'le="{bucket}"'): 1})
+def add_llm_calls(conn, latencies):
+    """Count LLM calls and their latencies (seconds), inside the caller's
+    transaction."""
+    increments = {}
+    for seconds in latencies:
+        bucket = next((b for b in LLM_BUCKETS if seconds <= b), "+Inf")
+        for key, amount in ((("llm_calls", ""), 1), (("llm_seconds_sum", ""), seconds),
+                            (("llm_seconds_bucket", f'le="{bucket}"'), 1)):
+            increments[key] = increments.get(key, 0) + amount
+    if increments:
+        upsert_counts(conn, increments)
 
 
 def counters(conn):
@@ -3485,6 +3527,13 @@ OLLAMA_DOWN_AFTER = 3
 OLLAMA_PAUSE = 60
 # How often workers leave a sign of life for the page (meta 'worker_seen').
 HEARTBEAT = 10
+# A worker whose posts classify fast (keywords alone) claims them in batches
+# and writes their verdicts with the next claim, one transaction for many
+# posts: the batch doubles while a whole batch takes less than BATCH_WINDOW
+# seconds, up to MAX_BATCH, and is one post again as soon as one is slow
+# (an article, the LLM) or fails. Claims are never held long for nothing.
+BATCH_WINDOW = 0.05
+MAX_BATCH = 32
 
 
 class Classifier:
@@ -3503,14 +3552,28 @@ class Classifier:
     def __call__(self, post):
         directions, keywords = self.vocabulary
         text, full_text = post["text"], None
-        known = post.keys()
-        link = (post["article_url"] if "article_url" in known else None) or post["url"]
-        if post["content_type"] == "summary" and link:
-            home = post["source_url"] if "source_url" in known else None
+        link = article_link(post)
+        if link:
+            home = post["source_url"] if "source_url" in post.keys() else None
             full_text = fetch_full_text(link, text, self.settings, self.gate, home or "")
             text = full_text or text
         verdict = classify_text(text, directions, self.settings, post["title"], keywords)
         return {**verdict, "text": full_text}
+
+    def quick(self, post):
+        """True when the post's verdict needs no network: no article to
+        fetch, and the keywords alone decide."""
+        if article_link(post):
+            return False
+        directions, keywords = self.vocabulary
+        return not self.settings.ollama_url or not keywords.matches(f"{post['title']}\n{post['text']}")
+
+
+def article_link(post):
+    """The page whose full text a summary-only post is classified on, or None."""
+    if post["content_type"] != "summary":
+        return None
+    return (post["article_url"] if "article_url" in post.keys() else None) or post["url"]
 
 
 @dataclasses.dataclass
@@ -3565,14 +3628,19 @@ class WorkerPool:
             log.warning("took back %d posts whose worker died (%d of them out of attempts)",
                         pending + failed, failed)
 
-    def take_ticket(self):
+    def take_tickets(self, wanted):
+        """How many of `wanted` posts may still be claimed (--limit)."""
         with self.lock:
             if self.tickets is None:
-                return True
-            if self.tickets <= 0:
-                return False
-            self.tickets -= 1
-            return True
+                return wanted
+            granted = min(wanted, self.tickets)
+            self.tickets -= granted
+            return granted
+
+    def give_back_tickets(self, unused):
+        with self.lock:
+            if self.tickets is not None:
+                self.tickets += unused
 
     def work(self, forever):
         with self.db.closing():
@@ -3583,40 +3651,78 @@ class WorkerPool:
                 raise
 
     def claim_and_process(self, conn, forever):
-        while not self.stop.is_set():
-            if not self.may_claim(forever):
-                return
-            if not self.take_ticket():
-                return
-            post = self.claim(conn)
-            if post is None and self.stop.is_set():
-                return
-            if post is None:
-                with self.lock:
-                    self.tickets = None if self.tickets is None else self.tickets + 1
-                if not forever:
-                    return
-                self.idle()
-                continue
-            self.process(conn, post)
+        """Claim a batch, classify its posts one by one, then write their
+        verdicts with the next claim; the batch grows while posts are fast."""
+        in_hand, finished, size = collections.deque(), [], 1
+        try:
+            while not self.stop.is_set():
+                if not in_hand:
+                    if finished and self.stats.ollama_down:
+                        self.take_turn(conn, finished, 0)     # may_claim may wait a while
+                        finished = []
+                    wanted = self.take_tickets(size) if self.may_claim(forever) else 0
+                    posts = self.take_turn(conn, finished, wanted)
+                    finished = []
+                    self.give_back_tickets(wanted - len(posts))
+                    if not wanted or (not posts and (self.stop.is_set() or not forever)):
+                        return
+                    if not posts:
+                        self.idle()
+                        continue
+                    in_hand.extend(posts)
+                    started = time.monotonic()
+                post = in_hand.popleft()
+                if in_hand and not self.quick(post):
+                    # Slow work ahead (an article, the LLM): the rest of the
+                    # batch goes back to the queue rather than wait for it.
+                    self.put_down(conn, finished, in_hand)
+                    finished, size = [], 1
+                verdict = self.process(conn, post)
+                if verdict is None:
+                    size = 1
+                    continue
+                finished.append((post, verdict))
+                if not in_hand:
+                    fast = time.monotonic() - started < BATCH_WINDOW
+                    size = min(size * 2, MAX_BATCH) if fast else 1
+        finally:
+            self.put_down(conn, finished, in_hand)
 
-    def claim(self, conn):
-        """claim_post, counted while it runs, so a stop can wait for claims
-        still blocked on the database; one that lands after the stop is
+    def quick(self, post):
+        quick = getattr(self.classify, "quick", None)
+        return quick(post) if quick else True
+
+    def put_down(self, conn, finished, in_hand):
+        """Write the verdicts in hand and give back the posts not yet
+        classified (their attempt uncounted)."""
+        if finished:
+            self.take_turn(conn, finished, 0)
+        if in_hand:
+            give_back_posts(conn, [post["claim_token"] for post in in_hand])
+            in_hand.clear()
+
+    def take_turn(self, conn, finished, wanted):
+        """Write the finished verdicts and claim up to `wanted` posts, in one
+        transaction; counted while it runs, so a stop can wait for claims
+        still blocked on the database. Posts that land after a stop are
         given back at once."""
         with self.lock:
             if self.stop.is_set():
-                return None
+                wanted = 0
             self.claiming += 1
         try:
-            post = claim_post(conn)
+            written, posts = complete_and_claim(
+                conn, [(post["id"], post["claim_token"], verdict) for post, verdict in finished],
+                wanted)
         finally:
             with self.lock:
                 self.claiming -= 1
-        if post is not None and self.stop.is_set():
-            release_claims(conn, post["claim_token"])
-            return None
-        return post
+        for (post, verdict), ok in zip(finished, written):
+            self.note_written(conn, post, verdict, ok)
+        if posts and self.stop.is_set():
+            give_back_posts(conn, [post["claim_token"] for post in posts])
+            return []
+        return posts
 
     def may_claim(self, forever):
         """False once Ollama is down (for a one-off run); with --forever, wait
@@ -3659,17 +3765,15 @@ class WorkerPool:
         self.stop.wait(1.0)
 
     def process(self, conn, post):
+        """The post's verdict, or None when it failed (already written back)."""
         try:
-            verdict = self.classify(post)
+            return self.classify(post)
         except Exception as e:
             self.fail(conn, post, e)
-        else:
-            self.complete(conn, post, verdict)
+            return None
 
-    def complete(self, conn, post, verdict):
-        written = complete_post(conn, post["id"], post["claim_token"], verdict)
+    def note_written(self, conn, post, verdict, written):
         if "llm_seconds" in verdict:
-            count_llm_call(conn, verdict["llm_seconds"])
             if self.stats.ollama_down is None and get_meta(conn, "ollama_down")[0] is not None:
                 delete_meta(conn, "ollama_down")
                 log.warning("Ollama answers again")
