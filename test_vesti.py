@@ -22,6 +22,7 @@ import collections
 import logging
 import os
 import pathlib
+import random
 import re
 import resource
 import select
@@ -940,6 +941,96 @@ def test_every_illformed_feed_is_stored_whole_or_recorded_as_an_error(home, serv
             assert run["status"] == "ok" and run["new_posts"] == posts, source["url"]
     assert summary.count("error") > 0 and summary.count("ok") > 0
     assert conn.execute("SELECT count(*) FROM runs WHERE status = 'running'").fetchone()[0] == 0
+
+
+# The fast parse path against feedparser ----------------------------------------
+
+# Where the fast path and feedparser may read a real feed differently, each
+# with its reason. None: the fast path reads only what it reads exactly as
+# feedparser does, and leaves everything else to feedparser.
+ACCEPTED_DIFFERENCES = {}
+DRAFT_FIELDS = ("external_id", "url", "canonical_url", "title", "text", "content_type",
+                "published_at", "url_identifies", "text_identifies")
+
+
+def read_both_ways(body, url, content_type, monkeypatch):
+    """(parse_feed as the crawler runs it, parse_feed through feedparser
+    alone), or None when the fast path declines the feed (both are then
+    feedparser's)."""
+    try:
+        vesti.read_plain_feed(body, url, content_type, 200)
+    except vesti.NotPlain:
+        return None
+
+    def parse():
+        try:
+            return vesti.parse_feed(body, url, 200, content_type=content_type,
+                                    fetched_at="2026-12-01 00:00:00")
+        except vesti.FeedError as e:
+            return str(e)
+    ours = parse()
+    with monkeypatch.context() as m:
+        m.setattr(vesti, "read_feed", lambda b, u, c, limit=None: vesti.read_with_feedparser(b, u, c))
+        theirs = parse()
+    return ours, theirs
+
+
+@pytest.mark.parametrize("content_type,at_least", [
+    (None, 50), ("application/rss+xml; charset=UTF-8", 45),
+    ("text/xml; charset=windows-1251", 30),          # a server's wrong charset, read as wrongly
+    ("text/xml", 5), ("text/html; charset=utf-8", 0)])
+def test_the_fast_parser_reads_every_real_feed_as_feedparser_does(content_type, at_least,
+                                                                   monkeypatch):
+    fast, differences = 0, {}
+    for path in REAL_FEEDS:
+        read = read_both_ways(path.read_bytes(), f"https://feeds.example/{path.name}",
+                              content_type, monkeypatch)
+        if read is None:
+            continue
+        fast, (ours, theirs) = fast + 1, read
+        if isinstance(ours, str) or isinstance(theirs, str):
+            assert ours == theirs, path.name
+            continue
+        feed_fields = ("last_build_date", "ttl", "warning", "keep_fragments")
+        assert [getattr(ours, f) for f in feed_fields] == [getattr(theirs, f) for f in feed_fields]
+        assert len(ours.drafts) == len(theirs.drafts), path.name
+        for mine, its in zip(ours.drafts, theirs.drafts):
+            for field in DRAFT_FIELDS:
+                if getattr(mine, field) != getattr(its, field):
+                    differences.setdefault((path.name, field), (getattr(mine, field),
+                                                                getattr(its, field)))
+    unexplained = {key: seen for key, seen in differences.items() if key not in ACCEPTED_DIFFERENCES}
+    assert not unexplained
+    assert fast >= at_least          # the fast path is taken, not only declined
+    assert at_least or fast == 0     # an HTML media type is feedparser's to judge
+
+
+def test_the_fast_parser_reads_dates_as_feedparser_does():
+    feedparser = pytest.importorskip("feedparser")
+    rng = random.Random(7)
+    days, months = "Mon Tue Wed Thu Fri Sat Sun".split(), "Jan Feb Mar Apr May Jun Jul Aug Sep Oct Nov Dec".split()
+    read_fast = 0
+    for _ in range(3000):
+        y, mo, d = rng.choice([1999, 2024, 2038]), rng.randint(1, 12), rng.randint(1, 31)
+        h, mi, se = rng.choice([0, 9, 23, 24]), rng.randint(0, 59), rng.randint(0, 60)
+        zone = rng.choice(["+0000", "-0500", "+0530", "GMT", "UT", "UTC", "Z", "EST", "+03:00", "z"])
+        for text in (f"{rng.choice(days)}, {d:02d} {months[mo - 1]} {y} {h:02d}:{mi:02d}:{se:02d} {zone}",
+                     f"{d} {rng.choice(['January', 'Dec', 'jul'])} {y} {h}:{mi:02d} {zone}",
+                     f"{y}-{mo:02d}-{d:02d}T{h:02d}:{mi:02d}:{se:02d}"
+                     f"{rng.choice(['Z', '+03:00', '-05:30', '.123Z', '+0300', ''])}",
+                     f"{rng.choice(['Tuesday', 'Foo', 'thu'])}, {d} {months[mo - 1]} {y} 10:00 {zone}"):
+            read_fast += vesti.plain_date(text) is not None
+            expected = feedparser.datetimes._parse_date(text)
+            got = vesti.feed_date(text)
+            assert (got and tuple(got)[:6]) == (expected and tuple(expected)[:6]), text
+    assert read_fast > 5000
+
+
+def test_the_fast_parser_takes_no_more_entries_than_it_keeps():
+    body = rss(items(500))
+    reading = vesti.read_plain_feed(body, "http://x/feed", "application/rss+xml", 200)
+    assert len(reading.entries) == 200
+    assert len(vesti.parse_feed(body, "http://x/feed", 200).drafts) == 200
 
 
 def test_fragment_only_links_keep_every_entry_apart(home, server):
@@ -2431,6 +2522,8 @@ def test_stored_edited_and_deleted_posts_keep_search_and_counts_right(tmp_path):
     conn.execute("INSERT INTO sources (slug, url) VALUES ('a', 'http://a/')")
     text = "A quokka was seen near the river bank this morning by many walkers. "
     assert vesti.store_posts(conn, 1, None, [draft(f"http://a.com/{k}", text * k) for k in (1, 2)]) == 2
+    assert searched(conn, "quokka") == []                 # taken in later, many at once
+    vesti.catch_up_index(conn)
     assert searched(conn, "quokka") == [1, 2]
     conn.execute("UPDATE posts SET text = 'A wombat instead.', classified = 1, relevance = 5 "
                  "WHERE id = 1")
@@ -2439,6 +2532,7 @@ def test_stored_edited_and_deleted_posts_keep_search_and_counts_right(tmp_path):
     conn.execute("DELETE FROM posts WHERE id = 2")        # by hand: the newest post
     assert vesti.store_posts(conn, 1, None, [draft("http://a.com/3", "A platypus swam by. " * 3)]) == 1
     assert conn.execute("SELECT max(id) FROM posts").fetchone()[0] == 2   # its id, handed out again
+    vesti.catch_up_index(conn)
     assert searched(conn, "quokka") == [] and searched(conn, "platypus") == [2]
     conn.execute("INSERT INTO posts (source_id, text, classified, relevance, status) "
                  "VALUES (1, 'An echidna, by hand.', 1, 5, 'approved')")
@@ -2511,6 +2605,7 @@ def test_a_database_of_the_previous_version_keeps_its_counts_and_search(tmp_path
     conn.execute("UPDATE posts SET status = 'approved' WHERE id = 1")
     assert counted(conn) == {("new", 5): 3, ("approved", 5): 1}
     assert vesti.store_posts(conn, 1, None, [draft("http://a.com/5", "One more quokka. " * 5)]) == 1
+    vesti.catch_up_index(conn)
     assert searched(conn, "quokka") == [1, 2, 3, 4, 5]
     conn.execute("INSERT INTO posts_fts (posts_fts) VALUES ('integrity-check')")
     names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}

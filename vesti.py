@@ -853,20 +853,33 @@ def connect(path, busy_timeout=30):
     return conn
 
 
+# One lock per database file for the threads of this process: they queue for
+# the write lock here, woken the moment it is free, instead of in SQLite,
+# whose busy handler sleeps and polls.
+WRITE_LOCKS = {}
+_write_locks_lock = threading.Lock()
+
+
+def write_lock(path):
+    with _write_locks_lock:
+        return WRITE_LOCKS.setdefault(path, threading.RLock())
+
+
 @contextlib.contextmanager
 def transaction(conn):
     """BEGIN IMMEDIATE: take the write lock first, so no read-then-write
     transaction ever fails with 'database is locked'."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        yield conn
-    except BaseException:
-        # SQLite may have rolled back already (a full disk does that).
-        if conn.in_transaction:
-            with contextlib.suppress(sqlite3.Error, StorageError):
-                conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
+    with write_lock(conn.path):
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            # SQLite may have rolled back already (a full disk does that).
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error, StorageError):
+                    conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
 
 
 def has_fts5():
@@ -977,10 +990,8 @@ def index_new_posts(conn):
     mark = get_meta(conn, INDEXED_TO)[0]
     if mark is None:
         return reindex_posts(conn)
-    mark = int(mark)
+    mark = settle_index_mark(conn, int(mark), top)
     if mark >= top:
-        if mark > top:  # the newest posts were deleted: SQLite hands their ids out again
-            set_meta(conn, INDEXED_TO, top)
         return 0
     new = "FROM posts WHERE id > ? AND id <= ?"
     ready_source_counts(conn, mark + 1, top)
@@ -990,6 +1001,20 @@ def index_new_posts(conn):
     count_posts(conn, mark, top)
     set_meta(conn, INDEXED_TO, top)
     return top - mark
+
+
+def settle_index_mark(conn, mark=None, top=None):
+    """Lower the mark when the newest posts were deleted after they were
+    taken in: SQLite hands their ids out again, and the posts that get them
+    must be taken in too. Returns the mark."""
+    if top is None:
+        top = conn.execute("SELECT coalesce(max(id), 0) FROM posts").fetchone()[0]
+    if mark is None:
+        mark = int(get_meta(conn, INDEXED_TO)[0] or 0)
+    if mark > top:
+        set_meta(conn, INDEXED_TO, top)
+        return top
+    return mark
 
 
 COUNT_TABLES = {"post_counts": "", "source_post_counts": "coalesce(source_id, 0), "}
@@ -1304,42 +1329,45 @@ def is_stored(conn, source_id, draft, sha):
     """Stored already: the same canonical URL (where it identifies an entry),
     the same text (where it identifies one), or the same entry id of the
     same source."""
-    if draft.canonical_url and draft.url_identifies and conn.execute(
-            "SELECT 1 FROM posts WHERE canonical_url = ? LIMIT 1",
-            (draft.canonical_url,)).fetchone():
-        return True
-    if conn.execute("SELECT 1 FROM posts WHERE source_id = ? AND external_id = ? LIMIT 1",
-                    (source_id, draft.external_id)).fetchone():
-        return True
-    return bool(sha) and conn.execute(
-        "SELECT 1 FROM posts WHERE sha256 = ? LIMIT 1", (sha,)).fetchone() is not None
+    url = draft.canonical_url if draft.canonical_url and draft.url_identifies else None
+    return conn.execute("""
+        SELECT EXISTS (SELECT 1 FROM posts WHERE canonical_url = :url)
+            OR EXISTS (SELECT 1 FROM posts WHERE source_id = :source AND external_id = :id)
+            OR EXISTS (SELECT 1 FROM posts WHERE sha256 = :sha)""",
+        {"url": url, "source": source_id, "id": draft.external_id, "sha": sha}).fetchone()[0] == 1
 
 
 def store_posts(conn, source_id, direction, drafts, fetched_at=None):
-    """Queue the drafts that are new (see is_stored), in one transaction,
-    counted and searchable at once (index_new_posts)."""
+    """Queue the drafts that are new (see is_stored), in one transaction.
+    They are counted and made searchable later, many at once
+    (index_new_posts): by the workers before they classify, by the page
+    before it reads."""
+    with transaction(conn):
+        return insert_new_posts(conn, source_id, direction, drafts, fetched_at)
+
+
+def insert_new_posts(conn, source_id, direction, drafts, fetched_at=None):
+    """store_posts in the caller's transaction. Returns how many were new."""
     fetched_at = fetched_at or utc_text()
     new = 0
-    with transaction(conn):
-        index_new_posts(conn)
-        for draft in drafts:
-            sha = text_sha256(draft.text) if draft.text_identifies else None
-            if is_stored(conn, source_id, draft, sha):
-                continue
-            conn.execute("""
-                INSERT INTO posts (source_id, external_id, url, canonical_url, title, text,
-                                   content_type, sha256, fetched_at, published_at,
-                                   classified, direction, article_url, edited_at)
-                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
-            """, (source_id, draft.external_id, draft.url, draft.canonical_url,
-                  draft.title, draft.text, draft.content_type, sha, fetched_at,
-                  draft.published_at or fetched_at, PENDING, direction,
-                  draft.article_url, draft.edited_at))
-            new += 1
-        if new:
-            conn.execute("UPDATE sources SET post_count = post_count + ? WHERE id = ?",
-                         (new, source_id))
-            index_new_posts(conn)
+    settle_index_mark(conn)
+    for draft in drafts:
+        sha = text_sha256(draft.text) if draft.text_identifies else None
+        if is_stored(conn, source_id, draft, sha):
+            continue
+        conn.execute("""
+            INSERT INTO posts (source_id, external_id, url, canonical_url, title, text,
+                               content_type, sha256, fetched_at, published_at,
+                               classified, direction, article_url, edited_at)
+            VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+        """, (source_id, draft.external_id, draft.url, draft.canonical_url,
+              draft.title, draft.text, draft.content_type, sha, fetched_at,
+              draft.published_at or fetched_at, PENDING, direction,
+              draft.article_url, draft.edited_at))
+        new += 1
+    if new:
+        conn.execute("UPDATE sources SET post_count = post_count + ? WHERE id = ?",
+                     (new, source_id))
     return new
 
 
@@ -1844,8 +1872,8 @@ SOURCE_FIELDS = ("slug", "name", "crawler", "url", "direction", "priority", "ena
 DIRECTION_FIELDS = ("title", "keywords")
 
 
-def _yaml_loader(yaml, path):
-    class LineLoader(yaml.SafeLoader):
+def _yaml_loader(yaml, path, base=None):
+    class LineLoader(base or yaml.SafeLoader):
         """Remembers the line of every mapping, for error messages, and
         refuses a key given twice (YAML would keep the last silently), keys
         that are not plain values, and aliases (a few nested ones expand
@@ -1882,11 +1910,42 @@ def check_fields(label, mapping, allowed):
             raise ConfigError(f"{label}: unknown field {key!r} (expected {', '.join(allowed)})")
 
 
+# Deeper than this, a YAML file is not a source registry.
+MAX_NESTING = 50
+
+
+def nesting(value):
+    """How deep lists and mappings nest in a loaded YAML value."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth <= MAX_NESTING:
+                stack.extend((item, depth + 1) for item in
+                             (value.values() if isinstance(value, dict) else value))
+    return deepest
+
+
+# A YAML anchor or alias may start here: such a file is read by the loader
+# that can name the alias.
+MAYBE_ALIAS = re.compile(r"(?:^|[\s\[{,])[&*]\S")
+
+
 def read_yaml(path):
     yaml = import_optional("yaml", "pyyaml", "reading sources.yaml")
     try:
         with open(path, encoding="utf-8") as f:
-            return yaml.load(f, Loader=_yaml_loader(yaml, path))
+            text = f.read()
+        if getattr(yaml, "CSafeLoader", None) and not MAYBE_ALIAS.search(text):
+            # libyaml reads a registry of thousands of sources ten times
+            # faster; any trouble is read again below, for the same message.
+            with contextlib.suppress(yaml.YAMLError, RecursionError):
+                loaded = yaml.load(text, Loader=_yaml_loader(yaml, path, yaml.CSafeLoader))
+                if nesting(loaded) > MAX_NESTING:
+                    raise RecursionError
+                return loaded
+        return yaml.load(text, Loader=_yaml_loader(yaml, path))
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found (set VESTI_SOURCES or --sources)") from None
     except OSError as e:
@@ -3023,10 +3082,13 @@ class Fetched:
     new: int = 0
     note: str = None
     fresh_for: int = None
+    state: dict = dataclasses.field(default_factory=dict)    # rss_state to save
+    drafts: list = ()                                         # posts to store
 
 
 def fetch_feed(conn, source, settings, gate):
-    """One conditional fetch of one feed, stored."""
+    """One conditional fetch of one feed, read and parsed; keep_fetched
+    stores it."""
     state = load_rss_state(conn, source["id"])
     response = conditional_get(source, state, settings, gate)
     check_status(response)
@@ -3038,22 +3100,30 @@ def fetch_feed(conn, source, settings, gate):
     warning = state.get("last_error") if state.get("status") in FETCHED else None
     cached = fresh_for(response.headers)
     if response.status == 304:
-        save_rss_state(conn, source["id"], status="not_modified", last_error=warning, **validators)
-        return Fetched("not_modified", fresh_for=polite_wait(cached, state.get("ttl")))
+        return Fetched("not_modified", fresh_for=polite_wait(cached, state.get("ttl")),
+                       state=dict(status="not_modified", last_error=warning, **validators))
     body_hash = hashlib.sha256(response.body).hexdigest()
     if body_hash == state.get("body_sha256"):
-        save_rss_state(conn, source["id"], status="unchanged", last_error=warning, **validators)
-        return Fetched("unchanged", fresh_for=polite_wait(cached, state.get("ttl")))
+        return Fetched("unchanged", fresh_for=polite_wait(cached, state.get("ttl")),
+                       state=dict(status="unchanged", last_error=warning, **validators))
     feed = parse_feed(response.body, response.url, settings.max_entries,
                       bool(state.get("keep_fragments")), response.headers.get("content-type"))
     if not feed.keep_fragments and fragments_seen_before(conn, source["id"], feed.drafts):
         feed = parse_feed(response.body, response.url, settings.max_entries, True,
                           response.headers.get("content-type"))
-    new = store_posts(conn, source["id"], source["direction"], feed.drafts)
-    save_rss_state(conn, source["id"], status="ok", last_error=feed.warning,
-                   body_sha256=body_hash, last_build_date=feed.last_build_date,
-                   keep_fragments=int(feed.keep_fragments), ttl=feed.ttl, **validators)
-    return Fetched("ok", new, feed.warning, polite_wait(cached, feed.ttl))
+    return Fetched("ok", 0, feed.warning, polite_wait(cached, feed.ttl), drafts=feed.drafts,
+                   state=dict(status="ok", last_error=feed.warning, body_sha256=body_hash,
+                              last_build_date=feed.last_build_date,
+                              keep_fragments=int(feed.keep_fragments), ttl=feed.ttl,
+                              **validators))
+
+
+def keep_fetched(conn, source, fetched):
+    """Store a fetch's new posts and the feed's state, in the caller's
+    transaction. Returns how many posts were new."""
+    fetched.new = insert_new_posts(conn, source["id"], source["direction"], fetched.drafts)
+    save_rss_state(conn, source["id"], **fetched.state)
+    return fetched.new
 
 
 def polite_wait(cached, ttl):
@@ -3067,40 +3137,47 @@ def crawl_feed(db, source, settings, gate, trigger="cli"):
     Never raises for what a feed or its server did wrong."""
     conn = db.conn()
     run_id = start_run(conn, source["id"], "rss", trigger)
-    result = record_feed_run(conn, source, settings, gate, run_id)
-    refresh_figures(conn, source["id"], settings.min_relevance)
-    return result
-
-
-def record_feed_run(conn, source, settings, gate, run_id):
     try:
         fetched = fetch_feed(conn, source, settings, gate)
-    except (SourceDeferred, HostBusy) as e:
-        record_deferral(conn, source, str(e), getattr(e, "seconds", 0))
-        save_rss_state(conn, source["id"], status="deferred", last_error=str(e))
-        finish_run(conn, run_id, "deferred", error=str(e))
-        return FeedResult(source["slug"], "deferred", error=str(e))
-    except (FetchError, FeedError) as e:
-        log.info("source %s: %s", source["slug"], e)
-        gone = isinstance(e, SourceGone)
-        record_failure(conn, source, str(e), settings.dead_after, dead_now=gone)
-        save_rss_state(conn, source["id"], status="gone" if gone else "error", last_error=str(e))
-        finish_run(conn, run_id, "error", error=str(e))
-        return FeedResult(source["slug"], "gone" if gone else "error", error=str(e))
+        with transaction(conn):        # what the fetch brought, recorded in one go
+            keep_fetched(conn, source, fetched)
+            record_success(conn, source, fetched.new, fetched.fresh_for)
+            finish_run(conn, run_id, "ok", fetched.new, fetched.note)
+            refresh_figures(conn, source["id"], settings.min_relevance)
     except StorageError:
         raise
     except Exception as e:
-        log.exception("source %s: unexpected error", source["slug"])
-        error = f"internal error: {type(e).__name__}: {e}"
-        record_failure(conn, source, error, settings.dead_after)
-        finish_run(conn, run_id, "error", error=error)
-        return FeedResult(source["slug"], "error", error=error)
-    record_success(conn, source, fetched.new, fetched.fresh_for)
-    finish_run(conn, run_id, "ok", fetched.new, fetched.note)
+        with transaction(conn):
+            result = record_feed_failure(conn, source, settings, run_id, e)
+            refresh_figures(conn, source["id"], settings.min_relevance)
+        return result
     log.info("source %s: %s, %d new posts%s", source["slug"], fetched.status.replace("_", " "),
              fetched.new, f"; next fetch in {duration_text(fetched.fresh_for)} at the earliest, "
              f"as the server asks" if fetched.fresh_for else "")
     return FeedResult(source["slug"], fetched.status, fetched.new)
+
+
+def record_feed_failure(conn, source, settings, run_id, error):
+    """A fetch that did not work, recorded on the source, its state and its
+    run, in the caller's transaction."""
+    if isinstance(error, (SourceDeferred, HostBusy)):
+        record_deferral(conn, source, str(error), getattr(error, "seconds", 0))
+        save_rss_state(conn, source["id"], status="deferred", last_error=str(error))
+        finish_run(conn, run_id, "deferred", error=str(error))
+        return FeedResult(source["slug"], "deferred", error=str(error))
+    if isinstance(error, (FetchError, FeedError)):
+        log.info("source %s: %s", source["slug"], error)
+        gone = isinstance(error, SourceGone)
+        record_failure(conn, source, str(error), settings.dead_after, dead_now=gone)
+        save_rss_state(conn, source["id"], status="gone" if gone else "error",
+                       last_error=str(error))
+        finish_run(conn, run_id, "error", error=str(error))
+        return FeedResult(source["slug"], "gone" if gone else "error", error=str(error))
+    log.error("source %s: unexpected error", source["slug"], exc_info=error)
+    message = f"internal error: {type(error).__name__}: {error}"
+    record_failure(conn, source, message, settings.dead_after)
+    finish_run(conn, run_id, "error", error=message)
+    return FeedResult(source["slug"], "error", error=message)
 
 
 def group_by_host(sources, url_of):
@@ -3944,6 +4021,7 @@ class WorkerPool:
         self.stats = WorkerStats()
         self.lock = threading.Lock()
         self.tickets = None
+        self.held = 0
         self.claiming = 0
         self.connection_failures = 0
         self.paused_until = 0.0
@@ -3952,14 +4030,17 @@ class WorkerPool:
 
     def run(self, workers, limit=None, forever=False):
         self.tickets = limit
-        self.expire_leases()
+        self.housekeeping()
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="worker") as pool:
             futures = [pool.submit(self.work, forever) for _ in range(workers)]
             for future in futures:
                 future.result()
         return self.stats
 
-    def expire_leases(self):
+    def housekeeping(self):
+        """Take back expired leases, and count and index the posts stored
+        since last time, so completions are counted as they happen."""
+        catch_up_index(self.db.conn())
         pending, failed = expire_leases(self.db.conn(), self.settings.lease_seconds,
                                         self.settings.max_attempts)
         self.last_expiry = time.monotonic()
@@ -4003,14 +4084,17 @@ class WorkerPool:
                     posts = self.take_turn(conn, finished, wanted)
                     finished = []
                     self.give_back_tickets(wanted - len(posts))
+                    if not posts and wanted and self.held and not forever:
+                        self.stop.wait(BATCH_WINDOW / 5)    # another batch may come back
+                        continue
                     if not wanted or (not posts and (self.stop.is_set() or not forever)):
                         return
                     if not posts:
                         self.idle()
                         continue
-                    in_hand.extend(posts)
+                    self.hold(in_hand, posts)
                     started = time.monotonic()
-                post = in_hand.popleft()
+                post = self.hold(in_hand, None)
                 if in_hand and not self.quick(post):
                     # Slow work ahead (an article, the LLM): the rest of the
                     # batch goes back to the queue rather than wait for it.
@@ -4031,6 +4115,17 @@ class WorkerPool:
         quick = getattr(self.classify, "quick", None)
         return quick(post) if quick else True
 
+    def hold(self, in_hand, posts):
+        """Take claimed posts in hand, or (posts None) the next one out of
+        it; self.held counts the posts held by every worker and not yet
+        begun, which may still come back to the queue."""
+        with self.lock:
+            if posts is None:
+                self.held -= 1
+                return in_hand.popleft()
+            self.held += len(posts)
+            in_hand.extend(posts)
+
     def put_down(self, conn, finished, in_hand):
         """Write the verdicts in hand and give back the posts not yet
         classified (their attempt uncounted)."""
@@ -4038,6 +4133,8 @@ class WorkerPool:
             self.take_turn(conn, finished, 0)
         if in_hand:
             give_back_posts(conn, [post["claim_token"] for post in in_hand])
+            with self.lock:
+                self.held -= len(in_hand)
             in_hand.clear()
 
     def take_turn(self, conn, finished, wanted):
@@ -4067,7 +4164,7 @@ class WorkerPool:
         """False once Ollama is down (for a one-off run); with --forever, wait
         and try again, and take back expired leases now and then."""
         if forever and self.lease_check_due():
-            self.expire_leases()
+            self.housekeeping()
         self.heartbeat()
         while self.stats.ollama_down:
             if not forever:
