@@ -169,5 +169,14 @@ CREATE TRIGGER IF NOT EXISTS posts_uncounted AFTER DELETE ON posts WHEN old.clas
 CREATE VIRTUAL TABLE IF NOT EXISTS posts_fts USING fts5(title, text, content='posts', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
 CREATE TRIGGER IF NOT EXISTS posts_fts_update AFTER UPDATE OF title, text ON posts WHEN old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN INSERT INTO posts_fts (posts_fts, rowid, title, text) VALUES ('delete', old.id, old.title, old.text); INSERT INTO posts_fts (rowid, title, text) VALUES (new.id, new.title, new.text); END;
 CREATE TRIGGER IF NOT EXISTS posts_fts_delete AFTER DELETE ON posts WHEN old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN INSERT INTO posts_fts (posts_fts, rowid, title, text) VALUES ('delete', old.id, old.title, old.text); END;
+-- Stories: the near-duplicate keys (MinHash bands of its text and of its lead)
+-- of every post the workers have looked at; a post's look-up for its story
+-- is a few index seeks. Keys of posts older than VESTI_STORY_HOURS are pruned.
+CREATE TABLE IF NOT EXISTS story_keys (
+    key INTEGER NOT NULL,
+    post_id INTEGER NOT NULL,
+    PRIMARY KEY (key, post_id)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS posts_story ON posts(story_id) WHERE story_id IS NOT NULL AND story_id != id;
 -- Runs still marked running: a stopped or killed crawl leaves them behind.
 CREATE INDEX IF NOT EXISTS runs_running ON runs(pid) WHERE status = 'running';

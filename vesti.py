@@ -193,6 +193,7 @@ SETTINGS = [
     ("VESTI_TG_EDIT_HOURS", "tg_edit_hours", _number(float, 30 * 24), "24"),
     ("VESTI_MIN_RELEVANCE", "min_relevance", _number(int, 10), "3"),
     ("VESTI_LANG", "lang", _choice("auto", "en", "ru"), "auto"),
+    ("VESTI_STORY_HOURS", "story_hours", _number(float, 30 * 24), "72"),
 ]
 
 
@@ -229,6 +230,7 @@ class Settings:
     tg_edit_hours: float
     min_relevance: int
     lang: str
+    story_hours: float
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
@@ -348,6 +350,10 @@ class TelegramFlood(VestiError):
 
 class TelegramDisconnected(VestiError):
     """The connection to Telegram is gone and did not come back."""
+
+
+class StoryPending(VestiError):
+    """The post's story has no verdict yet: the post waits for it."""
 
 
 class StorageError(VestiError):
@@ -710,6 +716,15 @@ CREATE TRIGGER IF NOT EXISTS posts_uncounted AFTER DELETE ON posts WHEN old.clas
 CREATE VIRTUAL TABLE IF NOT EXISTS posts_fts USING fts5(title, text, content='posts', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
 CREATE TRIGGER IF NOT EXISTS posts_fts_update AFTER UPDATE OF title, text ON posts WHEN old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN INSERT INTO posts_fts (posts_fts, rowid, title, text) VALUES ('delete', old.id, old.title, old.text); INSERT INTO posts_fts (rowid, title, text) VALUES (new.id, new.title, new.text); END;
 CREATE TRIGGER IF NOT EXISTS posts_fts_delete AFTER DELETE ON posts WHEN old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN INSERT INTO posts_fts (posts_fts, rowid, title, text) VALUES ('delete', old.id, old.title, old.text); END;
+-- Stories: the near-duplicate keys (MinHash bands of its text and of its lead)
+-- of every post the workers have looked at; a post's look-up for its story
+-- is a few index seeks. Keys of posts older than VESTI_STORY_HOURS are pruned.
+CREATE TABLE IF NOT EXISTS story_keys (
+    key INTEGER NOT NULL,
+    post_id INTEGER NOT NULL,
+    PRIMARY KEY (key, post_id)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS posts_story ON posts(story_id) WHERE story_id IS NOT NULL AND story_id != id;
 -- Runs still marked running: a stopped or killed crawl leaves them behind.
 CREATE INDEX IF NOT EXISTS runs_running ON runs(pid) WHERE status = 'running';
 """
@@ -1231,6 +1246,10 @@ def complete_and_claim(conn, completions, claims, now=None):
                    for post_id, token, verdict in completions]
         add_llm_calls(conn, [verdict["llm_seconds"] for _, _, verdict in completions
                              if "llm_seconds" in verdict])
+        joined = [verdict for _, _, verdict in completions if verdict.get("story")]
+        if joined:
+            upsert_counts(conn, {("stories_joined", ""): len(joined),
+                                 ("llm_calls_saved", ""): sum(v["llm_saved"] for v in joined)})
         posts = claim_posts(conn, claims, now) if claims else []
     return written, posts
 
@@ -1793,16 +1812,28 @@ def set_decision(conn, post_id, decision, editor):
 
 
 def set_decisions(conn, post_ids, decision, editor):
-    """One decision on many posts at once, and the approved figure of their
-    sources; returns how many exist."""
+    """One decision on many posts at once (on a story's first post, for the
+    whole story), and the approved figure of their sources; returns how many
+    of the posts exist."""
+    found, sources, now = 0, set(), utc_text()
     with transaction(conn):
-        sources = [row[0] for post_id in post_ids for row in conn.execute(
-            """UPDATE posts SET status = ?, decided_at = ?, decided_by = ? WHERE id = ?
-               RETURNING source_id""", (decision, utc_text(), editor, post_id))]
+        for post_id in post_ids:
+            row = conn.execute("""UPDATE posts SET status = ?, decided_at = ?, decided_by = ?
+                                  WHERE id = ? RETURNING source_id, story_id""",
+                               (decision, now, editor, post_id)).fetchone()
+            if row is None:
+                continue
+            found += 1
+            sources.add(row["source_id"])
+            if row["story_id"] == post_id:
+                sources.update(r[0] for r in conn.execute(
+                    """UPDATE posts SET status = ?, decided_at = ?, decided_by = ?
+                       WHERE story_id = ? AND id != ? RETURNING source_id""",
+                    (decision, now, editor, post_id, post_id)))
         conn.executemany("""UPDATE sources SET approved = (SELECT coalesce(sum(n), 0)
                                 FROM source_post_counts WHERE source_id = :id AND status = 'approved')
-                            WHERE id = :id""", [{"id": i} for i in set(sources)])
-    return len(sources)
+                            WHERE id = :id""", [{"id": i} for i in sources])
+    return found
 
 
 def decided_posts(conn, status="approved", direction=None, limit=None, since=None):
@@ -3934,6 +3965,182 @@ def fetch_full_text(url, summary, settings, gate, home=""):
 
 
 ###############################################################################
+# Stories #####################################################################
+###############################################################################
+
+# The same news in other words, found without a model: a post's text becomes
+# word shingles (three words in a row, Unicode-aware, numbers kept as written,
+# links and @handles dropped), MinHash signatures of its whole text and of its
+# lead, and LSH band keys kept in story_keys. A look-up seeks its own keys,
+# and checks the few posts found against its own text exactly: the same
+# story shares most of its wording (or, for a teaser, its lead is the other's
+# opening), and carries no number the other lacks ("QEMU 10.0" is not
+# "QEMU 10.1").
+STORY_WORD = re.compile(r"\w+(?:[.,:/-]\w+)*")
+STORY_NOISE = re.compile(r"https?://\S+|www\.\S+|t\.me/\S+|@\w+")
+SHINGLE = 3
+LEAD_WORDS = 40
+BAND_ROWS = 4
+BODY_BANDS = 16
+LEAD_BANDS = 8
+SAME_WORDING = 0.5       # Jaccard of shingles
+SAME_LEAD = 0.8          # share of a teaser's shingles found in the article
+TEASER_SHARE = 0.6       # a teaser has at most this share of the article's shingles
+STORY_CANDIDATES = 50
+# A copy whose story's first post is still being classified waits this long.
+STORY_WAIT = 10
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def story_words(title, text):
+    """The words a story is recognised by: the text's, or with a bare text
+    (a caption, a headline-only entry) the title's too."""
+    words = STORY_WORD.findall(STORY_NOISE.sub(" ", (text or "").casefold()))
+    if len(words) < SHINGLE * 3:
+        words = STORY_WORD.findall(STORY_NOISE.sub(" ", f"{title or ''} {text or ''}".casefold()))
+    return words
+
+
+def shingles(words):
+    """Stable 32-bit hashes of the word shingles (the same in every process)."""
+    if len(words) < SHINGLE:
+        return {zlib.crc32(" ".join(words).encode())} if words else set()
+    return {zlib.crc32(" ".join(words[i:i + SHINGLE]).encode())
+            for i in range(len(words) - SHINGLE + 1)}
+
+
+def minhash(hashes, count):
+    """A MinHash signature of `count` values (a power of two) in one pass:
+    each shingle's mixed hash falls in one of `count` bins, each bin keeps
+    its least value, and an empty bin borrows from the next full one (one
+    permutation hashing, densified by rotation)."""
+    bits = count.bit_length() - 1
+    shift, low = 64 - bits, (1 << (64 - bits)) - 1
+    bins = [None] * count
+    for h in hashes:
+        mixed = (h * _GOLDEN) & _MASK64
+        slot, value = mixed >> shift, mixed & low
+        if bins[slot] is None or value < bins[slot]:
+            bins[slot] = value
+    signature = list(bins)
+    for slot in range(count):
+        distance = 1
+        while signature[slot] is None:
+            borrowed = bins[(slot + distance) % count]
+            if borrowed is not None:
+                signature[slot] = borrowed + distance * low
+            distance += 1
+    return signature
+
+
+def band_keys(signature, kind):
+    """One 63-bit key per band of BAND_ROWS values."""
+    keys = []
+    for band in range(len(signature) // BAND_ROWS):
+        values = signature[band * BAND_ROWS:(band + 1) * BAND_ROWS]
+        digest = hashlib.blake2b(repr((kind, band, values)).encode(), digest_size=8).digest()
+        keys.append(int.from_bytes(digest, "big") >> 1)
+    return keys
+
+
+def story_keys(words):
+    """The lead's band keys (every post: a teaser is all lead), and the whole
+    text's when it is longer than its lead."""
+    lead = shingles(words[:LEAD_WORDS])
+    if not lead:
+        return []
+    keys = band_keys(minhash(lead, LEAD_BANDS * BAND_ROWS), "lead")
+    if len(words) > LEAD_WORDS:
+        keys += band_keys(minhash(shingles(words), BODY_BANDS * BAND_ROWS), "body")
+    return keys
+
+
+def numbers_of(words):
+    return {word for word in words if any(c.isdigit() for c in word)}
+
+
+def same_story(words, other_words):
+    """Checked exactly: the same wording, or a teaser that is the other's
+    opening; and no number in the shorter that the longer lacks."""
+    small, large = sorted((words, other_words), key=len)
+    if not numbers_of(small) <= numbers_of(large):
+        return False
+    a, b = shingles(small), shingles(large)
+    if not a or not b:
+        return False
+    shared = len(a & b)
+    if shared / len(a | b) >= SAME_WORDING:
+        return True
+    return len(a) <= TEASER_SHARE * len(b) and shared / len(a) >= SAME_LEAD
+
+
+def find_story(conn, post_id, words, keys, since):
+    """The story (its first post's id) of a post with these words and keys
+    among the posts fetched since `since`, or None."""
+    if not keys:
+        return None
+    marks = ", ".join("?" * len(keys))
+    rows = conn.execute(f"""
+        SELECT p.id, p.story_id, p.title, p.text FROM posts p
+        WHERE p.id IN (SELECT DISTINCT post_id FROM story_keys WHERE key IN ({marks})
+                       AND post_id != ? ORDER BY post_id DESC LIMIT {STORY_CANDIDATES})
+          AND p.fetched_at >= ?
+        ORDER BY p.id""", (*keys, post_id, since)).fetchall()
+    for row in rows:
+        if same_story(words, story_words(row["title"], row["text"])):
+            return row["story_id"] or row["id"]
+    return None
+
+
+def join_story(conn, post_id, title, text, hours, now=None):
+    """Find the post's story and enter the post in it, in one transaction, so
+    two copies looked at the same moment end in one story. Returns the
+    story's id (the post's own when it starts one)."""
+    words = story_words(title, text)
+    keys = story_keys(words)
+    since = utc_text((time.time() if now is None else now) - hours * 3600)
+    with transaction(conn):
+        story = find_story(conn, post_id, words, keys, since) or post_id
+        conn.execute("UPDATE posts SET story_id = ? WHERE id = ?", (story, post_id))
+        conn.executemany("INSERT OR IGNORE INTO story_keys (key, post_id) VALUES (?, ?)",
+                         [(key, post_id) for key in keys])
+    return story
+
+
+def story_verdict(conn, story):
+    """The verdict of a story's first post once it is classified; None when it
+    cannot give one (it failed, or is gone); StoryPending while it waits."""
+    row = conn.execute("""SELECT classified, direction, relevance, interest, summary, keywords,
+                                 reason FROM posts WHERE id = ?""", (story,)).fetchone()
+    if row is None or row["classified"] == FAILED:
+        return None
+    if row["classified"] != DONE:
+        raise StoryPending(f"waiting for the verdict of its story (post {story})")
+    return {key: row[key] for key in ("direction", "relevance", "interest", "summary",
+                                      "keywords", "reason")}
+
+
+def story_figures(conn):
+    """Stories with copies, posts that joined one, LLM calls saved."""
+    counted = counters(conn)
+    stories = conn.execute("""SELECT count(DISTINCT story_id) FROM posts
+                              WHERE story_id IS NOT NULL AND story_id != id""").fetchone()[0]
+    return {"stories": stories,
+            "joined": int(counted.get("stories_joined", {}).get("", 0)),
+            "llm_calls_saved": int(counted.get("llm_calls_saved", {}).get("", 0))}
+
+
+def prune_story_keys(conn, hours, now=None):
+    """Forget the keys of posts older than the story window."""
+    since = utc_text((time.time() if now is None else now) - hours * 3600)
+    first = conn.execute("SELECT min(id) FROM posts WHERE fetched_at >= ?", (since,)).fetchone()[0]
+    with transaction(conn):
+        return conn.execute("DELETE FROM story_keys WHERE post_id < ?",
+                            (first if first is not None else 1 << 62,)).rowcount
+
+
+###############################################################################
 # Worker ######################################################################
 ###############################################################################
 
@@ -3956,9 +4163,10 @@ class Classifier:
     """classify_text for a claimed post, with the article fetched first for
     summary-only posts."""
 
-    def __init__(self, registry, settings, gate=None):
+    def __init__(self, registry, settings, gate=None, db=None):
         self.settings = settings
         self.gate = gate or HostGate(settings.host_delay)
+        self.db = db        # with a database, posts are looked up in their stories
         self.use(registry)
 
     def use(self, registry):
@@ -3973,6 +4181,19 @@ class Classifier:
             home = post["source_url"] if "source_url" in post.keys() else None
             full_text = fetch_full_text(link, text, self.settings, self.gate, home or "")
             text = full_text or text
+        if self.db is not None:
+            conn = self.db.conn()
+            story = join_story(conn, post["id"], post["title"], text, self.settings.story_hours)
+            asks_llm = bool(self.settings.ollama_url) and bool(
+                keywords.matches(f"{post['title']}\n{text}"))
+            try:
+                copied = story_verdict(conn, story) if story != post["id"] else None
+            except StoryPending:
+                if asks_llm:
+                    raise           # waiting for the story's verdict saves an LLM call
+                copied = None
+            if copied is not None:
+                return {**copied, "text": full_text, "story": story, "llm_saved": asks_llm}
         verdict = classify_text(text, directions, self.settings, post["title"], keywords)
         return {**verdict, "text": full_text}
 
@@ -4237,6 +4458,8 @@ class WorkerPool:
         if unreachable:
             state = defer_post(conn, post["id"], post["claim_token"], message,
                                self.settings.retry_delay)
+        elif isinstance(error, StoryPending):
+            state = defer_post(conn, post["id"], post["claim_token"], message, STORY_WAIT)
         else:
             state = release_post(conn, post["id"], post["claim_token"], message,
                                  self.settings.max_attempts, self.settings.retry_delay)
@@ -4290,11 +4513,14 @@ def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
     workers = workers or settings.workers
     warn_short_lease(settings)
     ready_counts(db.conn(), registry.directions)
+    if time.time() - (parse_utc(get_meta(db.conn(), "story_keys_pruned")[0]) or 0) > 86400:
+        prune_story_keys(db.conn(), settings.story_hours)
+        set_meta(db.conn(), "story_keys_pruned", utc_text())
     pending = queue_sizes(db.conn())["pending"]
     total = pending if limit is None else min(limit, pending)
     progress = Progress("worker", total, quiet)
     stop = stop or threading.Event()
-    pool = WorkerPool(db, settings, classify or Classifier(registry, settings, gate), stop,
+    pool = WorkerPool(db, settings, classify or Classifier(registry, settings, gate, db), stop,
                       progress)
     try:
         finished, _ = run_until_stopped(lambda: pool.run(workers, limit, forever), stop,
@@ -4397,6 +4623,7 @@ STRINGS = {
         "show": "Show", "approve": "Approve", "reject": "Reject", "undo": "Undo",
         "reject_shown": "Reject all {n} shown", "relevance": "relevance", "interest": "interest",
         "keywords": "keywords", "reason": "why", "stored_text": "Stored text",
+        "more_sources": "+{n} sources", "every_copy": "every copy",
         "older": "older →", "first": "← newest", "untitled": "(untitled)",
         "empty_filtered": "No posts match these filters.",
         "empty_none": "No classified posts yet: they appear here as the workers classify "
@@ -4438,6 +4665,7 @@ STRINGS = {
         "reject": "Отклонить", "undo": "Вернуть", "reject_shown": "Отклонить все показанные ({n})",
         "relevance": "релевантность", "interest": "интерес", "keywords": "ключевые слова",
         "reason": "почему", "stored_text": "Сохранённый текст", "older": "старше →",
+        "more_sources": "ещё источников: {n}", "every_copy": "все копии",
         "first": "← новые", "untitled": "(без заголовка)",
         "empty_filtered": "Под эти фильтры ничего не подходит.",
         "empty_none": "Классифицированных постов пока нет: они появятся здесь, когда воркеры "
@@ -4667,6 +4895,7 @@ class DeskQuery:
     sort: str = "newest"
     after: tuple = None          # the keyset cursor: the last card of the page before
     decided: int = None          # a post just decided without JavaScript: kept in view
+    story: int = None            # every copy of one story, each its own card
 
     @classmethod
     def read(cls, query, directions, default_min):
@@ -4681,8 +4910,9 @@ class DeskQuery:
                    query.get("source") or None,
                    sort if sort in SORTS else "newest")
         desk.after = desk.cursor(query.get("after", ""))
-        decided = query.get("decided", "")
+        decided, story = query.get("decided", ""), query.get("story", "")
         desk.decided = int(decided) if re.fullmatch(r"[1-9][0-9]{0,17}", decided) else None
+        desk.story = int(story) if re.fullmatch(r"[1-9][0-9]{0,17}", story) else None
         return desk
 
     def cursor(self, text):
@@ -4697,7 +4927,7 @@ class DeskQuery:
         """The query string of this view (with changes), defaults left out."""
         values = {"direction": self.direction, "status": None if self.status == "new" else self.status,
                   "min": self.min, "q": self.q or None, "source": self.source,
-                  "sort": None if self.sort == "newest" else self.sort}
+                  "sort": None if self.sort == "newest" else self.sort, "story": self.story}
         values.update(changes)
         return values
 
@@ -4740,7 +4970,27 @@ def desk_filters(desk):
     if desk.source:
         where.append("p.source_id = (SELECT id FROM sources WHERE slug = ?)")
         params.append(desk.source)
+    if desk.story:
+        where.append("p.story_id = ?")
+        params.append(desk.story)
+    else:
+        where.append("(p.story_id IS NULL OR p.story_id = p.id)")    # one card per story
     return where, params
+
+
+def story_copies(conn, posts):
+    """{story's first post id: its other posts (id, url, source), earliest
+    first} for the cards of a page."""
+    ids = [post["id"] for post in posts]
+    copies = {}
+    if ids:
+        for row in conn.execute(f"""
+                SELECT p.story_id, p.id, p.url, s.name AS source FROM posts p
+                LEFT JOIN sources s ON s.id = p.source_id
+                WHERE p.story_id IN ({", ".join("?" * len(ids))}) AND p.id != p.story_id
+                ORDER BY p.published_at, p.id""", ids):
+            copies.setdefault(row["story_id"], []).append(row)
+    return copies
 
 
 DESK_COLUMNS = """p.id, p.title, p.url, p.summary, p.direction, p.relevance, p.interest,
@@ -4951,7 +5201,19 @@ def decision_form(post, page, back):
             f'<span class="badge state">{page.t("status." + post["status"])}</span></form>')
 
 
-def card_html(post, page, back):
+def story_line(post, copies, page):
+    """'+N sources: A, B, C · every copy' under a story's card."""
+    if not copies:
+        return ""
+    links = ", ".join(
+        f'<a href="{esc(c["url"])}" rel="noopener noreferrer" target="_blank">{esc(c["source"])}</a>'
+        if is_web_link(c["url"]) else esc(c["source"]) for c in copies)
+    every = page.link("/", story=post["id"], status="any", min=0)
+    return (f'<p class="small story">{page.t("more_sources", n=len(copies))}: {links} · '
+            f'<a href="{esc(every)}">{page.t("every_copy")}</a></p>')
+
+
+def card_html(post, page, back, copies=()):
     title = esc(post["title"] or page.strings["untitled"])
     link = (f'<a href="{esc(post["url"])}" rel="noopener noreferrer" target="_blank">{title}</a>'
             if is_web_link(post["url"]) else title)
@@ -4971,8 +5233,8 @@ def card_html(post, page, back):
             f'{page.t("utc")} · <span class="badge">{esc(direction)}</span> '
             f'{page.t("relevance")} <b>{esc(post["relevance"])}</b> · '
             f'{page.t("interest")} <b>{esc(post["interest"])}</b></p>'
-            f'<p>{esc(post["summary"])}</p>{why_html}{stored}{decision_form(post, page, back)}'
-            f'</article>')
+            f'<p>{esc(post["summary"])}</p>{story_line(post, copies, page)}{why_html}{stored}'
+            f'{decision_form(post, page, back)}</article>')
 
 
 def bulk_form(page, posts, back):
@@ -5051,7 +5313,8 @@ def desk_page(conn, desk, page, directions, settings, sources=None):
     counts = desk_counts(conn, desk)
     here = page.link("/", **desk.params(after="~".join(
         "" if v is None else str(v) for v in desk.after) if desk.after else None))
-    cards = "".join(card_html(p, page, here) for p in posts)
+    copies = {} if desk.story else story_copies(conn, posts)
+    cards = "".join(card_html(p, page, here, copies.get(p["id"], ())) for p in posts)
     if not cards:
         empty = "empty_filtered" if desk.direction or desk.q or desk.source or \
             desk.status != "new" or counts["hidden"] else "empty_none"
@@ -5188,6 +5451,14 @@ def metrics_text(conn):
         *metric_lines("llm_seconds", "histogram", "Seconds per LLM classification.", histogram),
         *metric_lines("classified_posts", "gauge", "Classified posts by the editor's decision.",
                       [("", f'status="{d}"', decisions.get(d) or 0) for d in DECISIONS]),
+        *metric_lines("stories_joined_total", "counter",
+                      "Posts that joined the story of an earlier post and took its verdict.",
+                      [("", "", counted.get("stories_joined", {}).get("", 0))]),
+        *metric_lines("llm_calls_saved_total", "counter",
+                      "LLM calls not made because the post's story had a verdict.",
+                      [("", "", counted.get("llm_calls_saved", {}).get("", 0))]),
+        *metric_lines("stories", "gauge", "Stories with more than one post.",
+                      [("", "", story_figures(conn)["stories"])]),
     ]
     return "\n".join(lines) + "\n"
 
@@ -5607,6 +5878,7 @@ class Scheduler:
             prune_runs(self.db.conn(), KEEP_RUNS_DAYS)
             if self.next_prune:
                 recount_posts(self.db.conn())
+            prune_story_keys(self.db.conn(), self.settings.story_hours)
             # Fresh statistics keep the desk's queries on their indexes as posts grow.
             self.db.conn().execute("PRAGMA optimize")
             self.next_prune = self.clock() + 86400
@@ -5864,13 +6136,16 @@ def status_report(conn):
               "last_new_at", "silent_since", "week_posts", "relevant_share", "approved")
     sources = [{field: row[field] for field in fields} | {"state": source_state(row)}
                for row in source_health(conn)]
-    return {"queue": queue_sizes(conn), "sources": sources}
+    return {"queue": queue_sizes(conn), "stories": story_figures(conn), "sources": sources}
 
 
 def print_status(report):
     queue = report["queue"]
     print("queue: " + ", ".join(f"{name.replace('_', ' ')} {count}"
                                 for name, count in queue.items()))
+    stories = report["stories"]
+    print(f"stories: {stories['stories']} with copies, {stories['joined']} posts joined one, "
+          f"{stories['llm_calls_saved']} LLM calls saved")
     rows = [("source", "crawler", "prio", "status", "errors", "posts", "7 days", "last new post",
              "last fetch", "last error")]
     for s in report["sources"]:
