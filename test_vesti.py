@@ -4111,6 +4111,7 @@ def test_posts_left_processing_by_a_database_from_before_leases_are_classified(h
     ("crawl", r"second / ideal = \d+\.\d+ +target <= "),
     ("worker", r"wall / ideal = \d+\.\d+ +target <= "),
     ("web", r"GET /api/queue +median +\d+\.\d ms"),
+    ("stories", r"median = \d+\.\d+ ms +target < 5 ms"),
 ])
 def test_every_benchmark_runs_in_smoke_mode(name, marker):
     """Each benchmark runs end to end with tiny sizes, prints its figures and
