@@ -4275,3 +4275,24 @@ def test_a_different_release_from_one_template_is_another_story(home):
     two = add_copy(conn, "daily", "QEMU 10.1.0", text.format(v="10.1.0"), "2026-12-01 09:00:00")
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
     assert [r[0] for r in conn.execute("SELECT story_id FROM posts ORDER BY id")] == [one, two]
+
+
+def test_a_teaser_whose_article_another_feed_carries_joins_that_story(home, server):
+    page = CORPUS / "html" / "bbc.com.52241221.html"
+    server.routes["/article"] = lambda request: (200, {"Content-Type": "text/html"},
+                                                 page.read_bytes())
+    article = vesti.extract_article(page.read_bytes(), server.url + "/article")
+    s, db = intake(home, [rss_source("wire", "http://wire.example/feed"),
+                          rss_source("daily", server.url + "/feed")])
+    conn = db.conn()
+    full = add_copy(conn, "wire", "New York from above", article, "2026-12-01 08:00:00")
+    teaser = conn.execute("""INSERT INTO posts (source_id, title, text, url, content_type,
+                             published_at, classified) VALUES (2, 'Drone over the city',
+                             'Drone footage from the city.', ?, 'summary', '2026-12-01 09:00:00', 0)""",
+                          (server.url + "/article",)).lastrowid
+    vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=1, quiet=True)
+    assert server.sent("/article")                          # the teaser's article was read
+    rows = {r["id"]: r for r in conn.execute("SELECT * FROM posts")}
+    assert rows[teaser]["story_id"] == full
+    assert (rows[teaser]["relevance"], rows[teaser]["summary"]) == \
+        (rows[full]["relevance"], rows[full]["summary"])
