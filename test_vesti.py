@@ -2547,7 +2547,8 @@ def counts_match_posts(conn):
     def rows(sql):
         return {tuple(r[:-1]): r[-1] for r in conn.execute(sql)}
     actual = rows("SELECT source_id, status, coalesce(direction, ''), coalesce(relevance, 0), "
-                  "count(*) FROM posts WHERE classified = 1 GROUP BY 1, 2, 3, 4")
+                  "count(*) FROM posts WHERE classified = 1 AND (story_id IS NULL OR story_id = id) "
+                  "GROUP BY 1, 2, 3, 4")
     overall = collections.Counter()
     for (_, *key), n in actual.items():
         overall[tuple(key)] += n
@@ -4239,6 +4240,9 @@ def test_copies_of_one_story_cost_one_llm_call_and_make_one_card(home):
                 ["approved", "approved", "approved", "new"]
             metrics = web.get("/metrics")[2]
             assert "vesti_llm_calls_saved_total 2" in metrics and "vesti_stories 1" in metrics
+            page = web.get("/?min=0&status=any")[2]
+            assert facet(page, "statuses", "approved") == 1 and facet(page, "statuses", "to decide") == 1
+            assert counts_match_posts(conn)
         finally:
             web.close()
     finally:
