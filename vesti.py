@@ -1367,12 +1367,28 @@ def store_posts(conn, source_id, direction, drafts, fetched_at=None):
         return insert_new_posts(conn, source_id, direction, drafts, fetched_at)
 
 
+def known_entries(conn, source_id, drafts):
+    """The entry ids of these drafts the source has given before, in one
+    query: most of a feed's entries are old news (see is_stored)."""
+    ids = list({draft.external_id for draft in drafts})
+    known = set()
+    for first in range(0, len(ids), 500):
+        chunk = ids[first:first + 500]
+        known.update(row[0] for row in conn.execute(
+            f"SELECT external_id FROM posts WHERE source_id = ? AND external_id IN "
+            f"({', '.join('?' * len(chunk))})", (source_id, *chunk)))
+    return known
+
+
 def insert_new_posts(conn, source_id, direction, drafts, fetched_at=None):
     """store_posts in the caller's transaction. Returns how many were new."""
     fetched_at = fetched_at or utc_text()
     new = 0
     settle_index_mark(conn)
+    known = known_entries(conn, source_id, drafts)
     for draft in drafts:
+        if draft.external_id in known:
+            continue
         sha = text_sha256(draft.text) if draft.text_identifies else None
         if is_stored(conn, source_id, draft, sha):
             continue
@@ -2553,6 +2569,11 @@ def canonical_url(url, base=None, keep_fragment=False):
     port, tracking parameters and (unless asked) the fragment dropped, relative
     links resolved against `base`. Kept parameters keep their order and
     spelling: what remains is still the link an editor clicks."""
+    return canonical_urls(url, base)[keep_fragment]
+
+
+def canonical_urls(url, base=None):
+    """canonical_url without and with the fragment, worked out once."""
     url = (url or "").strip()
     if base:
         url = urllib.parse.urljoin(base, url)
@@ -2560,7 +2581,7 @@ def canonical_url(url, base=None, keep_fragment=False):
         parts = urllib.parse.urlsplit(url)
         port = parts.port
     except ValueError:
-        return url
+        return url, url
     scheme = parts.scheme.lower()
     host = (parts.hostname or "").rstrip(".")
     if ":" in host:
@@ -2572,8 +2593,8 @@ def canonical_url(url, base=None, keep_fragment=False):
     path = parts.path or ("/" if netloc else "")
     query = "&".join(pair for pair in parts.query.split("&")
                      if pair and not is_tracking_param(pair))
-    fragment = parts.fragment if keep_fragment else ""
-    return urllib.parse.urlunsplit((scheme, netloc, path, query, fragment))
+    bare = urllib.parse.urlunsplit((scheme, netloc, path, query, ""))
+    return bare, urllib.parse.urlunsplit((scheme, netloc, path, query, parts.fragment))
 
 
 # Shorter than this, a feed's text is a teaser: the article is fetched in phase 3.
@@ -3001,11 +3022,10 @@ def plain_date(text):
         return None
 
 
-def entry_draft(entry, link, keep_fragments, fetched_at):
+def entry_draft(entry, link, canonical, fetched_at):
     title = readable(entry.get("title"), (entry.get("title_detail") or {}).get("type"))
     text, kind = entry_text(entry)
-    return Draft(entry_id(entry, link, title, text), link or None,
-                 canonical_url(link, keep_fragment=keep_fragments) if link else None,
+    return Draft(entry_id(entry, link, title, text), link or None, canonical,
                  title, text, kind, entry_published(entry, fetched_at))
 
 
@@ -3021,10 +3041,11 @@ def parse_feed(body, feed_url, max_entries, keep_fragments=False, content_type=N
             raise FeedError(f"not a feed (no entries found{reason})")
         return ParsedFeed([], built, None, keep_fragments, feed_ttl(reading.ttl))
     links = [entry_link(e, feed_url) for e in entries]
-    keep_fragments = keep_fragments or _fragment_sensitive(
-        [canonical_url(link, keep_fragment=True) for link in links if link])
+    canonical = [canonical_urls(link) if link else (None, None) for link in links]
+    keep_fragments = keep_fragments or _fragment_sensitive([whole for _, whole in canonical if whole])
     fetched_at = fetched_at or utc_text()
-    drafts = [entry_draft(e, link, keep_fragments, fetched_at) for e, link in zip(entries, links)]
+    drafts = [entry_draft(e, link, urls[keep_fragments], fetched_at)
+              for e, link, urls in zip(entries, links, canonical)]
     mark_ambiguous(drafts)
     warning = f"malformed feed, {len(drafts)} entries kept: {shorten(str(problem), 200)}" \
         if problem is not None else None
