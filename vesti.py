@@ -540,6 +540,124 @@ class Progress:
         return seconds
 
 
+# Stories: the same news in other words -------------------------------------
+
+# The same news in other words, found without a model: a post's text becomes
+# word shingles (three words in a row, Unicode-aware, numbers kept as written,
+# links and @handles dropped), MinHash signatures of its whole text and of its
+# lead, and LSH band keys kept in story_keys. A look-up seeks its own keys,
+# and checks the few posts found against its own text exactly: the same
+# story shares most of its wording (or, for a teaser, its lead is the other's
+# opening), and carries no number the other lacks ("QEMU 10.0" is not
+# "QEMU 10.1").
+STORY_WORD = re.compile(r"\w+(?:[.,:/-]\w+)*")
+STORY_NOISE = re.compile(r"https?://\S+|www\.\S+|t\.me/\S+|@\w+")
+SHINGLE = 3
+LEAD_WORDS = 40
+LEAD_NUMBERS = 20        # a teaser may stop anywhere after this many words
+BAND_ROWS = 4
+BODY_BANDS = 16
+LEAD_BANDS = 8
+SAME_WORDING = 0.5       # Jaccard of shingles
+SAME_LEAD = 0.8          # share of a teaser's shingles found in the article
+TEASER_SHARE = 0.6       # a teaser has at most this share of the article's shingles
+STORY_CANDIDATES = 20
+# Fewer words than this ("Photo of the day", "Read more…") tell no story apart.
+STORY_MIN_WORDS = 12
+# A copy whose story's first post is still being classified waits this long.
+STORY_WAIT = 10
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def story_words(title, text):
+    """The words a story is recognised by: the text's, or with a bare text
+    (a caption, a headline-only entry) the title's too."""
+    words = STORY_WORD.findall(STORY_NOISE.sub(" ", (text or "").casefold()))
+    if len(words) < SHINGLE * 3:
+        words = STORY_WORD.findall(STORY_NOISE.sub(" ", f"{title or ''} {text or ''}".casefold()))
+    return words
+
+
+def shingles(words):
+    """Stable 32-bit hashes of the word shingles (the same in every process)."""
+    if len(words) < SHINGLE:
+        return {zlib.crc32(" ".join(words).encode())} if words else set()
+    return {zlib.crc32(" ".join(words[i:i + SHINGLE]).encode())
+            for i in range(len(words) - SHINGLE + 1)}
+
+
+def minhash(hashes, count):
+    """A MinHash signature of `count` values (a power of two) in one pass:
+    each shingle's mixed hash falls in one of `count` bins, each bin keeps
+    its least value, and an empty bin borrows from the next full one (one
+    permutation hashing, densified by rotation)."""
+    bits = count.bit_length() - 1
+    shift, low = 64 - bits, (1 << (64 - bits)) - 1
+    bins = [None] * count
+    for h in hashes:
+        mixed = (h * _GOLDEN) & _MASK64
+        slot, value = mixed >> shift, mixed & low
+        if bins[slot] is None or value < bins[slot]:
+            bins[slot] = value
+    signature = list(bins)
+    for slot in range(count):
+        distance = 1
+        while signature[slot] is None:
+            borrowed = bins[(slot + distance) % count]
+            if borrowed is not None:
+                signature[slot] = borrowed + distance * low
+            distance += 1
+    return signature
+
+
+def band_keys(signature, kind, numbers):
+    """One 63-bit key per band of BAND_ROWS values. The numbers of the text
+    are part of every key: posts from one template with other figures
+    ("QEMU 10.0" and "10.1", today's rates) never even meet."""
+    keys = []
+    for band in range(len(signature) // BAND_ROWS):
+        values = signature[band * BAND_ROWS:(band + 1) * BAND_ROWS]
+        digest = hashlib.blake2b(repr((kind, band, values, numbers)).encode(),
+                                 digest_size=8).digest()
+        keys.append(int.from_bytes(digest, "big") >> 1)
+    return keys
+
+
+def story_keys(words):
+    """The lead's band keys (every post: a teaser is all lead), and the whole
+    text's when it is longer than its lead; none for a text too short to
+    tell one story from another."""
+    if len(words) < STORY_MIN_WORDS:
+        return []
+    lead = words[:LEAD_WORDS]
+    keys = band_keys(minhash(shingles(lead), LEAD_BANDS * BAND_ROWS), "lead",
+                     sorted(numbers_of(lead[:LEAD_NUMBERS])))
+    if len(words) > LEAD_WORDS:
+        keys += band_keys(minhash(shingles(words), BODY_BANDS * BAND_ROWS), "body",
+                          sorted(numbers_of(words)))
+    return keys
+
+
+def numbers_of(words):
+    return {word for word in words if any(c.isdigit() for c in word)}
+
+
+def same_story(words, other_words):
+    """Checked exactly: the same wording, or a teaser that is the other's
+    opening; and no number in the shorter that the longer lacks."""
+    small, large = sorted((words, other_words), key=len)
+    if not numbers_of(small) <= numbers_of(large):
+        return False
+    a, b = shingles(small), shingles(large)
+    if not a or not b:
+        return False
+    shared = len(a & b)
+    if shared / len(a | b) >= SAME_WORDING:
+        return True
+    return len(a) <= TEASER_SHARE * len(b) and shared / len(a) >= SAME_LEAD
+
+
 ###############################################################################
 # Storage #####################################################################
 ###############################################################################
@@ -1167,12 +1285,117 @@ class Database:
                 conn.close()
 
 
-# Queue ----------------------------------------------------------------------
-
 # posts.classified: the queue's states (NULL counts as pending).
 PENDING, PROCESSING, DONE, FAILED = 0, -1, 1, -2
 IS_PENDING = f"(classified IS NULL OR classified = {PENDING})"
 
+
+# Stories ---------------------------------------------------------------------
+
+def find_story(conn, post_id, words, keys, since):
+    """The story (its first post's id) of a post with these words and keys
+    among the posts fetched since `since`, or None."""
+    if not keys:
+        return None
+    marks = ", ".join("?" * len(keys))
+    rows = conn.execute(f"""
+        SELECT p.id, p.story_id, p.title, p.text FROM posts p
+        WHERE p.id IN (SELECT post_id FROM story_keys WHERE key IN ({marks}) AND post_id != ?
+                       GROUP BY post_id ORDER BY count(*) DESC, post_id DESC
+                       LIMIT {STORY_CANDIDATES})
+          AND p.fetched_at >= ?
+        ORDER BY p.id""", (*keys, post_id, since)).fetchall()
+    for row in rows:
+        if same_story(words, story_words(row["title"], row["text"])):
+            return row["story_id"] or row["id"]
+    return None
+
+
+def story_since(hours, now=None):
+    """The oldest fetch time of the posts a story is looked for among."""
+    return utc_text((time.time() if now is None else now) - hours * 3600)
+
+
+def enter_story(conn, post_id, words, keys, since):
+    """In the caller's transaction: the post's story (found, or its own),
+    its keys kept for the posts to come. A post that led a story and now
+    joins another takes its copies along. Returns the story's id."""
+    story = find_story(conn, post_id, words, keys, since) or post_id
+    if story != post_id:
+        conn.execute("UPDATE posts SET story_id = ? WHERE story_id = ? AND id != ?",
+                     (story, post_id, post_id))
+    conn.execute("UPDATE posts SET story_id = ? WHERE id = ?", (story, post_id))
+    conn.executemany("INSERT OR IGNORE INTO story_keys (key, post_id) VALUES (?, ?)",
+                     [(key, post_id) for key in keys])
+    return story
+
+
+def join_story(conn, post_id, title, text, hours, now=None):
+    """enter_story in a transaction of its own, so two copies looked at the
+    same moment end in one story."""
+    words = story_words(title, text)
+    with transaction(conn):
+        return enter_story(conn, post_id, words, story_keys(words), story_since(hours, now))
+
+
+VERDICT_FIELDS = ("direction", "relevance", "interest", "summary", "keywords", "reason")
+
+
+def story_verdict(conn, story):
+    """The verdict of a story's first post once it is classified; None when it
+    cannot give one (it failed, or is gone); StoryPending while it waits."""
+    row = conn.execute(f"SELECT classified, {', '.join(VERDICT_FIELDS)} FROM posts WHERE id = ?",
+                       (story,)).fetchone()
+    if row is None or row["classified"] == FAILED:
+        return None
+    if row["classified"] != DONE:
+        raise StoryPending(f"waiting for the verdict of its story (post {story})")
+    return {key: row[key] for key in VERDICT_FIELDS}
+
+
+def settle_story(conn, post_id, verdict):
+    """A quick post (no LLM call to save) enters its story as its verdict is
+    written, in the same transaction, and takes the story's verdict when
+    there is one."""
+    story = enter_story(conn, post_id, verdict["story_words"], verdict["story_keys"],
+                        verdict["story_since"])
+    found = None
+    if story != post_id:
+        with contextlib.suppress(StoryPending):
+            found = story_verdict(conn, story)
+            if found is None:
+                take_over_story(conn, story, post_id)
+                story = post_id
+    return {**verdict, **(found or {}), "story": story}
+
+
+def take_over_story(conn, story, post_id):
+    """A story whose first post failed or is gone is led by this post from
+    now on (or its copies would stay behind a card that is not there)."""
+    conn.execute("UPDATE posts SET story_id = ? WHERE story_id = ? OR id = ? OR id = ?",
+                 (post_id, story, story, post_id))
+
+
+def story_figures(conn):
+    """Stories with copies, posts that joined one, LLM calls saved."""
+    counted = counters(conn)
+    stories = conn.execute("""SELECT count(DISTINCT story_id) FROM posts
+                              WHERE story_id IS NOT NULL AND story_id != id""").fetchone()[0]
+    return {"stories": stories,
+            "joined": int(counted.get("stories_joined", {}).get("", 0)),
+            "llm_calls_saved": int(counted.get("llm_calls_saved", {}).get("", 0))}
+
+
+def prune_story_keys(conn, hours, now=None):
+    """Forget the keys of posts older than the story window."""
+    since = utc_text((time.time() if now is None else now) - hours * 3600)
+    first = conn.execute("SELECT min(id) FROM posts WHERE fetched_at >= ?", (since,)).fetchone()[0]
+    with transaction(conn):
+        return conn.execute("DELETE FROM story_keys WHERE post_id < ?",
+                            (first if first is not None else 1 << 62,)).rowcount
+
+
+# Queue ----------------------------------------------------------------------
 
 def queue_sizes(conn):
     """The four queue numbers, from posts alone (each from its state's index)."""
@@ -1230,28 +1453,36 @@ def complete_post(conn, post_id, token, verdict):
     cursor = conn.execute(f"""
         UPDATE posts SET classified = {DONE}, direction = :direction, relevance = :relevance,
                          interest = :interest, summary = :summary, keywords = :keywords,
-                         reason = :reason, error = NULL, claim_token = NULL{article}
+                         reason = :reason, error = NULL, claim_token = NULL,
+                         story_id = coalesce(:story, story_id){article}
         WHERE id = :id AND classified = {PROCESSING} AND claim_token = :token
     """, {"direction": verdict["direction"], "relevance": verdict["relevance"],
           "interest": verdict["interest"], "summary": verdict["summary"],
           "keywords": verdict.get("keywords"), "reason": verdict.get("reason"),
-          "text": verdict.get("text"), "id": post_id, "token": token})
+          "text": verdict.get("text"), "story": verdict.get("story"), "id": post_id,
+          "token": token})
     return cursor.rowcount == 1
 
 
 def complete_and_claim(conn, completions, claims, now=None):
     """In one transaction: complete_post for each (post id, claim token,
-    verdict), their LLM calls counted, then claim_posts for `claims` posts.
-    Returns (whether each verdict was written, the posts claimed)."""
+    verdict), quick posts entered in their stories (settle_story), LLM calls
+    and stories counted; then claim_posts for `claims` posts. Returns
+    (whether each verdict was written, the posts claimed)."""
     with transaction(conn):
-        written = [complete_post(conn, post_id, token, verdict)
-                   for post_id, token, verdict in completions]
+        written, counts = [], {}
+        for post_id, token, verdict in completions:
+            if "story_keys" in verdict:
+                verdict = settle_story(conn, post_id, verdict)
+            written.append(complete_post(conn, post_id, token, verdict))
+            if written[-1] and verdict.get("story") not in (None, post_id):
+                counts[("stories_joined", "")] = counts.get(("stories_joined", ""), 0) + 1
+                counts[("llm_calls_saved", "")] = (counts.get(("llm_calls_saved", ""), 0)
+                                                   + bool(verdict.get("llm_saved")))
         add_llm_calls(conn, [verdict["llm_seconds"] for _, _, verdict in completions
                              if "llm_seconds" in verdict])
-        joined = [verdict for _, _, verdict in completions if verdict.get("story")]
-        if joined:
-            upsert_counts(conn, {("stories_joined", ""): len(joined),
-                                 ("llm_calls_saved", ""): sum(v["llm_saved"] for v in joined)})
+        if counts:
+            upsert_counts(conn, counts)
         posts = claim_posts(conn, claims, now) if claims else []
     return written, posts
 
@@ -1274,18 +1505,21 @@ def release_post(conn, post_id, token, error, max_attempts, retry_delay, now=Non
     return None if row is None else row[0]
 
 
-def defer_post(conn, post_id, token, error, retry_delay, now=None):
-    """Put a post back because Ollama could not be reached: the post did not
-    fail, so the claim is given back (its attempt uncounted) and the error
-    is kept."""
+def defer_post(conn, post_id, token, error, retry_delay, now=None, text=None):
+    """Put a post back for a reason that is not its fault (Ollama cannot be
+    reached, its story's verdict is not there yet): the claim is given back
+    (its attempt uncounted), the error kept, and an article's text already
+    fetched (`text`) stored, so it is not fetched again."""
     now = time.time() if now is None else now
+    article = ", text = :text, content_type = 'full'" if text else ""
     row = conn.execute(f"""
-        UPDATE posts SET classified = {PENDING}, error = ?, claim_token = NULL,
+        UPDATE posts SET classified = {PENDING}, error = :error, claim_token = NULL,
                attempts = max(attempts - 1, 0),
-               next_attempt_at = strftime('%Y-%m-%d %H:%M:%S', ?, 'unixepoch', ?)
-        WHERE id = ? AND classified = {PROCESSING} AND claim_token = ?
+               next_attempt_at = strftime('%Y-%m-%d %H:%M:%S', :now, 'unixepoch', :delay){article}
+        WHERE id = :id AND classified = {PROCESSING} AND claim_token = :token
         RETURNING classified
-    """, (shorten(error, 2000), now, f"+{retry_delay} seconds", post_id, token)).fetchone()
+    """, {"error": shorten(error, 2000), "now": now, "delay": f"+{retry_delay} seconds",
+          "text": text, "id": post_id, "token": token}).fetchone()
     return None if row is None else row[0]
 
 
@@ -3988,182 +4222,6 @@ def fetch_full_text(url, summary, settings, gate, home=""):
 
 
 ###############################################################################
-# Stories #####################################################################
-###############################################################################
-
-# The same news in other words, found without a model: a post's text becomes
-# word shingles (three words in a row, Unicode-aware, numbers kept as written,
-# links and @handles dropped), MinHash signatures of its whole text and of its
-# lead, and LSH band keys kept in story_keys. A look-up seeks its own keys,
-# and checks the few posts found against its own text exactly: the same
-# story shares most of its wording (or, for a teaser, its lead is the other's
-# opening), and carries no number the other lacks ("QEMU 10.0" is not
-# "QEMU 10.1").
-STORY_WORD = re.compile(r"\w+(?:[.,:/-]\w+)*")
-STORY_NOISE = re.compile(r"https?://\S+|www\.\S+|t\.me/\S+|@\w+")
-SHINGLE = 3
-LEAD_WORDS = 40
-BAND_ROWS = 4
-BODY_BANDS = 16
-LEAD_BANDS = 8
-SAME_WORDING = 0.5       # Jaccard of shingles
-SAME_LEAD = 0.8          # share of a teaser's shingles found in the article
-TEASER_SHARE = 0.6       # a teaser has at most this share of the article's shingles
-STORY_CANDIDATES = 50
-# A copy whose story's first post is still being classified waits this long.
-STORY_WAIT = 10
-_MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-
-
-def story_words(title, text):
-    """The words a story is recognised by: the text's, or with a bare text
-    (a caption, a headline-only entry) the title's too."""
-    words = STORY_WORD.findall(STORY_NOISE.sub(" ", (text or "").casefold()))
-    if len(words) < SHINGLE * 3:
-        words = STORY_WORD.findall(STORY_NOISE.sub(" ", f"{title or ''} {text or ''}".casefold()))
-    return words
-
-
-def shingles(words):
-    """Stable 32-bit hashes of the word shingles (the same in every process)."""
-    if len(words) < SHINGLE:
-        return {zlib.crc32(" ".join(words).encode())} if words else set()
-    return {zlib.crc32(" ".join(words[i:i + SHINGLE]).encode())
-            for i in range(len(words) - SHINGLE + 1)}
-
-
-def minhash(hashes, count):
-    """A MinHash signature of `count` values (a power of two) in one pass:
-    each shingle's mixed hash falls in one of `count` bins, each bin keeps
-    its least value, and an empty bin borrows from the next full one (one
-    permutation hashing, densified by rotation)."""
-    bits = count.bit_length() - 1
-    shift, low = 64 - bits, (1 << (64 - bits)) - 1
-    bins = [None] * count
-    for h in hashes:
-        mixed = (h * _GOLDEN) & _MASK64
-        slot, value = mixed >> shift, mixed & low
-        if bins[slot] is None or value < bins[slot]:
-            bins[slot] = value
-    signature = list(bins)
-    for slot in range(count):
-        distance = 1
-        while signature[slot] is None:
-            borrowed = bins[(slot + distance) % count]
-            if borrowed is not None:
-                signature[slot] = borrowed + distance * low
-            distance += 1
-    return signature
-
-
-def band_keys(signature, kind):
-    """One 63-bit key per band of BAND_ROWS values."""
-    keys = []
-    for band in range(len(signature) // BAND_ROWS):
-        values = signature[band * BAND_ROWS:(band + 1) * BAND_ROWS]
-        digest = hashlib.blake2b(repr((kind, band, values)).encode(), digest_size=8).digest()
-        keys.append(int.from_bytes(digest, "big") >> 1)
-    return keys
-
-
-def story_keys(words):
-    """The lead's band keys (every post: a teaser is all lead), and the whole
-    text's when it is longer than its lead."""
-    lead = shingles(words[:LEAD_WORDS])
-    if not lead:
-        return []
-    keys = band_keys(minhash(lead, LEAD_BANDS * BAND_ROWS), "lead")
-    if len(words) > LEAD_WORDS:
-        keys += band_keys(minhash(shingles(words), BODY_BANDS * BAND_ROWS), "body")
-    return keys
-
-
-def numbers_of(words):
-    return {word for word in words if any(c.isdigit() for c in word)}
-
-
-def same_story(words, other_words):
-    """Checked exactly: the same wording, or a teaser that is the other's
-    opening; and no number in the shorter that the longer lacks."""
-    small, large = sorted((words, other_words), key=len)
-    if not numbers_of(small) <= numbers_of(large):
-        return False
-    a, b = shingles(small), shingles(large)
-    if not a or not b:
-        return False
-    shared = len(a & b)
-    if shared / len(a | b) >= SAME_WORDING:
-        return True
-    return len(a) <= TEASER_SHARE * len(b) and shared / len(a) >= SAME_LEAD
-
-
-def find_story(conn, post_id, words, keys, since):
-    """The story (its first post's id) of a post with these words and keys
-    among the posts fetched since `since`, or None."""
-    if not keys:
-        return None
-    marks = ", ".join("?" * len(keys))
-    rows = conn.execute(f"""
-        SELECT p.id, p.story_id, p.title, p.text FROM posts p
-        WHERE p.id IN (SELECT DISTINCT post_id FROM story_keys WHERE key IN ({marks})
-                       AND post_id != ? ORDER BY post_id DESC LIMIT {STORY_CANDIDATES})
-          AND p.fetched_at >= ?
-        ORDER BY p.id""", (*keys, post_id, since)).fetchall()
-    for row in rows:
-        if same_story(words, story_words(row["title"], row["text"])):
-            return row["story_id"] or row["id"]
-    return None
-
-
-def join_story(conn, post_id, title, text, hours, now=None):
-    """Find the post's story and enter the post in it, in one transaction, so
-    two copies looked at the same moment end in one story. Returns the
-    story's id (the post's own when it starts one)."""
-    words = story_words(title, text)
-    keys = story_keys(words)
-    since = utc_text((time.time() if now is None else now) - hours * 3600)
-    with transaction(conn):
-        story = find_story(conn, post_id, words, keys, since) or post_id
-        conn.execute("UPDATE posts SET story_id = ? WHERE id = ?", (story, post_id))
-        conn.executemany("INSERT OR IGNORE INTO story_keys (key, post_id) VALUES (?, ?)",
-                         [(key, post_id) for key in keys])
-    return story
-
-
-def story_verdict(conn, story):
-    """The verdict of a story's first post once it is classified; None when it
-    cannot give one (it failed, or is gone); StoryPending while it waits."""
-    row = conn.execute("""SELECT classified, direction, relevance, interest, summary, keywords,
-                                 reason FROM posts WHERE id = ?""", (story,)).fetchone()
-    if row is None or row["classified"] == FAILED:
-        return None
-    if row["classified"] != DONE:
-        raise StoryPending(f"waiting for the verdict of its story (post {story})")
-    return {key: row[key] for key in ("direction", "relevance", "interest", "summary",
-                                      "keywords", "reason")}
-
-
-def story_figures(conn):
-    """Stories with copies, posts that joined one, LLM calls saved."""
-    counted = counters(conn)
-    stories = conn.execute("""SELECT count(DISTINCT story_id) FROM posts
-                              WHERE story_id IS NOT NULL AND story_id != id""").fetchone()[0]
-    return {"stories": stories,
-            "joined": int(counted.get("stories_joined", {}).get("", 0)),
-            "llm_calls_saved": int(counted.get("llm_calls_saved", {}).get("", 0))}
-
-
-def prune_story_keys(conn, hours, now=None):
-    """Forget the keys of posts older than the story window."""
-    since = utc_text((time.time() if now is None else now) - hours * 3600)
-    first = conn.execute("SELECT min(id) FROM posts WHERE fetched_at >= ?", (since,)).fetchone()[0]
-    with transaction(conn):
-        return conn.execute("DELETE FROM story_keys WHERE post_id < ?",
-                            (first if first is not None else 1 << 62,)).rowcount
-
-
-###############################################################################
 # Worker ######################################################################
 ###############################################################################
 
@@ -4204,21 +4262,42 @@ class Classifier:
             home = post["source_url"] if "source_url" in post.keys() else None
             full_text = fetch_full_text(link, text, self.settings, self.gate, home or "")
             text = full_text or text
-        if self.db is not None:
-            conn = self.db.conn()
-            story = join_story(conn, post["id"], post["title"], text, self.settings.story_hours)
-            asks_llm = bool(self.settings.ollama_url) and bool(
-                keywords.matches(f"{post['title']}\n{text}"))
-            try:
-                copied = story_verdict(conn, story) if story != post["id"] else None
-            except StoryPending:
-                if asks_llm:
-                    raise           # waiting for the story's verdict saves an LLM call
-                copied = None
-            if copied is not None:
-                return {**copied, "text": full_text, "story": story, "llm_saved": asks_llm}
+        if self.db is None:
+            return {**classify_text(text, directions, self.settings, post["title"], keywords),
+                    "text": full_text}
+        words = story_words(post["title"], text)
+        story = {"story_words": words, "story_keys": story_keys(words),
+                 "story_since": story_since(self.settings.story_hours)}
+        if not (self.settings.ollama_url and keywords.matches(f"{post['title']}\n{text}")):
+            # Keywords alone decide: the story is entered as the verdict is written.
+            return {**classify_text(text, directions, self.settings, post["title"], keywords),
+                    "text": full_text, **story}
+        copied = self.story_verdict(post, full_text, story)
+        if copied is not None:
+            return copied
         verdict = classify_text(text, directions, self.settings, post["title"], keywords)
         return {**verdict, "text": full_text}
+
+    def story_verdict(self, post, full_text, story):
+        """Before an LLM call: the post enters its story at once (a copy met
+        at the same moment finds it), and takes the story's verdict when there
+        is one; StoryPending while the story's first post is classified."""
+        conn = self.db.conn()
+        with transaction(conn):
+            joined = enter_story(conn, post["id"], story["story_words"], story["story_keys"],
+                                 story["story_since"])
+        if joined == post["id"]:
+            return None
+        try:
+            found = story_verdict(conn, joined)
+        except StoryPending as e:
+            e.text = full_text          # kept, so the article is not fetched again
+            raise
+        if found is None:
+            with transaction(conn):
+                take_over_story(conn, joined, post["id"])
+            return None
+        return {**found, "text": full_text, "story": joined, "llm_saved": True}
 
     def quick(self, post):
         """True when the post's verdict needs no network: no article to
@@ -4482,7 +4561,8 @@ class WorkerPool:
             state = defer_post(conn, post["id"], post["claim_token"], message,
                                self.settings.retry_delay)
         elif isinstance(error, StoryPending):
-            state = defer_post(conn, post["id"], post["claim_token"], message, STORY_WAIT)
+            state = defer_post(conn, post["id"], post["claim_token"], message, STORY_WAIT,
+                               text=getattr(error, "text", None))
         else:
             state = release_post(conn, post["id"], post["claim_token"], message,
                                  self.settings.max_attempts, self.settings.retry_delay)
@@ -4490,7 +4570,8 @@ class WorkerPool:
             self.stats.failed += state == FAILED
             self.stats.returned += state == PENDING
             self.stats.lost += state is None
-            down = self.note_connection(unreachable, message)
+            # A copy waiting for its story says nothing about Ollama.
+            down = not isinstance(error, StoryPending) and self.note_connection(unreachable, message)
         if down:
             note_ollama_down(conn, message)
         if self.progress:
