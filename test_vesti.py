@@ -2543,17 +2543,17 @@ def test_stored_edited_and_deleted_posts_keep_search_and_counts_right(tmp_path):
 
 
 def counts_match_posts(conn):
-    """The desk's count tables say what counting the posts says."""
+    """The desk's count tables say what counting the posts says: every post
+    of a source, and a story once overall."""
     def rows(sql):
         return {tuple(r[:-1]): r[-1] for r in conn.execute(sql)}
-    actual = rows("SELECT source_id, status, coalesce(direction, ''), coalesce(relevance, 0), "
-                  "count(*) FROM posts WHERE classified = 1 AND (story_id IS NULL OR story_id = id) "
-                  "GROUP BY 1, 2, 3, 4")
-    overall = collections.Counter()
-    for (_, *key), n in actual.items():
-        overall[tuple(key)] += n
-    return rows("SELECT * FROM source_post_counts WHERE n != 0") == actual and \
-        rows("SELECT * FROM post_counts WHERE n != 0") == dict(overall)
+    columns = "status, coalesce(direction, ''), coalesce(relevance, 0)"
+    by_source = rows(f"SELECT source_id, {columns}, count(*) FROM posts WHERE classified = 1 "
+                     f"GROUP BY 1, 2, 3, 4")
+    cards = rows(f"SELECT {columns}, count(*) FROM posts WHERE classified = 1 "
+                 f"AND (story_id IS NULL OR story_id = id) GROUP BY 1, 2, 3")
+    return rows("SELECT * FROM source_post_counts WHERE n != 0") == by_source and \
+        rows("SELECT * FROM post_counts WHERE n != 0") == cards
 
 
 def test_counts_follow_the_worker_decisions_and_a_new_direction(home, server):
@@ -4056,8 +4056,10 @@ A_SOURCE = '  - slug: a\n    crawler: rss\n    url: "http://x.test/feed"\n'
     f"    name: {alias_bomb()}\n",
     "    ? [a, b]\n    : x\n",
     "    name: " + "[" * 5000 + "]" * 5000 + "\n",
+    "    name: " + "[" * 200000 + "]" * 200000 + "\n",
+    "    name: &n x\n    direction: *n\n",
     "    priority: 100000000000000000000000\n",
-], ids=["alias-bomb", "non-scalar-key", "5000-deep", "huge-priority"])
+], ids=["alias-bomb", "non-scalar-key", "5000-deep", "200000-deep", "one-alias", "huge-priority"])
 def test_a_hostile_sources_yaml_is_a_one_line_error(home, extra):
     (home / "sources.yaml").write_text(SOURCES_YAML.format(sources=A_SOURCE + extra))
     result = cli("status", cwd=home, timeout=30)
@@ -4247,6 +4249,37 @@ def test_copies_of_one_story_cost_one_llm_call_and_make_one_card(home):
             web.close()
     finally:
         fake.close()
+
+
+def test_a_sources_list_shows_its_copies_and_a_copy_decides_its_story(home):
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    first = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
+    copy = add_copy(conn, "daily", "Forty new buses", "Our correspondent: " + STORY,
+                    "2026-12-01 08:30:00")
+    other = add_copy(conn, "daily", "Comet this weekend", OTHER, "2026-12-01 09:30:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    assert conn.execute("SELECT story_id FROM posts WHERE id = ?", (copy,)).fetchone()[0] == first
+    web = Web(home, settings=s.replace(web_password="s3cret"))
+    try:
+        page = web.get("/?min=0&source=daily")[2]
+        assert card_ids(page) == [other, copy]                 # the copy is the daily's post
+        assert facet(page, "statuses", "to decide") == 2
+        card = re.search(rf'id="post-{copy}".*?</article>', page, re.S)[0]
+        assert "+1 sources" in card and "City Wire" in card
+        status, _, _ = web.post(f"/posts/{copy}/status", {"status": "approved",
+                                                          "token": web.token()})
+        assert status == 303
+        assert [r[0] for r in conn.execute("SELECT status FROM posts ORDER BY id")] == \
+            ["approved", "approved", "new"]
+        feed = json.loads(web.get("/approved.json")[2])
+        assert [item["title"] for item in feed["items"]] == ["Council approves transport budget"]
+        crawlers = web.get("/crawlers")[2]
+        assert counts_match_posts(conn)
+        approved = dict(conn.execute("SELECT slug, approved FROM sources"))
+        assert approved == {"wire": 1, "daily": 1, "radio": 0} and "The Daily" in crawlers
+    finally:
+        web.close()
 
 
 def test_two_copies_classified_at_once_make_one_story_and_one_llm_call(home):

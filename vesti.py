@@ -804,8 +804,8 @@ CREATE TABLE IF NOT EXISTS counters (
 );
 
 -- Classified posts counted by decision, direction and relevance (and the same
--- per source): the desk's filter counts without scanning posts. A story's
--- copies are not counted: the desk shows the story as one card. Posts up to
+-- per source): the desk's filter counts without scanning posts. Overall a
+-- story counts once, as the desk shows it; per source every post counts. Posts up to
 -- meta 'indexed_to' are counted here and searchable in posts_fts; newer ones
 -- are added in batches (index_new_posts), which costs a tenth of doing it
 -- row by row as they are stored. Triggers keep what is already in step.
@@ -826,9 +826,11 @@ CREATE TABLE IF NOT EXISTS source_post_counts (
 );
 -- A completion (the common case) only adds one to rows made ready beforehand
 -- (ready_counts): an insert in a trigger costs several times an update.
-CREATE TRIGGER IF NOT EXISTS posts_completed AFTER UPDATE OF classified ON posts WHEN new.classified = 1 AND old.classified IS NOT 1 AND new.status = 'new' AND (new.story_id IS NULL OR new.story_id = new.id) AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n + 1 WHERE status = 'new' AND direction = coalesce(new.direction, '') AND relevance = coalesce(new.relevance, 0); UPDATE source_post_counts SET n = n + 1 WHERE source_id = coalesce(new.source_id, 0) AND status = 'new' AND direction = coalesce(new.direction, '') AND relevance = coalesce(new.relevance, 0); END;
-CREATE TRIGGER IF NOT EXISTS posts_recounted AFTER UPDATE OF classified, status, direction, relevance, source_id, story_id ON posts WHEN (old.classified = 1 OR new.classified = 1) AND NOT (new.classified = 1 AND old.classified IS NOT 1 AND new.status = 'new' AND (new.story_id IS NULL OR new.story_id = new.id)) AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n - 1 WHERE old.classified = 1 AND (old.story_id IS NULL OR old.story_id = old.id) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); UPDATE source_post_counts SET n = n - 1 WHERE old.classified = 1 AND (old.story_id IS NULL OR old.story_id = old.id) AND source_id = coalesce(old.source_id, 0) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); INSERT INTO post_counts (status, direction, relevance, n) SELECT new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1 WHERE new.classified = 1 AND (new.story_id IS NULL OR new.story_id = new.id) ON CONFLICT DO UPDATE SET n = n + 1; INSERT INTO source_post_counts (source_id, status, direction, relevance, n) SELECT coalesce(new.source_id, 0), new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1 WHERE new.classified = 1 AND (new.story_id IS NULL OR new.story_id = new.id) ON CONFLICT DO UPDATE SET n = n + 1; END;
-CREATE TRIGGER IF NOT EXISTS posts_uncounted AFTER DELETE ON posts WHEN old.classified = 1 AND (old.story_id IS NULL OR old.story_id = old.id) AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n - 1 WHERE status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); UPDATE source_post_counts SET n = n - 1 WHERE source_id = coalesce(old.source_id, 0) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); END;
+-- post_counts counts the desk's cards (a story's copies are counted with its
+-- first post); source_post_counts counts every post of a source.
+CREATE TRIGGER IF NOT EXISTS posts_completed AFTER UPDATE OF classified ON posts WHEN new.classified = 1 AND old.classified IS NOT 1 AND new.status = 'new' AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n + 1 WHERE (new.story_id IS NULL OR new.story_id = new.id) AND status = 'new' AND direction = coalesce(new.direction, '') AND relevance = coalesce(new.relevance, 0); UPDATE source_post_counts SET n = n + 1 WHERE source_id = coalesce(new.source_id, 0) AND status = 'new' AND direction = coalesce(new.direction, '') AND relevance = coalesce(new.relevance, 0); END;
+CREATE TRIGGER IF NOT EXISTS posts_recounted AFTER UPDATE OF classified, status, direction, relevance, source_id, story_id ON posts WHEN (old.classified = 1 OR new.classified = 1) AND NOT (new.classified = 1 AND old.classified IS NOT 1 AND new.status = 'new') AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n - 1 WHERE old.classified = 1 AND (old.story_id IS NULL OR old.story_id = old.id) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); UPDATE source_post_counts SET n = n - 1 WHERE old.classified = 1 AND source_id = coalesce(old.source_id, 0) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); INSERT INTO post_counts (status, direction, relevance, n) SELECT new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1 WHERE new.classified = 1 AND (new.story_id IS NULL OR new.story_id = new.id) ON CONFLICT DO UPDATE SET n = n + 1; INSERT INTO source_post_counts (source_id, status, direction, relevance, n) SELECT coalesce(new.source_id, 0), new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1 WHERE new.classified = 1 ON CONFLICT DO UPDATE SET n = n + 1; END;
+CREATE TRIGGER IF NOT EXISTS posts_uncounted AFTER DELETE ON posts WHEN old.classified = 1 AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n - 1 WHERE (old.story_id IS NULL OR old.story_id = old.id) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); UPDATE source_post_counts SET n = n - 1 WHERE source_id = coalesce(old.source_id, 0) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); END;
 
 -- Full-text search over title and text (SQLite FTS5; where a Python build
 -- lacks it, search falls back to LIKE).
@@ -1080,6 +1082,7 @@ def migrate(conn):
     statements = schema_statements()
     tables = [s for s in statements if s.startswith(("CREATE TABLE", "CREATE VIRTUAL"))]
     existing = dict(conn.execute("SELECT name, sql FROM sqlite_master"))
+    recount = False
     with transaction(conn):
         for statement in tables:
             conn.execute(statement)
@@ -1091,12 +1094,16 @@ def migrate(conn):
             kind, name = statement.split()[1], statement.split()[5]
             if name in existing and existing[name] != statement.replace(" IF NOT EXISTS", "", 1):
                 conn.execute(f"DROP {kind} {name}")
+                recount |= "_counts " in statement     # counted by another rule until now
             conn.execute(statement)
         if "post_counts" not in existing or (FTS5 and "posts_fts" not in existing):
             reindex_posts(conn)
-        elif get_meta(conn, INDEXED_TO)[0] is None:
+            return
+        if get_meta(conn, INDEXED_TO)[0] is None:
             # Kept in step row by row until now: every post is in.
             set_meta(conn, INDEXED_TO, conn.execute("SELECT coalesce(max(id), 0) FROM posts").fetchone()[0])
+        if recount:
+            count_again(conn)
 
 
 # Posts up to this id are counted in post_counts and searchable in posts_fts.
@@ -1151,16 +1158,17 @@ def settle_index_mark(conn, mark=None, top=None):
     return mark
 
 
-COUNT_TABLES = {"post_counts": "", "source_post_counts": "coalesce(source_id, 0), "}
+# Each count table: its key columns before the post's, and which posts it counts.
+COUNT_TABLES = {"post_counts": ("", "AND (story_id IS NULL OR story_id = id)"),
+                "source_post_counts": ("coalesce(source_id, 0), ", "")}
 
 
 def count_posts(conn, after, last):
     """Add the classified posts with ids after..last to the count tables."""
-    for table, key in COUNT_TABLES.items():
+    for table, (key, counted) in COUNT_TABLES.items():
         columns = f"{key}status, coalesce(direction, ''), coalesce(relevance, 0)"
         conn.execute(f"""INSERT INTO {table} SELECT {columns}, count(*) FROM posts
-                         WHERE id > ? AND id <= ? AND classified = {DONE}
-                           AND (story_id IS NULL OR story_id = id)
+                         WHERE id > ? AND id <= ? AND classified = {DONE} {counted}
                          GROUP BY {columns} ON CONFLICT DO UPDATE SET n = n + excluded.n""",
                      (after, last))
 
@@ -1170,10 +1178,13 @@ def recount_posts(conn):
     completion trigger could not keep (a post of a direction gone from
     sources.yaml, a relevance set by hand out of range). `run` does it daily."""
     with transaction(conn):
-        mark = int(get_meta(conn, INDEXED_TO)[0] or 0)
-        for table in COUNT_TABLES:
-            conn.execute(f"UPDATE {table} SET n = 0")
-        count_posts(conn, 0, mark)
+        count_again(conn)
+
+
+def count_again(conn):
+    for table in COUNT_TABLES:
+        conn.execute(f"UPDATE {table} SET n = 0")
+    count_posts(conn, 0, int(get_meta(conn, INDEXED_TO)[0] or 0))
 
 
 RELEVANCES = range(11)
@@ -1214,9 +1225,10 @@ def ready_source_counts(conn, first, last):
 
 
 def catch_up_index(conn):
-    """Before counts or a search are read: take in posts stored by other
-    means than store_posts (by hand, by an older version). Writes only when
-    there is something to take in."""
+    """Take the posts stored since the last call into the counts and the
+    search index: done by the workers between batches and by the page and
+    /metrics before they read counts, so a crawl's writes stay short.
+    Writes only when there is something to take in."""
     top = conn.execute("SELECT coalesce(max(id), 0) FROM posts").fetchone()[0]
     if str(top) != get_meta(conn, INDEXED_TO)[0]:
         with transaction(conn):
@@ -2064,7 +2076,7 @@ def set_decision(conn, post_id, decision, editor):
 
 
 def set_decisions(conn, post_ids, decision, editor):
-    """One decision on many posts at once (on a story's first post, for the
+    """One decision on many posts at once (on any post of a story, for the
     whole story), and the approved figure of their sources; returns how many
     of the posts exist."""
     found, sources, now = 0, set(), utc_text()
@@ -2077,20 +2089,26 @@ def set_decisions(conn, post_ids, decision, editor):
                 continue
             found += 1
             sources.add(row["source_id"])
-            if row["story_id"] == post_id:
+            story = row["story_id"]
+            if story is not None:
                 sources.update(r[0] for r in conn.execute(
                     """UPDATE posts SET status = ?, decided_at = ?, decided_by = ?
-                       WHERE story_id = ? AND id != ? RETURNING source_id""",
-                    (decision, now, editor, post_id, post_id)))
+                       WHERE (story_id = ? OR id = ?) AND id != ? RETURNING source_id""",
+                    (decision, now, editor, story, story, post_id)))
         conn.executemany("""UPDATE sources SET approved = (SELECT coalesce(sum(n), 0)
                                 FROM source_post_counts WHERE source_id = :id AND status = 'approved')
                             WHERE id = :id""", [{"id": i} for i in sources])
     return found
 
 
+# A story is shown once, as its first post (a source's own list shows all).
+ONE_CARD_PER_STORY = "(p.story_id IS NULL OR p.story_id = p.id)"
+
+
 def decided_posts(conn, status="approved", direction=None, limit=None, since=None):
-    """Classified posts of one decision (or any), newest decision first."""
-    where, params = [f"p.classified = {DONE}"], []
+    """Classified posts of one decision (or any), newest decision first; a
+    story once, as its first post."""
+    where, params = [f"p.classified = {DONE}", ONE_CARD_PER_STORY], []
     if status != "any":
         where.append("p.status = ?")
         params.append(status)
@@ -2197,22 +2215,22 @@ def check_fields(label, mapping, allowed):
 MAX_NESTING = 50
 
 
-def nesting(value):
-    """How deep lists and mappings nest in a loaded YAML value."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, (dict, list)):
-            deepest = max(deepest, depth)
-            if depth <= MAX_NESTING:
-                stack.extend((item, depth + 1) for item in
-                             (value.values() if isinstance(value, dict) else value))
-    return deepest
-
-
-# A YAML anchor or alias may start here: such a file is read by the loader
-# that can name the alias.
-MAYBE_ALIAS = re.compile(r"(?:^|[\s\[{,])[&*]\S")
+def check_events(yaml, path, text):
+    """Refuses aliases and deep nesting from libyaml's event stream, which
+    is read without recursion: composing 200,000 nested lists in C would
+    overflow the stack before any check could run."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.CSafeLoader):
+        kind = type(event)
+        if kind is yaml.MappingStartEvent or kind is yaml.SequenceStartEvent:
+            depth += 1
+            if depth > MAX_NESTING:
+                raise RecursionError
+        elif kind is yaml.MappingEndEvent or kind is yaml.SequenceEndEvent:
+            depth -= 1
+        elif kind is yaml.AliasEvent:
+            raise ConfigError(f"{path}:{event.start_mark.line + 1}: aliases (*{event.anchor}) "
+                              f"are not supported; write the value out")
 
 
 def read_yaml(path):
@@ -2220,14 +2238,12 @@ def read_yaml(path):
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
-        if getattr(yaml, "CSafeLoader", None) and not MAYBE_ALIAS.search(text):
-            # libyaml reads a registry of thousands of sources ten times
-            # faster; any trouble is read again below, for the same message.
-            with contextlib.suppress(yaml.YAMLError, RecursionError):
-                loaded = yaml.load(text, Loader=_yaml_loader(yaml, path, yaml.CSafeLoader))
-                if nesting(loaded) > MAX_NESTING:
-                    raise RecursionError
-                return loaded
+        if getattr(yaml, "CSafeLoader", None):
+            # libyaml reads a registry of thousands of sources four times
+            # faster; a syntax error is read again below, for its message.
+            with contextlib.suppress(yaml.YAMLError):
+                check_events(yaml, path, text)
+                return yaml.load(text, Loader=_yaml_loader(yaml, path, yaml.CSafeLoader))
         return yaml.load(text, Loader=_yaml_loader(yaml, path))
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found (set VESTI_SOURCES or --sources)") from None
@@ -3051,12 +3067,12 @@ def parse_plain_xml(body, content_type):
         encoding = charset or "us-ascii"
     else:
         raise NotPlain(f"{mime} is not an XML media type")
-    if b"<!DOCTYPE" in body:
-        raise NotPlain("a DOCTYPE")
     try:
         text = body.decode("gb18030" if encoding.lower() == "gb2312" else encoding)
     except (UnicodeDecodeError, LookupError):
         raise NotPlain(f"not {encoding}") from None
+    if "<!DOCTYPE" in text or "<!ENTITY" in text:
+        raise NotPlain("a DOCTYPE")
     try:
         return ElementTree.fromstring(XML_DECLARATION.sub("", text, count=1))
     except (ElementTree.ParseError, ValueError) as e:
@@ -3119,7 +3135,7 @@ def resolve_link(base, link):
 SIMPLE_URL = re.compile(r"https?://[A-Za-z0-9.-]+(?::\d+)?(?:/[^\s?#]*)?(?:\?[^\s#]+)?(?:#\S+)?")
 
 
-def content_type_of(element, default, atom):
+def content_type_of(element, default):
     """A text field's type as feedparser decides it (fast path: text or HTML only)."""
     attributes = {k.lower(): v for k, v in element.attrib.items()}
     kind = (attributes.get("type") or default).lower()
@@ -3158,7 +3174,7 @@ def plain_entry(item, feed_url, atom):
 def read_entry_field(entry, field, element, feed_url, atom):
     if field in ("title", "description", "summary", "content", "encoded"):
         default = "text/html" if field in ("description", "encoded") else "text/plain"
-        kind = content_type_of(element, default, atom)
+        kind = content_type_of(element, default)
         value = element.text or ""
         value = value.strip()
         if not atom and kind == "text/plain" and looks_like_html(value):
@@ -4334,8 +4350,9 @@ class WorkerStats:
 
 
 class WorkerPool:
-    """Phase 3: N workers, each claiming one post at a time, classifying it
-    outside any transaction and writing the verdict only if its claim holds."""
+    """Phase 3: N workers, each claiming a batch of posts (one while posts
+    need the network or the LLM), classifying outside any transaction and
+    writing a verdict only if its claim holds."""
 
     def __init__(self, db, settings, classify, stop=None, progress=None):
         self.db, self.settings, self.classify = db, settings, classify
@@ -4417,10 +4434,11 @@ class WorkerPool:
                         continue
                     self.hold(in_hand, posts)
                     started = time.monotonic()
-                post = self.hold(in_hand, None)
-                if in_hand and not self.quick(post):
-                    # Slow work ahead (an article, the LLM): the rest of the
-                    # batch goes back to the queue rather than wait for it.
+                post = self.next_post(in_hand)
+                if (in_hand or finished) and not self.quick(post):
+                    # Slow work ahead (an article, the LLM): the verdicts in
+                    # hand are written and the rest of the batch goes back
+                    # to the queue rather than wait for it.
                     self.put_down(conn, finished, in_hand)
                     finished, size = [], 1
                 verdict = self.process(conn, post)
@@ -4439,15 +4457,16 @@ class WorkerPool:
         return quick(post) if quick else True
 
     def hold(self, in_hand, posts):
-        """Take claimed posts in hand, or (posts None) the next one out of
-        it; self.held counts the posts held by every worker and not yet
-        begun, which may still come back to the queue."""
+        """Take claimed posts in hand; self.held counts the posts held by
+        every worker and not yet begun, which may still go back to the queue."""
         with self.lock:
-            if posts is None:
-                self.held -= 1
-                return in_hand.popleft()
             self.held += len(posts)
             in_hand.extend(posts)
+
+    def next_post(self, in_hand):
+        with self.lock:
+            self.held -= 1
+            return in_hand.popleft()
 
     def put_down(self, conn, finished, in_hand):
         """Write the verdicts in hand and give back the posts not yet
@@ -5077,30 +5096,32 @@ def desk_filters(desk):
     if desk.story:
         where.append("p.story_id = ?")
         params.append(desk.story)
-    else:
-        where.append("(p.story_id IS NULL OR p.story_id = p.id)")    # one card per story
+    elif not desk.source:
+        where.append(ONE_CARD_PER_STORY)
     return where, params
 
 
+
 def story_copies(conn, posts):
-    """{story's first post id: its other posts (id, url, source), earliest
-    first} for the cards of a page."""
-    ids = [post["id"] for post in posts]
-    copies = {}
-    if ids:
+    """{card's post id: the other posts of its story (id, url, source),
+    earliest first} for the cards of a page."""
+    stories = {post["story_id"] for post in posts if post["story_id"] is not None}
+    members = {}
+    if stories:
         for row in conn.execute(f"""
                 SELECT p.story_id, p.id, p.url, s.name AS source FROM posts p
                 LEFT JOIN sources s ON s.id = p.source_id
-                WHERE p.story_id IN ({", ".join("?" * len(ids))}) AND p.id != p.story_id
-                ORDER BY p.published_at, p.id""", ids):
-            copies.setdefault(row["story_id"], []).append(row)
-    return copies
+                WHERE p.story_id IN ({", ".join("?" * len(stories))})
+                ORDER BY p.published_at, p.id""", sorted(stories)):
+            members.setdefault(row["story_id"], []).append(row)
+    return {post["id"]: [c for c in members.get(post["story_id"], ()) if c["id"] != post["id"]]
+            for post in posts}
 
 
 DESK_COLUMNS = """p.id, p.title, p.url, p.summary, p.direction, p.relevance, p.interest,
                   p.status, p.published_at, p.content_type, p.keywords, p.reason,
                   substr(p.text, 1, {card_text}) AS text, p.decided_at, p.decided_by,
-                  s.name AS source, s.slug AS source_slug""".format(card_text=CARD_TEXT + 1)
+                  p.story_id, s.name AS source, s.slug AS source_slug""".format(card_text=CARD_TEXT + 1)
 
 
 def desk_posts(conn, desk, limit=PAGE_SIZE + 1):
@@ -5181,8 +5202,9 @@ def next_cursor(desk, post):
 def desk_counts(conn, desk):
     """Posts per direction and per decision, each under the other filters,
     and the number hidden by the relevance floor. From post_counts (kept by
-    triggers); a search counts its matches when there are few enough."""
-    if desk.q:
+    triggers); a search counts its matches when there are few enough, a
+    story its posts."""
+    if desk.q or desk.story:
         return search_counts(conn, desk)
     table, where, params = "post_counts", [], []
     if desk.source:
@@ -5209,8 +5231,12 @@ def desk_counts(conn, desk):
 
 
 def search_counts(conn, desk):
-    """Counts over a search's matches, when at most SEARCH_COUNT_CAP."""
-    if FTS5:
+    """Counts over a search's matches (or a story's posts), when at most
+    SEARCH_COUNT_CAP."""
+    if not desk.q:
+        matches = "SELECT id FROM posts WHERE story_id = ? LIMIT ?"
+        values = [desk.story, SEARCH_COUNT_CAP + 1]
+    elif FTS5:
         matches = "SELECT rowid FROM posts_fts WHERE posts_fts MATCH ? LIMIT ?"
         values = [fts_query(desk.q), SEARCH_COUNT_CAP + 1]
     else:
@@ -5223,6 +5249,7 @@ def search_counts(conn, desk):
     marks = ",".join("?" * len(ids)) or "NULL"
     rows = conn.execute(f"""SELECT direction, status, relevance >= ? AS shown, count(*)
                             FROM posts p WHERE id IN ({marks}) AND +classified = {DONE}
+                            {"" if desk.source or desk.story else "AND " + ONE_CARD_PER_STORY}
                             {"AND p.source_id = (SELECT id FROM sources WHERE slug = ?)"
                              if desk.source else ""}
                             GROUP BY 1, 2, 3""",
@@ -5309,10 +5336,12 @@ def story_line(post, copies, page):
     """'+N sources: A, B, C · every copy' under a story's card."""
     if not copies:
         return ""
+    def name(copy):
+        return copy["source"] or urllib.parse.urlsplit(copy["url"] or "").hostname or f'#{copy["id"]}'
     links = ", ".join(
-        f'<a href="{esc(c["url"])}" rel="noopener noreferrer" target="_blank">{esc(c["source"])}</a>'
-        if is_web_link(c["url"]) else esc(c["source"]) for c in copies)
-    every = page.link("/", story=post["id"], status="any", min=0)
+        f'<a href="{esc(c["url"])}" rel="noopener noreferrer" target="_blank">{esc(name(c))}</a>'
+        if is_web_link(c["url"]) else esc(name(c)) for c in copies)
+    every = page.link("/", story=post["story_id"], status="any", min=0)
     return (f'<p class="small story">{page.t("more_sources", n=len(copies))}: {links} · '
             f'<a href="{esc(every)}">{page.t("every_copy")}</a></p>')
 
@@ -5553,7 +5582,7 @@ def metrics_text(conn):
                       [("", f'reason="{r}"', counted.get("llm_failures", {}).get(f'reason="{r}"', 0))
                        for r in ("unreachable", "answer")]),
         *metric_lines("llm_seconds", "histogram", "Seconds per LLM classification.", histogram),
-        *metric_lines("classified_posts", "gauge", "Classified posts by the editor's decision.",
+        *metric_lines("classified_posts", "gauge", "Classified posts by the editor's decision, a story once.",
                       [("", f'status="{d}"', decisions.get(d) or 0) for d in DECISIONS]),
         *metric_lines("stories_joined_total", "counter",
                       "Posts that joined the story of an earlier post and took its verdict.",
