@@ -4307,11 +4307,29 @@ def test_a_different_release_from_one_template_is_another_story(home):
     s, db, registry = story_home(home, "")
     conn = db.conn()
     text = ("QEMU {v} released. The QEMU team is pleased to announce version {v}, with new "
-            "devices, faster migration and many fixes; see the changelog for details on {v}.")
+            "devices, faster migration on Linux hosts and many fixes; see the changelog for "
+            "details on {v}.")
     one = add_copy(conn, "wire", "QEMU 10.0.0", text.format(v="10.0.0"), "2026-12-01 08:00:00")
     two = add_copy(conn, "daily", "QEMU 10.1.0", text.format(v="10.1.0"), "2026-12-01 09:00:00")
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
     assert [r[0] for r in conn.execute("SELECT story_id FROM posts ORDER BY id")] == [one, two]
+
+
+def test_posts_of_no_direction_and_stories_turned_off_make_no_story(home):
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    noise = "Weather: a dry and sunny day with light winds from the west, " * 3
+    add_copy(conn, "wire", "Weather", noise, "2026-12-01 08:00:00")
+    add_copy(conn, "daily", "Weather", noise + "More tomorrow.", "2026-12-01 08:10:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    assert [r[0] for r in conn.execute("SELECT story_id FROM posts ORDER BY id")] == [None, None]
+    assert conn.execute("SELECT count(*) FROM story_keys").fetchone()[0] == 0
+    off = s.replace(story_hours=0)
+    add_copy(conn, "wire", "Budget", STORY, "2026-12-01 09:00:00")
+    add_copy(conn, "daily", "Budget", STORY + " More soon.", "2026-12-01 09:10:00")
+    vesti.run_workers(db, off, registry, workers=1, quiet=True)
+    assert queue_of(db) == {1: 4}
+    assert [r[0] for r in conn.execute("SELECT story_id FROM posts ORDER BY id")] == [None] * 4
 
 
 def test_a_teaser_whose_article_another_feed_carries_joins_that_story(home, server):
@@ -4327,6 +4345,8 @@ def test_a_teaser_whose_article_another_feed_carries_joins_that_story(home, serv
                              published_at, classified) VALUES (2, 'Drone over the city',
                              'Drone footage from the city.', ?, 'summary', '2026-12-01 09:00:00', 0)""",
                           (server.url + "/article",)).lastrowid
+    sources = home / "sources.yaml"           # the article is news of a direction
+    sources.write_text(sources.read_text().replace("[rocket, orbit]", "[rocket, orbit, coronavirus]"))
     vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=1, quiet=True)
     assert server.sent("/article")                          # the teaser's article was read
     rows = {r["id"]: r for r in conn.execute("SELECT * FROM posts")}

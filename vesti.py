@@ -555,9 +555,12 @@ STORY_NOISE = re.compile(r"https?://\S+|www\.\S+|t\.me/\S+|@\w+")
 SHINGLE = 3
 LEAD_WORDS = 40
 LEAD_NUMBERS = 20        # a teaser may stop anywhere after this many words
-BAND_ROWS = 4
-BODY_BANDS = 16
-LEAD_BANDS = 8
+# Bands of two rows: a pair of texts with half their shingles in common meets
+# in one of eight bands nine times in ten. Each key is one index entry to
+# write per post (a random page of story_keys), so a post has twelve, not more.
+BAND_ROWS = 2
+BODY_BANDS = 8
+LEAD_BANDS = 4
 SAME_WORDING = 0.5       # Jaccard of shingles
 SAME_LEAD = 0.8          # share of a teaser's shingles found in the article
 TEASER_SHARE = 0.6       # a teaser has at most this share of the article's shingles
@@ -639,8 +642,11 @@ def story_keys(words):
     return keys
 
 
+HAS_DIGIT = re.compile(r"\d").search
+
+
 def numbers_of(words):
-    return {word for word in words if any(c.isdigit() for c in word)}
+    return {word for word in words if HAS_DIGIT(word)}
 
 
 def same_story(words, other_words):
@@ -4278,13 +4284,16 @@ class Classifier:
             home = post["source_url"] if "source_url" in post.keys() else None
             full_text = fetch_full_text(link, text, self.settings, self.gate, home or "")
             text = full_text or text
-        if self.db is None:
+        hit = keywords.matches(f"{post['title']}\n{text}")
+        if self.db is None or not self.settings.story_hours or not hit:
+            # No story: stories are off, or the post is not relevant (no LLM
+            # call to save, no card on the desk to merge).
             return {**classify_text(text, directions, self.settings, post["title"], keywords),
                     "text": full_text}
         words = story_words(post["title"], text)
         story = {"story_words": words, "story_keys": story_keys(words),
                  "story_since": story_since(self.settings.story_hours)}
-        if not (self.settings.ollama_url and keywords.matches(f"{post['title']}\n{text}")):
+        if not self.settings.ollama_url:
             # Keywords alone decide: the story is entered as the verdict is written.
             return {**classify_text(text, directions, self.settings, post["title"], keywords),
                     "text": full_text, **story}

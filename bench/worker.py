@@ -33,6 +33,10 @@ What it measures:
      target: CLI wall <= 1.2 * ideal
    Checked: every post asked exactly once (distinct titles = llm-posts, no
    title twice) and every post classified=1 with the fake's verdict.
+
+VESTI_* settings in the environment apply to every run (VESTI_STORY_HOURS=0
+measures the queue without stories: every post here has a keyword hit, so
+each is looked up in its story and leaves its keys).
 """
 
 import argparse
@@ -213,7 +217,8 @@ def bare_loop(path):
 
 def in_process(path, sources, workers):
     """(stats, finished, seconds) of vesti.run_workers, keyword-only."""
-    settings = vesti.load_settings(environ={"OLLAMA_URL": ""}, env_file=None,
+    environ = {k: v for k, v in os.environ.items() if k.startswith("VESTI_")}
+    settings = vesti.load_settings(environ={**environ, "OLLAMA_URL": ""}, env_file=None,
                                    db=path, sources=sources)
     registry = vesti.load_registry(sources)
     db = vesti.Database(path)
