@@ -174,13 +174,89 @@ def server():
     s.close()
 
 
+# Tests marked `both` run twice: on a SQLite file and on a PostgreSQL database
+# of their own, made from a migrated template on the server VESTI_TEST_POSTGRES
+# names (a postgresql:// URL of a role that may create databases; .ci/run
+# starts one). Without it the PostgreSQL half is skipped.
+POSTGRES_SERVER = os.environ.get("VESTI_TEST_POSTGRES", "")
+# The database URL of the running test (None: a SQLite file in its home).
+BACKEND = {"db": None}
+
+
+def both(test):
+    test.both_backends = True
+    return test
+
+
+def pytest_generate_tests(metafunc):
+    if getattr(metafunc.function, "both_backends", False):
+        metafunc.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
+
+
+def postgres_url(database):
+    parts = urllib.parse.urlsplit(POSTGRES_SERVER)
+    return urllib.parse.urlunsplit(parts._replace(path=f"/{database}"))
+
+
+class PostgresServer:
+    """Databases for the tests of one pytest process: each is a copy of a
+    template migrated once, dropped after its test."""
+
+    def __init__(self):
+        import psycopg
+        self.psycopg = psycopg
+        self.admin = psycopg.connect(POSTGRES_SERVER, autocommit=True)
+        self.prefix = f"vesti_test_{os.getpid()}"
+        self.template = f"{self.prefix}_template"
+        self.count = itertools.count()
+        self.admin.execute(f"DROP DATABASE IF EXISTS {self.template}")
+        self.admin.execute(f"CREATE DATABASE {self.template}")
+        vesti.Database(postgres_url(self.template)).close()
+
+    def database(self):
+        name = f"{self.prefix}_{next(self.count)}"
+        self.admin.execute(f"CREATE DATABASE {name} TEMPLATE {self.template}")
+        return name
+
+    def drop(self, name):
+        self.admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+    def close(self):
+        self.drop(self.template)
+        self.admin.close()
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    if not POSTGRES_SERVER:
+        pytest.skip("no PostgreSQL server: set VESTI_TEST_POSTGRES to a postgresql:// URL "
+                    "of a role that may create databases (.ci/run starts one)")
+    server = PostgresServer()
+    yield server
+    server.close()
+
+
 @pytest.fixture
-def home(tmp_path, monkeypatch):
+def backend(request):
+    """None for SQLite, or the URL of a fresh PostgreSQL database."""
+    if getattr(request, "param", "sqlite") == "sqlite":
+        yield None
+        return
+    server = request.getfixturevalue("postgres_server")
+    name = server.database()
+    yield postgres_url(name)
+    server.drop(name)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch, backend):
     """A working directory with its own database and sources.yaml."""
     monkeypatch.chdir(tmp_path)
     for name in [n for n, *_ in vesti.SETTINGS]:
         monkeypatch.delenv(name, raising=False)
-    return tmp_path
+    BACKEND["db"] = backend
+    yield tmp_path
+    BACKEND["db"] = None
 
 
 def write_sources(path, sources):
@@ -198,8 +274,13 @@ def make_settings(home, **overrides):
     env = {"RSS_TIMEOUT": "2", "RSS_HOST_DELAY": "0", "OLLAMA_URL": "",
            "VESTI_RETRY_DELAY": "0"}
     env.update({k: str(v) for k, v in overrides.items()})
-    return vesti.load_settings(environ=env, env_file=None, db=str(home / "vesti.db"),
+    return vesti.load_settings(environ=env, env_file=None, db=BACKEND["db"] or str(home / "vesti.db"),
                                sources=str(home / "sources.yaml"))
+
+
+def ago(seconds):
+    """UTC text of `seconds` ago, as the database keeps times."""
+    return vesti.utc_text(time.time() - seconds)
 
 
 def rss_source(slug, url, **extra):
@@ -240,6 +321,8 @@ def runs_of(db, slug):
 def cli(*args, cwd, env=None, timeout=60):
     """Run vesti.py as a user would."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("VESTI_", "RSS_", "OLLAMA_", "TG_"))}
+    if BACKEND["db"]:
+        full_env["VESTI_DB"] = BACKEND["db"]
     full_env.update(env or {})
     return subprocess.run([sys.executable, str(ROOT / "vesti.py"), *args], cwd=cwd,
                           env=full_env, capture_output=True, text=True, timeout=timeout)
@@ -354,6 +437,7 @@ def test_store_posts_deduplicates_by_text_hash_and_by_canonical_url(tmp_path):
         [("a", 2), ("b", 1)]
 
 
+@both
 def test_a_summary_that_several_entries_of_a_feed_share_does_not_merge_them(home, server):
     boilerplate = "Listen to this episode of the show on your favourite podcast app today."
     server.feed("/feed", rss([{"guid": f"ep{k}", "link": f"{server.url}/ep/{k}", "title": f"Ep. {k}",
@@ -364,6 +448,7 @@ def test_a_summary_that_several_entries_of_a_feed_share_does_not_merge_them(home
     assert crawl(s, db, ("source", "pod")).new_posts == 0
 
 
+@both
 def test_entries_without_a_link_are_told_apart_by_their_id(home, server):
     def item(guid, title):
         return {"guid": guid, "link": "", "title": title,
@@ -376,6 +461,7 @@ def test_entries_without_a_link_are_told_apart_by_their_id(home, server):
     assert [(p["url"], p["title"]) for p in posts_of(db, "notes")] == [(None, "first"), (None, "second")]
 
 
+@both
 def test_a_fragment_seen_in_an_earlier_fetch_keeps_entries_apart(home, server):
     base = "https://scripting.example/2026/11/30.html"
     server.feed("/feed", rss([{"guid": "a", "link": base + "#a0800", "text": "Morning post. " * 5}]),
@@ -454,6 +540,7 @@ def test_a_directory_as_sources_file_is_a_one_line_error(home):
     assert "conf: cannot read" in result.stderr
 
 
+@both
 def test_sync_upserts_by_slug_keeps_health_and_disables_removed_sources(home):
     s, db = intake(home, [rss_source("a", "http://a.test/feed", priority=1),
                           rss_source("b", "http://b.test/feed")])
@@ -470,6 +557,7 @@ def test_sync_upserts_by_slug_keeps_health_and_disables_removed_sources(home):
 
 # HTTP fetching and the RSS crawler ------------------------------------------
 
+@both
 def test_a_feed_is_crawled_into_the_queue(home, server):
     server.feed("/feed", rss(items(3, host=server.url)))
     s, db = intake(home, [rss_source("lwn", server.url + "/feed", direction="linux")])
@@ -488,6 +576,7 @@ def test_a_feed_is_crawled_into_the_queue(home, server):
     assert server.sent("/feed")[0]["User-Agent"] == s.user_agent
 
 
+@both
 def test_second_crawl_sends_validators_gets_304_and_stores_nothing(home, server):
     server.feed("/feed", rss(items(3, host=server.url)))
     s, db = intake(home, [rss_source("lwn", server.url + "/feed")])
@@ -501,6 +590,7 @@ def test_second_crawl_sends_validators_gets_304_and_stores_nothing(home, server)
     assert runs_of(db, "lwn")[-1]["status"] == "ok"
 
 
+@both
 def test_a_changed_feed_adds_only_the_new_entries(home, server):
     server.feed("/feed", rss(items(3, host=server.url)), etag='"v1"')
     s, db = intake(home, [rss_source("lwn", server.url + "/feed")])
@@ -510,6 +600,7 @@ def test_a_changed_feed_adds_only_the_new_entries(home, server):
     assert len(posts_of(db, "lwn")) == 5
 
 
+@both
 def test_a_200_with_an_unchanged_body_is_not_parsed_again(home, server, monkeypatch):
     server.feed("/feed", rss(items(3, host=server.url)), etag=None, modified=None)
     s, db = intake(home, [rss_source("lwn", server.url + "/feed")])
@@ -531,6 +622,7 @@ def test_compressed_feeds_are_decoded(home, server, encoding):
     assert "gzip" in server.sent("/feed")[0]["Accept-Encoding"]
 
 
+@both
 def test_a_permanent_redirect_is_followed_shown_and_used_next_time(home, server):
     server.feed("/new", rss(items(2, host=server.url)))
     server.redirect("/old", 301, "/new")
@@ -543,6 +635,7 @@ def test_a_permanent_redirect_is_followed_shown_and_used_next_time(home, server)
     assert source_row(db, "lwn")["url"] == server.url + "/old"   # sources.yaml stays the word
 
 
+@both
 def test_a_temporary_redirect_is_followed_but_never_stored(home, server):
     server.feed("/today", rss(items(2, host=server.url)))
     server.redirect("/feed", 302, "/today")
@@ -583,6 +676,7 @@ def test_a_retry_after_of_centuries_waits_a_day_at_most(home, server):
     assert source_row(db, "x")["next_fetch_at"] <= vesti.utc_text(time.time() + 86401)
 
 
+@both
 def test_410_gone_marks_the_source_dead_at_once(home, server):
     server.status("/feed", 410)
     s, db = intake(home, [rss_source("x", server.url + "/feed")])
@@ -590,6 +684,7 @@ def test_410_gone_marks_the_source_dead_at_once(home, server):
     assert source_row(db, "x")["status"] == "dead"
 
 
+@both
 def test_429_with_retry_after_defers_the_source_without_counting_an_error(home, server):
     server.status("/feed", 429, {"Retry-After": "3600"})
     s, db = intake(home, [rss_source("x", server.url + "/feed")])
@@ -604,6 +699,7 @@ def test_429_with_retry_after_defers_the_source_without_counting_an_error(home, 
     assert len(server.sent("/feed")) == 2
 
 
+@both
 def test_five_errors_make_a_source_dead_with_one_warning_and_one_success_revives_it(
         home, server, caplog):
     server.status("/feed", 500)
@@ -624,6 +720,7 @@ def test_five_errors_make_a_source_dead_with_one_warning_and_one_success_revives
     assert ["alive again" in r.getMessage() for r in caplog.records] == [True]
 
 
+@both
 def test_dead_sources_are_still_probed_by_all_with_a_doubling_backoff(home, server):
     server.status("/feed", 500)
     s, db = intake(home, [rss_source("x", server.url + "/feed")], RSS_DEAD_AFTER=2)
@@ -721,6 +818,7 @@ def test_entries_beyond_rss_max_entries_are_not_taken(home, server):
     assert [p["title"] for p in posts_of(db, "x")] == [f"Post number {k}" for k in range(10)]
 
 
+@both
 def test_summary_only_entries_are_marked_for_phase_3(home, server):
     long_text = "<p>" + "A full paragraph of the article. " * 40 + "</p>"
     server.feed("/feed", rss([{"guid": "a", "link": server.url + "/a", "text": "Short teaser."},
@@ -731,6 +829,7 @@ def test_summary_only_entries_are_marked_for_phase_3(home, server):
         [("summary", False), ("full", False)]
 
 
+@both
 def test_entry_dates_become_utc_published_at(home, server):
     server.feed("/feed", rss([{"guid": "a", "link": server.url + "/a",
                                "date": "Mon, 30 Nov 2026 12:30:00 +0300"}]))
@@ -767,6 +866,7 @@ def test_relative_links_are_resolved_against_the_feed(home, server):
     assert posts_of(db, "x")[0]["canonical_url"] == server.url + "/post/1"
 
 
+@both
 def test_sources_are_fetched_in_priority_order(home, server):
     for slug in "abc":
         server.feed(f"/{slug}", rss(items(1, host=server.url + "/" + slug)))
@@ -1063,6 +1163,7 @@ def test_a_tracking_fragment_is_dropped(home, server):
     assert len(posts) == 30 and not any("#" in p["canonical_url"] for p in posts)
 
 
+@both
 def test_one_article_in_two_feeds_with_different_trackers_is_stored_once(home, server):
     article = {"guid": "x", "title": "Kernel 7.0 released",
                "text": "Linus Torvalds released kernel 7.0 today after a long cycle. " * 3}
@@ -1075,6 +1176,7 @@ def test_one_article_in_two_feeds_with_different_trackers_is_stored_once(home, s
     assert [r[0] for r in rows] == ["https://news.example/k70"]
 
 
+@both
 def test_an_all_duplicate_run_is_a_success_with_zero_new_posts(home, server):
     body = rss(items(2, host="https://same.example"))
     server.feed("/a", body)
@@ -1135,6 +1237,7 @@ def test_rss_command_and_its_shim_crawl_and_report(home, server):
     assert "pending 3" in text and "HTTP 404 Not Found" in text
 
 
+@both
 def test_rss_by_direction_takes_only_that_direction(home, server):
     server.feed("/a", rss(items(1, host=server.url + "/a")))
     server.feed("/b", rss(items(1, host=server.url + "/b")))
@@ -1296,6 +1399,7 @@ def test_verdicts_out_of_contract_are_rejected(content, error):
         vesti.parse_verdict({"message": {"content": content}}, DIRECTIONS)
 
 
+@both
 def test_a_summary_only_post_is_classified_on_its_article_text(home, server, ollama):
     page = CORPUS / "html" / "bbc.com.52241221.html"
     expected = json.loads((CORPUS / "html" / "expected.json").read_text())["pages"]
@@ -1329,8 +1433,8 @@ def test_when_the_article_cannot_be_read_the_summary_is_used(home, server):
 # Worker ----------------------------------------------------------------------
 
 def add_posts(conn, count, source_id=1, text="News about the Linux kernel.", start=0, **columns):
-    conn.execute("INSERT OR IGNORE INTO sources (id, slug, url) VALUES (?, ?, 'http://x/')",
-                 (source_id, f"s{source_id}"))
+    conn.execute("INSERT INTO sources (id, slug, url) VALUES (?, ?, 'http://x/') "
+                 "ON CONFLICT DO NOTHING", (source_id, f"s{source_id}"))
     names = ", ".join(["source_id", "title", "text", "url", "classified", *columns])
     marks = ", ".join("?" * (5 + len(columns)))
     conn.executemany(f"INSERT INTO posts ({names}) VALUES ({marks})",
@@ -1349,6 +1453,7 @@ def worker_home(home, ollama_url, **settings):
     return s, db, registry
 
 
+@both
 def test_seed_100_posts_with_8_workers_are_each_classified_once(home, ollama):
     """Seed 000: 100 posts, `python -m crawler.worker --workers 8 --limit 200`."""
     s, db, _ = worker_home(home, ollama.url)
@@ -1413,6 +1518,7 @@ def test_a_misbehaving_ollama_costs_attempts_until_the_post_fails(home, mode, er
         fake.close()
 
 
+@both
 def test_one_run_does_not_burn_all_attempts_on_one_post(home):
     fake = FakeOllama("500")
     try:
@@ -1440,6 +1546,7 @@ def test_an_unreachable_ollama_stops_the_workers_instead_of_cycling_the_queue(ho
     assert db.conn().execute("SELECT max(attempts) FROM posts").fetchone()[0] == 0
 
 
+@both
 def test_a_long_ollama_outage_never_marks_posts_failed(home):
     s, db, registry = worker_home(home, "http://127.0.0.1:9", VESTI_MAX_ATTEMPTS=2,
                                   VESTI_RETRY_DELAY=60)
@@ -1460,6 +1567,7 @@ def test_a_long_ollama_outage_never_marks_posts_failed(home):
     assert (post["classified"], post["attempts"]) == (0, 1)
 
 
+@both
 def test_expired_leases_go_back_to_pending_or_to_failed(home):
     s, db, registry = worker_home(home, "", VESTI_LEASE_SECONDS=60, VESTI_MAX_ATTEMPTS=2)
     conn = db.conn()
@@ -1478,6 +1586,7 @@ def test_expired_leases_go_back_to_pending_or_to_failed(home):
     assert "lease expired" in conn.execute("SELECT error FROM posts WHERE id = 2").fetchone()[0]
 
 
+@both
 def test_a_forever_worker_takes_back_expired_leases_while_it_runs(home):
     s, db, registry = worker_home(home, "", VESTI_LEASE_SECONDS=1)
     stop = threading.Event()
@@ -1489,7 +1598,7 @@ def test_a_forever_worker_takes_back_expired_leases_while_it_runs(home):
         time.sleep(0.3)                        # past the check every worker makes at start
         add_posts(db.conn(), 1)
         db.conn().execute("UPDATE posts SET classified = -1, attempts = 1, claim_token = 'dead', "
-                          "claimed_at = datetime('now', '-10 seconds')")
+                          "claimed_at = ?", (ago(10),))
         assert wait_for(lambda: queue_of(db) == {1: 1}, timeout=10)
     finally:
         stop.set()
@@ -1497,6 +1606,7 @@ def test_a_forever_worker_takes_back_expired_leases_while_it_runs(home):
     assert db.conn().execute("SELECT attempts FROM posts").fetchone()[0] == 2
 
 
+@both
 def test_a_write_after_the_lease_was_taken_back_is_refused(home):
     s, db, _ = worker_home(home, "")
     conn = db.conn()
@@ -1513,6 +1623,7 @@ def test_a_write_after_the_lease_was_taken_back_is_refused(home):
     assert tuple(row) == (1, "ok", 2)
 
 
+@both
 def test_the_full_text_found_for_a_summary_post_is_kept(home, server):
     page = (CORPUS / "html" / "bbc.com.52241221.html").read_bytes()
     server.routes["/a"] = lambda request: (200, {"Content-Type": "text/html"}, page)
@@ -1529,7 +1640,9 @@ def test_the_full_text_found_for_a_summary_post_is_kept(home, server):
 def worker_process(home, ollama_url, *args, env=None):
     return subprocess.Popen([sys.executable, str(ROOT / "vesti.py"), "worker", *args],
                             cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OLLAMA_URL": ollama_url, **(env or {})})
+                            env={**os.environ, "OLLAMA_URL": ollama_url,
+                                 **({"VESTI_DB": BACKEND["db"]} if BACKEND["db"] else {}),
+                                 **(env or {})})
 
 
 def wait_for(predicate, timeout=20):
@@ -1541,6 +1654,7 @@ def wait_for(predicate, timeout=20):
     return False
 
 
+@both
 def test_a_killed_worker_is_finished_by_the_next_one_after_the_lease(home):
     fake = FakeOllama(latency=0.2)
     try:
@@ -1569,6 +1683,7 @@ def test_a_killed_worker_is_finished_by_the_next_one_after_the_lease(home):
         fake.close()
 
 
+@both
 def test_sigterm_stops_the_worker_cleanly(home):
     fake = FakeOllama(latency=0.3)
     try:
@@ -1586,6 +1701,7 @@ def test_sigterm_stops_the_worker_cleanly(home):
         fake.close()
 
 
+@both
 def test_a_claim_that_lands_after_a_stop_is_given_back(home, monkeypatch):
     s, db, registry = worker_home(home, "")
     add_posts(db.conn(), 1)
@@ -1602,6 +1718,7 @@ def test_a_claim_that_lands_after_a_stop_is_given_back(home, monkeypatch):
     assert pool.release_unfinished(wait=1) == 0
 
 
+@both
 def test_fast_posts_are_claimed_in_batches_and_the_limit_still_holds(home, monkeypatch):
     """Keyword-only posts: many verdicts share one transaction with the next
     claim, and --limit still counts single posts, none left claimed."""
@@ -1622,6 +1739,7 @@ def test_fast_posts_are_claimed_in_batches_and_the_limit_still_holds(home, monke
     assert max(turns) > 1 and len(turns) < 150 / 2
 
 
+@both
 def test_a_post_waiting_for_the_llm_does_not_hold_the_posts_claimed_with_it(home):
     """A batch of quick posts with one that needs the LLM: the rest of the
     batch goes back to the queue, and another worker does it meanwhile."""
@@ -1648,6 +1766,7 @@ def test_a_post_waiting_for_the_llm_does_not_hold_the_posts_claimed_with_it(home
         fake.close()
 
 
+@both
 def test_a_stop_in_the_middle_of_a_batch_writes_what_is_done_and_gives_back_the_rest(home):
     s, db, registry = worker_home(home, "")
     add_posts(db.conn(), 200)
@@ -1688,6 +1807,7 @@ def test_sigterm_releases_a_post_stuck_in_a_long_llm_call(home):
         fake.close()
 
 
+@both
 def test_16_workers_and_a_crawl_at_once_never_see_database_is_locked(home, server):
     feeds = []
     for n in range(20):
@@ -1854,6 +1974,7 @@ def crawl_tg(s, db, fake, sleeps=None):
     return vesti.crawl_telegram(db, s, client_factory=fake, sleep=sleep, quiet=True)
 
 
+@both
 def test_telegram_messages_become_posts(home):
     s, db = tg_intake(home)
     fake = FakeTelegram(channel_history())
@@ -1892,6 +2013,7 @@ def test_a_video_message_is_a_video_post(home):
     assert posts_of(db, "chan")[0]["content_type"] == "video"
 
 
+@both
 def test_the_second_telegram_run_takes_only_newer_messages_oldest_first(home):
     s, db = tg_intake(home)
     history = channel_history()
@@ -1940,6 +2062,7 @@ def test_a_short_floodwait_is_waited_out(home):
     assert source_row(db, "chan")["last_error"] is None
 
 
+@both
 def test_a_long_floodwait_defers_every_channel_without_counting_an_error(home):
     s, db = tg_intake(home)
     sleeps = []
@@ -2070,6 +2193,7 @@ def test_a_link_in_the_text_alone_makes_a_teaser_too(home):
         [("summary", "https://example.org/news/1"), ("text", None)]
 
 
+@both
 def test_an_edited_message_updates_its_post_and_requeues_it_once(home):
     s, db = tg_intake(home)
     posted = recent(60)
@@ -2250,6 +2374,7 @@ def card(page, name):
     return int(match[1])
 
 
+@both
 def test_seed_crawlers_page_shows_lwn_alive_and_its_15_queued_posts(web):
     add_posts(web.db.conn(), 15, source_id=source_row(web.db, "lwn")["id"])
     status, _, page = web.get("/crawlers")
@@ -2259,11 +2384,12 @@ def test_seed_crawlers_page_shows_lwn_alive_and_its_15_queued_posts(web):
     assert card(page, "pending") == 15 and "<b>15</b>" in page
 
 
+@both
 def test_seed_queue_sizes_10_pending_2_processing(web):
     conn = web.db.conn()
     add_posts(conn, 10)
     add_posts(conn, 2, start=10)
-    conn.execute("UPDATE posts SET classified = -1, claimed_at = datetime('now') WHERE id > 10")
+    conn.execute("UPDATE posts SET classified = -1, claimed_at = ? WHERE id > 10", (ago(0),))
     status, headers, body = web.get("/api/queue")
     assert status == 200 and headers["Content-Type"] == "application/json"
     assert json.loads(body) == {"pending": 10, "processing": 2, "done_today": 0, "failed": 0}
@@ -2271,6 +2397,7 @@ def test_seed_queue_sizes_10_pending_2_processing(web):
     assert [card(page, n) for n in ("pending", "processing", "done_today", "failed")] == [10, 2, 0, 0]
 
 
+@both
 def test_seed_reset_dead_makes_dead_sources_alive(web):
     conn = web.db.conn()
     conn.execute("UPDATE sources SET status = 'dead', error_count = 7, last_error = 'HTTP 500'")
@@ -2342,6 +2469,7 @@ def html_unescape(text):
     return html.unescape(text)
 
 
+@both
 def test_the_page_refreshes_itself_only_while_posts_are_processing(web):
     conn = web.db.conn()
     add_posts(conn, 2)
@@ -2352,6 +2480,7 @@ def test_the_page_refreshes_itself_only_while_posts_are_processing(web):
     assert 'http-equiv="refresh"' not in web.get("/crawlers")[2]
 
 
+@both
 def test_the_crawlers_page_shows_rss_state_post_count_and_last_run(web, home, server):
     server.feed("/feed", rss(items(4, host=server.url)))
     write_sources(home / "sources.yaml", [rss_source("lwn", server.url + "/feed")])
@@ -2376,13 +2505,20 @@ def test_a_malformed_but_readable_feed_shows_its_warning_in_grey(web, home, serv
     assert state_row(web.db, "lwn")["last_error"].startswith("malformed feed")
 
 
+def november(minutes):
+    """UTC text of so many minutes into 2026-11-01."""
+    return vesti.utc_text(1793491200 + 60 * minutes)
+
+
 def classified_posts(conn, count, direction="linux"):
     add_posts(conn, count, text="<b>bold</b> & more")
     conn.execute("UPDATE posts SET classified = 1, direction = ?, relevance = 7, interest = 4, "
-                 "summary = 'Summary <i>' || id, published_at = "
-                 "datetime('2026-11-01', '+' || id || ' minutes')", (direction,))
+                 "summary = 'Summary <i>' || id", (direction,))
+    conn.executemany("UPDATE posts SET published_at = ? WHERE id = ?",
+                     [(november(i), i) for (i,) in conn.execute("SELECT id FROM posts")])
 
 
+@both
 def test_the_desk_is_newest_first_escaped_and_keyset_paged(web):
     conn = web.db.conn()
     classified_posts(conn, 60)
@@ -2411,6 +2547,7 @@ def test_only_web_links_are_clickable_and_a_huge_page_number_is_harmless(web):
     assert 'href="http://x/1"' in page           # post 2's link
 
 
+@both
 def test_candidates_filter_by_direction(web):
     conn = web.db.conn()
     classified_posts(conn, 3)
@@ -2419,6 +2556,7 @@ def test_candidates_filter_by_direction(web):
     assert re.findall(r'id="post-(\d+)"', page) == ["3", "1"]
 
 
+@both
 def test_an_editor_approves_and_rejects_candidates(web):
     conn = web.db.conn()
     classified_posts(conn, 2)
@@ -2447,10 +2585,10 @@ def desk_post(conn, source_id, k, relevance=7, interest=4, direction="linux", st
     return conn.execute(
         "INSERT INTO posts (source_id, external_id, url, title, text, classified, status, "
         "direction, relevance, interest, summary, published_at, keywords) "
-        "VALUES (?, ?, ?, ?, ?, 1, ?, ?, ?, ?, ?, datetime('2026-11-01', ?), ?)",
+        "VALUES (?, ?, ?, ?, ?, 1, ?, ?, ?, ?, ?, ?, ?)",
         (source_id, f"e{k}", f"http://x/{k}", title or f"Post {k}", text or f"Body of post {k}.",
          status, direction, relevance, interest, f"Summary {k}",
-         f"+{k if minute is None else minute} minutes", "linux, kernel")).lastrowid
+         november(k if minute is None else minute), "linux, kernel")).lastrowid
 
 
 def card_ids(page):
@@ -2467,6 +2605,7 @@ def lwn(web):
     return source_row(web.db, "lwn")["id"]
 
 
+@both
 def test_the_default_desk_hides_what_is_decided_or_not_relevant(web):
     conn = web.db.conn()
     relevant = desk_post(conn, lwn(web), 1, relevance=7)
@@ -2481,6 +2620,7 @@ def test_the_default_desk_hides_what_is_decided_or_not_relevant(web):
     assert card_ids(web.get("/?status=approved&min=0")[2]) == [4]
 
 
+@both
 def test_filters_show_counts_under_the_other_filters(web):
     conn = web.db.conn()
     other = conn.execute("INSERT INTO sources (slug, name, url) VALUES "
@@ -2556,6 +2696,7 @@ def counts_match_posts(conn):
         rows("SELECT * FROM post_counts WHERE n != 0") == cards
 
 
+@both
 def test_counts_follow_the_worker_decisions_and_a_new_direction(home, server):
     texts = ["The Linux kernel is out.", "A rocket reached orbit.", "Kernel and rocket news.",
              "Gardening with roses.", "The sea was calm; a ship sailed."]
@@ -2613,6 +2754,7 @@ def test_a_database_of_the_previous_version_keeps_its_counts_and_search(tmp_path
     assert not names & {"posts_fts_insert", "posts_counted", "posts_queue", "posts_candidates"}
 
 
+@both
 def test_search_finds_words_in_any_case_in_russian_and_english(web):
     conn = web.db.conn()
     desk_post(conn, lwn(web), 1, title="Новое ядро Linux", text="Вышло ядро с планировщиком.")
@@ -2643,6 +2785,7 @@ def test_without_fts5_search_falls_back_to_like(web, monkeypatch):
     assert card_ids(web.get("/?q=" + urllib.parse.quote("_%"))[2]) == []
 
 
+@both
 def test_paging_by_position_covers_every_post_once_in_every_order(web):
     conn = web.db.conn()
     for k in range(1, 121):
@@ -2665,6 +2808,7 @@ def test_paging_by_position_covers_every_post_once_in_every_order(web):
         assert seen == sorted(seen, key=key, reverse=True), sort
 
 
+@both
 def test_a_decision_with_json_answers_json_and_records_who_and_when(web):
     conn = web.db.conn()
     post = desk_post(conn, lwn(web), 1)
@@ -2678,6 +2822,7 @@ def test_a_decision_with_json_answers_json_and_records_who_and_when(web):
     assert web.post("/posts/424242/status", {"token": web.token(), "status": "approved"})[0] == 404
 
 
+@both
 def test_bulk_decisions_reject_every_card_shown(web):
     conn = web.db.conn()
     ids = [desk_post(conn, lwn(web), k) for k in range(1, 6)]
@@ -2698,6 +2843,7 @@ def test_bulk_decisions_reject_every_card_shown(web):
     assert web.post("/posts/status", {"token": "forged", "ids": "1", "status": "new"})[0] == 403
 
 
+@both
 def test_a_page_left_open_across_a_restart_still_decides(web, home):
     conn = web.db.conn()
     post = desk_post(conn, lwn(web), 1)
@@ -2713,6 +2859,7 @@ def test_a_page_left_open_across_a_restart_still_decides(web, home):
     assert conn.execute("SELECT status FROM posts").fetchone()[0] == "approved"
 
 
+@both
 def test_cards_explain_scores_and_hold_the_stored_text(web):
     conn = web.db.conn()
     desk_post(conn, lwn(web), 1, text="<b>Full</b> text of the article.")
@@ -2732,6 +2879,7 @@ class ReasoningOllama(FakeOllama):
         return {**super().verdict(body), "reason": "It is about a kernel release."}
 
 
+@both
 def test_the_worker_keeps_matched_keywords_and_the_llms_reason(home):
     fake = ReasoningOllama()
     try:
@@ -2746,6 +2894,7 @@ def test_the_worker_keeps_matched_keywords_and_the_llms_reason(home):
     assert tuple(rows[1]) == (None, None)
 
 
+@both
 def test_banners_say_why_nothing_is_classified(home):
     write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss")])
     dead_ollama = "http://127.0.0.1:9"
@@ -2763,8 +2912,7 @@ def test_banners_say_why_nothing_is_classified(home):
             page = w.get(path)[2]
             assert "Ollama has been unreachable since" in page and "127.0.0.1:9" in page
             assert "no worker has run" not in page                  # it ran a moment ago
-        db.conn().execute("UPDATE meta SET value = datetime('now', '-5 minutes') "
-                          "WHERE key = 'worker_seen'")
+        db.conn().execute("UPDATE meta SET value = ? WHERE key = 'worker_seen'", (ago(300),))
         assert "no worker has run for 5 minutes" in w.get("/")[2]
         keyword_only = s.replace(ollama_url="")
         vesti.run_workers(db, keyword_only, registry, workers=1, quiet=True)
@@ -2791,6 +2939,7 @@ def test_pages_speak_english_and_russian(web):
     assert all("lang=ru" in link for link in links if "lang=en" not in link)
 
 
+@both
 def test_the_crawlers_page_lists_failing_and_dead_sources_first(home):
     write_sources(home / "sources.yaml", [rss_source(slug, f"https://{slug}.example/rss")
                                           for slug in ("aaa", "bbb", "ccc", "ddd")])
@@ -2804,14 +2953,15 @@ def test_the_crawlers_page_lists_failing_and_dead_sources_first(home):
     assert "UTC" in page
 
 
+@both
 def test_approved_posts_as_atom_and_json_feed(web):
     feedparser = pytest.importorskip("feedparser")
     conn = web.db.conn()
     for k in range(1, 5):
         desk_post(conn, lwn(web), k, title=f"Story <{k}> & co", direction="linux" if k < 4 else "space")
     for post, minutes in ((1, 30), (2, 10), (4, 20)):
-        conn.execute("UPDATE posts SET status = 'approved', decided_at = datetime('now', ?) "
-                     "WHERE id = ?", (f"-{minutes} minutes", post))
+        conn.execute("UPDATE posts SET status = 'approved', decided_at = ? WHERE id = ?",
+                     (ago(60 * minutes), post))
     status, headers, body = web.get("/approved.atom")
     assert status == 200 and headers["Content-Type"].startswith("application/atom+xml")
     feed = feedparser.parse(body.encode("utf-8"))
@@ -2859,6 +3009,7 @@ def metric_samples(text):
                       for f in families.values() for s in f.samples}
 
 
+@both
 def test_metrics_speak_prometheus_and_count_what_happened(home, server, ollama):
     server.feed("/feed", rss(items(3, host=server.url)))
     s, db = intake(home, [rss_source("lwn", server.url + "/feed", direction="linux"),
@@ -2898,6 +3049,7 @@ def crawlers_row(page, slug):
     return re.search(rf'<tr id="source-{slug}">.*?</tr>', page)[0]
 
 
+@both
 def test_a_source_that_goes_quiet_for_longer_than_its_rhythm_turns_silent(home, caplog):
     s, db = intake(home, [rss_source("wire", "http://127.0.0.1:9/wire"),
                           rss_source("steady", "http://127.0.0.1:9/steady")])
@@ -2946,6 +3098,7 @@ def test_a_source_that_goes_quiet_for_longer_than_its_rhythm_turns_silent(home, 
     assert source_row(db, "wire")["silent_since"] is None
 
 
+@both
 def test_the_crawlers_page_and_status_show_each_sources_figures(home, server):
     server.feed("/feed", rss(items(4, host=server.url)))
     server.feed("/other", rss([{"guid": f"o{k}", "link": f"{server.url}/o/{k}",
@@ -3019,6 +3172,7 @@ def test_the_scheduler_never_polls_sooner_than_the_feed_allows(home, server, hea
     assert fetched()[0] == 3
 
 
+@both
 def test_run_spreads_a_prioritys_sources_over_its_interval(home, server, monkeypatch):
     slugs = [f"feed{k:02d}" for k in range(12)]
     for slug in slugs:
@@ -3428,6 +3582,7 @@ def test_run_crawls_classifies_serves_and_stops_on_sigterm(home, server, ollama)
     assert conn.execute("SELECT trigger FROM runs").fetchone()[0] == "schedule"
 
 
+@both
 def test_run_picks_up_new_directions_when_sources_yaml_changes(home, server):
     s, db = intake(home, [rss_source("a", server.url + "/a")])
     registry = vesti.load_registry(s.sources)
@@ -3474,6 +3629,7 @@ def test_sigterm_stops_a_crawl_and_closes_its_runs(home):
     assert len(srv.requests) == 1
 
 
+@both
 def test_runs_left_running_by_a_dead_process_are_closed(home):
     s, db = intake(home, [rss_source("a", "http://127.0.0.1:9/a")])
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -3487,6 +3643,7 @@ def test_runs_left_running_by_a_dead_process_are_closed(home):
     assert statuses == ["interrupted", "running"]
 
 
+@both
 def test_the_scheduler_crawls_each_priority_on_its_interval(home, server):
     for slug in "abc":
         server.feed(f"/{slug}", rss(items(1, host=server.url + "/" + slug)))
@@ -3651,6 +3808,7 @@ def test_a_host_busy_longer_than_the_patience_gives_host_busy():
         pass
 
 
+@both
 def test_articles_on_a_dripping_host_do_not_stall_the_workers(home):
     page = (CORPUS / "html" / "bbc.com.52241221.html").read_bytes()
     expected = json.loads((CORPUS / "html" / "expected.json").read_text())["pages"]
@@ -4031,6 +4189,7 @@ def test_control_characters_of_a_request_line_are_escaped_in_the_access_log(web,
     assert any(r"\x1b[31mred\x07" in line for line in lines), lines
 
 
+@both
 @pytest.mark.parametrize("post_id", ["99999999999999999999", "12345"])
 def test_deciding_on_a_post_that_does_not_exist_is_404(web, post_id):
     conn = web.db.conn()
@@ -4207,6 +4366,7 @@ def add_copy(conn, source_slug, title, text, published):
                          f"http://{source_slug}.example/{published}", published)).lastrowid
 
 
+@both
 def test_copies_of_one_story_cost_one_llm_call_and_make_one_card(home):
     fake = FakeOllama()
     try:
@@ -4251,6 +4411,7 @@ def test_copies_of_one_story_cost_one_llm_call_and_make_one_card(home):
         fake.close()
 
 
+@both
 def test_a_sources_list_shows_its_copies_and_a_copy_decides_its_story(home):
     s, db, registry = story_home(home, "")
     conn = db.conn()
@@ -4282,6 +4443,7 @@ def test_a_sources_list_shows_its_copies_and_a_copy_decides_its_story(home):
         web.close()
 
 
+@both
 def test_two_copies_classified_at_once_make_one_story_and_one_llm_call(home):
     fake = FakeOllama(latency=0.5)
     try:
@@ -4303,6 +4465,7 @@ def test_two_copies_classified_at_once_make_one_story_and_one_llm_call(home):
         fake.close()
 
 
+@both
 def test_a_different_release_from_one_template_is_another_story(home):
     s, db, registry = story_home(home, "")
     conn = db.conn()
@@ -4315,6 +4478,7 @@ def test_a_different_release_from_one_template_is_another_story(home):
     assert [r[0] for r in conn.execute("SELECT story_id FROM posts ORDER BY id")] == [one, two]
 
 
+@both
 def test_posts_of_no_direction_and_stories_turned_off_make_no_story(home):
     s, db, registry = story_home(home, "")
     conn = db.conn()
@@ -4332,6 +4496,7 @@ def test_posts_of_no_direction_and_stories_turned_off_make_no_story(home):
     assert [r[0] for r in conn.execute("SELECT story_id FROM posts ORDER BY id")] == [None] * 4
 
 
+@both
 def test_a_teaser_whose_article_another_feed_carries_joins_that_story(home, server):
     page = CORPUS / "html" / "bbc.com.52241221.html"
     server.routes["/article"] = lambda request: (200, {"Content-Type": "text/html"},

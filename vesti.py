@@ -27,6 +27,7 @@ import csv
 import dataclasses
 import datetime
 import email.utils
+import functools
 import hashlib
 import hmac
 import html
@@ -359,6 +360,12 @@ class StoryPending(VestiError):
 class StorageError(VestiError):
     """The database cannot be used (disk full, a corrupt file, an I/O error):
     not a source's fault; the command ends with exit code 1."""
+
+
+class TransactionUndone(VestiError):
+    """The database server undid a transaction midway: it restarted, or a
+    row stayed locked by another session past the busy timeout. The work is
+    done again once the server can take it (see `redoable`)."""
 
 
 class EarlyReply(Exception):
@@ -891,12 +898,13 @@ def storage_error(error, path):
     return None
 
 
-class BusyEpisode:
-    """One warning when the database stays locked past the busy timeout (a
-    backup, a long manual UPDATE), however many threads wait; a note when it
-    is free again."""
+class WaitEpisode:
+    """One warning while the database cannot be used for a while (locked
+    past the busy timeout by a backup or a long manual UPDATE; a database
+    server restarting), however many threads wait; a note when it is back."""
 
-    def __init__(self):
+    def __init__(self, waiting, back):
+        self.messages = waiting, back
         self.lock = threading.Lock()
         self.waiting = 0
         self.since = None
@@ -906,19 +914,21 @@ class BusyEpisode:
             self.waiting += 1
             if self.since is None:
                 self.since = time.monotonic()
-                log.warning("%s: the database is locked by another process; waiting for it "
-                            "(nothing is lost meanwhile)", path)
+                log.warning(self.messages[0], path)
 
     def leave(self, path):
         with self.lock:
             self.waiting -= 1
             if self.waiting == 0 and self.since is not None:
-                log.info("%s: the database is free again after %.0f s", path,
-                         time.monotonic() - self.since)
+                log.info(self.messages[1], path, time.monotonic() - self.since)
                 self.since = None
 
 
-BUSY = BusyEpisode()
+BUSY = WaitEpisode("%s: the database is locked by another process; waiting for it "
+                   "(nothing is lost meanwhile)", "%s: the database is free again after %.0f s")
+UNREACHABLE = WaitEpisode("%s: the database server cannot be reached; waiting for it "
+                          "(nothing is lost meanwhile)",
+                          "%s: the database server is back after %.0f s")
 
 
 class StorageCursor(sqlite3.Cursor):
@@ -948,6 +958,19 @@ class Connection(sqlite3.Connection):
     """A connection whose statements wait out a database that another
     process keeps locked, and report a broken database as StorageError."""
     path = ""
+    depth = 0           # transactions open (see transaction)
+
+    @property
+    def dialect(self):
+        return SQLITE
+
+    def begin(self):
+        # Take the write lock first, so no read-then-write transaction ever
+        # fails with 'database is locked'.
+        self.execute("BEGIN IMMEDIATE")
+
+    def recover(self):
+        """A file has no server to wait for (see PostgresConnection)."""
 
     def execute(self, sql, parameters=()):
         return self._retrying(self.cursor(StorageCursor).execute, sql, parameters)
@@ -1009,19 +1032,43 @@ def write_lock(path):
 
 @contextlib.contextmanager
 def transaction(conn):
-    """BEGIN IMMEDIATE: take the write lock first, so no read-then-write
-    transaction ever fails with 'database is locked'."""
+    """A write transaction that holds the database's write lock from its
+    first statement (conn.begin), so that its reads and writes are never
+    interleaved with another writer's."""
     with write_lock(conn.path):
-        conn.execute("BEGIN IMMEDIATE")
+        conn.begin()
+        conn.depth += 1
         try:
             yield conn
         except BaseException:
-            # SQLite may have rolled back already (a full disk does that).
+            # The database may have rolled back already (SQLite does on a
+            # full disk; a server that went away has).
             if conn.in_transaction:
-                with contextlib.suppress(sqlite3.Error, StorageError):
+                with contextlib.suppress(sqlite3.Error, StorageError, TransactionUndone):
                     conn.execute("ROLLBACK")
             raise
-        conn.execute("COMMIT")
+        else:
+            conn.execute("COMMIT")
+        finally:
+            conn.depth -= 1
+
+
+def redoable(function):
+    """For a storage function whose work is one transaction of its own: when
+    the database server undoes it (TransactionUndone), wait until the server
+    can take it and do the work again. Inside a caller's transaction the
+    caller's work is undone too, so the error goes up to the caller."""
+    @functools.wraps(function)
+    def again(conn, *args, **kwargs):
+        while True:
+            try:
+                return function(conn, *args, **kwargs)
+            except TransactionUndone as e:
+                if conn.depth:
+                    raise
+                log.warning("%s; doing it again", e)
+                conn.recover()
+    return again
 
 
 def has_fts5():
@@ -1035,13 +1082,342 @@ def has_fts5():
 FTS5 = has_fts5()
 
 
-def schema_statements():
+def fts_query(text):
+    """Words as FTS5 terms, any case; a word typed with a * after it matches
+    every word it begins: 'Linux ядр*' -> '"linux" "ядр"*'. (Prefixes are
+    asked for, not implied: a common prefix makes the index merge the lists
+    of every word it begins.)"""
+    words = re.findall(r"(\w+)(\*?)", text.casefold())
+    return " ".join(f'"{w}"{star}' for w, star in words[:12])
+
+
+def like_pattern(text):
+    return "%" + re.sub(r"([%_\\])", r"\\\1", text) + "%"
+
+
+# Dialects --------------------------------------------------------------------
+
+class SQLiteDialect:
+    """Where SQLite's SQL is its own: the claim, the search, statistics."""
+    name = "sqlite"
+    fts5 = FTS5
+    # The oldest claimable posts (the claim's UPDATE takes them in the same
+    # statement, under SQLite's one write lock).
+    claimable = (f"SELECT id FROM posts INDEXED BY posts_pending WHERE {{pending}} "
+                 f"AND (next_attempt_at IS NULL OR next_attempt_at <= ?) ORDER BY id LIMIT ?")
+    refresh_statistics = "PRAGMA optimize"
+
+    def search_filter(self, text):
+        """The WHERE clause (on posts p) and parameters of a search: FTS5, or
+        LIKE where this Python's SQLite has no FTS5."""
+        if self.fts5:
+            return "p.id IN (SELECT rowid FROM posts_fts WHERE posts_fts MATCH ?)", [fts_query(text)]
+        pattern = like_pattern(text)
+        return "(p.title LIKE ? ESCAPE '\\' OR p.text LIKE ? ESCAPE '\\')", [pattern, pattern]
+
+    def search_source(self, text):
+        """FROM, WHERE, parameters and the id to order by of a search walked
+        newest collected first: FTS5 gives its matches in rowid order, so a
+        common word costs no more than a rare one."""
+        if not self.fts5:
+            return ("posts p", *self.search_filter(text), "p.id")
+        return "posts_fts f JOIN posts p ON p.id = f.rowid", "posts_fts MATCH ?", \
+            [fts_query(text)], "f.rowid"
+
+
+class PostgresDialect(SQLiteDialect):
+    """Where PostgreSQL's SQL differs from SQLite's."""
+    name = "postgresql"
+    fts5 = False
+    # Two workers may look at the same pending rows at once: each takes only
+    # rows no other claim holds (SKIP LOCKED), so a post is never claimed twice.
+    claimable = (f"SELECT id FROM posts WHERE {{pending}} "
+                 f"AND (next_attempt_at IS NULL OR next_attempt_at <= ?) "
+                 f"ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED")
+    refresh_statistics = "ANALYZE"
+    # The search index (an expression index, see POSTGRES_EXTRA): whole
+    # words in any case, as FTS5's.
+    SEARCH_VECTOR = "to_tsvector('simple', coalesce({p}title, '') || ' ' || coalesce({p}text, ''))"
+
+    def search_filter(self, text):
+        words = re.findall(r"(\w+)(\*?)", text.casefold())[:12]
+        if not words:
+            return "false", []
+        query = " & ".join(f"{w}{':*' if star else ''}" for w, star in words)
+        return f"{self.SEARCH_VECTOR.format(p='p.')} @@ to_tsquery('simple', ?)", [query]
+
+    def search_source(self, text):
+        return ("posts p", *self.search_filter(text), "p.id")
+
+
+SQLITE, POSTGRES = SQLiteDialect(), PostgresDialect()
+
+
+# PostgreSQL -------------------------------------------------------------------
+
+def is_postgres(path):
+    return str(path).startswith(("postgresql://", "postgres://"))
+
+
+def redacted(path):
+    """A database URL fit for a log line or a page: no password."""
+    if not is_postgres(path):
+        return path
+    parts = urllib.parse.urlsplit(path)
+    if parts.password is None:
+        return path
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
+
+# ? and :name placeholders (outside quotes) and a literal %, as psycopg wants them.
+PLACEHOLDERS = re.compile(r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|\?|:(?=[A-Za-z_])\w+|%")
+# An INSERT into a table with an id: it returns the id, for lastrowid.
+INSERT_WITH_ID = re.compile(r"\s*INSERT\s+INTO\s+(?:sources|posts|runs)\b", re.I)
+
+
+@functools.lru_cache(maxsize=4096)
+def postgres_statement(sql):
+    """SQLite's statement as psycopg takes it, and whether it returns the
+    new row's id."""
+    def swap(match):
+        token = match.group(0)
+        if token == "?":
+            return "%s"
+        if token.startswith(":"):
+            return f"%({token[1:]})s"
+        return token.replace("%", "%%")
+    text = PLACEHOLDERS.sub(swap, sql)
+    returns_id = bool(INSERT_WITH_ID.match(text)) and "RETURNING" not in text.upper()
+    return (f"{text} RETURNING id" if returns_id else text), returns_id
+
+
+@functools.lru_cache(maxsize=None)
+def row_type(names):
+    """Rows of one shape, read by index or by column name, as sqlite3.Row."""
+    where = {name: i for i, name in enumerate(names)}
+
+    class Row(tuple):
+        __slots__ = ()
+
+        def __getitem__(self, key):
+            return tuple.__getitem__(self, where[key] if isinstance(key, str) else key)
+
+        def keys(self):
+            return list(names)
+    return Row
+
+
+def postgres_rows(cursor):
+    return row_type(tuple(column.name for column in cursor.description or ()))
+
+
+@functools.lru_cache(maxsize=None)
+def postgres_adapters(psycopg):
+    """numeric (what sum() of integers gives) read as int or float, and a
+    bool written as 0 or 1, as SQLite stores them."""
+    class Number(psycopg.adapt.Loader):
+        def load(self, data):
+            text = bytes(data).decode()
+            return int(text) if text.lstrip("-").isdigit() else float(text)
+
+    class Flag(psycopg.adapt.Dumper):
+        oid = psycopg.adapters.types["int8"].oid
+
+        def dump(self, value):
+            return b"1" if value else b"0"
+    return Number, Flag
+
+
+# SQLSTATE classes of a server or disk in trouble, not of a statement:
+# insufficient resources (disk full), system errors (I/O), internal errors
+# (a corrupt page).
+POSTGRES_STORAGE_FAULTS = ("53", "58", "XX")
+# The connection is gone: a server shutting down or restarting, a broken link.
+POSTGRES_LOST = ("57P01", "57P02", "57P03", "08000", "08001", "08003", "08006")
+# Another session holds what the statement needs: a row past lock_timeout
+# (the busy timeout), or a deadlock.
+POSTGRES_BUSY = ("55P03", "40P01", "40001")
+
+
+class PostgresCursor:
+    """A psycopg cursor with sqlite3's lastrowid."""
+
+    def __init__(self, cursor, connection, returns_id=False):
+        self.cursor, self.connection, self.lastrowid = cursor, connection, None
+        if returns_id:
+            rows = self.fetchall()
+            self.lastrowid = rows[-1][0] if rows else None
+
+    @property
+    def rowcount(self):
+        return self.cursor.rowcount
+
+    def fetchone(self):
+        return self.connection.guarded(self.cursor.fetchone)
+
+    def fetchall(self):
+        return self.connection.guarded(self.cursor.fetchall)
+
+    def __iter__(self):
+        return iter(self.fetchall())
+
+
+class PostgresConnection:
+    """A psycopg connection that speaks as the SQLite one does (? and :name
+    placeholders, rows by index and by name, lastrowid, in_transaction, the
+    DB-API errors as the sqlite3 module names them) and waits as it does:
+    outside a transaction a statement waits for a server that restarts or a
+    row another session holds, and runs again; inside one, the server has
+    undone the transaction: TransactionUndone (see `redoable`)."""
+    dialect = POSTGRES
+    # One writer at a time, as SQLite has it (see transaction): every write
+    # transaction takes this advisory lock first.
+    WRITE_LOCK = 0x7665737469    # 'vesti'
+
+    def __init__(self, url, busy_timeout=30):
+        self.url, self.path, self.busy_timeout = url, redacted(url), busy_timeout
+        self.depth, self.open_transaction = 0, False
+        self.psycopg = import_optional("psycopg", "psycopg[binary]", "a PostgreSQL database")
+        try:
+            self.raw = self.connect()
+        except self.psycopg.Error as e:
+            raise ConfigError(f"{self.path}: cannot open the database: "
+                              f"{first_line(e)}") from None
+
+    def connect(self):
+        raw = self.psycopg.connect(self.url, autocommit=True, connect_timeout=10,
+                                   row_factory=postgres_rows)
+        number, flag = postgres_adapters(self.psycopg)
+        raw.adapters.register_loader("numeric", number)
+        raw.adapters.register_dumper(bool, flag)
+        # A statement waits at most the busy timeout for a row or the write
+        # lock another session holds, as SQLite waits for its lock.
+        raw.execute(f"SET lock_timeout = {max(1, int(self.busy_timeout * 1000))}")
+        return raw
+
+    @property
+    def in_transaction(self):
+        return self.open_transaction and not self.raw.broken
+
+    def begin(self):
+        self.execute(f"BEGIN; SELECT pg_advisory_xact_lock({self.WRITE_LOCK})", None)
+        self.open_transaction = True
+
+    def execute(self, sql, parameters=()):
+        if sql in ("COMMIT", "ROLLBACK"):
+            self.open_transaction = False
+        if parameters is None:          # several statements, no placeholders
+            return PostgresCursor(self.run(lambda raw: raw.execute(sql)), self)
+        statement, returns_id = postgres_statement(sql)
+        cursor = self.run(lambda raw: raw.execute(statement, parameters))
+        return PostgresCursor(cursor, self, returns_id)
+
+    def executemany(self, sql, rows):
+        statement, _ = postgres_statement(sql)
+        rows = list(rows)
+        if rows:
+            self.run(lambda raw: raw.cursor().executemany(statement, rows))
+
+    def run(self, call):
+        """call(psycopg connection), waiting out a server that is away or a
+        lock held elsewhere when no transaction of ours is open."""
+        episode = None
+        try:
+            while True:
+                try:
+                    return self.guarded(lambda: call(self.raw))
+                except (TransactionUndone, sqlite3.OperationalError) as e:
+                    waiting = UNREACHABLE if isinstance(e, TransactionUndone) else \
+                        BUSY if getattr(e, "busy", False) else None
+                    if waiting is None or self.depth:
+                        raise
+                    if STOPPING.is_set():
+                        raise StorageError(f"{e}; stopped waiting since the process is "
+                                           f"stopping") from None
+                    if episode is None:
+                        episode = waiting
+                        episode.enter(self.path)
+                    self.recover()
+        finally:
+            if episode is not None:
+                episode.leave(self.path)
+
+    def guarded(self, call):
+        """call(), its psycopg errors turned into the ones SQLite's give."""
+        try:
+            return call()
+        except self.psycopg.Error as e:
+            raise self.translated(e) from e
+
+    def translated(self, error):
+        state = getattr(error, "sqlstate", None) or ""
+        undone = self.open_transaction
+        if self.raw.broken or self.raw.closed or state in POSTGRES_LOST:
+            self.open_transaction = False
+            return TransactionUndone(f"{self.path}: the connection to the database server "
+                                     f"was lost ({first_line(error)})")
+        if state in POSTGRES_BUSY:
+            if undone:
+                # The server has undone the transaction; it is done again
+                # after a ROLLBACK (see redoable).
+                return TransactionUndone(f"{self.path}: {first_line(error)}")
+            busy = sqlite3.OperationalError(f"{self.path}: {first_line(error)}")
+            busy.busy = True
+            return busy
+        if state.startswith(POSTGRES_STORAGE_FAULTS):
+            return StorageError(f"{self.path}: {first_line(error)} (a storage problem: check "
+                                f"the database server; no source was blamed for it)")
+        kind = {"23": sqlite3.IntegrityError, "22": sqlite3.DataError,
+                "42": sqlite3.ProgrammingError}.get(state[:2], sqlite3.OperationalError)
+        return kind(first_line(error))
+
+    def recover(self):
+        """After TransactionUndone or a wait: the transaction is rolled back
+        and, when the server went away, a new connection opened once it is
+        back. Waits no more than a second when nothing is wrong."""
+        if not (self.raw.broken or self.raw.closed):
+            with contextlib.suppress(self.psycopg.Error):
+                self.raw.execute("ROLLBACK")
+            self.open_transaction = False
+            STOPPING.wait(0.05)
+            return
+        while not STOPPING.is_set():
+            try:
+                old, self.raw = self.raw, self.connect()
+            except self.psycopg.Error:
+                STOPPING.wait(1.0)
+                continue
+            with contextlib.suppress(Exception):
+                old.close()
+            self.open_transaction = False
+            return
+        raise StorageError(f"{self.path}: the database server cannot be reached; stopped "
+                           f"waiting for it since the process is stopping")
+
+    def close(self):
+        with contextlib.suppress(Exception):
+            self.raw.close()
+
+
+def first_line(error):
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def open_connection(path, busy_timeout=30):
+    """A connection to a SQLite file or a postgresql:// URL."""
+    if is_postgres(path):
+        return PostgresConnection(path, busy_timeout)
+    return connect(path, busy_timeout)
+
+
+def schema_statements(fts5=FTS5):
     """SCHEMA as statements, comments dropped, in the order they can run:
     tables, then indexes, then triggers. Without FTS5 the search table and
     its triggers are left out."""
     statements = ["\n".join(line for line in chunk.splitlines() if not line.startswith("--")).strip()
                   for chunk in SCHEMA.split(";\n")]
-    statements = [s for s in statements if s and (FTS5 or "posts_fts" not in s)]
+    statements = [s for s in statements if s and (fts5 or "posts_fts" not in s)]
 
     def kind(statement):
         return ("CREATE TABLE", "CREATE VIRTUAL", "CREATE INDEX", "CREATE TRIGGER").index(
@@ -1049,19 +1425,30 @@ def schema_statements():
     return sorted(statements, key=kind)
 
 
-def missing_columns(conn):
-    """(table, column, type, default) for every column SCHEMA has and `conn`
-    lacks, found by comparing with a fresh in-memory copy of SCHEMA."""
+@functools.lru_cache(maxsize=None)
+def schema_columns():
+    """(table, column, type, default) of every column of SCHEMA's tables, as
+    a fresh in-memory copy of SCHEMA tells them."""
     fresh = sqlite3.connect(":memory:")
-    for statement in schema_statements():
+    for statement in schema_statements(fts5=False):
         if statement.startswith("CREATE TABLE"):
             fresh.execute(statement)
-    for (table,) in fresh.execute("SELECT name FROM sqlite_master WHERE type = 'table'"):
-        have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
-        for _, column, kind, _, default, _ in fresh.execute(f"PRAGMA table_info({table})"):
-            if column not in have:
-                yield table, column, kind, default
+    columns = tuple((table, column, kind, default)
+                    for (table,) in fresh.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+                    for _, column, kind, _, default, _ in fresh.execute(f"PRAGMA table_info({table})"))
     fresh.close()
+    return columns
+
+
+def missing_columns(conn):
+    """(table, column, type, default) for every column SCHEMA has and `conn`
+    lacks."""
+    have = {}
+    for table, column, kind, default in schema_columns():
+        if table not in have:
+            have[table] = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        if column not in have[table]:
+            yield table, column, kind, default
 
 
 def add_column(conn, table, column, kind, default):
@@ -1085,6 +1472,8 @@ def migrate(conn):
     """Create what is missing, idempotently: tables, the columns an older
     database lacks, indexes and triggers (one whose definition changed is
     replaced); what mirrors posts (counts, search) is rebuilt when new."""
+    if conn.dialect is POSTGRES:
+        return migrate_postgres(conn)
     statements = schema_statements()
     tables = [s for s in statements if s.startswith(("CREATE TABLE", "CREATE VIRTUAL"))]
     existing = dict(conn.execute("SELECT name, sql FROM sqlite_master"))
@@ -1112,6 +1501,138 @@ def migrate(conn):
             count_again(conn)
 
 
+# PostgreSQL's schema ----------------------------------------------------------
+
+# SCHEMA's tables and indexes, said the way PostgreSQL says them.
+POSTGRES_NOW = "to_char(timezone('UTC', now()), 'YYYY-MM-DD HH24:MI:SS')"
+POSTGRES_TYPES = ((re.compile(r"\bid INTEGER PRIMARY KEY\b"),
+                   "id BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY"),
+                  (re.compile(r"\bINTEGER\b"), "BIGINT"),
+                  (re.compile(r"\bREAL\b"), "DOUBLE PRECISION"),
+                  (re.compile(r"\(?datetime\('now'\)\)?"), f"({POSTGRES_NOW})"),
+                  (re.compile(r"\)\s*WITHOUT ROWID$"), ")"))
+
+# The counting triggers of SCHEMA (posts_completed, posts_recounted,
+# posts_uncounted) as one PostgreSQL trigger function; ids given explicitly
+# (a copy, a test) move the id sequences past them, as SQLite's next id
+# follows the largest; and the search index (FTS5's part): (name, how to
+# drop it, how to create it).
+POSTGRES_EXTRA = (
+    ("vesti_count_posts", "", """
+CREATE OR REPLACE FUNCTION vesti_count_posts() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    mark BIGINT := (SELECT CAST(value AS BIGINT) FROM meta WHERE key = 'indexed_to');
+BEGIN
+    IF mark IS NULL OR old.id > mark THEN
+        RETURN NULL;
+    END IF;
+    IF TG_OP = 'UPDATE' AND new.classified = 1 AND old.classified IS DISTINCT FROM 1
+            AND new.status = 'new' THEN
+        UPDATE post_counts SET n = n + 1 WHERE (new.story_id IS NULL OR new.story_id = new.id)
+            AND status = 'new' AND direction = coalesce(new.direction, '')
+            AND relevance = coalesce(new.relevance, 0);
+        UPDATE source_post_counts SET n = n + 1 WHERE source_id = coalesce(new.source_id, 0)
+            AND status = 'new' AND direction = coalesce(new.direction, '')
+            AND relevance = coalesce(new.relevance, 0);
+        RETURN NULL;
+    END IF;
+    IF old.classified = 1 THEN
+        UPDATE post_counts SET n = n - 1 WHERE (old.story_id IS NULL OR old.story_id = old.id)
+            AND status = old.status AND direction = coalesce(old.direction, '')
+            AND relevance = coalesce(old.relevance, 0);
+        UPDATE source_post_counts SET n = n - 1 WHERE source_id = coalesce(old.source_id, 0)
+            AND status = old.status AND direction = coalesce(old.direction, '')
+            AND relevance = coalesce(old.relevance, 0);
+    END IF;
+    IF TG_OP = 'UPDATE' AND new.classified = 1 THEN
+        IF new.story_id IS NULL OR new.story_id = new.id THEN
+            INSERT INTO post_counts (status, direction, relevance, n)
+                VALUES (new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1)
+                ON CONFLICT (status, direction, relevance) DO UPDATE SET n = post_counts.n + 1;
+        END IF;
+        INSERT INTO source_post_counts (source_id, status, direction, relevance, n)
+            VALUES (coalesce(new.source_id, 0), new.status, coalesce(new.direction, ''),
+                    coalesce(new.relevance, 0), 1)
+            ON CONFLICT (source_id, status, direction, relevance)
+            DO UPDATE SET n = source_post_counts.n + 1;
+    END IF;
+    RETURN NULL;
+END $$"""),
+    ("posts_counts", "DROP TRIGGER IF EXISTS posts_counts ON posts", """
+CREATE TRIGGER posts_counts
+AFTER UPDATE OF classified, status, direction, relevance, source_id, story_id OR DELETE ON posts
+FOR EACH ROW EXECUTE FUNCTION vesti_count_posts()"""),
+    *((f"{table}_ids_ahead", f"DROP TRIGGER IF EXISTS {table}_ids_ahead ON {table}", f"""
+CREATE OR REPLACE FUNCTION vesti_{table}_ids_ahead() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM setval('{table}_id_seq', top) FROM (SELECT max(id) AS top FROM inserted) t
+        WHERE top >= (SELECT last_value + is_called::int FROM {table}_id_seq);
+    RETURN NULL;
+END $$;
+CREATE TRIGGER {table}_ids_ahead AFTER INSERT ON {table} REFERENCING NEW TABLE AS inserted
+FOR EACH STATEMENT EXECUTE FUNCTION vesti_{table}_ids_ahead()""") for table in ("sources", "posts", "runs")),
+    ("posts_search", "DROP INDEX IF EXISTS posts_search", f"""
+CREATE INDEX posts_search ON posts USING gin (({PostgresDialect.SEARCH_VECTOR.format(p="")}))"""),
+)
+
+
+def postgres_ddl(statement):
+    for pattern, replacement in POSTGRES_TYPES:
+        statement = pattern.sub(replacement, statement)
+    return statement
+
+
+def postgres_schema():
+    """(name, drop, create) of every object of PostgreSQL's schema, in the
+    order they can be made: SCHEMA's tables and indexes (the same table
+    definitions), then POSTGRES_EXTRA."""
+    objects = []
+    for statement in schema_statements(fts5=False):
+        if statement.startswith("CREATE TABLE"):
+            objects.append((statement.split()[5], "", postgres_ddl(statement)))
+        elif statement.startswith("CREATE INDEX"):
+            name = statement.split()[5]
+            objects.append((name, f"DROP INDEX IF EXISTS {name}", postgres_ddl(statement)))
+    return objects + [(name, drop, create.strip()) for name, drop, create in POSTGRES_EXTRA]
+
+
+def migrate_postgres(conn):
+    """migrate for PostgreSQL: what is missing is created, the columns an
+    older database lacks are added, an index or trigger whose definition
+    changed is made again. The schema's digest in meta makes an up-to-date
+    database open at once; the write lock makes one process migrate at a time."""
+    objects = postgres_schema()
+    version = hashlib.sha256(repr(objects).encode()).hexdigest()[:16]
+    if conn.execute("SELECT to_regclass('meta')").fetchone()[0] and \
+            get_meta(conn, "pg_schema")[0] == version:
+        return
+    with transaction(conn):
+        fresh = conn.execute("SELECT to_regclass('post_counts')").fetchone()[0] is None
+        for _, _, create in objects:
+            if create.startswith("CREATE TABLE"):
+                conn.execute(create, None)
+        have = {(r[0], r[1]) for r in conn.execute(
+            "SELECT table_name, column_name FROM information_schema.columns "
+            "WHERE table_schema = current_schema()")}
+        for table, column, kind, default in schema_columns():
+            if (table, column) not in have:
+                clause = f" DEFAULT {postgres_ddl(default)}" if default is not None else ""
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {postgres_ddl(kind)}{clause}")
+        for name, drop, create in objects:
+            digest = hashlib.sha256(create.encode()).hexdigest()[:16]
+            if not create.startswith("CREATE TABLE") and \
+                    get_meta(conn, f"pg_ddl:{name}")[0] != digest:
+                if drop:
+                    conn.execute(drop)
+                conn.execute(create, None)
+                set_meta(conn, f"pg_ddl:{name}", digest)
+        if fresh:
+            reindex_posts(conn)
+        elif get_meta(conn, INDEXED_TO)[0] is None:
+            set_meta(conn, INDEXED_TO, conn.execute("SELECT coalesce(max(id), 0) FROM posts").fetchone()[0])
+        set_meta(conn, "pg_schema", version)
+
+
 # Posts up to this id are counted in post_counts and searchable in posts_fts.
 INDEXED_TO = "indexed_to"
 
@@ -1121,10 +1642,10 @@ def reindex_posts(conn):
     tables or the search index)."""
     for table in COUNT_TABLES:
         conn.execute(f"UPDATE {table} SET n = 0")
-    if FTS5:
+    if conn.dialect.fts5:
         conn.execute("INSERT INTO posts_fts (posts_fts) VALUES ('delete-all')")
-    conn.executemany("INSERT OR IGNORE INTO post_counts (status, direction, relevance, n) "
-                     "VALUES ('new', '', ?, 0)", [(r,) for r in RELEVANCES])
+    conn.executemany("INSERT INTO post_counts (status, direction, relevance, n) "
+                     "VALUES ('new', '', ?, 0) ON CONFLICT DO NOTHING", [(r,) for r in RELEVANCES])
     set_meta(conn, INDEXED_TO, 0)
     index_new_posts(conn)
 
@@ -1142,7 +1663,7 @@ def index_new_posts(conn):
         return 0
     new = "FROM posts WHERE id > ? AND id <= ?"
     ready_source_counts(conn, mark + 1, top)
-    if FTS5:
+    if conn.dialect.fts5:
         conn.execute(f"INSERT INTO posts_fts (rowid, title, text) SELECT id, title, text {new}",
                      (mark, top))
     count_posts(conn, mark, top)
@@ -1166,16 +1687,19 @@ def settle_index_mark(conn, mark=None, top=None):
 
 # Each count table: its key columns before the post's, and which posts it counts.
 COUNT_TABLES = {"post_counts": ("", "AND (story_id IS NULL OR story_id = id)"),
-                "source_post_counts": ("coalesce(source_id, 0), ", "")}
+                "source_post_counts": ("source_id", "")}
 
 
 def count_posts(conn, after, last):
     """Add the classified posts with ids after..last to the count tables."""
     for table, (key, counted) in COUNT_TABLES.items():
-        columns = f"{key}status, coalesce(direction, ''), coalesce(relevance, 0)"
+        columns = f"{'coalesce(source_id, 0), ' if key else ''}status, " \
+                  f"coalesce(direction, ''), coalesce(relevance, 0)"
+        target = f"{key + ', ' if key else ''}status, direction, relevance"
         conn.execute(f"""INSERT INTO {table} SELECT {columns}, count(*) FROM posts
                          WHERE id > ? AND id <= ? AND classified = {DONE} {counted}
-                         GROUP BY {columns} ON CONFLICT DO UPDATE SET n = n + excluded.n""",
+                         GROUP BY {columns}
+                         ON CONFLICT ({target}) DO UPDATE SET n = {table}.n + excluded.n""",
                      (after, last))
 
 
@@ -1207,26 +1731,28 @@ def ready_counts(conn, directions):
     if get_meta(conn, "count_keys")[0] == signature:
         return
     with transaction(conn):
-        conn.executemany("""INSERT OR IGNORE INTO post_counts (status, direction, relevance, n)
-                            VALUES ('new', ?, ?, 0)""",
+        conn.executemany("""INSERT INTO post_counts (status, direction, relevance, n)
+                            VALUES ('new', ?, ?, 0) ON CONFLICT DO NOTHING""",
                          [(d, r) for d in directions for r in RELEVANCES])
-        conn.execute("""INSERT OR IGNORE INTO source_post_counts
+        conn.execute("""INSERT INTO source_post_counts
                             (source_id, status, direction, relevance, n)
                         SELECT s.id, 'new', k.direction, k.relevance, 0
-                        FROM sources s JOIN post_counts k ON k.status = 'new'""")
+                        FROM sources s JOIN post_counts k ON k.status = 'new'
+                        WHERE true ON CONFLICT DO NOTHING""")
         set_meta(conn, "count_keys", signature)
 
 
 def ready_source_counts(conn, first, last):
     """The zero rows of the sources of posts first..last that have none yet
     (a source added without a sync, a post with no source)."""
-    conn.execute("""INSERT OR IGNORE INTO source_post_counts (source_id, status, direction, relevance, n)
+    conn.execute("""INSERT INTO source_post_counts (source_id, status, direction, relevance, n)
                     SELECT b.source_id, 'new', k.direction, k.relevance, 0
                     FROM (SELECT DISTINCT coalesce(source_id, 0) AS source_id FROM posts
                           WHERE id >= ? AND id <= ?) b
                     JOIN post_counts k ON k.status = 'new'
                     WHERE NOT EXISTS (SELECT 1 FROM source_post_counts c
-                                      WHERE c.source_id = b.source_id AND c.status = 'new')""",
+                                      WHERE c.source_id = b.source_id AND c.status = 'new')
+                    ON CONFLICT DO NOTHING""",
                  (first, last))
 
 
@@ -1246,7 +1772,8 @@ IDLE_CONNECTIONS = 4
 
 
 class Database:
-    """The SQLite file: one connection per thread, schema applied once."""
+    """The SQLite file or the PostgreSQL database: one connection per
+    thread, schema applied once."""
 
     def __init__(self, path, busy_timeout=30):
         self.path, self.busy_timeout = path, busy_timeout
@@ -1255,16 +1782,16 @@ class Database:
         try:
             migrate(self.conn())
         except sqlite3.DatabaseError as e:
-            raise ConfigError(f"{path}: cannot open the database: {e}") from None
+            raise ConfigError(f"{redacted(path)}: cannot open the database: {e}") from None
 
     def conn(self):
         conn = getattr(self._local, "conn", None)
         if conn is None:
             try:
-                conn = self._local.conn = connect(self.path, self.busy_timeout)
+                conn = self._local.conn = open_connection(self.path, self.busy_timeout)
             except sqlite3.OperationalError as e:
                 # A missing directory or no permission: the setting is wrong.
-                raise ConfigError(f"{self.path}: cannot open the database: {e}") from None
+                raise ConfigError(f"{redacted(self.path)}: cannot open the database: {e}") from None
         return conn
 
     def close(self):
@@ -1290,7 +1817,7 @@ class Database:
         at the end."""
         with self._idle_lock:
             conn = self._idle.pop() if self._idle else None
-        self._local.conn = conn or connect(self.path, self.busy_timeout)
+        self._local.conn = conn or open_connection(self.path, self.busy_timeout)
         try:
             yield self
         finally:
@@ -1343,7 +1870,7 @@ def enter_story(conn, post_id, words, keys, since):
         conn.execute("UPDATE posts SET story_id = ? WHERE story_id = ? AND id != ?",
                      (story, post_id, post_id))
     conn.execute("UPDATE posts SET story_id = ? WHERE id = ?", (story, post_id))
-    conn.executemany("INSERT OR IGNORE INTO story_keys (key, post_id) VALUES (?, ?)",
+    conn.executemany("INSERT INTO story_keys (key, post_id) VALUES (?, ?) ON CONFLICT DO NOTHING",
                      [(key, post_id) for key in keys])
     return story
 
@@ -1421,9 +1948,9 @@ def queue_sizes(conn):
         SELECT (SELECT count(*) FROM posts WHERE {IS_PENDING}) AS pending,
                (SELECT count(*) FROM posts WHERE classified = {PROCESSING}) AS processing,
                (SELECT count(*) FROM posts WHERE classified = {DONE}
-                                           AND fetched_at >= date('now')) AS done_today,
+                                           AND fetched_at >= ?) AS done_today,
                (SELECT count(*) FROM posts WHERE classified = {FAILED}) AS failed
-    """).fetchone()
+    """, (utc_text()[:10],)).fetchone()
     return dict(row)
 
 
@@ -1454,9 +1981,7 @@ def claim_posts(conn, limit, now=None):
     return conn.execute(f"""
         UPDATE posts SET classified = {PROCESSING}, claimed_at = ?,
                          claim_token = ? || '-' || id, attempts = attempts + 1
-        WHERE id IN (SELECT id FROM posts INDEXED BY posts_pending
-                     WHERE {IS_PENDING} AND (next_attempt_at IS NULL OR next_attempt_at <= ?)
-                     ORDER BY id LIMIT ?)
+        WHERE id IN ({conn.dialect.claimable.format(pending=IS_PENDING)})
         RETURNING id, source_id, url, article_url, title, text, content_type, attempts,
                   claim_token,
                   (SELECT url FROM sources WHERE sources.id = posts.source_id) AS source_url
@@ -1505,21 +2030,28 @@ def complete_and_claim(conn, completions, claims, now=None):
     return written, posts
 
 
+# A claim given back for a reason that is not the post's own: its attempt uncounted.
+ATTEMPT_UNCOUNTED = "attempts = CASE WHEN attempts > 0 THEN attempts - 1 ELSE 0 END"
+
+
 def release_post(conn, post_id, token, error, max_attempts, retry_delay, now=None):
-    """Give a failed post back: pending again after a backoff, or failed for
-    good once it has used its attempts. Returns the new state."""
+    """Give a failed post back: pending again after a backoff that doubles
+    with each attempt, or failed for good once it has used its attempts.
+    Returns the new state (None when the claim is no longer ours)."""
     now = time.time() if now is None else now
+    row = conn.execute("SELECT attempts FROM posts WHERE id = ? AND claim_token = ?",
+                       (post_id, token)).fetchone()
+    if row is None:
+        return None
+    retry_at = utc_text(now + retry_delay * (1 << min(max(row[0], 1) - 1, 6)))
     row = conn.execute(f"""
         UPDATE posts SET
             classified = CASE WHEN attempts >= ? THEN {FAILED} ELSE {PENDING} END,
-            next_attempt_at = CASE WHEN attempts >= ? THEN NULL
-                              ELSE strftime('%Y-%m-%d %H:%M:%S', ?, 'unixepoch',
-                                            '+' || (? * (1 << min(attempts - 1, 6))) || ' seconds') END,
+            next_attempt_at = CASE WHEN attempts >= ? THEN NULL ELSE ? END,
             error = ?, claim_token = NULL
         WHERE id = ? AND classified = {PROCESSING} AND claim_token = ?
         RETURNING classified
-    """, (max_attempts, max_attempts, now, retry_delay, shorten(error, 2000),
-          post_id, token)).fetchone()
+    """, (max_attempts, max_attempts, retry_at, shorten(error, 2000), post_id, token)).fetchone()
     return None if row is None else row[0]
 
 
@@ -1532,11 +2064,10 @@ def defer_post(conn, post_id, token, error, retry_delay, now=None, text=None):
     article = ", text = :text, content_type = 'full'" if text else ""
     row = conn.execute(f"""
         UPDATE posts SET classified = {PENDING}, error = :error, claim_token = NULL,
-               attempts = max(attempts - 1, 0),
-               next_attempt_at = strftime('%Y-%m-%d %H:%M:%S', :now, 'unixepoch', :delay){article}
+               {ATTEMPT_UNCOUNTED}, next_attempt_at = :retry_at{article}
         WHERE id = :id AND classified = {PROCESSING} AND claim_token = :token
         RETURNING classified
-    """, {"error": shorten(error, 2000), "now": now, "delay": f"+{retry_delay} seconds",
+    """, {"error": shorten(error, 2000), "retry_at": utc_text(now + retry_delay),
           "text": text, "id": post_id, "token": token}).fetchone()
     return None if row is None else row[0]
 
@@ -1565,8 +2096,7 @@ def release_claims(conn, pattern):
     their attempt uncounted: used when workers are stopped before they could
     finish. Returns how many."""
     return conn.execute(f"""
-        UPDATE posts SET classified = {PENDING}, claim_token = NULL,
-                         attempts = max(attempts - 1, 0)
+        UPDATE posts SET classified = {PENDING}, claim_token = NULL, {ATTEMPT_UNCOUNTED}
         WHERE classified = {PROCESSING} AND claim_token LIKE ?""", (pattern,)).rowcount
 
 
@@ -1575,8 +2105,7 @@ def give_back_posts(conn, tokens):
     hands back what it claimed but will not classify."""
     marks = ", ".join("?" * len(tokens))
     return conn.execute(f"""
-        UPDATE posts SET classified = {PENDING}, claim_token = NULL,
-                         attempts = max(attempts - 1, 0)
+        UPDATE posts SET classified = {PENDING}, claim_token = NULL, {ATTEMPT_UNCOUNTED}
         WHERE classified = {PROCESSING} AND claim_token IN ({marks})""", tokens).rowcount
 
 
@@ -1764,7 +2293,8 @@ def note_rhythm(conn, source, new_posts, now):
         conn.execute("""UPDATE sources SET last_new_at = ?, rhythm = ?, silent_since = NULL
                         WHERE id = ?""", (utc_text(now), json.dumps(gaps), source["id"]))
         conn.execute("""INSERT INTO source_days (source_id, day, new_posts) VALUES (?, ?, ?)
-                        ON CONFLICT DO UPDATE SET new_posts = new_posts + excluded.new_posts""",
+                        ON CONFLICT (source_id, day) DO UPDATE SET
+                            new_posts = source_days.new_posts + excluded.new_posts""",
                      (source["id"], utc_text(now)[:10], new_posts))
         if row["silent_since"] and last_new is not None:
             log.warning("source %s speaks again: %d new posts after %s of silence",
@@ -1909,9 +2439,9 @@ def update_edited_post(conn, source_id, draft):
         row["classified"] in (DONE, FAILED)
     conn.execute(f"""UPDATE posts SET text = ?, title = ?, sha256 = ?, edited_at = ?,
                          content_type = ?, article_url = ?,
-                         classified = CASE WHEN ? THEN {PENDING} ELSE classified END,
-                         attempts = CASE WHEN ? THEN 0 ELSE attempts END,
-                         next_attempt_at = CASE WHEN ? THEN NULL ELSE next_attempt_at END
+                         classified = CASE WHEN ? = 1 THEN {PENDING} ELSE classified END,
+                         attempts = CASE WHEN ? = 1 THEN 0 ELSE attempts END,
+                         next_attempt_at = CASE WHEN ? = 1 THEN NULL ELSE next_attempt_at END
                      WHERE id = ?""",
                  (draft.text, draft.title, text_sha256(draft.text), draft.edited_at,
                   draft.content_type, draft.article_url, requeue, requeue, requeue, row["id"]))
@@ -1933,7 +2463,8 @@ def defer_telegram(conn, seconds, now=None):
 def save_last_message_id(conn, source_id, message_id):
     conn.execute("""INSERT INTO tg_state (source_id, last_message_id, updated_at) VALUES (?, ?, ?)
                     ON CONFLICT(source_id) DO UPDATE SET
-                        last_message_id = max(last_message_id, excluded.last_message_id),
+                        last_message_id = CASE WHEN excluded.last_message_id > tg_state.last_message_id
+                                          THEN excluded.last_message_id ELSE tg_state.last_message_id END,
                         updated_at = excluded.updated_at""",
                  (source_id, message_id, utc_text()))
 
@@ -1959,7 +2490,7 @@ def delete_meta(conn, *keys):
 def lasting_secret(conn, key):
     """A random secret made once and kept in the database, so what it signs
     (the page's form tokens) outlives a restart."""
-    conn.execute("INSERT OR IGNORE INTO meta (key, value, updated_at) VALUES (?, ?, ?)",
+    conn.execute("INSERT INTO meta (key, value, updated_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
                  (key, secrets.token_hex(32), utc_text()))
     return get_meta(conn, key)[0]
 
@@ -2000,7 +2531,7 @@ def add_counts(conn, increments):
 
 def upsert_counts(conn, increments):
     conn.executemany("""INSERT INTO counters (name, labels, value) VALUES (?, ?, ?)
-                        ON CONFLICT(name, labels) DO UPDATE SET value = value + excluded.value""",
+                        ON CONFLICT(name, labels) DO UPDATE SET value = counters.value + excluded.value""",
                      [(name, labels, amount) for (name, labels), amount in increments.items()])
 
 
@@ -2131,14 +2662,14 @@ def decided_posts(conn, status="approved", direction=None, limit=None, since=Non
                p.status, p.published_at, p.decided_at, p.decided_by, p.keywords, p.reason,
                s.name AS source
         FROM posts p LEFT JOIN sources s ON s.id = p.source_id
-        WHERE {' AND '.join(where)} ORDER BY {order} LIMIT ?""",
-                        [*params, -1 if limit is None else limit]).fetchall()
+        WHERE {' AND '.join(where)} ORDER BY {order}{"" if limit is None else " LIMIT ?"}""",
+                        params if limit is None else [*params, limit]).fetchall()
 
 
-def prune_runs(conn, days):
-    conn.execute("DELETE FROM source_days WHERE day < date('now', ?)", (f"-{int(days)} days",))
-    return conn.execute("DELETE FROM runs WHERE started_at < datetime('now', ?)",
-                        (f"-{int(days)} days",)).rowcount
+def prune_runs(conn, days, now=None):
+    since = utc_text((time.time() if now is None else now) - int(days) * 86400)
+    conn.execute("DELETE FROM source_days WHERE day < ?", (since[:10],))
+    return conn.execute("DELETE FROM runs WHERE started_at < ?", (since,)).rowcount
 
 
 ###############################################################################
@@ -2379,7 +2910,8 @@ def sync_sources(conn, registry):
                 conn.execute("DELETE FROM rss_state WHERE source_id = ?", (old["id"],))
         slugs = [spec.slug for spec in registry.sources]
         conn.execute(f"UPDATE sources SET enabled = 0 WHERE slug NOT IN "
-                     f"({','.join('?' * len(slugs))})", slugs)
+                     f"({','.join('?' * len(slugs)) or 'NULL'})" if slugs else
+                     "UPDATE sources SET enabled = 0", slugs)
     ready_counts(conn, registry.directions)
 
 
@@ -5070,15 +5602,6 @@ def search_words(text):
     return text if re.search(r"\w", text) else ""
 
 
-def fts_query(text):
-    """Words as FTS5 terms, any case; a word typed with a * after it matches
-    every word it begins: 'Linux ядр*' -> '"linux" "ядр"*'. (Prefixes are
-    asked for, not implied: a common prefix makes the index merge the lists
-    of every word it begins.)"""
-    words = re.findall(r"(\w+)(\*?)", text.casefold())
-    return " ".join(f'"{w}"{star}' for w, star in words[:12])
-
-
 def desk_filters(desk):
     """WHERE clauses and parameters of every filter but the search. The
     relevance floor is marked not to pick an index (the unary +) unless the
@@ -5142,7 +5665,7 @@ def desk_posts(conn, desk, limit=PAGE_SIZE + 1):
     if desk.q and desk.sort == "newest":
         return search_posts(conn, desk, where, params, limit)
     if desk.q:
-        clause, values = search_filter(desk.q)
+        clause, values = conn.dialect.search_filter(desk.q)
         where.append(clause)
         params += values
     score = {"newest": None, "relevance": "p.relevance", "interest": "p.interest"}[desk.sort]
@@ -5170,36 +5693,16 @@ def every_decision(conn, desk, limit):
     return sorted(posts, key=order, reverse=True)[:limit]
 
 
-def like_pattern(text):
-    return "%" + re.sub(r"([%_\\])", r"\\\1", text) + "%"
-
-
-def search_filter(text):
-    """The WHERE clause and parameters of a search: FTS5, or LIKE where this
-    Python's SQLite has no FTS5."""
-    if FTS5:
-        return "p.id IN (SELECT rowid FROM posts_fts WHERE posts_fts MATCH ?)", [fts_query(text)]
-    pattern = like_pattern(text)
-    return "(p.title LIKE ? ESCAPE '\\' OR p.text LIKE ? ESCAPE '\\')", [pattern, pattern]
-
-
 def search_posts(conn, desk, where, params, limit):
-    """A search, newest collected first: the search index gives matching ids
-    in descending order, so a common word costs no more than a rare one."""
-    if not FTS5:
-        clause, values = search_filter(desk.q)
-        where, params = [*where, clause], [*params, *values]
-        source = "posts p"
-    else:
-        where = [*where, "posts_fts MATCH ?"]
-        params = [*params, fts_query(desk.q)]
-        source = "posts_fts f JOIN posts p ON p.id = f.rowid"
+    """A search, newest collected first (see the dialect's search_source)."""
+    source, clause, values, order = conn.dialect.search_source(desk.q)
+    where, params = [*where, clause], [*params, *values]
     if desk.after:
-        where.append(f"{'f.rowid' if FTS5 else 'p.id'} < ?")
+        where.append(f"{order} < ?")
         params.append(desk.after[2])
     return conn.execute(f"""
         SELECT {DESK_COLUMNS} FROM {source} LEFT JOIN sources s ON s.id = p.source_id
-        WHERE {' AND '.join(where)} ORDER BY {"f.rowid" if FTS5 else "p.id"} DESC LIMIT ?""",
+        WHERE {' AND '.join(where)} ORDER BY {order} DESC LIMIT ?""",
                         [*params, limit]).fetchall()
 
 
@@ -5245,12 +5748,9 @@ def search_counts(conn, desk):
     if not desk.q:
         matches = "SELECT id FROM posts WHERE story_id = ? LIMIT ?"
         values = [desk.story, SEARCH_COUNT_CAP + 1]
-    elif FTS5:
-        matches = "SELECT rowid FROM posts_fts WHERE posts_fts MATCH ? LIMIT ?"
-        values = [fts_query(desk.q), SEARCH_COUNT_CAP + 1]
     else:
-        clause, values = search_filter(desk.q)
-        matches = f"SELECT id FROM posts p WHERE {clause} LIMIT ?"
+        clause, values = conn.dialect.search_filter(desk.q)
+        matches = f"SELECT p.id FROM posts p WHERE {clause} LIMIT ?"
         values = [*values, SEARCH_COUNT_CAP + 1]
     ids = [row[0] for row in conn.execute(matches, values)]
     if len(ids) > SEARCH_COUNT_CAP:
@@ -5621,7 +6121,7 @@ class WebApp:
         self._sources = (-math.inf, "")
         # Kept in the database: pages left open across a restart still post.
         self.secret = lasting_secret(db.conn(), "web_secret").encode()
-        if not FTS5:
+        if db.conn().dialect is SQLITE and not FTS5:
             log.warning("this Python's SQLite has no FTS5: the desk searches with LIKE "
                         "(slower on a big database)")
         self.routes = [
@@ -6022,7 +6522,7 @@ class Scheduler:
                 recount_posts(self.db.conn())
             prune_story_keys(self.db.conn(), self.settings.story_hours)
             # Fresh statistics keep the desk's queries on their indexes as posts grow.
-            self.db.conn().execute("PRAGMA optimize")
+            self.db.conn().execute(self.db.conn().dialect.refresh_statistics)
             self.next_prune = self.clock() + 86400
         return started
 

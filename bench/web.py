@@ -494,7 +494,10 @@ def _build(part, n_sources, n_posts, runs, seed):
     rng = random.Random(seed)
     now = int(time.time())
     vesti.Database(part).close()  # the schema, exactly as vesti creates it
-    conn = sqlite3.connect(part, isolation_level=None)
+    # vesti's own connection class, as vesti's functions called below expect.
+    conn = sqlite3.connect(part, isolation_level=None,
+                           factory=getattr(vesti, "Connection", sqlite3.Connection))
+    conn.path = part
     try:
         conn.execute("PRAGMA journal_mode = DELETE")  # leave WAL for the bulk load
         conn.execute("PRAGMA synchronous = OFF")
