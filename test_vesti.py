@@ -32,6 +32,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -1709,9 +1710,9 @@ def test_a_claim_that_lands_after_a_stop_is_given_back(home, monkeypatch):
     pool = vesti.WorkerPool(db, s, vesti.Classifier(registry, s), stop)
     real_claim = vesti.claim_posts
 
-    def claim_while_stopping(conn, limit, now=None):
+    def claim_while_stopping(conn, limit, now=None, token=None):
         stop.set()                       # SIGTERM arrives while the claim waits for the lock
-        return real_claim(conn, limit, now)
+        return real_claim(conn, limit, now, token)
     monkeypatch.setattr(vesti, "claim_posts", claim_while_stopping)
     assert pool.take_turn(db.conn(), [], 1) == []
     assert tuple(db.conn().execute("SELECT classified, attempts FROM posts").fetchone()) == (0, 0)
@@ -1727,9 +1728,9 @@ def test_fast_posts_are_claimed_in_batches_and_the_limit_still_holds(home, monke
     turns = []
     real_turn = vesti.complete_and_claim
 
-    def counted_turn(conn, completions, claims, now=None):
+    def counted_turn(conn, completions, claims, now=None, token=None):
         turns.append(len(completions))
-        return real_turn(conn, completions, claims, now)
+        return real_turn(conn, completions, claims, now, token)
     monkeypatch.setattr(vesti, "complete_and_claim", counted_turn)
     stats, finished = vesti.run_workers(db, s, registry, workers=4, limit=150, quiet=True)
     assert finished and stats.done == 150
@@ -4264,6 +4265,235 @@ def test_posts_left_processing_by_a_database_from_before_leases_are_classified(h
     vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=2, quiet=True)
     assert queue_of(db) == {1: 8}
     assert {r[0] for r in db.conn().execute("SELECT direction FROM posts")} == {"linux"}
+
+
+# PostgreSQL: one queue for many machines ----------------------------------------
+
+def postgres_binaries():
+    found = sorted(pathlib.Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))
+    return found[-1].parent if found else None
+
+
+class OwnPostgres:
+    """A PostgreSQL server of one test's own, in a temporary directory, so it
+    can be restarted without disturbing the other tests (as a non-root user:
+    PostgreSQL refuses to run as root)."""
+
+    def __init__(self):
+        self.bin = postgres_binaries()
+        self.root = pathlib.Path(tempfile.mkdtemp(prefix="vesti-pg-"))
+        self.root.chmod(0o777)
+        self.data = self.root / "pgdata"
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        self.run("initdb", "-D", str(self.data), "-U", "vesti", "--auth=trust", "-E", "UTF8",
+                 "--locale=C.UTF-8")
+        self.url = f"postgresql://vesti@127.0.0.1:{self.port}/postgres"
+        self.start()
+
+    def run(self, tool, *args):
+        subprocess.run([*self.as_user, str(self.bin / tool), *args], check=True,
+                       capture_output=True, timeout=60)
+
+    def start(self):
+        self.run("pg_ctl", "-D", str(self.data), "-w", "-l", str(self.root / "log"),
+                 "-o", f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 "
+                       f"-c fsync=off", "start")
+
+    def stop(self):
+        self.run("pg_ctl", "-D", str(self.data), "-w", "-m", "fast", "stop")
+
+
+@pytest.fixture
+def own_postgres():
+    if postgres_binaries() is None or (os.geteuid() == 0 and shutil.which("runuser") is None):
+        pytest.skip("no PostgreSQL server binaries (Debian's postgresql package) here")
+    pytest.importorskip("psycopg")
+    server = OwnPostgres()
+    yield server
+    with contextlib.suppress(Exception):
+        server.stop()
+    shutil.rmtree(server.root, ignore_errors=True)
+
+
+def test_the_postgresql_schema_is_made_from_the_same_table_definitions():
+    sqlite_tables = {(t, c) for t, c, _, _ in vesti.schema_columns()}
+    objects = {name: create for name, _, create in vesti.postgres_schema()}
+    for table in {t for t, _ in sqlite_tables}:
+        columns = re.findall(r"^\s+(\w+) ", objects[table], re.M)
+        assert {(table, c) for c in columns if c not in ("PRIMARY",)} == \
+            {(t, c) for t, c in sqlite_tables if t == table}
+    indexes = {s.split()[5] for s in vesti.schema_statements() if s.startswith("CREATE INDEX")}
+    assert indexes <= set(objects)
+    assert "datetime(" not in " ".join(objects.values()) and "WITHOUT ROWID" not in str(objects)
+
+
+@both
+def test_a_postgresql_database_has_every_table_column_and_index(home, backend):
+    if backend is None:
+        pytest.skip("the PostgreSQL half")
+    s, db = intake(home, [])
+    conn = db.conn()
+    columns = {(r[0], r[1]) for r in conn.execute(
+        "SELECT table_name, column_name FROM information_schema.columns "
+        "WHERE table_schema = current_schema()")}
+    assert {(t, c) for t, c, _, _ in vesti.schema_columns()} <= columns
+    indexes = {r[0] for r in conn.execute("SELECT indexname FROM pg_indexes "
+                                          "WHERE schemaname = current_schema()")}
+    assert {s.split()[5] for s in vesti.schema_statements() if s.startswith("CREATE INDEX")} <= indexes
+    started = time.monotonic()
+    vesti.Database(backend).close()                      # up to date: opens at once
+    assert time.monotonic() - started < 1
+
+
+def test_without_psycopg_a_postgresql_url_is_one_line_and_exit_2(home):
+    write_sources(home / "sources.yaml", [])
+    (home / "sitecustomize.py").write_text(
+        "import sys\nclass Block:\n    def find_spec(self, name, *args):\n"
+        "        if name == 'psycopg':\n            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, Block())\n")
+    result = cli("status", cwd=home, env={"VESTI_DB": "postgresql://u:secret@127.0.0.1:9/x",
+                                          "PYTHONPATH": str(home)})
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "vesti: a PostgreSQL database needs the 'psycopg[binary]' package: "
+        "pip install psycopg[binary]"]
+
+
+def test_an_unreachable_postgresql_is_one_line_and_exit_2_without_the_password(home):
+    pytest.importorskip("psycopg")
+    write_sources(home / "sources.yaml", [])
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = cli("status", cwd=home, env={"VESTI_DB": f"postgresql://u:s3cret@127.0.0.1:{port}/x"})
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot open the database" in lines[0]
+    assert f"postgresql://u:***@127.0.0.1:{port}/x" in lines[0] and "s3cret" not in result.stderr
+
+
+@both
+def test_copy_db_moves_everything_to_postgresql_and_back_and_twice_changes_nothing(home, backend):
+    if backend is None:
+        pytest.skip("the PostgreSQL half")
+    file_db = str(home / "vesti.db")
+    write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss",
+                                                     direction="linux")])
+    s = make_settings(home).replace(db=file_db)
+    registry, db = vesti.open_intake(s)
+    conn = db.conn()
+    for k in range(1, 8):
+        desk_post(conn, 1, k, title=f"Post {k} «кириллица»", relevance=k)
+    vesti.set_decision(conn, 3, "approved", "editor")
+    conn.execute("INSERT INTO runs (source_id, task, status) VALUES (1, 'rss', 'ok')")
+    vesti.set_meta(conn, "web_secret", "kept")
+    first = cli("copy-db", "--to", backend, cwd=home, env={"VESTI_DB": file_db})
+    assert first.returncode == 0, first.stderr
+    assert re.search(r"copy-db: 1 sources, .*7 posts, 0 runs|copy-db: 1 sources, .*7 posts, 1 runs",
+                     first.stdout), first.stdout
+    again = cli("copy-db", "--to", backend, cwd=home, env={"VESTI_DB": file_db})
+    assert again.returncode == 0, again.stderr
+    pg = vesti.Database(backend).conn()
+
+    def rows(c, sql):
+        return [tuple(r) for r in c.execute(sql)]
+    for sql in ("SELECT id, title, status, decided_by, relevance, published_at FROM posts ORDER BY id",
+                "SELECT id, slug, url, direction FROM sources ORDER BY id",
+                "SELECT id, source_id, status FROM runs ORDER BY id"):
+        assert rows(pg, sql) == rows(conn, sql)
+    assert vesti.get_meta(pg, "web_secret")[0] == "kept"
+    assert counts_match_posts(pg)
+    page = Web(home, settings=s.replace(db=backend, web_password="pw"), password="pw")
+    try:
+        assert "Post 3" in page.get("/?status=approved&min=0")[2]
+        found = page.get(f"/?q={urllib.parse.quote('кириллица')}&min=0&status=any")[2]
+        assert len(card_ids(found)) == 7
+    finally:
+        page.close()
+    new_id = pg.execute("INSERT INTO posts (source_id, title) VALUES (1, 'after the copy')").lastrowid
+    assert new_id == 8                                   # ids go on after the copied ones
+    back = cli("copy-db", "--to", str(home / "back.db"), cwd=home, env={"VESTI_DB": backend})
+    assert back.returncode == 0, back.stderr
+    assert len(rows(sqlite3.connect(home / "back.db"), "SELECT id FROM posts")) == 8
+
+
+@both
+def test_two_worker_processes_share_the_queue_and_survive_a_kill_9(home, backend):
+    if backend is None:
+        pytest.skip("the PostgreSQL half")
+    fake = FakeOllama(latency=0.1)
+    try:
+        s, db, _ = worker_home(home, fake.url)
+        add_posts(db.conn(), 60)
+        env = {"VESTI_LEASE_SECONDS": "2"}
+        one = worker_process(home, fake.url, "--workers", "4", "--forever", env=env)
+        two = worker_process(home, fake.url, "--workers", "4", "--forever", env=env)
+        assert wait_for(lambda: queue_of(db).get(1, 0) >= 10)
+        one.kill()
+        one.communicate()
+        assert wait_for(lambda: queue_of(db) == {1: 60}, timeout=30), queue_of(db)
+        two.send_signal(signal.SIGTERM)
+        _, err = two.communicate(timeout=15)
+        assert two.returncode == 0, err
+        asked = collections.Counter(fake.titles())
+        assert set(asked) == {f"Post {k}" for k in range(60)}
+        assert sum(n - 1 for n in asked.values()) <= 4       # only what the killed one held
+    finally:
+        fake.close()
+
+
+@both
+def test_two_overlapping_crawls_store_each_entry_once(home, backend, server):
+    if backend is None:
+        pytest.skip("the PostgreSQL half")
+    body = rss(items(40))
+
+    def slow(request):
+        time.sleep(0.3)
+        return 200, {"Content-Type": "application/rss+xml"}, body
+    server.routes["/feed"] = slow
+    intake(home, [rss_source("slow", server.url + "/feed")])
+    crawls = [subprocess.Popen([sys.executable, str(ROOT / "vesti.py"), "rss", "--all"], cwd=home,
+                               env={**os.environ, "VESTI_DB": backend}, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for crawl_process in crawls:
+        _, err = crawl_process.communicate(timeout=60)
+        assert crawl_process.returncode == 0, err
+    db = vesti.Database(backend)
+    assert db.conn().execute("SELECT count(*), count(DISTINCT canonical_url) FROM posts").fetchone() \
+        == (40, 40)
+    assert [r["status"] for r in runs_of(db, "slow")] == ["ok", "ok"]
+
+
+def test_a_worker_rides_out_a_postgresql_restart_and_loses_nothing(home, own_postgres):
+    fake = FakeOllama(latency=0.05)
+    try:
+        BACKEND["db"] = own_postgres.url
+        s, db, _ = worker_home(home, fake.url)
+        add_posts(db.conn(), 120)
+        db.close()
+        process = worker_process(home, fake.url, "--workers", "4", "--forever",
+                                 env={"VESTI_DB": own_postgres.url})
+        check = vesti.Database(own_postgres.url)
+        assert wait_for(lambda: queue_of(check).get(1, 0) >= 20)
+        check.close()
+        own_postgres.stop()
+        time.sleep(1.5)                                  # the workers find it gone
+        own_postgres.start()
+        check = vesti.Database(own_postgres.url)
+        assert wait_for(lambda: queue_of(check) == {1: 120}, timeout=60), queue_of(check)
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=15)
+        assert process.returncode == 0, err
+        assert err.count("database server cannot be reached; waiting for it") == 1, err
+        assert set(fake.titles()) == {f"Post {k}" for k in range(120)}
+        assert check.conn().execute("SELECT count(*) FROM posts WHERE error IS NOT NULL").fetchone()[0] == 0
+    finally:
+        BACKEND["db"] = None
+        fake.close()
 
 
 # The repository ----------------------------------------------------------------

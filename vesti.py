@@ -365,7 +365,12 @@ class StorageError(VestiError):
 class TransactionUndone(VestiError):
     """The database server undid a transaction midway: it restarted, or a
     row stayed locked by another session past the busy timeout. The work is
-    done again once the server can take it (see `redoable`)."""
+    done again once the server can take it (see `redoable`); `episode` is
+    the wait it belongs to."""
+
+    def __init__(self, message, episode):
+        super().__init__(message)
+        self.episode = episode
 
 
 class EarlyReply(Exception):
@@ -528,9 +533,9 @@ class Progress:
         self.lock = threading.Lock()
         self.started = time.monotonic()
 
-    def step(self, note=""):
+    def step(self, note="", count=1):
         with self.lock:
-            self.done += 1
+            self.done += count
             if self.live:
                 self.stream.write(f"\r{self.label}: {self.done}/{self.total} {note}\033[K")
                 self.stream.flush()
@@ -901,26 +906,32 @@ def storage_error(error, path):
 class WaitEpisode:
     """One warning while the database cannot be used for a while (locked
     past the busy timeout by a backup or a long manual UPDATE; a database
-    server restarting), however many threads wait; a note when it is back."""
+    server restarting), however many threads wait; a note when it is back.
+    Threads that find out later (each connection learns of a restart on its
+    next statement) belong to the same episode for EPISODE_GAP seconds."""
+    EPISODE_GAP = 60
 
     def __init__(self, waiting, back):
         self.messages = waiting, back
         self.lock = threading.Lock()
         self.waiting = 0
-        self.since = None
+        self.since = self.ended = None
 
     def enter(self, path):
         with self.lock:
             self.waiting += 1
             if self.since is None:
                 self.since = time.monotonic()
-                log.warning(self.messages[0], path)
+                if self.ended is None or self.since - self.ended > self.EPISODE_GAP:
+                    log.warning(self.messages[0], path)
 
     def leave(self, path):
         with self.lock:
             self.waiting -= 1
             if self.waiting == 0 and self.since is not None:
-                log.info(self.messages[1], path, time.monotonic() - self.since)
+                self.ended = time.monotonic()
+                if self.ended - self.since > 1:
+                    log.info(self.messages[1], path, self.ended - self.since)
                 self.since = None
 
 
@@ -1066,8 +1077,11 @@ def redoable(function):
             except TransactionUndone as e:
                 if conn.depth:
                     raise
-                log.warning("%s; doing it again", e)
-                conn.recover()
+                e.episode.enter(conn.path)
+                try:
+                    conn.recover()
+                finally:
+                    e.episode.leave(conn.path)
     return again
 
 
@@ -1328,7 +1342,7 @@ class PostgresConnection:
                 try:
                     return self.guarded(lambda: call(self.raw))
                 except (TransactionUndone, sqlite3.OperationalError) as e:
-                    waiting = UNREACHABLE if isinstance(e, TransactionUndone) else \
+                    waiting = e.episode if isinstance(e, TransactionUndone) else \
                         BUSY if getattr(e, "busy", False) else None
                     if waiting is None or self.depth:
                         raise
@@ -1356,12 +1370,12 @@ class PostgresConnection:
         if self.raw.broken or self.raw.closed or state in POSTGRES_LOST:
             self.open_transaction = False
             return TransactionUndone(f"{self.path}: the connection to the database server "
-                                     f"was lost ({first_line(error)})")
+                                     f"was lost ({first_line(error)})", UNREACHABLE)
         if state in POSTGRES_BUSY:
             if undone:
                 # The server has undone the transaction; it is done again
                 # after a ROLLBACK (see redoable).
-                return TransactionUndone(f"{self.path}: {first_line(error)}")
+                return TransactionUndone(f"{self.path}: {first_line(error)}", BUSY)
             busy = sqlite3.OperationalError(f"{self.path}: {first_line(error)}")
             busy.busy = True
             return busy
@@ -1468,6 +1482,7 @@ OBSOLETE = ("DROP INDEX IF EXISTS posts_queue", "DROP INDEX IF EXISTS posts_cand
             "DROP TRIGGER IF EXISTS posts_counted", "DROP TRIGGER IF EXISTS posts_fts_insert")
 
 
+@redoable
 def migrate(conn):
     """Create what is missing, idempotently: tables, the columns an older
     database lacks, indexes and triggers (one whose definition changed is
@@ -1703,6 +1718,7 @@ def count_posts(conn, after, last):
                      (after, last))
 
 
+@redoable
 def recount_posts(conn):
     """Count the counted posts again, in one transaction: heals a count the
     completion trigger could not keep (a post of a direction gone from
@@ -1720,6 +1736,7 @@ def count_again(conn):
 RELEVANCES = range(11)
 
 
+@redoable
 def ready_counts(conn, directions):
     """The zero rows a completion adds one to (decision 'new', each direction
     and none, each relevance; overall and for every source), so that the
@@ -1756,6 +1773,7 @@ def ready_source_counts(conn, first, last):
                  (first, last))
 
 
+@redoable
 def catch_up_index(conn):
     """Take the posts stored since the last call into the counts and the
     search index: done by the workers between batches and by the page and
@@ -1876,11 +1894,17 @@ def enter_story(conn, post_id, words, keys, since):
 
 
 def join_story(conn, post_id, title, text, hours, now=None):
+    """The story of a post with this title and text (see enter_now)."""
+    words = story_words(title, text)
+    return enter_now(conn, post_id, words, story_keys(words), story_since(hours, now))
+
+
+@redoable
+def enter_now(conn, post_id, words, keys, since):
     """enter_story in a transaction of its own, so two copies looked at the
     same moment end in one story."""
-    words = story_words(title, text)
     with transaction(conn):
-        return enter_story(conn, post_id, words, story_keys(words), story_since(hours, now))
+        return enter_story(conn, post_id, words, keys, since)
 
 
 VERDICT_FIELDS = ("direction", "relevance", "interest", "summary", "keywords", "reason")
@@ -1916,7 +1940,8 @@ def settle_story(conn, post_id, verdict):
 
 def take_over_story(conn, story, post_id):
     """A story whose first post failed or is gone is led by this post from
-    now on (or its copies would stay behind a card that is not there)."""
+    now on (or its copies would stay behind a card that is not there). One
+    statement: in the caller's transaction, or a transaction of its own."""
     conn.execute("UPDATE posts SET story_id = ? WHERE story_id = ? OR id = ? OR id = ?",
                  (post_id, story, story, post_id))
 
@@ -1931,6 +1956,7 @@ def story_figures(conn):
             "llm_calls_saved": int(counted.get("llm_calls_saved", {}).get("", 0))}
 
 
+@redoable
 def prune_story_keys(conn, hours, now=None):
     """Forget the keys of posts older than the story window."""
     since = utc_text((time.time() if now is None else now) - hours * 3600)
@@ -1974,18 +2000,28 @@ def claim_post(conn, now=None):
     return posts[0] if posts else None
 
 
-def claim_posts(conn, limit, now=None):
+# What a worker gets of a post it claims.
+CLAIMED = """id, source_id, url, article_url, title, text, content_type, attempts, claim_token,
+             (SELECT url FROM sources WHERE sources.id = posts.source_id) AS source_url"""
+
+
+def claim_posts(conn, limit, now=None, token=None):
     """Take up to `limit` of the oldest claimable posts, each with a claim
-    token of its own."""
+    token of its own (the claim's token and the post's id)."""
     now_text = utc_text(now)
     return conn.execute(f"""
         UPDATE posts SET classified = {PROCESSING}, claimed_at = ?,
                          claim_token = ? || '-' || id, attempts = attempts + 1
         WHERE id IN ({conn.dialect.claimable.format(pending=IS_PENDING)})
-        RETURNING id, source_id, url, article_url, title, text, content_type, attempts,
-                  claim_token,
-                  (SELECT url FROM sources WHERE sources.id = posts.source_id) AS source_url
-    """, (now_text, claim_token(), now_text, limit)).fetchall()
+        RETURNING {CLAIMED}
+    """, (now_text, token or claim_token(), now_text, limit)).fetchall()
+
+
+def claimed_under(conn, token):
+    """The posts claimed with this claim token and still held: a claim done
+    again after its commit was lost on the way back (see complete_and_claim)."""
+    return conn.execute(f"SELECT {CLAIMED} FROM posts WHERE classified = {PROCESSING} "
+                        f"AND claim_token LIKE ? ORDER BY id", (f"{token}-%",)).fetchall()
 
 
 def complete_post(conn, post_id, token, verdict):
@@ -2007,11 +2043,15 @@ def complete_post(conn, post_id, token, verdict):
     return cursor.rowcount == 1
 
 
-def complete_and_claim(conn, completions, claims, now=None):
+@redoable
+def complete_and_claim(conn, completions, claims, now=None, token=None):
     """In one transaction: complete_post for each (post id, claim token,
     verdict), quick posts entered in their stories (settle_story), LLM calls
     and stories counted; then claim_posts for `claims` posts. Returns
-    (whether each verdict was written, the posts claimed)."""
+    (whether each verdict was written, the posts claimed). The caller's claim
+    `token` makes it safe to do again (see redoable): when the server
+    committed but the answer was lost, the posts it claimed are taken again."""
+    token = token or claim_token()
     with transaction(conn):
         written, counts = [], {}
         for post_id, token, verdict in completions:
@@ -2026,7 +2066,9 @@ def complete_and_claim(conn, completions, claims, now=None):
                              if "llm_seconds" in verdict])
         if counts:
             upsert_counts(conn, counts)
-        posts = claim_posts(conn, claims, now) if claims else []
+        posts = claimed_under(conn, token) if claims else []
+        if claims > len(posts):
+            posts += claim_posts(conn, claims - len(posts), now, token)
     return written, posts
 
 
@@ -2072,6 +2114,7 @@ def defer_post(conn, post_id, token, error, retry_delay, now=None, text=None):
     return None if row is None else row[0]
 
 
+@redoable
 def expire_leases(conn, lease_seconds, max_attempts, now=None):
     """Take back posts whose worker died: pending at once (the post did not
     fail), or failed when it has used its attempts. A claim without a time
@@ -2139,6 +2182,7 @@ def is_stored(conn, source_id, draft, sha):
         {"url": url, "source": source_id, "id": draft.external_id, "sha": sha}).fetchone()[0] == 1
 
 
+@redoable
 def store_posts(conn, source_id, direction, drafts, fetched_at=None):
     """Queue the drafts that are new (see is_stored), in one transaction.
     They are counted and made searchable later, many at once
@@ -2521,6 +2565,7 @@ FETCH_OUTCOMES = {"ok": "ok", "not_modified": "not_modified", "unchanged": "not_
                   "error": "error", "gone": "error", "deferred": "deferred"}
 
 
+@redoable
 def add_counts(conn, increments):
     """Add to counters: {(name, labels): amount}, in one transaction."""
     if not increments:
@@ -2612,6 +2657,7 @@ def set_decision(conn, post_id, decision, editor):
     return set_decisions(conn, [post_id], decision, editor)
 
 
+@redoable
 def set_decisions(conn, post_ids, decision, editor):
     """One decision on many posts at once (on any post of a story, for the
     whole story), and the approved figure of their sources; returns how many
@@ -2670,6 +2716,60 @@ def prune_runs(conn, days, now=None):
     since = utc_text((time.time() if now is None else now) - int(days) * 86400)
     conn.execute("DELETE FROM source_days WHERE day < ?", (since[:10],))
     return conn.execute("DELETE FROM runs WHERE started_at < ?", (since,)).rowcount
+
+
+# Copying a database ---------------------------------------------------------
+
+# What copy-db moves, each table after the ones its rows point to, with its
+# key. The count tables and the search index are made again from the posts.
+COPIED_TABLES = (("sources", ("id",)), ("rss_state", ("source_id",)),
+                 ("tg_state", ("source_id",)), ("posts", ("id",)), ("runs", ("id",)),
+                 ("source_days", ("source_id", "day")), ("counters", ("name", "labels")),
+                 ("meta", ("key",)), ("story_keys", ("key", "post_id")))
+# What each database keeps of itself (its schema, its counting mark).
+OWN_META = ("indexed_to", "count_keys", "pg_schema", "pg_ddl:%")
+COPY_CHUNK = 5000
+
+
+def copy_table(source, target, table, key, progress):
+    """Every row of one table, in key order and in chunks, upserted by key:
+    a second copy changes nothing. Returns how many rows."""
+    columns = [column for name, column, _, _ in schema_columns() if name == table]
+    names, keys = ", ".join(columns), ", ".join(key)
+    updates = ", ".join(f"{c} = excluded.{c}" for c in columns if c not in key)
+    upsert = (f"INSERT INTO {table} ({names}) VALUES ({', '.join('?' * len(columns))}) "
+              f"ON CONFLICT ({keys}) DO {'UPDATE SET ' + updates if updates else 'NOTHING'}")
+    own = OWN_META if table == "meta" else ()
+    where = ["key NOT LIKE ?" for _ in own]
+    copied, after = 0, None
+    while True:
+        later = [f"({keys}) > ({', '.join('?' * len(key))})"] if after else []
+        rows = source.execute(
+            f"SELECT {names} FROM {table} WHERE {' AND '.join(where + later) or 'true'} "
+            f"ORDER BY {keys} LIMIT {COPY_CHUNK}", [*own, *(after or ())]).fetchall()
+        if not rows:
+            return copied
+        with transaction(target):
+            target.executemany(upsert, [tuple(row) for row in rows])
+        copied += len(rows)
+        after = [rows[-1][columns.index(k)] for k in key]
+        progress.step(f"{table} {copied:,}", count=len(rows))
+
+
+def copy_database(source, target, quiet=False):
+    """copy-db: every copied table from `source` into `target` (both
+    migrated), then the target's counts and search index made from its
+    posts. Returns {table: rows}."""
+    total = sum(source.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+                for table, _ in COPIED_TABLES)
+    progress = Progress("copy-db", total, quiet=quiet)
+    counts = {table: copy_table(source, target, table, key, progress)
+              for table, key in COPIED_TABLES}
+    with transaction(target):
+        reindex_posts(target)
+    progress.finish(", ".join(f"{n:,} {table}" for table, n in counts.items()) +
+                    f" copied to {target.path}")
+    return counts
 
 
 ###############################################################################
@@ -2890,6 +2990,7 @@ def load_registry(path):
     return Registry(path, directions, sources)
 
 
+@redoable
 def sync_sources(conn, registry):
     """Upsert every source by slug (health columns untouched); sources gone
     from the file are disabled, never deleted."""
@@ -3981,22 +4082,33 @@ def crawl_feed(db, source, settings, gate, trigger="cli"):
     run_id = start_run(conn, source["id"], "rss", trigger)
     try:
         fetched = fetch_feed(conn, source, settings, gate)
-        with transaction(conn):        # what the fetch brought, recorded in one go
-            keep_fetched(conn, source, fetched)
-            record_success(conn, source, fetched.new, fetched.fresh_for)
-            finish_run(conn, run_id, "ok", fetched.new, fetched.note)
-            refresh_figures(conn, source["id"], settings.min_relevance)
+        record_fetched(conn, source, fetched, run_id, settings)
     except StorageError:
         raise
     except Exception as e:
-        with transaction(conn):
-            result = record_feed_failure(conn, source, settings, run_id, e)
-            refresh_figures(conn, source["id"], settings.min_relevance)
-        return result
+        return record_not_fetched(conn, source, settings, run_id, e)
     log.info("source %s: %s, %d new posts%s", source["slug"], fetched.status.replace("_", " "),
              fetched.new, f"; next fetch in {duration_text(fetched.fresh_for)} at the earliest, "
              f"as the server asks" if fetched.fresh_for else "")
     return FeedResult(source["slug"], fetched.status, fetched.new)
+
+
+@redoable
+def record_fetched(conn, source, fetched, run_id, settings):
+    """What a fetch brought, recorded in one go."""
+    with transaction(conn):
+        keep_fetched(conn, source, fetched)
+        record_success(conn, source, fetched.new, fetched.fresh_for)
+        finish_run(conn, run_id, "ok", fetched.new, fetched.note)
+        refresh_figures(conn, source["id"], settings.min_relevance)
+
+
+@redoable
+def record_not_fetched(conn, source, settings, run_id, error):
+    with transaction(conn):
+        result = record_feed_failure(conn, source, settings, run_id, error)
+        refresh_figures(conn, source["id"], settings.min_relevance)
+    return result
 
 
 def record_feed_failure(conn, source, settings, run_id, error):
@@ -4840,9 +4952,8 @@ class Classifier:
         at the same moment finds it), and takes the story's verdict when there
         is one; StoryPending while the story's first post is classified."""
         conn = self.db.conn()
-        with transaction(conn):
-            joined = enter_story(conn, post["id"], story["story_words"], story["story_keys"],
-                                 story["story_since"])
+        joined = enter_now(conn, post["id"], story["story_words"], story["story_keys"],
+                           story["story_since"])
         if joined == post["id"]:
             return None
         try:
@@ -4851,8 +4962,7 @@ class Classifier:
             e.text = full_text          # kept, so the article is not fetched again
             raise
         if found is None:
-            with transaction(conn):
-                take_over_story(conn, joined, post["id"])
+            take_over_story(conn, joined, post["id"])
             return None
         return {**found, "text": full_text, "story": joined, "llm_saved": True}
 
@@ -5032,7 +5142,7 @@ class WorkerPool:
         try:
             written, posts = complete_and_claim(
                 conn, [(post["id"], post["claim_token"], verdict) for post, verdict in finished],
-                wanted)
+                wanted, token=claim_token())
         finally:
             with self.lock:
                 self.claiming -= 1
@@ -6631,7 +6741,7 @@ def check_selection(conn, registry, selection, crawler):
 def cmd_init(args, settings):
     registry, db = open_intake(settings)
     count = count_enabled_sources(db.conn())
-    print(f"{settings.db}: ready, {count} enabled sources from {registry.path}")
+    print(f"{redacted(settings.db)}: ready, {count} enabled sources from {registry.path}")
     return 0
 
 
@@ -6761,6 +6871,18 @@ def cmd_run(args, settings):
     if not finished or not crawled:
         interrupt_runs(db.conn())
         leave_now(0)
+    return 0
+
+
+def cmd_copy_db(args, settings):
+    """Everything of the database into another one; run again, it brings the
+    other one up to date (rows are matched by their keys)."""
+    if args.to == settings.db:
+        raise ConfigError(f"copy-db: {redacted(args.to)} is the database itself; "
+                          f"--to names the other one")
+    _, db = open_intake(settings)
+    target = Database(args.to, settings.busy_timeout)
+    copy_database(db.conn(), target.conn())
     return 0
 
 
@@ -7123,7 +7245,7 @@ def _selection_arguments(parser, priority=False, login=False):
 def build_parser():
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--db", metavar="PATH", default=argparse.SUPPRESS,
-                        help="SQLite database (VESTI_DB, default vesti.db)")
+                        help="SQLite file or postgresql:// URL (VESTI_DB, default vesti.db)")
     common.add_argument("--sources", metavar="PATH", default=argparse.SUPPRESS,
                         help="source registry (VESTI_SOURCES, default sources.yaml)")
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
@@ -7157,6 +7279,10 @@ def build_parser():
     serve.add_argument("--port", type=port_number, help="port (VESTI_WEB_PORT, default 8080)")
     command("run", cmd_run, "everything at once: scheduled crawls, the workers, the web page")
     command("reset-dead", cmd_reset_dead, "make every dead source alive again")
+    copy = command("copy-db", cmd_copy_db, "copy the whole database to another one "
+                   "(a SQLite file or a postgresql:// URL), e.g. to move to PostgreSQL")
+    copy.add_argument("--to", required=True, metavar="URL",
+                      help="the database to copy into: a postgresql:// URL or a file")
     opml_in = command("opml-import", cmd_opml_import,
                       "add an OPML file's feeds to sources.yaml (comments kept)")
     opml_in.add_argument("file", metavar="FILE", help="an OPML file (a feed reader's export)")
