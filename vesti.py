@@ -842,11 +842,13 @@ CREATE TABLE IF NOT EXISTS source_post_counts (
     n INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (source_id, status, direction, relevance)
 );
--- A completion (the common case) only adds one to rows made ready beforehand
--- (ready_counts): an insert in a trigger costs several times an update.
--- post_counts counts the desk's cards (a story's copies are counted with its
--- first post); source_post_counts counts every post of a source.
-CREATE TRIGGER IF NOT EXISTS posts_completed AFTER UPDATE OF classified ON posts WHEN new.classified = 1 AND old.classified IS NOT 1 AND new.status = 'new' AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n + 1 WHERE (new.story_id IS NULL OR new.story_id = new.id) AND status = 'new' AND direction = coalesce(new.direction, '') AND relevance = coalesce(new.relevance, 0); UPDATE source_post_counts SET n = n + 1 WHERE source_id = coalesce(new.source_id, 0) AND status = 'new' AND direction = coalesce(new.direction, '') AND relevance = coalesce(new.relevance, 0); END;
+-- A worker's completion (of a claimed post, the common case) is counted by the
+-- worker, a batch at a time (count_completions). Any other completion only
+-- adds one to rows made ready beforehand (ready_counts): an insert in a
+-- trigger costs several times an update. post_counts counts the desk's cards
+-- (a story's copies are counted with its first post); source_post_counts
+-- counts every post of a source.
+CREATE TRIGGER IF NOT EXISTS posts_completed AFTER UPDATE OF classified ON posts WHEN new.classified = 1 AND old.classified IS NOT 1 AND new.status = 'new' AND old.claim_token IS NULL AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n + 1 WHERE (new.story_id IS NULL OR new.story_id = new.id) AND status = 'new' AND direction = coalesce(new.direction, '') AND relevance = coalesce(new.relevance, 0); UPDATE source_post_counts SET n = n + 1 WHERE source_id = coalesce(new.source_id, 0) AND status = 'new' AND direction = coalesce(new.direction, '') AND relevance = coalesce(new.relevance, 0); END;
 CREATE TRIGGER IF NOT EXISTS posts_recounted AFTER UPDATE OF classified, status, direction, relevance, source_id, story_id ON posts WHEN (old.classified = 1 OR new.classified = 1) AND NOT (new.classified = 1 AND old.classified IS NOT 1 AND new.status = 'new') AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n - 1 WHERE old.classified = 1 AND (old.story_id IS NULL OR old.story_id = old.id) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); UPDATE source_post_counts SET n = n - 1 WHERE old.classified = 1 AND source_id = coalesce(old.source_id, 0) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); INSERT INTO post_counts (status, direction, relevance, n) SELECT new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1 WHERE new.classified = 1 AND (new.story_id IS NULL OR new.story_id = new.id) ON CONFLICT DO UPDATE SET n = n + 1; INSERT INTO source_post_counts (source_id, status, direction, relevance, n) SELECT coalesce(new.source_id, 0), new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1 WHERE new.classified = 1 ON CONFLICT DO UPDATE SET n = n + 1; END;
 CREATE TRIGGER IF NOT EXISTS posts_uncounted AFTER DELETE ON posts WHEN old.classified = 1 AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n - 1 WHERE (old.story_id IS NULL OR old.story_id = old.id) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); UPDATE source_post_counts SET n = n - 1 WHERE source_id = coalesce(old.source_id, 0) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); END;
 
@@ -975,10 +977,14 @@ class Connection(sqlite3.Connection):
     def dialect(self):
         return SQLITE
 
-    def begin(self):
+    def begin(self, shared=False):
         # Take the write lock first, so no read-then-write transaction ever
         # fails with 'database is locked'.
         self.execute("BEGIN IMMEDIATE")
+
+    def lock_stories(self):
+        """Stories are entered one transaction at a time: SQLite's write
+        lock does it already (see PostgresConnection)."""
 
     def recover(self):
         """A file has no server to wait for (see PostgresConnection)."""
@@ -1042,12 +1048,14 @@ def write_lock(path):
 
 
 @contextlib.contextmanager
-def transaction(conn):
+def transaction(conn, shared=False):
     """A write transaction that holds the database's write lock from its
     first statement (conn.begin), so that its reads and writes are never
-    interleaved with another writer's."""
+    interleaved with another writer's. A `shared` one (the workers' batches)
+    only keeps the others out where the database can write several at once
+    (PostgreSQL; SQLite has one writer)."""
     with write_lock(conn.path):
-        conn.begin()
+        conn.begin(shared and conn.dialect.shared_writes)
         conn.depth += 1
         try:
             yield conn
@@ -1120,6 +1128,7 @@ class SQLiteDialect:
     claimable = (f"SELECT id FROM posts INDEXED BY posts_pending WHERE {{pending}} "
                  f"AND (next_attempt_at IS NULL OR next_attempt_at <= ?) ORDER BY id LIMIT ?")
     refresh_statistics = "PRAGMA optimize"
+    shared_writes = False       # one writer at a time
 
     def search_filter(self, text):
         """The WHERE clause (on posts p) and parameters of a search: FTS5, or
@@ -1138,6 +1147,16 @@ class SQLiteDialect:
         return "posts_fts f JOIN posts p ON p.id = f.rowid", "posts_fts MATCH ?", \
             [fts_query(text)], "f.rowid"
 
+    def clear_search(self, conn):
+        if self.fts5:
+            conn.execute("INSERT INTO posts_fts (posts_fts) VALUES ('delete-all')")
+
+    def index_search(self, conn, after, last):
+        """Make posts after..last searchable (see index_new_posts)."""
+        if self.fts5:
+            conn.execute("INSERT INTO posts_fts (rowid, title, text) SELECT id, title, text "
+                         "FROM posts WHERE id > ? AND id <= ?", (after, last))
+
 
 class PostgresDialect(SQLiteDialect):
     """Where PostgreSQL's SQL differs from SQLite's."""
@@ -1149,19 +1168,37 @@ class PostgresDialect(SQLiteDialect):
                  f"AND (next_attempt_at IS NULL OR next_attempt_at <= ?) "
                  f"ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED")
     refresh_statistics = "ANALYZE"
-    # The search index (an expression index, see POSTGRES_EXTRA): whole
-    # words in any case, as FTS5's.
-    SEARCH_VECTOR = "to_tsvector('simple', coalesce({p}title, '') || ' ' || coalesce({p}text, ''))"
+    shared_writes = True        # the workers' batches write at the same time
+    # The search index: each post's words (whole words in any case, as
+    # FTS5's) in post_words, apart from posts, so that a worker's update of
+    # a post does not work out its words again (see POSTGRES_EXTRA).
+    WORDS = "to_tsvector('simple', coalesce({p}title, '') || ' ' || coalesce({p}text, ''))"
+
+    @staticmethod
+    def tsquery(text):
+        words = re.findall(r"(\w+)(\*?)", text.casefold())[:12]
+        return " & ".join(f"{w}{':*' if star else ''}" for w, star in words)
 
     def search_filter(self, text):
-        words = re.findall(r"(\w+)(\*?)", text.casefold())[:12]
-        if not words:
+        query = self.tsquery(text)
+        if not query:
             return "false", []
-        query = " & ".join(f"{w}{':*' if star else ''}" for w, star in words)
-        return f"{self.SEARCH_VECTOR.format(p='p.')} @@ to_tsquery('simple', ?)", [query]
+        return ("p.id IN (SELECT post_id FROM post_words WHERE words @@ to_tsquery('simple', ?))",
+                [query])
 
     def search_source(self, text):
-        return ("posts p", *self.search_filter(text), "p.id")
+        query = self.tsquery(text)
+        return "post_words f JOIN posts p ON p.id = f.post_id", \
+            "f.words @@ to_tsquery('simple', ?)" if query else "false", \
+            [query] if query else [], "f.post_id"
+
+    def clear_search(self, conn):
+        conn.execute("DELETE FROM post_words")
+
+    def index_search(self, conn, after, last):
+        conn.execute(f"INSERT INTO post_words (post_id, words) SELECT id, {self.WORDS.format(p='')} "
+                     f"FROM posts WHERE id > ? AND id <= ? "
+                     f"ON CONFLICT (post_id) DO UPDATE SET words = excluded.words", (after, last))
 
 
 SQLITE, POSTGRES = SQLiteDialect(), PostgresDialect()
@@ -1288,6 +1325,7 @@ class PostgresConnection:
     # One writer at a time, as SQLite has it (see transaction): every write
     # transaction takes this advisory lock first.
     WRITE_LOCK = 0x7665737469    # 'vesti'
+    STORIES_LOCK = WRITE_LOCK + 1
 
     def __init__(self, url, busy_timeout=30):
         self.url, self.path, self.busy_timeout = url, redacted(url), busy_timeout
@@ -1314,9 +1352,15 @@ class PostgresConnection:
     def in_transaction(self):
         return self.open_transaction and not self.raw.broken
 
-    def begin(self):
-        self.execute(f"BEGIN; SELECT pg_advisory_xact_lock({self.WRITE_LOCK})", None)
+    def begin(self, shared=False):
+        self.execute(f"BEGIN; SELECT pg_advisory_xact_lock{'_shared' if shared else ''}"
+                     f"({self.WRITE_LOCK})", None)
         self.open_transaction = True
+
+    def lock_stories(self):
+        """In a shared transaction: stories are entered one at a time, so two
+        copies written at once end in one story."""
+        self.execute(f"SELECT pg_advisory_xact_lock({self.STORIES_LOCK})", None)
 
     def execute(self, sql, parameters=()):
         if sql in ("COMMIT", "ROLLBACK"):
@@ -1543,6 +1587,9 @@ BEGIN
     END IF;
     IF TG_OP = 'UPDATE' AND new.classified = 1 AND old.classified IS DISTINCT FROM 1
             AND new.status = 'new' THEN
+        IF old.claim_token IS NOT NULL THEN
+            RETURN NULL;            -- a worker's: counted by count_completions
+        END IF;
         UPDATE post_counts SET n = n + 1 WHERE (new.story_id IS NULL OR new.story_id = new.id)
             AND status = 'new' AND direction = coalesce(new.direction, '')
             AND relevance = coalesce(new.relevance, 0);
@@ -1586,8 +1633,25 @@ BEGIN
 END $$;
 CREATE TRIGGER {table}_ids_ahead AFTER INSERT ON {table} REFERENCING NEW TABLE AS inserted
 FOR EACH STATEMENT EXECUTE FUNCTION vesti_{table}_ids_ahead()""") for table in ("sources", "posts", "runs")),
-    ("posts_search", "DROP INDEX IF EXISTS posts_search", f"""
-CREATE INDEX posts_search ON posts USING gin (({PostgresDialect.SEARCH_VECTOR.format(p="")}))"""),
+    ("post_words", "", """
+CREATE TABLE IF NOT EXISTS post_words (post_id BIGINT PRIMARY KEY, words tsvector NOT NULL)"""),
+    ("post_words_search", "DROP INDEX IF EXISTS post_words_search", """
+CREATE INDEX post_words_search ON post_words USING gin (words)"""),
+    ("posts_words", "DROP TRIGGER IF EXISTS posts_words ON posts", f"""
+CREATE OR REPLACE FUNCTION vesti_post_words() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF old.id > (SELECT CAST(value AS BIGINT) FROM meta WHERE key = 'indexed_to') THEN
+        RETURN NULL;
+    ELSIF TG_OP = 'DELETE' THEN
+        DELETE FROM post_words WHERE post_id = old.id;
+    ELSE
+        UPDATE post_words SET words = {PostgresDialect.WORDS.format(p="new.")}
+            WHERE post_id = new.id;
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER posts_words AFTER UPDATE OF title, text OR DELETE ON posts
+FOR EACH ROW EXECUTE FUNCTION vesti_post_words()"""),
 )
 
 
@@ -1622,7 +1686,8 @@ def migrate_postgres(conn):
             get_meta(conn, "pg_schema")[0] == version:
         return
     with transaction(conn):
-        fresh = conn.execute("SELECT to_regclass('post_counts')").fetchone()[0] is None
+        fresh = None in conn.execute("SELECT to_regclass('post_counts'), "
+                                     "to_regclass('post_words')").fetchone()
         for _, _, create in objects:
             if create.startswith("CREATE TABLE"):
                 conn.execute(create, None)
@@ -1657,8 +1722,7 @@ def reindex_posts(conn):
     tables or the search index)."""
     for table in COUNT_TABLES:
         conn.execute(f"UPDATE {table} SET n = 0")
-    if conn.dialect.fts5:
-        conn.execute("INSERT INTO posts_fts (posts_fts) VALUES ('delete-all')")
+    conn.dialect.clear_search(conn)
     conn.executemany("INSERT INTO post_counts (status, direction, relevance, n) "
                      "VALUES ('new', '', ?, 0) ON CONFLICT DO NOTHING", [(r,) for r in RELEVANCES])
     set_meta(conn, INDEXED_TO, 0)
@@ -1676,11 +1740,8 @@ def index_new_posts(conn):
     mark = settle_index_mark(conn, int(mark), top)
     if mark >= top:
         return 0
-    new = "FROM posts WHERE id > ? AND id <= ?"
     ready_source_counts(conn, mark + 1, top)
-    if conn.dialect.fts5:
-        conn.execute(f"INSERT INTO posts_fts (rowid, title, text) SELECT id, title, text {new}",
-                     (mark, top))
+    conn.dialect.index_search(conn, mark, top)
     count_posts(conn, mark, top)
     set_meta(conn, INDEXED_TO, top)
     return top - mark
@@ -1860,14 +1921,18 @@ def find_story(conn, post_id, words, keys, since):
     among the posts fetched since `since`, or None."""
     if not keys:
         return None
-    marks = ", ".join("?" * len(keys))
+    # The newest posts of each key: a key hundreds of posts share (a story
+    # reposted everywhere, a template) costs no more than a rare one.
+    newest = " UNION ALL ".join(
+        f"SELECT post_id FROM (SELECT post_id FROM story_keys WHERE key = ? AND post_id != ? "
+        f"ORDER BY post_id DESC LIMIT {STORY_CANDIDATES}) k{n}" for n in range(len(keys)))
     rows = conn.execute(f"""
         SELECT p.id, p.story_id, p.title, p.text FROM posts p
-        WHERE p.id IN (SELECT post_id FROM story_keys WHERE key IN ({marks}) AND post_id != ?
+        WHERE p.id IN (SELECT post_id FROM ({newest}) shared
                        GROUP BY post_id ORDER BY count(*) DESC, post_id DESC
                        LIMIT {STORY_CANDIDATES})
           AND p.fetched_at >= ?
-        ORDER BY p.id""", (*keys, post_id, since)).fetchall()
+        ORDER BY p.id""", (*[v for key in keys for v in (key, post_id)], since)).fetchall()
     for row in rows:
         if same_story(words, story_words(row["title"], row["text"])):
             return row["story_id"] or row["id"]
@@ -2026,8 +2091,10 @@ def claimed_under(conn, token):
 
 def complete_post(conn, post_id, token, verdict):
     """Write the classification (and the article's full text, when phase 3
-    fetched it), only if the claim is still ours. The text is only written
-    when there is a new one: search reindexes a post whose text is set."""
+    fetched it), only if the claim is still ours; returns what the counts
+    need of the post, or None. The text is only written when there is a new
+    one: search reindexes a post whose text is set. A worker's completion is
+    counted by its caller (see count_completions)."""
     article = ", text = :text, content_type = 'full'" if verdict.get("text") else ""
     cursor = conn.execute(f"""
         UPDATE posts SET classified = {DONE}, direction = :direction, relevance = :relevance,
@@ -2035,41 +2102,75 @@ def complete_post(conn, post_id, token, verdict):
                          reason = :reason, error = NULL, claim_token = NULL,
                          story_id = coalesce(:story, story_id){article}
         WHERE id = :id AND classified = {PROCESSING} AND claim_token = :token
+        RETURNING id, status, direction, relevance, source_id, story_id
     """, {"direction": verdict["direction"], "relevance": verdict["relevance"],
           "interest": verdict["interest"], "summary": verdict["summary"],
           "keywords": verdict.get("keywords"), "reason": verdict.get("reason"),
           "text": verdict.get("text"), "story": verdict.get("story"), "id": post_id,
           "token": token})
-    return cursor.rowcount == 1
+    return cursor.fetchone()
+
+
+def count_completions(conn, completed):
+    """Count what a batch completed, at the end of its transaction: each
+    count row once, in one order, held for the moment before the commit
+    (SCHEMA's completion trigger leaves a worker's completions, the claimed
+    ones, to this). Posts above the mark are counted later, in batches."""
+    mark = int(get_meta(conn, INDEXED_TO)[0] or 0)
+    cards, by_source = collections.Counter(), collections.Counter()
+    for row in completed:
+        if row is None or row["id"] > mark or row["status"] != "new":
+            continue
+        key = (row["direction"] or "", row["relevance"] or 0)
+        if row["story_id"] is None or row["story_id"] == row["id"]:
+            cards[key] += 1
+        by_source[(row["source_id"] or 0, *key)] += 1
+    conn.executemany("""INSERT INTO post_counts (status, direction, relevance, n)
+                        VALUES ('new', ?, ?, ?) ON CONFLICT (status, direction, relevance)
+                        DO UPDATE SET n = post_counts.n + excluded.n""",
+                     [(*key, n) for key, n in sorted(cards.items())])
+    conn.executemany("""INSERT INTO source_post_counts (source_id, status, direction, relevance, n)
+                        VALUES (?, 'new', ?, ?, ?) ON CONFLICT (source_id, status, direction, relevance)
+                        DO UPDATE SET n = source_post_counts.n + excluded.n""",
+                     [(*key, n) for key, n in sorted(by_source.items())])
 
 
 @redoable
 def complete_and_claim(conn, completions, claims, now=None, token=None):
-    """In one transaction: complete_post for each (post id, claim token,
-    verdict), quick posts entered in their stories (settle_story), LLM calls
-    and stories counted; then claim_posts for `claims` posts. Returns
-    (whether each verdict was written, the posts claimed). The caller's claim
-    `token` makes it safe to do again (see redoable): when the server
-    committed but the answer was lost, the posts it claimed are taken again."""
+    """In one transaction: complete_post for each (claimed post, verdict),
+    quick posts entered in their stories (settle_story), LLM calls and
+    stories counted; then claim_posts for `claims` posts. Returns (whether
+    each verdict was written, the posts claimed).
+
+    Workers write at the same time where the database lets them (a shared
+    transaction; stories one at a time), and take the count rows they share
+    only at the end (count_completions). The caller's claim `token` makes it safe to do again (see redoable): when the
+    server committed but the answer was lost, the posts it claimed are
+    taken again."""
     token = token or claim_token()
-    with transaction(conn):
+    with transaction(conn, shared=True):
+        if any("story_keys" in verdict for _, verdict in completions):
+            conn.lock_stories()
+            completions = [(post, settle_story(conn, post["id"], verdict)
+                            if "story_keys" in verdict else verdict)
+                           for post, verdict in completions]
         written, counts = [], {}
-        for post_id, token, verdict in completions:
-            if "story_keys" in verdict:
-                verdict = settle_story(conn, post_id, verdict)
-            written.append(complete_post(conn, post_id, token, verdict))
-            if written[-1] and verdict.get("story") not in (None, post_id):
+        for post, verdict in completions:
+            written.append(complete_post(conn, post["id"], post["claim_token"], verdict))
+            if written[-1] and verdict.get("story") not in (None, post["id"]):
                 counts[("stories_joined", "")] = counts.get(("stories_joined", ""), 0) + 1
                 counts[("llm_calls_saved", "")] = (counts.get(("llm_calls_saved", ""), 0)
                                                    + bool(verdict.get("llm_saved")))
-        add_llm_calls(conn, [verdict["llm_seconds"] for _, _, verdict in completions
+        add_llm_calls(conn, [verdict["llm_seconds"] for _, verdict in completions
                              if "llm_seconds" in verdict])
         if counts:
             upsert_counts(conn, counts)
+        count_completions(conn, written)
         posts = claimed_under(conn, token) if claims else []
         if claims > len(posts):
             posts += claim_posts(conn, claims - len(posts), now, token)
     return written, posts
+
 
 
 # A claim given back for a reason that is not the post's own: its attempt uncounted.
@@ -2577,7 +2678,7 @@ def add_counts(conn, increments):
 def upsert_counts(conn, increments):
     conn.executemany("""INSERT INTO counters (name, labels, value) VALUES (?, ?, ?)
                         ON CONFLICT(name, labels) DO UPDATE SET value = counters.value + excluded.value""",
-                     [(name, labels, amount) for (name, labels), amount in increments.items()])
+                     [(name, labels, amount) for (name, labels), amount in sorted(increments.items())])
 
 
 def count_fetches(conn, crawler, results):
@@ -5140,9 +5241,7 @@ class WorkerPool:
                 wanted = 0
             self.claiming += 1
         try:
-            written, posts = complete_and_claim(
-                conn, [(post["id"], post["claim_token"], verdict) for post, verdict in finished],
-                wanted, token=claim_token())
+            written, posts = complete_and_claim(conn, finished, wanted, token=claim_token())
         finally:
             with self.lock:
                 self.claiming -= 1
