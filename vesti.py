@@ -2085,8 +2085,11 @@ def claim_posts(conn, limit, now=None, token=None):
 def claimed_under(conn, token):
     """The posts claimed with this claim token and still held: a claim done
     again after its commit was lost on the way back (see complete_and_claim)."""
-    return conn.execute(f"SELECT {CLAIMED} FROM posts WHERE classified = {PROCESSING} "
-                        f"AND claim_token LIKE ? ORDER BY id", (f"{token}-%",)).fetchall()
+    # No ORDER BY: SQLite would walk every post in id order instead of the
+    # few held ones in their own index (posts_claimed).
+    return sorted(conn.execute(f"SELECT {CLAIMED} FROM posts WHERE classified = {PROCESSING} "
+                               f"AND claim_token LIKE ?", (f"{token}-%",)).fetchall(),
+                  key=lambda post: post["id"])
 
 
 def complete_post(conn, post_id, token, verdict):
