@@ -4496,6 +4496,65 @@ def test_a_worker_rides_out_a_postgresql_restart_and_loses_nothing(home, own_pos
         fake.close()
 
 
+def test_two_workers_and_a_crawler_on_postgresql_survive_a_kill_9_and_a_restart(home, own_postgres,
+                                                                             server):
+    """The README's set-up: `run --workers 0` crawls and serves, two `worker
+    --forever` processes classify; one is killed with kill -9 and the
+    database server restarts (for less than a lease); every post is
+    classified, none twice but what the killed one held."""
+    fake = FakeOllama(latency=0.05)
+    entries = [40]
+    server.routes["/feed"] = lambda request: (200, {"Content-Type": "application/rss+xml"},
+                                              rss(items(entries[0], host="http://news.example")))
+    write_sources(home / "sources.yaml", [rss_source("wire", server.url + "/feed",
+                                                     direction="linux")])
+    env = {**os.environ, "VESTI_DB": own_postgres.url, "OLLAMA_URL": fake.url,
+           "RSS_HOST_DELAY": "0", "VESTI_CRAWL_EVERY": "1s", "VESTI_LEASE_SECONDS": "6",
+           "VESTI_WEB_PORT": "0", "VESTI_WEB_PASSWORD": "pw"}
+
+    def start(*args):
+        return subprocess.Popen([sys.executable, str(ROOT / "vesti.py"), *args], cwd=home,
+                                env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    crawler = start("run", "--workers", "0")
+    port = int(re.search(r"http://127\.0\.0\.1:(\d+)/", crawler.stdout.readline())[1])
+    workers = [start("worker", "--forever", "--workers", "4") for _ in range(2)]
+    db = vesti.Database(own_postgres.url)
+
+    def queue():
+        with contextlib.suppress(Exception):
+            return queue_of(db)
+        return None
+    try:
+        assert wait_for(lambda: (queue() or {}).get(1, 0) >= 10, timeout=30), queue()
+        workers[0].kill()
+        workers[0].communicate()
+        own_postgres.stop()
+        time.sleep(1.5)
+        own_postgres.start()
+        entries[0] = 60                                  # the feed gains 20 entries
+        assert wait_for(lambda: queue() == {1: 60}, timeout=60), queue()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/api/queue", headers={
+            "Authorization": "Basic " + base64.b64encode(b"admin:pw").decode()})
+        assert json.loads(conn.getresponse().read())["failed"] == 0
+        for process in (crawler, workers[1]):
+            process.send_signal(signal.SIGTERM)
+        for process in (crawler, workers[1]):
+            _, err = process.communicate(timeout=20)
+            assert process.returncode == 0, err
+            assert "pw" not in err
+    finally:
+        for process in (crawler, *workers):
+            if process.poll() is None:
+                process.kill()
+        fake.close()
+    asked = collections.Counter(fake.titles())
+    assert set(asked) == {f"Post number {k}" for k in range(60)}
+    assert sum(n - 1 for n in asked.values()) <= 4      # only what the killed worker held
+    stored = db.conn().execute("SELECT count(*), count(DISTINCT url) FROM posts").fetchone()
+    assert tuple(stored) == (60, 60)
+
+
 # The repository ----------------------------------------------------------------
 
 @pytest.mark.parametrize("name, marker", [

@@ -6959,13 +6959,20 @@ def cmd_run(args, settings):
         crawls = threading.Thread(target=scheduler.run, name="scheduler", daemon=True)
         crawls.start()
         try:
-            stats, finished = run_workers(db, settings, registry, forever=True,
-                                          classify=classifier, stop=stop, quiet=True)
+            if args.workers == 0:
+                # Crawls and the page only: the workers run on other machines.
+                stop.wait()
+                stats, finished = None, True
+            else:
+                stats, finished = run_workers(db, settings, registry, workers=args.workers,
+                                              forever=True, classify=classifier, stop=stop,
+                                              quiet=True)
         finally:
             stop.set()
             server.shutdown()
             server.server_close()
-    print(f"worker: {stats.line()}", flush=True)
+    if stats is not None:
+        print(f"worker: {stats.line()}", flush=True)
     crawls.join(settings.stop_grace)
     crawled = scheduler.join(settings.stop_grace)
     if scheduler.failure is not None:
@@ -7379,7 +7386,10 @@ def build_parser():
     serve = command("serve", cmd_serve, "the web page")
     serve.add_argument("--host", help="address to listen on (VESTI_WEB_HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=port_number, help="port (VESTI_WEB_PORT, default 8080)")
-    command("run", cmd_run, "everything at once: scheduled crawls, the workers, the web page")
+    run = command("run", cmd_run, "everything at once: scheduled crawls, the workers, the web page")
+    run.add_argument("--workers", type=whole_number, metavar="N",
+                     help="worker threads (VESTI_WORKERS, default 4); 0: the crawls and the "
+                          "page only, for workers that run on other machines")
     command("reset-dead", cmd_reset_dead, "make every dead source alive again")
     copy = command("copy-db", cmd_copy_db, "copy the whole database to another one "
                    "(a SQLite file or a postgresql:// URL), e.g. to move to PostgreSQL")
