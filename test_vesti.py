@@ -1816,7 +1816,8 @@ def test_16_workers_and_a_crawl_at_once_never_see_database_is_locked(home, serve
         feeds.append(rss_source(f"f{n}", f"{server.url}/f{n}"))
     s, db = intake(home, feeds, OLLAMA_URL="")
     registry = vesti.load_registry(s.sources)
-    add_posts(db.conn(), 3000, text="Linux kernel news. " * 5)
+    add_posts(db.conn(), 1500, text="Linux kernel news. " * 5)
+    db.conn().execute("UPDATE posts SET text = text || ' Item ' || id")     # each its own story
     crawl_result = {}
     crawler = threading.Thread(target=lambda: crawl_result.update(summary=crawl(s, db)))
     crawler.start()
@@ -1824,7 +1825,7 @@ def test_16_workers_and_a_crawl_at_once_never_see_database_is_locked(home, serve
     crawler.join()
     vesti.run_workers(db, s, registry, workers=16, quiet=True)   # what the crawl added meanwhile
     assert crawl_result["summary"].count("ok") == 20
-    assert queue_of(db) == {1: 4000}
+    assert queue_of(db) == {1: 2500}
     errors = db.conn().execute("SELECT count(*) FROM posts WHERE error IS NOT NULL").fetchone()[0]
     assert errors == 0
 
@@ -4730,6 +4731,23 @@ def test_a_sources_list_shows_its_copies_and_a_copy_decides_its_story(home):
         assert approved == {"wire": 1, "daily": 1, "radio": 0} and "The Daily" in crawlers
     finally:
         web.close()
+
+
+@both
+def test_copies_in_one_batch_of_keyword_verdicts_make_one_story(home):
+    """Batches grow 1, 2, 4 posts: the three copies (posts 4-6) are written
+    in one transaction, and still end in one story, counted as one card."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    ids = [add_copy(conn, "wire", f"Comet {k}", f"{OTHER} Observation {k}.", f"2026-12-01 0{k}:00:00")
+           for k in range(3)]
+    ids += [add_copy(conn, slug, "Budget", prefix + STORY, f"2026-12-01 0{k}:30:00")
+            for k, (slug, prefix) in enumerate((("wire", ""), ("daily", "Our correspondent: "),
+                                                ("radio", "Repost: ")))]
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    stories = [r[0] for r in conn.execute("SELECT story_id FROM posts ORDER BY id")]
+    assert stories == ids[:4] + [ids[3], ids[3]]
+    assert vesti.story_figures(conn)["joined"] == 2 and counts_match_posts(conn)
 
 
 @both

@@ -1916,9 +1916,10 @@ IS_PENDING = f"(classified IS NULL OR classified = {PENDING})"
 
 # Stories ---------------------------------------------------------------------
 
-def find_story(conn, post_id, words, keys, since):
+def find_story(conn, post_id, words, keys, since, batch=None):
     """The story (its first post's id) of a post with these words and keys
-    among the posts fetched since `since`, or None."""
+    among the posts fetched since `since`, or None. `batch`: the stories of
+    the posts entered earlier in the caller's batch, not written yet."""
     if not keys:
         return None
     # The newest posts of each key: a key hundreds of posts share (a story
@@ -1935,7 +1936,7 @@ def find_story(conn, post_id, words, keys, since):
         ORDER BY p.id""", (*[v for key in keys for v in (key, post_id)], since)).fetchall()
     for row in rows:
         if same_story(words, story_words(row["title"], row["text"])):
-            return row["story_id"] or row["id"]
+            return (batch or {}).get(row["id"]) or row["story_id"] or row["id"]
     return None
 
 
@@ -1944,17 +1945,24 @@ def story_since(hours, now=None):
     return utc_text((time.time() if now is None else now) - hours * 3600)
 
 
-def enter_story(conn, post_id, words, keys, since):
+def enter_story(conn, post_id, words, keys, since, batch=None):
     """In the caller's transaction: the post's story (found, or its own),
     its keys kept for the posts to come. A post that led a story and now
-    joins another takes its copies along. Returns the story's id."""
-    story = find_story(conn, post_id, words, keys, since) or post_id
+    joins another takes its copies along. Returns the story's id. With a
+    `batch` ({post id: story}), the post's story is kept there, for its
+    verdict to write (complete_post), not written now."""
+    story = find_story(conn, post_id, words, keys, since, batch) or post_id
     if story != post_id:
         conn.execute("UPDATE posts SET story_id = ? WHERE story_id = ? AND id != ?",
                      (story, post_id, post_id))
-    conn.execute("UPDATE posts SET story_id = ? WHERE id = ?", (story, post_id))
-    conn.executemany("INSERT INTO story_keys (key, post_id) VALUES (?, ?) ON CONFLICT DO NOTHING",
-                     [(key, post_id) for key in keys])
+    if batch is None:
+        conn.execute("UPDATE posts SET story_id = ? WHERE id = ?", (story, post_id))
+    else:
+        batch[post_id] = story
+    if keys:                        # one statement: one round trip to a server
+        conn.execute(f"INSERT INTO story_keys (key, post_id) VALUES "
+                     f"{', '.join('(?, ?)' for _ in keys)} ON CONFLICT DO NOTHING",
+                     [value for key in keys for value in (key, post_id)])
     return story
 
 
@@ -1987,18 +1995,19 @@ def story_verdict(conn, story):
     return {key: row[key] for key in VERDICT_FIELDS}
 
 
-def settle_story(conn, post_id, verdict):
+def settle_story(conn, post_id, verdict, batch):
     """A quick post (no LLM call to save) enters its story as its verdict is
     written, in the same transaction, and takes the story's verdict when
-    there is one."""
+    there is one. `batch`: see enter_story."""
     story = enter_story(conn, post_id, verdict["story_words"], verdict["story_keys"],
-                        verdict["story_since"])
+                        verdict["story_since"], batch)
     found = None
     if story != post_id:
         with contextlib.suppress(StoryPending):
             found = story_verdict(conn, story)
             if found is None:
                 take_over_story(conn, story, post_id)
+                batch.update({p: post_id for p, s in batch.items() if s == story})
                 story = post_id
     return {**verdict, **(found or {}), "story": story}
 
@@ -2154,7 +2163,8 @@ def complete_and_claim(conn, completions, claims, now=None, token=None):
     with transaction(conn, shared=True):
         if any("story_keys" in verdict for _, verdict in completions):
             conn.lock_stories()
-            completions = [(post, settle_story(conn, post["id"], verdict)
+            batch = {}
+            completions = [(post, settle_story(conn, post["id"], verdict, batch)
                             if "story_keys" in verdict else verdict)
                            for post, verdict in completions]
         written, counts = [], {}

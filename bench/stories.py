@@ -48,7 +48,7 @@ from worker import fake_ollama  # noqa: E402
 
 CORPUS = os.path.join(os.path.dirname(REPO), "shared", "corpus")
 KEYS_PER_POST = vesti.LEAD_BANDS + vesti.BODY_BANDS
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 def quality(tmp, pairs):

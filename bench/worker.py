@@ -11,11 +11,14 @@ What it measures:
 
 1. Queue throughput with keyword-only classification. A database of --posts
    pending posts (about 300 characters of text each, all containing "Linux
-   kernel") is built once and copied three times:
+   kernel") is built once and copied for each run:
    - CLI: `vesti.py worker --workers W` with OLLAMA_URL empty (keywords
      decide), timed as a whole; afterwards every post must be classified=1.
      Python start-up is measured apart as the median wall time of three
      `vesti.py status` runs on the same database.
+   - 2 CLI workers: two such processes started together on one database,
+     timed until the last exits (one start-up taken off).
+     target: 2 processes faster than 1
    - in-process: vesti.run_workers(db, settings, registry, workers=W,
      quiet=True), timed around that call alone.
    - bare: one vesti.connect() connection (autocommit, WAL, synchronous
@@ -33,6 +36,12 @@ What it measures:
      target: CLI wall <= 1.2 * ideal
    Checked: every post asked exactly once (distinct titles = llm-posts, no
    title twice) and every post classified=1 with the fake's verdict.
+
+With --db postgresql://... both parts run on PostgreSQL too (the bare loop
+claims with FOR UPDATE SKIP LOCKED, as VESTI does there): the queue is
+built in a template database of the benchmark's own on that server and
+each run gets a copy (CREATE DATABASE ... TEMPLATE); all are dropped at the
+end. A table then prints SQLite's figures beside PostgreSQL's.
 
 VESTI_* settings in the environment apply to every run (VESTI_STORY_HOURS=0
 measures the queue without stories: every post here has a keyword hit, so
@@ -53,6 +62,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import uuid
 from collections import Counter
 
@@ -111,7 +121,8 @@ def build_queue(path, posts):
                  for n in range(1, posts + 1)))
         if hasattr(vesti, "catch_up_index"):  # as store_posts leaves them: counted, searchable
             vesti.catch_up_index(db.conn())
-        db.conn().execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        if not is_postgres(path):
+            db.conn().execute("PRAGMA wal_checkpoint(TRUNCATE)")
     finally:
         db.close()
     return path
@@ -123,10 +134,25 @@ def copy_db(template, path):
     return path
 
 
+def is_postgres(path):
+    return path.startswith("postgresql://")
+
+
+def query(path, sql, params=()):
+    """The rows of one query on a SQLite file or a PostgreSQL URL."""
+    if is_postgres(path):
+        conn = vesti.open_connection(path)
+        try:
+            return [tuple(row) for row in conn.execute(sql, params).fetchall()]
+        finally:
+            conn.close()
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return conn.execute(sql, params).fetchall()
+
+
 def classified_counts(path):
     """{classified value: count}."""
-    with contextlib.closing(sqlite3.connect(path)) as conn:
-        return dict(conn.execute("SELECT classified, count(*) FROM posts GROUP BY classified"))
+    return dict(query(path, "SELECT classified, count(*) FROM posts GROUP BY classified"))
 
 
 def check_all_done(path, posts, label):
@@ -196,15 +222,25 @@ def startup_seconds(db, sources, env):
 
 # Part 1: throughput -----------------------------------------------------------
 
+def claim_sql(path):
+    """The bare loop's claim: the oldest pending post, in one statement (on
+    PostgreSQL a row no other claim holds)."""
+    if not is_postgres(path):
+        return CLAIM_SQL
+    return CLAIM_SQL.replace("INDEXED BY posts_pending", "").replace(
+        "ORDER BY id LIMIT 1)", "ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED)")
+
+
 def bare_loop(path):
     """(cycles, seconds) of claim + complete on one connection until empty."""
-    conn = vesti.connect(path)
+    conn = vesti.open_connection(path) if is_postgres(path) else vesti.connect(path)
+    claim = claim_sql(path)
     try:
         cycles = 0
         started = time.perf_counter()
         while True:
             now, token = vesti.utc_text(), uuid.uuid4().hex
-            row = conn.execute(CLAIM_SQL, (now, token, now)).fetchone()
+            row = conn.execute(claim, (now, token, now)).fetchone()
             if row is None:
                 break
             conn.execute(COMPLETE_SQL, (VERDICT["direction"], VERDICT["relevance"],
@@ -242,16 +278,96 @@ def verdict_max(value, limit):
     return "PASS" if value <= limit else "MISS"
 
 
-def throughput_benchmark(tmp, sources, posts, workers):
-    print(f"== throughput: {posts} pending posts, keyword-only (OLLAMA_URL empty), "
-          f"{workers} workers")
+class SQLiteStore:
+    """SQLite: the queue built once in a file, copied byte for byte for each run."""
+    name = "SQLite"
+
+    def __init__(self, tmp):
+        self.tmp = tmp
+
+    def build(self, name, posts):
+        self.template = build_queue(os.path.join(self.tmp, f"{name}.db"), posts)
+        return self.template
+
+    def copy(self, name):
+        return copy_db(self.template, os.path.join(self.tmp, f"{name}.db"))
+
+    def close(self):
+        pass
+
+
+class PostgresStore:
+    """PostgreSQL: the queue built once in a template database of its own on
+    the server, each run on a copy of it (CREATE DATABASE ... TEMPLATE); all
+    of them dropped at the end."""
+    name = "PostgreSQL"
+
+    def __init__(self, url):
+        psycopg = vesti.import_optional("psycopg", "psycopg[binary]", "the PostgreSQL benchmark")
+        self.url, self.made = url, []
+        self.admin = psycopg.connect(url, autocommit=True)
+
+    def database(self, name):
+        return urllib.parse.urlunsplit(urllib.parse.urlsplit(self.url)._replace(path=f"/{name}"))
+
+    def create(self, name, template=None):
+        name = f"vesti_bench_{name}"
+        self.admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        self.admin.execute(f"CREATE DATABASE {name}" + (f" TEMPLATE {template}" if template else ""))
+        self.made.append(name)
+        return self.database(name)
+
+    def build(self, name, posts):
+        self.template = f"vesti_bench_{name}"
+        url = build_queue(self.create(name), posts)
+        vesti.WRITE_LOCKS.clear()
+        return url
+
+    def copy(self, name):
+        return self.create(name, self.template)
+
+    def close(self):
+        for name in reversed(self.made):
+            self.admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        self.admin.close()
+
+
+def run_workers_at_once(db, sources, workers, env, processes, timeout):
+    """(wall seconds, exit codes) of `processes` worker commands started
+    together on one database, until the last one exits."""
+    command = [sys.executable, "vesti.py", "worker", "--workers", str(workers), "--db", db,
+               "--sources", sources]
+    started = time.monotonic()
+    running = [subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True) for _ in range(processes)]
+    codes = []
+    for process in running:
+        try:
+            _, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            err = process.communicate()[1]
+        codes.append(process.returncode)
+        if process.returncode != 0:
+            print(f"    vesti> {err.strip().splitlines()[-1] if err.strip() else ''}")
+            fail(f"a worker of {processes} exited {process.returncode}")
+    return time.monotonic() - started, codes
+
+
+def throughput_benchmark(store, sources, posts, workers):
+    """The figures of part 1 on one store: {'one': posts/s of one process
+    (start-up excluded), 'two': posts/s of two processes at once, 'bare':
+    cycles/s of the bare loop}."""
+    print(f"== throughput on {store.name}: {posts} pending posts, keyword-only (OLLAMA_URL "
+          f"empty), {workers} workers")
     started = time.perf_counter()
-    template = build_queue(os.path.join(tmp, "template.db"), posts)
+    store.build("template", posts)
     print(f"built the queue in {time.perf_counter() - started:.2f} s")
     env = child_env(OLLAMA_URL="")
     timeout = 120 + posts / 50
+    figures = {}
 
-    cli_db = copy_db(template, os.path.join(tmp, "cli.db"))
+    cli_db = store.copy("cli")
     cli_wall, proc = run_worker_cli(cli_db, sources, workers, env, timeout)
     print(f"CLI worker: {cli_wall:.2f} s wall, {rate(posts, cli_wall):.0f} posts/s")
     show_output(proc)
@@ -261,7 +377,14 @@ def throughput_benchmark(tmp, sources, posts, workers):
         print(f"start-up (median of {STARTUP_RUNS} `vesti.py status` on the same db): "
               f"{startup:.2f} s")
 
-    inproc_db = copy_db(template, os.path.join(tmp, "inproc.db"))
+    two_db = store.copy("two")
+    two_wall, _ = run_workers_at_once(two_db, sources, workers, env, 2, timeout)
+    figures["two"] = rate(posts, two_wall - (startup or 0))
+    print(f"2 CLI workers at once: {two_wall:.2f} s wall, {rate(posts, two_wall):.0f} posts/s "
+          f"({figures['two']:.0f} without one start-up)")
+    check_all_done(two_db, posts, "2 CLI workers")
+
+    inproc_db = store.copy("inproc")
     stats, finished, inproc_seconds = in_process(inproc_db, sources, workers)
     print(f"in-process run_workers: {inproc_seconds:.2f} s, {rate(posts, inproc_seconds):.0f} "
           f"posts/s ({stats.line()}{'' if finished else ', NOT finished'})")
@@ -269,29 +392,34 @@ def throughput_benchmark(tmp, sources, posts, workers):
         fail("in-process run_workers did not finish")
     check_all_done(inproc_db, posts, "in-process run_workers")
 
-    bare_db = copy_db(template, os.path.join(tmp, "bare.db"))
+    bare_db = store.copy("bare")
     cycles, bare_seconds = bare_loop(bare_db)
-    bare = rate(cycles, bare_seconds)
+    bare = figures["bare"] = rate(cycles, bare_seconds)
     print(f"bare loop, one connection: {cycles} cycles in {bare_seconds:.2f} s, "
           f"{bare:.0f} cycles/s")
     check_all_done(bare_db, posts, "bare loop")
     if not bare:
         fail("bare loop: no cycle")
-        return
+        return figures
 
     cli_rate = rate(posts, cli_wall)
     print(f"CLI / bare                  = {cli_rate / bare:.2f}   (raw, start-up included)")
     print(f"in-process / bare           = {rate(posts, inproc_seconds) / bare:.2f}")
     if startup is not None and cli_wall > startup:
-        net = rate(posts, cli_wall - startup)
+        net = figures["one"] = rate(posts, cli_wall - startup)
         ratio = net / bare
         print(f"(CLI - start-up) / bare     = {ratio:.2f}   target >= {THROUGHPUT_TARGET} "
               f"({net:.0f} vs {THROUGHPUT_TARGET * bare:.0f} posts/s)  "
               f"{verdict_min(ratio, THROUGHPUT_TARGET)}   <- the target uses this one")
     else:
+        figures["one"] = cli_rate
         ratio = cli_rate / bare
         print(f"start-up not measured: the target uses the raw CLI ratio {ratio:.2f}   "
               f"target >= {THROUGHPUT_TARGET}  {verdict_min(ratio, THROUGHPUT_TARGET)}")
+    two_ratio = figures["two"] / figures["one"] if figures["one"] else 0
+    print(f"2 processes / 1 process     = {two_ratio:.2f}   target > 1  "
+          f"{'PASS' if two_ratio > 1 else 'MISS'}")
+    return figures
 
 
 # Part 2: slow LLM -------------------------------------------------------------
@@ -360,11 +488,10 @@ def check_llm_posts(path, titles, posts):
     if not asked_ok:
         fail(f"fake Ollama: {len(titles)} distinct titles of {posts} posts, "
              f"{asked_twice} asked more than once")
-    with contextlib.closing(sqlite3.connect(path)) as conn:
-        rows = dict(conn.execute(
-            "SELECT classified = 1 AND direction = ? AND relevance = ? AND interest = ?, count(*) "
-            "FROM posts GROUP BY 1", (VERDICT["direction"], VERDICT["relevance"],
-                                      VERDICT["interest"])))
+    rows = {int(done): n for done, n in query(
+        path, "SELECT CASE WHEN classified = 1 AND direction = ? AND relevance = ? AND "
+              "interest = ? THEN 1 ELSE 0 END, count(*) FROM posts GROUP BY 1",
+        (VERDICT["direction"], VERDICT["relevance"], VERDICT["interest"]))}
     stored_ok = rows == {1: posts}
     print(f"    database: {rows.get(1, 0)} of {posts} posts classified=1 with the fake's verdict"
           f" -> {'as expected' if stored_ok else 'UNEXPECTED ' + str(classified_counts(path))}")
@@ -372,11 +499,12 @@ def check_llm_posts(path, titles, posts):
         fail(f"slow LLM: {rows.get(1, 0)} of {posts} posts classified with the fake's verdict")
 
 
-def llm_benchmark(tmp, sources, posts, latency, workers):
+def llm_benchmark(store, sources, posts, latency, workers):
+    """Part 2 on one store; returns wall / ideal."""
     ideal = posts * latency / workers
-    print(f"== slow LLM: {posts} posts, fake Ollama answering after {latency * 1000:.0f} ms, "
-          f"{workers} workers")
-    db = build_queue(os.path.join(tmp, "llm.db"), posts)
+    print(f"== slow LLM on {store.name}: {posts} posts, fake Ollama answering after "
+          f"{latency * 1000:.0f} ms, {workers} workers")
+    db = store.build("llm", posts)
     with fake_ollama(latency) as (url, titles):
         env = child_env(OLLAMA_URL=url)
         wall, proc = run_worker_cli(db, sources, workers, env, timeout=120 + 10 * ideal)
@@ -387,6 +515,28 @@ def llm_benchmark(tmp, sources, posts, latency, workers):
     print(f"ideal time = {posts} x {latency} s / {workers} = {ideal:.2f} s")
     print(f"wall / ideal = {wall / ideal:.2f}   target <= {LLM_TARGET}  "
           f"({wall:.2f} s vs {limit:.2f} s)  {verdict_max(wall, limit)}")
+    return wall / ideal
+
+
+def side_by_side(figures):
+    """The figures of every store in one table."""
+    names = list(figures)
+    print("== side by side (posts/s; start-up excluded)")
+    print(f"{'':32s}" + "".join(f"{name:>12s}" for name in names))
+    rows = (("1 process x workers", lambda f: f"{f['one']:.0f}"),
+            ("2 processes x workers", lambda f: f"{f['two']:.0f}"),
+            ("bare claim+complete loop", lambda f: f"{f['bare']:.0f}"),
+            ("1 process / bare (>= 0.5)", lambda f: f"{f['one'] / f['bare']:.2f}"),
+            ("2 processes / 1 (> 1)", lambda f: f"{f['two'] / f['one']:.2f}"),
+            ("50 ms LLM, wall / ideal (<= 1.2)", lambda f: f"{f['llm']:.2f}"))
+    for label, cell in rows:
+        cells = []
+        for name in names:
+            try:
+                cells.append(cell(figures[name]))
+            except (KeyError, ZeroDivisionError):
+                cells.append("-")
+        print(f"{label:32s}" + "".join(f"{c:>12s}" for c in cells))
 
 
 # Main -------------------------------------------------------------------------
@@ -402,6 +552,9 @@ def main(argv=None):
                              f"(default {FULL['latency']})")
     parser.add_argument("--workers", type=int,
                         help=f"worker threads (default {FULL['workers']})")
+    parser.add_argument("--db", metavar="URL",
+                        help="also run on PostgreSQL: a postgresql:// URL of a role that may "
+                             "create databases (the benchmark makes its own and drops them)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes (" + ", ".join(f"{k.replace('_', '-')} {v}"
                                                         for k, v in SMOKE.items())
@@ -416,9 +569,20 @@ def main(argv=None):
               "PASS/MISS verdicts mean nothing\n")
     with tempfile.TemporaryDirectory(prefix="vesti-bench-") as tmp:
         sources = write_sources(tmp)
-        throughput_benchmark(tmp, sources, args.posts, args.workers)
-        print()
-        llm_benchmark(tmp, sources, args.llm_posts, args.latency, args.workers)
+        stores = [SQLiteStore(tmp)] + ([PostgresStore(args.db)] if args.db else [])
+        figures = {}
+        try:
+            for store in stores:
+                figures[store.name] = throughput_benchmark(store, sources, args.posts,
+                                                           args.workers)
+                print()
+                figures[store.name]["llm"] = llm_benchmark(store, sources, args.llm_posts,
+                                                           args.latency, args.workers)
+                print()
+        finally:
+            for store in stores:
+                store.close()
+        side_by_side(figures)
     return 0
 
 
