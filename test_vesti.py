@@ -185,13 +185,19 @@ BACKEND = {"db": None}
 
 
 def both(test):
-    test.both_backends = True
+    test.backends = ["sqlite", "postgresql"]
+    return test
+
+
+def postgres_only(test):
+    """For what only PostgreSQL has (a server of its own, copies between the two)."""
+    test.backends = ["postgresql"]
     return test
 
 
 def pytest_generate_tests(metafunc):
-    if getattr(metafunc.function, "both_backends", False):
-        metafunc.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
+    if hasattr(metafunc.function, "backends"):
+        metafunc.parametrize("backend", metafunc.function.backends, indirect=True)
 
 
 def postgres_url(database):
@@ -4331,10 +4337,8 @@ def test_the_postgresql_schema_is_made_from_the_same_table_definitions():
     assert "datetime(" not in " ".join(objects.values()) and "WITHOUT ROWID" not in str(objects)
 
 
-@both
+@postgres_only
 def test_a_postgresql_database_has_every_table_column_and_index(home, backend):
-    if backend is None:
-        pytest.skip("the PostgreSQL half")
     s, db = intake(home, [])
     conn = db.conn()
     columns = {(r[0], r[1]) for r in conn.execute(
@@ -4376,10 +4380,8 @@ def test_an_unreachable_postgresql_is_one_line_and_exit_2_without_the_password(h
     assert f"postgresql://u:***@127.0.0.1:{port}/x" in lines[0] and "s3cret" not in result.stderr
 
 
-@both
+@postgres_only
 def test_copy_db_moves_everything_to_postgresql_and_back_and_twice_changes_nothing(home, backend):
-    if backend is None:
-        pytest.skip("the PostgreSQL half")
     file_db = str(home / "vesti.db")
     write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss",
                                                      direction="linux")])
@@ -4419,19 +4421,26 @@ def test_copy_db_moves_everything_to_postgresql_and_back_and_twice_changes_nothi
     back = cli("copy-db", "--to", str(home / "back.db"), cwd=home, env={"VESTI_DB": backend})
     assert back.returncode == 0, back.stderr
     assert len(rows(sqlite3.connect(home / "back.db"), "SELECT id FROM posts")) == 8
+    conn.execute("DELETE FROM runs")                     # a later copy brings the target up to date
+    assert cli("copy-db", "--to", backend, cwd=home, env={"VESTI_DB": file_db}).returncode == 0
+    assert rows(pg, "SELECT count(*) FROM runs") == [(0,)] and \
+        rows(pg, "SELECT count(*) FROM posts") == [(7,)]
+    other = cli("copy-db", "--to", str(home / "back.db"), cwd=home, env={"VESTI_DB": file_db})
+    assert other.returncode == 2                         # back.db is a copy of the other one
+    assert other.stderr.strip().endswith("holds 8 posts that are not a copy of "
+                                         f"{file_db}; copy into an empty database")
 
 
-@both
+@postgres_only
 def test_two_worker_processes_share_the_queue_and_survive_a_kill_9(home, backend):
-    if backend is None:
-        pytest.skip("the PostgreSQL half")
-    fake = FakeOllama(latency=0.1)
+    fake, workers = FakeOllama(latency=0.1), []
     try:
         s, db, _ = worker_home(home, fake.url)
         add_posts(db.conn(), 60)
         env = {"VESTI_LEASE_SECONDS": "2"}
-        one = worker_process(home, fake.url, "--workers", "4", "--forever", env=env)
-        two = worker_process(home, fake.url, "--workers", "4", "--forever", env=env)
+        workers = [worker_process(home, fake.url, "--workers", "4", "--forever", env=env)
+                   for _ in range(2)]
+        one, two = workers
         assert wait_for(lambda: queue_of(db).get(1, 0) >= 10)
         one.kill()
         one.communicate()
@@ -4443,13 +4452,14 @@ def test_two_worker_processes_share_the_queue_and_survive_a_kill_9(home, backend
         assert set(asked) == {f"Post {k}" for k in range(60)}
         assert sum(n - 1 for n in asked.values()) <= 4       # only what the killed one held
     finally:
+        for process in workers:
+            if process.poll() is None:
+                process.kill()
         fake.close()
 
 
-@both
+@postgres_only
 def test_two_overlapping_crawls_store_each_entry_once(home, backend, server):
-    if backend is None:
-        pytest.skip("the PostgreSQL half")
     body = rss(items(40))
 
     def slow(request):
@@ -4470,7 +4480,7 @@ def test_two_overlapping_crawls_store_each_entry_once(home, backend, server):
 
 
 def test_a_worker_rides_out_a_postgresql_restart_and_loses_nothing(home, own_postgres):
-    fake = FakeOllama(latency=0.05)
+    fake, process = FakeOllama(latency=0.05), None
     try:
         BACKEND["db"] = own_postgres.url
         s, db, _ = worker_home(home, fake.url)
@@ -4493,6 +4503,8 @@ def test_a_worker_rides_out_a_postgresql_restart_and_loses_nothing(home, own_pos
         assert set(fake.titles()) == {f"Post {k}" for k in range(120)}
         assert check.conn().execute("SELECT count(*) FROM posts WHERE error IS NOT NULL").fetchone()[0] == 0
     finally:
+        if process is not None and process.poll() is None:
+            process.kill()
         BACKEND["db"] = None
         fake.close()
 

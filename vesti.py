@@ -1052,8 +1052,9 @@ def transaction(conn, shared=False):
     """A write transaction that holds the database's write lock from its
     first statement (conn.begin), so that its reads and writes are never
     interleaved with another writer's. A `shared` one (the workers' batches)
-    only keeps the others out where the database can write several at once
-    (PostgreSQL; SQLite has one writer)."""
+    lets other processes' shared ones write beside it where the database can
+    (PostgreSQL; SQLite has one writer). The threads of one process still
+    take turns: they would only queue on the count rows they all share."""
     with write_lock(conn.path):
         conn.begin(shared and conn.dialect.shared_writes)
         conn.depth += 1
@@ -1085,6 +1086,8 @@ def redoable(function):
             except TransactionUndone as e:
                 if conn.depth:
                     raise
+                if STOPPING.is_set():
+                    raise StorageError(f"{e}; not done again since the process is stopping") from None
                 e.episode.enter(conn.path)
                 try:
                     conn.recover()
@@ -1210,19 +1213,36 @@ def is_postgres(path):
     return str(path).startswith(("postgresql://", "postgres://"))
 
 
+# A password in a database URL: user:password@ before the host (up to its
+# last @), or a password= parameter.
+URL_PASSWORD = re.compile(r"(?<=://)([^/?#@:]*):.*(?=@[^@]*$)|(?<=[?&]password=)[^&#]*")
+
+
 def redacted(path):
     """A database URL fit for a log line or a page: no password."""
     if not is_postgres(path):
         return path
-    parts = urllib.parse.urlsplit(path)
-    if parts.password is None:
-        return path
-    host = parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+    return URL_PASSWORD.sub(lambda m: f"{m.group(1)}:***" if m.group(1) is not None else "***",
+                            path)
 
 
-# ? and :name placeholders (outside quotes) and a literal %, as psycopg wants them.
-PLACEHOLDERS = re.compile(r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|\?|:(?=[A-Za-z_])\w+|%")
+def secrets_of(url):
+    """The password a database URL holds, as written and decoded."""
+    found = {m.group(0).split(":", 1)[1] if m.group(1) is not None else m.group(0)
+             for m in URL_PASSWORD.finditer(url)}
+    return {s for text in found for s in (text, urllib.parse.unquote(text)) if s}
+
+
+def scrubbed(text, url):
+    """An error message with the URL's password taken out (a driver may quote it)."""
+    for secret in sorted(secrets_of(url), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+# ? and :name placeholders (outside quotes and comments; a :: cast is left
+# alone) and a literal %, as psycopg wants them.
+PLACEHOLDERS = re.compile(r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|--[^\n]*|::|\?|:(?=[A-Za-z_])\w+|%")
 # An INSERT into a table with an id: it returns the id, for lastrowid.
 INSERT_WITH_ID = re.compile(r"\s*INSERT\s+INTO\s+(?:sources|posts|runs)\b", re.I)
 
@@ -1235,7 +1255,7 @@ def postgres_statement(sql):
         token = match.group(0)
         if token == "?":
             return "%s"
-        if token.startswith(":"):
+        if token.startswith(":") and token != "::":
             return f"%({token[1:]})s"
         return token.replace("%", "%%")
     text = PLACEHOLDERS.sub(swap, sql)
@@ -1327,15 +1347,30 @@ class PostgresConnection:
     WRITE_LOCK = 0x7665737469    # 'vesti'
     STORIES_LOCK = WRITE_LOCK + 1
 
-    def __init__(self, url, busy_timeout=30):
+    def __init__(self, url, busy_timeout=30, wait=False):
+        """`wait`: a server that cannot be reached is waited for (a process
+        that has used the database already); otherwise it is a
+        configuration error, as a wrong password always is."""
         self.url, self.path, self.busy_timeout = url, redacted(url), busy_timeout
         self.depth, self.open_transaction = 0, False
         self.psycopg = import_optional("psycopg", "psycopg[binary]", "a PostgreSQL database")
         try:
             self.raw = self.connect()
         except self.psycopg.Error as e:
-            raise ConfigError(f"{self.path}: cannot open the database: "
-                              f"{first_line(e)}") from None
+            unreachable = getattr(e, "sqlstate", None) in (None, *POSTGRES_LOST)
+            if not (wait and unreachable):
+                raise ConfigError(f"{self.path}: cannot open the database: "
+                                  f"{self.said(e)}") from None
+            self.raw = None
+            UNREACHABLE.enter(self.path)
+            try:
+                self.recover()
+            finally:
+                UNREACHABLE.leave(self.path)
+
+    def said(self, error):
+        """The first line of an error, without the URL's password."""
+        return scrubbed(first_line(error), self.url)
 
     def connect(self):
         raw = self.psycopg.connect(self.url, autocommit=True, connect_timeout=10,
@@ -1344,17 +1379,31 @@ class PostgresConnection:
         raw.adapters.register_loader("numeric", number)
         raw.adapters.register_dumper(bool, flag)
         # A statement waits at most the busy timeout for a row or the write
-        # lock another session holds, as SQLite waits for its lock.
-        raw.execute(f"SET lock_timeout = {max(1, int(self.busy_timeout * 1000))}")
+        # lock another session holds, as SQLite waits for its lock. A commit
+        # does not wait for the disk, as SQLite's synchronous=NORMAL does not
+        # (a crash of the server can lose the last moment's commits, never
+        # their consistency; what is lost is done again: a lease runs out, a
+        # feed is fetched again). Every commit would otherwise wait an fsync.
+        raw.execute(f"SET lock_timeout = {max(1, int(self.busy_timeout * 1000))}; "
+                    f"SET synchronous_commit = off")
         return raw
 
     @property
     def in_transaction(self):
-        return self.open_transaction and not self.raw.broken
+        return not self.raw.broken and self.raw.info.transaction_status in (
+            self.psycopg.pq.TransactionStatus.INTRANS, self.psycopg.pq.TransactionStatus.INERROR)
 
     def begin(self, shared=False):
-        self.execute(f"BEGIN; SELECT pg_advisory_xact_lock{'_shared' if shared else ''}"
-                     f"({self.WRITE_LOCK})", None)
+        try:
+            self.execute(f"BEGIN; SELECT pg_advisory_xact_lock{'_shared' if shared else ''}"
+                         f"({self.WRITE_LOCK})", None)
+        except BaseException:
+            # The BEGIN may have gone through and the lock not (a stop while
+            # waiting for it): no transaction is left open behind the error.
+            if self.in_transaction:
+                with contextlib.suppress(self.psycopg.Error):
+                    self.raw.execute("ROLLBACK")
+            raise
         self.open_transaction = True
 
     def lock_stories(self):
@@ -1414,27 +1463,27 @@ class PostgresConnection:
         if self.raw.broken or self.raw.closed or state in POSTGRES_LOST:
             self.open_transaction = False
             return TransactionUndone(f"{self.path}: the connection to the database server "
-                                     f"was lost ({first_line(error)})", UNREACHABLE)
+                                     f"was lost ({self.said(error)})", UNREACHABLE)
         if state in POSTGRES_BUSY:
             if undone:
                 # The server has undone the transaction; it is done again
                 # after a ROLLBACK (see redoable).
-                return TransactionUndone(f"{self.path}: {first_line(error)}", BUSY)
-            busy = sqlite3.OperationalError(f"{self.path}: {first_line(error)}")
+                return TransactionUndone(f"{self.path}: {self.said(error)}", BUSY)
+            busy = sqlite3.OperationalError(f"{self.path}: {self.said(error)}")
             busy.busy = True
             return busy
         if state.startswith(POSTGRES_STORAGE_FAULTS):
-            return StorageError(f"{self.path}: {first_line(error)} (a storage problem: check "
+            return StorageError(f"{self.path}: {self.said(error)} (a storage problem: check "
                                 f"the database server; no source was blamed for it)")
         kind = {"23": sqlite3.IntegrityError, "22": sqlite3.DataError,
                 "42": sqlite3.ProgrammingError}.get(state[:2], sqlite3.OperationalError)
-        return kind(first_line(error))
+        return kind(self.said(error))
 
     def recover(self):
         """After TransactionUndone or a wait: the transaction is rolled back
         and, when the server went away, a new connection opened once it is
         back. Waits no more than a second when nothing is wrong."""
-        if not (self.raw.broken or self.raw.closed):
+        if self.raw is not None and not (self.raw.broken or self.raw.closed):
             with contextlib.suppress(self.psycopg.Error):
                 self.raw.execute("ROLLBACK")
             self.open_transaction = False
@@ -1446,8 +1495,9 @@ class PostgresConnection:
             except self.psycopg.Error:
                 STOPPING.wait(1.0)
                 continue
-            with contextlib.suppress(Exception):
-                old.close()
+            if old is not None:
+                with contextlib.suppress(Exception):
+                    old.close()
             self.open_transaction = False
             return
         raise StorageError(f"{self.path}: the database server cannot be reached; stopped "
@@ -1462,10 +1512,11 @@ def first_line(error):
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def open_connection(path, busy_timeout=30):
-    """A connection to a SQLite file or a postgresql:// URL."""
+def open_connection(path, busy_timeout=30, wait=False):
+    """A connection to a SQLite file or a postgresql:// URL (see
+    PostgresConnection for `wait`)."""
     if is_postgres(path):
-        return PostgresConnection(path, busy_timeout)
+        return PostgresConnection(path, busy_timeout, wait)
     return connect(path, busy_timeout)
 
 
@@ -1655,6 +1706,11 @@ FOR EACH ROW EXECUTE FUNCTION vesti_post_words()"""),
 )
 
 
+# What an older PostgreSQL database has and this one does not: the search
+# index that was on posts itself (its words are in post_words now).
+POSTGRES_OBSOLETE = ("DROP INDEX IF EXISTS posts_search",)
+
+
 def postgres_ddl(statement):
     for pattern, replacement in POSTGRES_TYPES:
         statement = pattern.sub(replacement, statement)
@@ -1688,6 +1744,8 @@ def migrate_postgres(conn):
     with transaction(conn):
         fresh = None in conn.execute("SELECT to_regclass('post_counts'), "
                                      "to_regclass('post_words')").fetchone()
+        for statement in POSTGRES_OBSOLETE:
+            conn.execute(statement)
         for _, _, create in objects:
             if create.startswith("CREATE TABLE"):
                 conn.execute(create, None)
@@ -1858,16 +1916,19 @@ class Database:
         self.path, self.busy_timeout = path, busy_timeout
         self._local = threading.local()
         self._idle, self._idle_lock = [], threading.Lock()
+        self.opened = False         # once it has been, a server restarting is waited for
         try:
             migrate(self.conn())
         except sqlite3.DatabaseError as e:
             raise ConfigError(f"{redacted(path)}: cannot open the database: {e}") from None
+        self.opened = True
 
     def conn(self):
         conn = getattr(self._local, "conn", None)
         if conn is None:
             try:
-                conn = self._local.conn = open_connection(self.path, self.busy_timeout)
+                conn = self._local.conn = open_connection(self.path, self.busy_timeout,
+                                                          self.opened)
             except sqlite3.OperationalError as e:
                 # A missing directory or no permission: the setting is wrong.
                 raise ConfigError(f"{redacted(self.path)}: cannot open the database: {e}") from None
@@ -1896,7 +1957,7 @@ class Database:
         at the end."""
         with self._idle_lock:
             conn = self._idle.pop() if self._idle else None
-        self._local.conn = conn or open_connection(self.path, self.busy_timeout)
+        self._local.conn = conn or open_connection(self.path, self.busy_timeout, self.opened)
         try:
             yield self
         finally:
@@ -2585,6 +2646,15 @@ def meaningful_words(text):
     return re.findall(r"\w+", (text or "").casefold())
 
 
+@redoable
+def update_edited_posts(conn, source_id, drafts):
+    """update_edited_post for each draft, in one transaction (on PostgreSQL
+    under the write lock, so an edit cannot slip between the counting of new
+    posts and its mark). Returns how many texts changed."""
+    with transaction(conn):
+        return sum(update_edited_post(conn, source_id, draft) for draft in drafts)
+
+
 def update_edited_post(conn, source_id, draft):
     """Store an edited message's new text. A classified post goes back to the
     queue only when its words changed (not for a fixed comma or spacing).
@@ -2840,40 +2910,64 @@ COPIED_TABLES = (("sources", ("id",)), ("rss_state", ("source_id",)),
                  ("tg_state", ("source_id",)), ("posts", ("id",)), ("runs", ("id",)),
                  ("source_days", ("source_id", "day")), ("counters", ("name", "labels")),
                  ("meta", ("key",)), ("story_keys", ("key", "post_id")))
-# What each database keeps of itself (its schema, its counting mark).
-OWN_META = ("indexed_to", "count_keys", "pg_schema", "pg_ddl:%")
+# What each database keeps of itself: its schema, its counting mark, who it is
+# and what it is a copy of.
+OWN_META = ("indexed_to", "count_keys", "pg_schema", "pg_ddl:%", "database_id", "copy_of")
 COPY_CHUNK = 5000
 
 
 def copy_table(source, target, table, key, progress):
-    """Every row of one table, in key order and in chunks, upserted by key:
-    a second copy changes nothing. Returns how many rows."""
+    """The target's table made the same as the source's, in key order and in
+    chunks: rows upserted by key, and the target's rows the source does not
+    have deleted, so a second copy changes nothing and a later one brings
+    the target up to date. Returns how many rows."""
     columns = [column for name, column, _, _ in schema_columns() if name == table]
     names, keys = ", ".join(columns), ", ".join(key)
     updates = ", ".join(f"{c} = excluded.{c}" for c in columns if c not in key)
     upsert = (f"INSERT INTO {table} ({names}) VALUES ({', '.join('?' * len(columns))}) "
               f"ON CONFLICT ({keys}) DO {'UPDATE SET ' + updates if updates else 'NOTHING'}")
     own = OWN_META if table == "meta" else ()
-    where = ["key NOT LIKE ?" for _ in own]
+    mine = ["key NOT LIKE ?" for _ in own]
+    row_key, marks = f"({keys})", f"({', '.join('?' * len(key))})"
     copied, after = 0, None
     while True:
-        later = [f"({keys}) > ({', '.join('?' * len(key))})"] if after else []
+        later = [f"{row_key} > {marks}"] if after else []
         rows = source.execute(
-            f"SELECT {names} FROM {table} WHERE {' AND '.join(where + later) or 'true'} "
+            f"SELECT {names} FROM {table} WHERE {' AND '.join(mine + later) or 'true'} "
             f"ORDER BY {keys} LIMIT {COPY_CHUNK}", [*own, *(after or ())]).fetchall()
+        last = [rows[-1][columns.index(k)] for k in key] if rows else None
+        gone = mine + later + ([f"{row_key} <= {marks}", f"{row_key} NOT IN (VALUES "
+                                f"{', '.join([marks] * len(rows))})"] if rows else [])
+        chunk_keys = [row[columns.index(k)] for row in rows for k in key]
+        with transaction(target):
+            target.execute(f"DELETE FROM {table} WHERE {' AND '.join(gone) or 'true'}",
+                           [*own, *(after or ()), *(last or ()), *chunk_keys])
+            target.executemany(upsert, [tuple(row) for row in rows])
         if not rows:
             return copied
-        with transaction(target):
-            target.executemany(upsert, [tuple(row) for row in rows])
         copied += len(rows)
-        after = [rows[-1][columns.index(k)] for k in key]
+        after = last
         progress.step(f"{table} {copied:,}", count=len(rows))
 
 
 def copy_database(source, target, quiet=False):
     """copy-db: every copied table from `source` into `target` (both
     migrated), then the target's counts and search index made from its
-    posts. Returns {table: rows}."""
+    posts. The target must hold no posts, or be a copy of this source
+    already. Returns {table: rows}."""
+    origin = lasting_secret(source, "database_id")
+    posts = target.execute("SELECT count(*) FROM posts").fetchone()[0]
+    if posts and get_meta(target, "copy_of")[0] != origin:
+        raise ConfigError(f"copy-db: {target.path} already holds {posts} posts that are not a "
+                          f"copy of {source.path}; copy into an empty database")
+    if not posts:
+        # A new database (perhaps synced from sources.yaml by `init`, with
+        # ids of its own): emptied, so the copy's ids and slugs cannot clash.
+        with transaction(target):
+            for table, _ in reversed(COPIED_TABLES):
+                target.execute(f"DELETE FROM {table}" + (" WHERE " + " AND ".join(
+                    "key NOT LIKE ?" for _ in OWN_META) if table == "meta" else ""),
+                    OWN_META if table == "meta" else ())
     total = sum(source.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
                 for table, _ in COPIED_TABLES)
     progress = Progress("copy-db", total, quiet=quiet)
@@ -2881,6 +2975,7 @@ def copy_database(source, target, quiet=False):
               for table, key in COPIED_TABLES}
     with transaction(target):
         reindex_posts(target)
+        set_meta(target, "copy_of", origin)
     progress.finish(", ".join(f"{n:,} {table}" for table, n in counts.items()) +
                     f" copied to {target.path}")
     return counts
@@ -4667,7 +4762,7 @@ async def crawl_channel(db, reader, source, settings, trigger):
     new = store_posts(conn, source["id"], source["direction"], drafts)
     edits = [message_draft(channel, g) for g in groups
              if min(m.id for m in g) <= last_id and edited_in_window(g, settings.tg_edit_hours)]
-    edited = sum(update_edited_post(conn, source["id"], d) for d in edits)
+    edited = update_edited_posts(conn, source["id"], edits)
     save_last_message_id(conn, source["id"], max(newest, last_id))
     record_success(conn, source, new)
     note = f"{edited} edited posts updated" if edited else None

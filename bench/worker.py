@@ -306,6 +306,14 @@ class PostgresStore:
         psycopg = vesti.import_optional("psycopg", "psycopg[binary]", "the PostgreSQL benchmark")
         self.url, self.made = url, []
         self.admin = psycopg.connect(url, autocommit=True)
+        settings = dict(self.admin.execute(
+            "SELECT name, setting FROM pg_settings WHERE name IN "
+            "('server_version', 'fsync', 'synchronous_commit', 'shared_buffers')").fetchall())
+        print(f"PostgreSQL {settings.get('server_version')} at {vesti.redacted(url)}: "
+              f"fsync {settings.get('fsync')}, synchronous_commit "
+              f"{settings.get('synchronous_commit')} (VESTI's sessions, the bare loop's too, "
+              f"turn it off, as SQLite's synchronous=NORMAL), "
+              f"shared_buffers {settings.get('shared_buffers')}")
 
     def database(self, name):
         return urllib.parse.urlunsplit(urllib.parse.urlsplit(self.url)._replace(path=f"/{name}"))
