@@ -5109,10 +5109,12 @@ HEARTBEAT = 10
 # A worker whose posts classify fast (keywords alone) claims them in batches
 # and writes their verdicts with the next claim, one transaction for many
 # posts: the batch doubles while a whole batch takes less than BATCH_WINDOW
-# seconds, up to MAX_BATCH, and is one post again as soon as one is slow
-# (an article, the LLM) or fails. Claims are never held long for nothing.
-BATCH_WINDOW = 0.05
-MAX_BATCH = 32
+# seconds, up to MAX_BATCH, halves when it takes longer, and is one post
+# again as soon as one is slow (an article, the LLM) or fails. Claims are
+# never held long for nothing. Big batches matter with stories: a commit
+# writes each index page its posts' story keys touched, once per batch.
+BATCH_WINDOW = 0.25
+MAX_BATCH = 128
 
 
 class Classifier:
@@ -5308,7 +5310,7 @@ class WorkerPool:
                 finished.append((post, verdict))
                 if not in_hand:
                     fast = time.monotonic() - started < BATCH_WINDOW
-                    size = min(size * 2, MAX_BATCH) if fast else 1
+                    size = min(size * 2, MAX_BATCH) if fast else max(1, size // 2)
         finally:
             self.put_down(conn, finished, in_hand)
 
