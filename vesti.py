@@ -1167,9 +1167,12 @@ class PostgresDialect(SQLiteDialect):
     fts5 = False
     # Two workers may look at the same pending rows at once: each takes only
     # rows no other claim holds (SKIP LOCKED), so a post is never claimed twice.
+    # The order names both columns of posts_pending, which only that index
+    # gives: by id alone, the planner would walk the primary key through
+    # every post done already.
     claimable = (f"SELECT id FROM posts WHERE {{pending}} "
                  f"AND (next_attempt_at IS NULL OR next_attempt_at <= ?) "
-                 f"ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED")
+                 f"ORDER BY id, classified LIMIT ? FOR UPDATE SKIP LOCKED")
     refresh_statistics = "ANALYZE"
     shared_writes = True        # the workers' batches write at the same time
     # The search index: each post's words (whole words in any case, as

@@ -228,7 +228,7 @@ def claim_sql(path):
     if not is_postgres(path):
         return CLAIM_SQL
     return CLAIM_SQL.replace("INDEXED BY posts_pending", "").replace(
-        "ORDER BY id LIMIT 1)", "ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED)")
+        "ORDER BY id LIMIT 1)", "ORDER BY id, classified LIMIT 1 FOR UPDATE SKIP LOCKED)")
 
 
 def bare_loop(path):
