@@ -1150,6 +1150,14 @@ class SQLiteDialect:
         return "posts_fts f JOIN posts p ON p.id = f.rowid", "posts_fts MATCH ?", \
             [fts_query(text)], "f.rowid"
 
+    def search_matches(self, text):
+        """A query of the ids of a search's matches, and its parameters: read
+        from the search index alone, so a LIMIT stops it early."""
+        if self.fts5:
+            return "SELECT rowid FROM posts_fts WHERE posts_fts MATCH ?", [fts_query(text)]
+        clause, values = self.search_filter(text)
+        return f"SELECT p.id FROM posts p WHERE {clause}", values
+
     def clear_search(self, conn):
         if self.fts5:
             conn.execute("INSERT INTO posts_fts (posts_fts) VALUES ('delete-all')")
@@ -1197,6 +1205,12 @@ class PostgresDialect(SQLiteDialect):
         return "post_words f JOIN posts p ON p.id = f.post_id", \
             "f.words @@ to_tsquery('simple', ?)" if query else "false", \
             [query] if query else [], "f.post_id"
+
+    def search_matches(self, text):
+        query = self.tsquery(text)
+        if not query:
+            return "SELECT post_id FROM post_words WHERE false", []
+        return "SELECT post_id FROM post_words WHERE words @@ to_tsquery('simple', ?)", [query]
 
     def clear_search(self, conn):
         conn.execute("DELETE FROM post_words")
@@ -1978,6 +1992,18 @@ PENDING, PROCESSING, DONE, FAILED = 0, -1, 1, -2
 IS_PENDING = f"(classified IS NULL OR classified = {PENDING})"
 
 
+def insert_rows(conn, into, rows, conflict=""):
+    """INSERT INTO `into` VALUES (…), (…) `conflict`: many rows in one
+    statement, so one round trip to a database server (executemany costs
+    one per row there)."""
+    rows = list(rows)
+    for first in range(0, len(rows), 500):
+        chunk = rows[first:first + 500]
+        marks = ", ".join(f"({', '.join('?' * len(row))})" for row in chunk)
+        conn.execute(f"INSERT INTO {into} VALUES {marks} {conflict}",
+                     [value for row in chunk for value in row])
+
+
 # Stories ---------------------------------------------------------------------
 
 def find_story(conn, post_id, words, keys, since, batch=None):
@@ -2023,10 +2049,8 @@ def enter_story(conn, post_id, words, keys, since, batch=None):
         conn.execute("UPDATE posts SET story_id = ? WHERE id = ?", (story, post_id))
     else:
         batch[post_id] = story
-    if keys:                        # one statement: one round trip to a server
-        conn.execute(f"INSERT INTO story_keys (key, post_id) VALUES "
-                     f"{', '.join('(?, ?)' for _ in keys)} ON CONFLICT DO NOTHING",
-                     [value for key in keys for value in (key, post_id)])
+    insert_rows(conn, "story_keys (key, post_id)", [(key, post_id) for key in keys],
+                "ON CONFLICT DO NOTHING")
     return story
 
 
@@ -2038,9 +2062,11 @@ def join_story(conn, post_id, title, text, hours, now=None):
 
 @redoable
 def enter_now(conn, post_id, words, keys, since):
-    """enter_story in a transaction of its own, so two copies looked at the
-    same moment end in one story."""
-    with transaction(conn):
+    """enter_story in a transaction of its own, one at a time with the other
+    stories' (not with the rest), so two copies looked at the same moment end
+    in one story."""
+    with transaction(conn, shared=True):
+        conn.lock_stories()
         return enter_story(conn, post_id, words, keys, since)
 
 
@@ -2201,14 +2227,18 @@ def count_completions(conn, completed):
         if row["story_id"] is None or row["story_id"] == row["id"]:
             cards[key] += 1
         by_source[(row["source_id"] or 0, *key)] += 1
-    conn.executemany("""INSERT INTO post_counts (status, direction, relevance, n)
-                        VALUES ('new', ?, ?, ?) ON CONFLICT (status, direction, relevance)
-                        DO UPDATE SET n = post_counts.n + excluded.n""",
-                     [(*key, n) for key, n in sorted(cards.items())])
-    conn.executemany("""INSERT INTO source_post_counts (source_id, status, direction, relevance, n)
-                        VALUES (?, 'new', ?, ?, ?) ON CONFLICT (source_id, status, direction, relevance)
-                        DO UPDATE SET n = source_post_counts.n + excluded.n""",
-                     [(*key, n) for key, n in sorted(by_source.items())])
+    insert_rows(conn, "post_counts (status, direction, relevance, n)",
+                [("new", *key, n) for key, n in sorted(cards.items())],
+                "ON CONFLICT (status, direction, relevance) DO UPDATE SET n = post_counts.n + excluded.n")
+    insert_rows(conn, "source_post_counts (source_id, status, direction, relevance, n)",
+                [(source, "new", *key, n) for (source, *key), n in sorted(by_source.items())],
+                "ON CONFLICT (source_id, status, direction, relevance) "
+                "DO UPDATE SET n = source_post_counts.n + excluded.n")
+
+
+# The claim tokens of complete_and_claim calls under way in this process: one
+# seen again is being done again (see redoable).
+TURNS_BEGUN = set()
 
 
 @redoable
@@ -2224,6 +2254,8 @@ def complete_and_claim(conn, completions, claims, now=None, token=None):
     server committed but the answer was lost, the posts it claimed are
     taken again."""
     token = token or claim_token()
+    redone = token in TURNS_BEGUN
+    TURNS_BEGUN.add(token)
     with transaction(conn, shared=True):
         if any("story_keys" in verdict for _, verdict in completions):
             conn.lock_stories()
@@ -2243,10 +2275,12 @@ def complete_and_claim(conn, completions, claims, now=None, token=None):
         if counts:
             upsert_counts(conn, counts)
         count_completions(conn, written)
-        posts = claimed_under(conn, token) if claims else []
+        posts = claimed_under(conn, token) if claims and redone else []
         if claims > len(posts):
             posts += claim_posts(conn, claims - len(posts), now, token)
+    TURNS_BEGUN.discard(token)
     return written, posts
+
 
 
 
@@ -2762,9 +2796,9 @@ def add_counts(conn, increments):
 
 
 def upsert_counts(conn, increments):
-    conn.executemany("""INSERT INTO counters (name, labels, value) VALUES (?, ?, ?)
-                        ON CONFLICT(name, labels) DO UPDATE SET value = counters.value + excluded.value""",
-                     [(name, labels, amount) for (name, labels), amount in sorted(increments.items())])
+    insert_rows(conn, "counters (name, labels, value)",
+                [(name, labels, amount) for (name, labels), amount in sorted(increments.items())],
+                "ON CONFLICT(name, labels) DO UPDATE SET value = counters.value + excluded.value")
 
 
 def count_fetches(conn, crawler, results):
@@ -6071,8 +6105,8 @@ def search_counts(conn, desk):
         matches = "SELECT id FROM posts WHERE story_id = ? LIMIT ?"
         values = [desk.story, SEARCH_COUNT_CAP + 1]
     else:
-        clause, values = conn.dialect.search_filter(desk.q)
-        matches = f"SELECT p.id FROM posts p WHERE {clause} LIMIT ?"
+        matches, values = conn.dialect.search_matches(desk.q)
+        matches += " LIMIT ?"
         values = [*values, SEARCH_COUNT_CAP + 1]
     ids = [row[0] for row in conn.execute(matches, values)]
     if len(ids) > SEARCH_COUNT_CAP:
