@@ -865,6 +865,8 @@ CREATE TABLE IF NOT EXISTS story_keys (
     post_id INTEGER NOT NULL,
     PRIMARY KEY (key, post_id)
 ) WITHOUT ROWID;
+-- A story's copies (its first post is found by its id): every query of them
+-- says `story_id != id`, or the index could not be used for it.
 CREATE INDEX IF NOT EXISTS posts_story ON posts(story_id) WHERE story_id IS NOT NULL AND story_id != id;
 -- Runs still marked running: a stopped or killed crawl leaves them behind.
 CREATE INDEX IF NOT EXISTS runs_running ON runs(pid) WHERE status = 'running';
@@ -1992,6 +1994,12 @@ PENDING, PROCESSING, DONE, FAILED = 0, -1, 1, -2
 IS_PENDING = f"(classified IS NULL OR classified = {PENDING})"
 
 
+def copies_of(table=""):
+    """The copies of one story (a parameter: its first post's id), said as
+    the posts_story index has them (`table`: the posts' alias and a dot)."""
+    return f"({table}story_id = ? AND {table}story_id != {table}id)"
+
+
 def insert_rows(conn, into, rows, conflict=""):
     """INSERT INTO `into` VALUES (…), (…) `conflict`: many rows in one
     statement, so one round trip to a database server (executemany costs
@@ -2043,8 +2051,7 @@ def enter_story(conn, post_id, words, keys, since, batch=None):
     verdict to write (complete_post), not written now."""
     story = find_story(conn, post_id, words, keys, since, batch) or post_id
     if story != post_id:
-        conn.execute("UPDATE posts SET story_id = ? WHERE story_id = ? AND id != ?",
-                     (story, post_id, post_id))
+        conn.execute(f"UPDATE posts SET story_id = ? WHERE {copies_of()}", (story, post_id))
     if batch is None:
         conn.execute("UPDATE posts SET story_id = ? WHERE id = ?", (story, post_id))
     else:
@@ -2106,7 +2113,7 @@ def take_over_story(conn, story, post_id):
     """A story whose first post failed or is gone is led by this post from
     now on (or its copies would stay behind a card that is not there). One
     statement: in the caller's transaction, or a transaction of its own."""
-    conn.execute("UPDATE posts SET story_id = ? WHERE story_id = ? OR id = ? OR id = ?",
+    conn.execute(f"UPDATE posts SET story_id = ? WHERE {copies_of()} OR id IN (?, ?)",
                  (post_id, story, story, post_id))
 
 
@@ -2896,8 +2903,8 @@ def set_decisions(conn, post_ids, decision, editor):
             story = row["story_id"]
             if story is not None:
                 sources.update(r[0] for r in conn.execute(
-                    """UPDATE posts SET status = ?, decided_at = ?, decided_by = ?
-                       WHERE (story_id = ? OR id = ?) AND id != ? RETURNING source_id""",
+                    f"""UPDATE posts SET status = ?, decided_at = ?, decided_by = ?
+                        WHERE ({copies_of()} OR id = ?) AND id != ? RETURNING source_id""",
                     (decision, now, editor, story, story, post_id)))
         conn.executemany("""UPDATE sources SET approved = (SELECT coalesce(sum(n), 0)
                                 FROM source_post_counts WHERE source_id = :id AND status = 'approved')
@@ -5982,8 +5989,8 @@ def desk_filters(desk):
         where.append("p.source_id = (SELECT id FROM sources WHERE slug = ?)")
         params.append(desk.source)
     if desk.story:
-        where.append("p.story_id = ?")
-        params.append(desk.story)
+        where.append(f"({copies_of('p.')} OR p.id = ?)")
+        params += [desk.story, desk.story]
     elif not desk.source:
         where.append(ONE_CARD_PER_STORY)
     return where, params
@@ -5996,11 +6003,12 @@ def story_copies(conn, posts):
     stories = {post["story_id"] for post in posts if post["story_id"] is not None}
     members = {}
     if stories:
+        marks = ", ".join("?" * len(stories))
         for row in conn.execute(f"""
-                SELECT p.story_id, p.id, p.url, s.name AS source FROM posts p
-                LEFT JOIN sources s ON s.id = p.source_id
-                WHERE p.story_id IN ({", ".join("?" * len(stories))})
-                ORDER BY p.published_at, p.id""", sorted(stories)):
+                SELECT coalesce(p.story_id, p.id) AS story_id, p.id, p.url, s.name AS source
+                FROM posts p LEFT JOIN sources s ON s.id = p.source_id
+                WHERE (p.story_id IN ({marks}) AND p.story_id != p.id) OR p.id IN ({marks})
+                ORDER BY p.published_at, p.id""", [*sorted(stories), *sorted(stories)]):
             members.setdefault(row["story_id"], []).append(row)
     return {post["id"]: [c for c in members.get(post["story_id"], ()) if c["id"] != post["id"]]
             for post in posts}
@@ -6102,8 +6110,8 @@ def search_counts(conn, desk):
     """Counts over a search's matches (or a story's posts), when at most
     SEARCH_COUNT_CAP."""
     if not desk.q:
-        matches = "SELECT id FROM posts WHERE story_id = ? LIMIT ?"
-        values = [desk.story, SEARCH_COUNT_CAP + 1]
+        matches = f"SELECT id FROM posts WHERE {copies_of()} OR id = ? LIMIT ?"
+        values = [desk.story, desk.story, SEARCH_COUNT_CAP + 1]
     else:
         matches, values = conn.dialect.search_matches(desk.q)
         matches += " LIMIT ?"
