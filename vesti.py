@@ -979,14 +979,11 @@ class Connection(sqlite3.Connection):
     def dialect(self):
         return SQLITE
 
-    def begin(self, shared=False):
+    def begin(self, shared=False, stories=False):
         # Take the write lock first, so no read-then-write transaction ever
-        # fails with 'database is locked'.
+        # fails with 'database is locked'. It enters stories one transaction
+        # at a time too (see PostgresConnection.begin).
         self.execute("BEGIN IMMEDIATE")
-
-    def lock_stories(self):
-        """Stories are entered one transaction at a time: SQLite's write
-        lock does it already (see PostgresConnection)."""
 
     def recover(self):
         """A file has no server to wait for (see PostgresConnection)."""
@@ -1050,15 +1047,17 @@ def write_lock(path):
 
 
 @contextlib.contextmanager
-def transaction(conn, shared=False):
+def transaction(conn, shared=False, stories=False):
     """A write transaction that holds the database's write lock from its
     first statement (conn.begin), so that its reads and writes are never
     interleaved with another writer's. A `shared` one (the workers' batches)
     lets other processes' shared ones write beside it where the database can
     (PostgreSQL; SQLite has one writer). The threads of one process still
-    take turns: they would only queue on the count rows they all share."""
+    take turns: they would only queue on the rows they all share (the
+    counts, the pending posts). `stories`: the transaction enters posts in
+    their stories, one such transaction at a time."""
     with write_lock(conn.path):
-        conn.begin(shared and conn.dialect.shared_writes)
+        conn.begin(shared and conn.dialect.shared_writes, stories)
         conn.depth += 1
         try:
             yield conn
@@ -1412,10 +1411,14 @@ class PostgresConnection:
         return not self.raw.broken and self.raw.info.transaction_status in (
             self.psycopg.pq.TransactionStatus.INTRANS, self.psycopg.pq.TransactionStatus.INERROR)
 
-    def begin(self, shared=False):
+    def begin(self, shared=False, stories=False):
+        """`stories`: in a shared transaction, stories are entered one at a
+        time, so two copies written at once end in one story."""
+        lock = f"SELECT pg_advisory_xact_lock{'_shared' if shared else ''}({self.WRITE_LOCK})"
+        if stories:
+            lock += f"; SELECT pg_advisory_xact_lock({self.STORIES_LOCK})"
         try:
-            self.execute(f"BEGIN; SELECT pg_advisory_xact_lock{'_shared' if shared else ''}"
-                         f"({self.WRITE_LOCK})", None)
+            self.execute(f"BEGIN; {lock}", None)
         except BaseException:
             # The BEGIN may have gone through and the lock not (a stop while
             # waiting for it): no transaction is left open behind the error.
@@ -1424,11 +1427,6 @@ class PostgresConnection:
                     self.raw.execute("ROLLBACK")
             raise
         self.open_transaction = True
-
-    def lock_stories(self):
-        """In a shared transaction: stories are entered one at a time, so two
-        copies written at once end in one story."""
-        self.execute(f"SELECT pg_advisory_xact_lock({self.STORIES_LOCK})", None)
 
     def execute(self, sql, parameters=()):
         if sql in ("COMMIT", "ROLLBACK"):
@@ -2048,13 +2046,15 @@ def enter_story(conn, post_id, words, keys, since, batch=None):
     its keys kept for the posts to come. A post that led a story and now
     joins another takes its copies along. Returns the story's id. With a
     `batch` ({post id: story}), the post's story is kept there, for its
-    verdict to write (complete_post), not written now."""
+    verdict to write (complete_post), not written now. A post that starts
+    its story is written as such with its verdict (until then its story_id
+    is NULL, which says the same)."""
     story = find_story(conn, post_id, words, keys, since, batch) or post_id
     if story != post_id:
-        conn.execute(f"UPDATE posts SET story_id = ? WHERE {copies_of()}", (story, post_id))
-    if batch is None:
-        conn.execute("UPDATE posts SET story_id = ? WHERE id = ?", (story, post_id))
-    else:
+        # Its copies follow it (and, with no batch to write it, the post).
+        conn.execute(f"UPDATE posts SET story_id = ? WHERE {copies_of()} OR id = ?",
+                     (story, post_id, post_id if batch is None else None))
+    if batch is not None:
         batch[post_id] = story
     insert_rows(conn, "story_keys (key, post_id)", [(key, post_id) for key in keys],
                 "ON CONFLICT DO NOTHING")
@@ -2072,8 +2072,7 @@ def enter_now(conn, post_id, words, keys, since):
     """enter_story in a transaction of its own, one at a time with the other
     stories' (not with the rest), so two copies looked at the same moment end
     in one story."""
-    with transaction(conn, shared=True):
-        conn.lock_stories()
+    with transaction(conn, shared=True, stories=True):
         return enter_story(conn, post_id, words, keys, since)
 
 
@@ -2201,7 +2200,7 @@ def claimed_under(conn, token):
 def complete_post(conn, post_id, token, verdict):
     """Write the classification (and the article's full text, when phase 3
     fetched it), only if the claim is still ours; returns what the counts
-    need of the post, or None. The text is only written when there is a new
+    need of the post (the counted posts' mark too), or None. The text is only written when there is a new
     one: search reindexes a post whose text is set. A worker's completion is
     counted by its caller (see count_completions)."""
     article = ", text = :text, content_type = 'full'" if verdict.get("text") else ""
@@ -2211,7 +2210,8 @@ def complete_post(conn, post_id, token, verdict):
                          reason = :reason, error = NULL, claim_token = NULL,
                          story_id = coalesce(:story, story_id){article}
         WHERE id = :id AND classified = {PROCESSING} AND claim_token = :token
-        RETURNING id, status, direction, relevance, source_id, story_id
+        RETURNING id, status, direction, relevance, source_id, story_id,
+                  (SELECT CAST(value AS INTEGER) FROM meta WHERE key = '{INDEXED_TO}') AS mark
     """, {"direction": verdict["direction"], "relevance": verdict["relevance"],
           "interest": verdict["interest"], "summary": verdict["summary"],
           "keywords": verdict.get("keywords"), "reason": verdict.get("reason"),
@@ -2225,10 +2225,9 @@ def count_completions(conn, completed):
     count row once, in one order, held for the moment before the commit
     (SCHEMA's completion trigger leaves a worker's completions, the claimed
     ones, to this). Posts above the mark are counted later, in batches."""
-    mark = int(get_meta(conn, INDEXED_TO)[0] or 0)
     cards, by_source = collections.Counter(), collections.Counter()
     for row in completed:
-        if row is None or row["id"] > mark or row["status"] != "new":
+        if row is None or row["id"] > (row["mark"] or 0) or row["status"] != "new":
             continue
         key = (row["direction"] or "", row["relevance"] or 0)
         if row["story_id"] is None or row["story_id"] == row["id"]:
@@ -2263,28 +2262,27 @@ def complete_and_claim(conn, completions, claims, now=None, token=None):
     token = token or claim_token()
     redone = token in TURNS_BEGUN
     TURNS_BEGUN.add(token)
-    with transaction(conn, shared=True):
-        if any("story_keys" in verdict for _, verdict in completions):
-            conn.lock_stories()
+    stories = any("story_keys" in verdict for _, verdict in completions)
+    with transaction(conn, shared=True, stories=stories):
+        if stories:
             batch = {}
             completions = [(post, settle_story(conn, post["id"], verdict, batch)
                             if "story_keys" in verdict else verdict)
                            for post, verdict in completions]
-        written, counts = [], {}
+        written, counts = [], llm_call_counts([verdict["llm_seconds"] for _, verdict
+                                               in completions if "llm_seconds" in verdict])
         for post, verdict in completions:
             written.append(complete_post(conn, post["id"], post["claim_token"], verdict))
             if written[-1] and verdict.get("story") not in (None, post["id"]):
                 counts[("stories_joined", "")] = counts.get(("stories_joined", ""), 0) + 1
                 counts[("llm_calls_saved", "")] = (counts.get(("llm_calls_saved", ""), 0)
                                                    + bool(verdict.get("llm_saved")))
-        add_llm_calls(conn, [verdict["llm_seconds"] for _, verdict in completions
-                             if "llm_seconds" in verdict])
-        if counts:
-            upsert_counts(conn, counts)
-        count_completions(conn, written)
         posts = claimed_under(conn, token) if claims and redone else []
         if claims > len(posts):
             posts += claim_posts(conn, claims - len(posts), now, token)
+        if counts:
+            upsert_counts(conn, counts)
+        count_completions(conn, written)
     TURNS_BEGUN.discard(token)
     return written, posts
 
@@ -2819,17 +2817,16 @@ def count_fetches(conn, crawler, results):
     add_counts(conn, increments)
 
 
-def add_llm_calls(conn, latencies):
-    """Count LLM calls and their latencies (seconds), inside the caller's
-    transaction."""
+def llm_call_counts(latencies):
+    """The counter increments of LLM calls that took these many seconds."""
     increments = {}
     for seconds in latencies:
         bucket = next((b for b in LLM_BUCKETS if seconds <= b), "+Inf")
         for key, amount in ((("llm_calls", ""), 1), (("llm_seconds_sum", ""), seconds),
                             (("llm_seconds_bucket", f'le="{bucket}"'), 1)):
             increments[key] = increments.get(key, 0) + amount
-    if increments:
-        upsert_counts(conn, increments)
+    return increments
+
 
 
 def counters(conn):
@@ -5200,7 +5197,7 @@ class Classifier:
         if copied is not None:
             return copied
         verdict = classify_text(text, directions, self.settings, post["title"], keywords)
-        return {**verdict, "text": full_text}
+        return {**verdict, "text": full_text, "story": post["id"]}
 
     def story_verdict(self, post, full_text, story):
         """Before an LLM call: the post enters its story at once (a copy met
@@ -5273,6 +5270,7 @@ class WorkerPool:
         self.paused_until = 0.0
         self.last_expiry = 0.0
         self.last_heartbeat = -math.inf
+        self.down_noted = True      # the page may say Ollama is down (see note_written)
 
     def run(self, workers, limit=None, forever=False):
         self.tickets = limit
@@ -5341,7 +5339,8 @@ class WorkerPool:
                     self.hold(in_hand, posts)
                     started = time.monotonic()
                 post = self.next_post(in_hand)
-                if (in_hand or finished) and not self.quick(post):
+                slow = not self.quick(post)
+                if (in_hand or finished) and slow:
                     # Slow work ahead (an article, the LLM): the verdicts in
                     # hand are written and the rest of the batch goes back
                     # to the queue rather than wait for it.
@@ -5353,7 +5352,8 @@ class WorkerPool:
                     continue
                 finished.append((post, verdict))
                 if not in_hand:
-                    fast = time.monotonic() - started < BATCH_WINDOW
+                    # One slow post at a time: a second would wait in hand.
+                    fast = not slow and time.monotonic() - started < BATCH_WINDOW
                     size = min(size * 2, MAX_BATCH) if fast else max(1, size // 2)
         finally:
             self.put_down(conn, finished, in_hand)
@@ -5431,6 +5431,7 @@ class WorkerPool:
             if time.monotonic() - self.last_heartbeat < HEARTBEAT:
                 return
             self.last_heartbeat = time.monotonic()
+            self.down_noted = True      # by another machine's workers, maybe
         conn = self.db.conn()
         set_meta(conn, "worker_seen", utc_text())
         set_meta(conn, "classify_mode", "ollama" if self.settings.ollama_url else "keywords")
@@ -5456,9 +5457,13 @@ class WorkerPool:
 
     def note_written(self, conn, post, verdict, written):
         if "llm_seconds" in verdict:
-            if self.stats.ollama_down is None and get_meta(conn, "ollama_down")[0] is not None:
-                delete_meta(conn, "ollama_down")
-                log.warning("Ollama answers again")
+            # An answer clears what the page says of Ollama: looked up once
+            # after it may have been said, not once a post.
+            if self.down_noted and self.stats.ollama_down is None:
+                self.down_noted = False
+                if get_meta(conn, "ollama_down")[0] is not None:
+                    delete_meta(conn, "ollama_down")
+                    log.warning("Ollama answers again")
         log.info("post %s: %s, relevance %s, interest %s%s", post["id"],
                  verdict["direction"] or "no direction", verdict["relevance"],
                  verdict["interest"], "" if written else " (taken back by the lease; not written)")
@@ -5497,6 +5502,7 @@ class WorkerPool:
             down = not isinstance(error, StoryPending) and self.note_connection(unreachable, message)
         if down:
             note_ollama_down(conn, message)
+            self.down_noted = True
         if self.progress:
             self.progress.step()
 
