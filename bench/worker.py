@@ -292,6 +292,11 @@ class SQLiteStore:
     def copy(self, name):
         return copy_db(self.template, os.path.join(self.tmp, f"{name}.db"))
 
+    def discard(self, path):
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path + suffix)
+
     def close(self):
         pass
 
@@ -333,6 +338,12 @@ class PostgresStore:
 
     def copy(self, name):
         return self.create(name, self.template)
+
+    def discard(self, url):
+        """Drop a finished run's database at once: its autovacuum (50,000
+        rows just updated) would otherwise run during the next run."""
+        name = urllib.parse.urlsplit(url).path.lstrip("/")
+        self.admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
     def close(self):
         for name in reversed(self.made):
@@ -384,6 +395,7 @@ def throughput_benchmark(store, sources, posts, workers):
     if startup is not None:
         print(f"start-up (median of {STARTUP_RUNS} `vesti.py status` on the same db): "
               f"{startup:.2f} s")
+    store.discard(cli_db)
 
     two_db = store.copy("two")
     two_wall, _ = run_workers_at_once(two_db, sources, workers, env, 2, timeout)
@@ -391,6 +403,7 @@ def throughput_benchmark(store, sources, posts, workers):
     print(f"2 CLI workers at once: {two_wall:.2f} s wall, {rate(posts, two_wall):.0f} posts/s "
           f"({figures['two']:.0f} without one start-up)")
     check_all_done(two_db, posts, "2 CLI workers")
+    store.discard(two_db)
 
     inproc_db = store.copy("inproc")
     stats, finished, inproc_seconds = in_process(inproc_db, sources, workers)
@@ -399,6 +412,7 @@ def throughput_benchmark(store, sources, posts, workers):
     if not finished:
         fail("in-process run_workers did not finish")
     check_all_done(inproc_db, posts, "in-process run_workers")
+    store.discard(inproc_db)
 
     bare_db = store.copy("bare")
     cycles, bare_seconds = bare_loop(bare_db)
@@ -406,6 +420,7 @@ def throughput_benchmark(store, sources, posts, workers):
     print(f"bare loop, one connection: {cycles} cycles in {bare_seconds:.2f} s, "
           f"{bare:.0f} cycles/s")
     check_all_done(bare_db, posts, "bare loop")
+    store.discard(bare_db)
     if not bare:
         fail("bare loop: no cycle")
         return figures
