@@ -1575,6 +1575,25 @@ def test_a_long_ollama_outage_never_marks_posts_failed(home):
 
 
 @both
+def test_the_page_says_ollama_is_down_until_it_answers_again(home, caplog):
+    s, db, registry = worker_home(home, "http://127.0.0.1:9")
+    add_posts(db.conn(), 10)
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    state = vesti.classification_state(db.conn())
+    assert "connection refused" in state["ollama_error"] and state["ollama_down_since"]
+    fake = FakeOllama()
+    try:
+        db.conn().execute("UPDATE posts SET next_attempt_at = NULL")
+        with caplog.at_level(logging.WARNING, logger="vesti"):
+            vesti.run_workers(db, s.replace(ollama_url=fake.url), registry, workers=2, quiet=True)
+    finally:
+        fake.close()
+    assert queue_of(db) == {1: 10}
+    assert vesti.classification_state(db.conn())["ollama_down_since"] is None
+    assert [r.getMessage() for r in caplog.records].count("Ollama answers again") == 1
+
+
+@both
 def test_expired_leases_go_back_to_pending_or_to_failed(home):
     s, db, registry = worker_home(home, "", VESTI_LEASE_SECONDS=60, VESTI_MAX_ATTEMPTS=2)
     conn = db.conn()
