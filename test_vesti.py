@@ -1578,9 +1578,13 @@ def test_a_long_ollama_outage_never_marks_posts_failed(home):
 def test_the_page_says_ollama_is_down_until_it_answers_again(home, caplog):
     s, db, registry = worker_home(home, "http://127.0.0.1:9")
     add_posts(db.conn(), 10)
+    page = vesti.Page("en", "", {})
+
+    def said():
+        return vesti.banners(db.conn(), s, page)
+
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    state = vesti.classification_state(db.conn())
-    assert "connection refused" in state["ollama_error"] and state["ollama_down_since"]
+    assert "Ollama has been unreachable since" in said() and "connection refused" in said()
     fake = FakeOllama()
     try:
         db.conn().execute("UPDATE posts SET next_attempt_at = NULL")
@@ -1589,7 +1593,7 @@ def test_the_page_says_ollama_is_down_until_it_answers_again(home, caplog):
     finally:
         fake.close()
     assert queue_of(db) == {1: 10}
-    assert vesti.classification_state(db.conn())["ollama_down_since"] is None
+    assert "unreachable" not in said()
     assert [r.getMessage() for r in caplog.records].count("Ollama answers again") == 1
 
 

@@ -2200,9 +2200,10 @@ def claimed_under(conn, token):
 def complete_post(conn, post_id, token, verdict):
     """Write the classification (and the article's full text, when phase 3
     fetched it), only if the claim is still ours; returns what the counts
-    need of the post (the counted posts' mark too), or None. The text is only written when there is a new
-    one: search reindexes a post whose text is set. A worker's completion is
-    counted by its caller (see count_completions)."""
+    need of the post (and the counted posts' mark), or None. The text is
+    only written when there is a new one: search reindexes a post whose text
+    is set. A worker's completion is counted by its caller (see
+    count_completions)."""
     article = ", text = :text, content_type = 'full'" if verdict.get("text") else ""
     cursor = conn.execute(f"""
         UPDATE posts SET classified = {DONE}, direction = :direction, relevance = :relevance,
@@ -2256,9 +2257,9 @@ def complete_and_claim(conn, completions, claims, now=None, token=None):
 
     Workers write at the same time where the database lets them (a shared
     transaction; stories one at a time), and take the count rows they share
-    only at the end (count_completions). The caller's claim `token` makes it safe to do again (see redoable): when the
-    server committed but the answer was lost, the posts it claimed are
-    taken again."""
+    only at the end (count_completions). The caller's claim `token` makes it
+    safe to do again (see redoable): when the server committed but the
+    answer was lost, the posts it claimed are taken again."""
     token = token or claim_token()
     redone = token in TURNS_BEGUN
     TURNS_BEGUN.add(token)
@@ -2285,7 +2286,6 @@ def complete_and_claim(conn, completions, claims, now=None, token=None):
         count_completions(conn, written)
     TURNS_BEGUN.discard(token)
     return written, posts
-
 
 
 
@@ -2826,7 +2826,6 @@ def llm_call_counts(latencies):
                             (("llm_seconds_bucket", f'le="{bucket}"'), 1)):
             increments[key] = increments.get(key, 0) + amount
     return increments
-
 
 
 def counters(conn):

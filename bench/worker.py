@@ -121,7 +121,7 @@ def build_queue(path, posts):
                  for n in range(1, posts + 1)))
         if hasattr(vesti, "catch_up_index"):  # as store_posts leaves them: counted, searchable
             vesti.catch_up_index(db.conn())
-        if not is_postgres(path):
+        if not vesti.is_postgres(path):
             db.conn().execute("PRAGMA wal_checkpoint(TRUNCATE)")
     finally:
         db.close()
@@ -134,13 +134,9 @@ def copy_db(template, path):
     return path
 
 
-def is_postgres(path):
-    return path.startswith("postgresql://")
-
-
 def query(path, sql, params=()):
     """The rows of one query on a SQLite file or a PostgreSQL URL."""
-    if is_postgres(path):
+    if vesti.is_postgres(path):
         conn = vesti.open_connection(path)
         try:
             return [tuple(row) for row in conn.execute(sql, params).fetchall()]
@@ -225,7 +221,7 @@ def startup_seconds(db, sources, env):
 def claim_sql(path):
     """The bare loop's claim: the oldest pending post, in one statement (on
     PostgreSQL a row no other claim holds)."""
-    if not is_postgres(path):
+    if not vesti.is_postgres(path):
         return CLAIM_SQL
     return CLAIM_SQL.replace("INDEXED BY posts_pending", "").replace(
         "ORDER BY id LIMIT 1)", "ORDER BY id, classified LIMIT 1 FOR UPDATE SKIP LOCKED)")
@@ -233,7 +229,7 @@ def claim_sql(path):
 
 def bare_loop(path):
     """(cycles, seconds) of claim + complete on one connection until empty."""
-    conn = vesti.open_connection(path) if is_postgres(path) else vesti.connect(path)
+    conn = vesti.open_connection(path) if vesti.is_postgres(path) else vesti.connect(path)
     claim = claim_sql(path)
     try:
         cycles = 0
