@@ -146,11 +146,16 @@ def llm_saved(tmp, pairs, workers):
             vesti.run_workers(db, settings, registry, workers=workers, quiet=True)
         calls = sum(titles.values())
         figures = vesti.story_figures(conn)
+        # Every post with a keyword hit is in a story (its own, when it leads one).
+        stories = conn.execute("SELECT count(DISTINCT story_id) FROM posts "
+                               "WHERE story_id IS NOT NULL").fetchone()[0]
         db.close()
     copies = len({(a, b) for _, same, a, b in pairs if same})
     print(f"posts {len(posts)}, LLM calls {calls}, saved {figures['llm_calls_saved']} "
           f"({figures['llm_calls_saved'] / len(posts):.0%} of posts); "
           f"the set holds {copies} pairs of copies")
+    print(f"stories {stories}, LLM calls per story = {calls / max(stories, 1):.2f}   target 1.00   "
+          f"{'PASS' if calls == stories else 'MISS'}")
     keywords = vesti.KeywordIndex(registry.directions)
     asking = sum(1 for title, text in posts if keywords.matches(f"{title}\n{text}"))
     if calls + figures["llm_calls_saved"] != asking:
