@@ -1696,7 +1696,7 @@ def test_a_killed_worker_is_finished_by_the_next_one_after_the_lease(home):
         process.communicate()
         in_flight = {r[0] for r in db.conn().execute("SELECT title FROM posts WHERE classified = -1")}
         done_before = {r[0] for r in db.conn().execute("SELECT title FROM posts WHERE classified = 1")}
-        assert in_flight and len(in_flight) <= 4
+        assert in_flight and len(in_flight) <= 2 * 4    # asked, and the next one ready
         time.sleep(1.1)
         result = cli("worker", "--workers", "4", cwd=home,
                      env={"OLLAMA_URL": fake.url, "VESTI_LEASE_SECONDS": "1"})
