@@ -1147,6 +1147,17 @@ class SQLiteDialect:
     refresh_statistics = "PRAGMA optimize"
     shared_writes = False       # one writer at a time
 
+    def among(self, column, values):
+        """[(clause, parameters)] saying `column` is one of `values`: as few
+        clauses as the database takes parameters in one statement."""
+        values = list(values)
+        return [(f"{column} IN ({', '.join('?' * len(values[first:first + 500]))})",
+                 values[first:first + 500]) for first in range(0, len(values), 500)]
+
+    def store_story_keys(self, conn, rows):
+        """Keep (key, post id) rows of story keys, in key order."""
+        insert_rows(conn, "story_keys (key, post_id)", sorted(rows), "ON CONFLICT DO NOTHING")
+
     def search_filter(self, text):
         """The WHERE clause (on posts p) and parameters of a search: FTS5, or
         LIKE where this Python's SQLite has no FTS5."""
@@ -1197,6 +1208,18 @@ class PostgresDialect(SQLiteDialect):
                  f"ORDER BY id, classified LIMIT ? FOR UPDATE SKIP LOCKED")
     refresh_statistics = "ANALYZE"
     shared_writes = True        # the workers' batches write at the same time
+
+    # An array is one parameter: a whole batch in one round trip.
+    def among(self, column, values):
+        values = list(values)
+        return [(f"{column} = ANY(CAST(? AS BIGINT[]))", [values])] if values else []
+
+    def store_story_keys(self, conn, rows):
+        rows = sorted(rows)
+        if rows:
+            conn.execute("INSERT INTO story_keys (key, post_id) SELECT * FROM "
+                         "unnest(CAST(? AS BIGINT[]), CAST(? AS BIGINT[])) ON CONFLICT DO NOTHING",
+                         ([key for key, _ in rows], [post_id for _, post_id in rows]))
     # The search index: each post's words (whole words in any case, as
     # FTS5's) in post_words, apart from posts, so that a worker's update of
     # a post does not work out its words again (see POSTGRES_EXTRA).
@@ -2033,15 +2056,14 @@ def newest_with_keys(conn, keys):
     """{key: ids of the newest posts with it, newest first}, a few more than
     STORY_CANDIDATES: a key hundreds of posts share (a story reposted
     everywhere, a template) costs no more than a rare one."""
-    found, keys = collections.defaultdict(list), sorted(set(keys))
-    for first in range(0, len(keys), 500):
-        chunk = keys[first:first + 500]
+    found = collections.defaultdict(list)
+    for among, values in conn.dialect.among("key", sorted(set(keys))):
         rows = conn.execute(f"""
             SELECT key, post_id FROM (
                 SELECT key, post_id,
                        row_number() OVER (PARTITION BY key ORDER BY post_id DESC) AS n
-                FROM story_keys WHERE key IN ({', '.join('?' * len(chunk))})) newest
-            WHERE n <= {STORY_CANDIDATES + 1} ORDER BY key, post_id DESC""", chunk)
+                FROM story_keys WHERE {among}) newest
+            WHERE n <= {STORY_CANDIDATES + 1} ORDER BY key, post_id DESC""", values)
         for key, post_id in rows.fetchall():
             found[key].append(post_id)
     return found
@@ -2067,12 +2089,11 @@ def story_candidates(stored, entries):
 
 def candidate_posts(conn, ids):
     """{id: the row} of the posts a look-up checks."""
-    found, ids = {}, sorted(ids)
-    for first in range(0, len(ids), 500):
-        chunk = ids[first:first + 500]
+    found = {}
+    for among, values in conn.dialect.among("id", sorted(ids)):
         found.update((row["id"], row) for row in conn.execute(
-            f"SELECT id, fetched_at, story_id, title, text FROM posts "
-            f"WHERE id IN ({', '.join('?' * len(chunk))})", chunk).fetchall())
+            f"SELECT id, fetched_at, story_id, title, text FROM posts WHERE {among}",
+            values).fetchall())
     return found
 
 
@@ -2121,9 +2142,8 @@ def enter_stories(conn, entries, written=True):
             conn.execute(f"UPDATE posts SET story_id = ? WHERE {copies_of()} OR id = ?",
                          (story, post_id, post_id if written else None))
     # In key order: each index page the keys land on is visited once.
-    insert_rows(conn, "story_keys (key, post_id)",
-                sorted({(key, entry.post_id) for entry in entries for key in entry.keys}),
-                "ON CONFLICT DO NOTHING")
+    conn.dialect.store_story_keys(conn, {(key, entry.post_id) for entry in entries
+                                         for key in entry.keys})
     return stories
 
 
@@ -2375,6 +2395,13 @@ def complete_and_claim(conn, completions, claims, now=None, token=None):
     redone = token in TURNS_BEGUN
     TURNS_BEGUN.add(token)
     stories = any("story_keys" in verdict for _, verdict in completions)
+    if stories and conn.dialect.shared_writes:
+        # Stories one at a time, in a short transaction of their own: the
+        # rest is written beside the other processes' turns. Done again, it
+        # finds the same stories (a post's own keys are not looked at).
+        with transaction(conn, shared=True, stories=True):
+            completions = settle_stories(conn, completions)
+        stories = False
     with transaction(conn, shared=True, stories=stories):
         if stories:
             completions = settle_stories(conn, completions)
