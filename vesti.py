@@ -1220,6 +1220,7 @@ class PostgresDialect(SQLiteDialect):
             conn.execute("INSERT INTO story_keys (key, post_id) SELECT * FROM "
                          "unnest(CAST(? AS BIGINT[]), CAST(? AS BIGINT[])) ON CONFLICT DO NOTHING",
                          ([key for key, _ in rows], [post_id for _, post_id in rows]))
+
     # The search index: each post's words (whole words in any case, as
     # FTS5's) in post_words, apart from posts, so that a worker's update of
     # a post does not work out its words again (see POSTGRES_EXTRA).
@@ -2041,9 +2042,9 @@ def insert_rows(conn, into, rows, conflict=""):
     rows = list(rows)
     for first in range(0, len(rows), 500):
         chunk = rows[first:first + 500]
-        marks = ", ".join(f"({', '.join('?' * len(row))})" for row in chunk)
+        marks = ", ".join([f"({', '.join('?' * len(chunk[0]))})"] * len(chunk))   # rows of one width
         conn.execute(f"INSERT INTO {into} VALUES {marks} {conflict}",
-                     [value for row in chunk for value in row])
+                     list(itertools.chain.from_iterable(chunk)))
 
 
 # Stories ---------------------------------------------------------------------
@@ -2073,17 +2074,20 @@ def story_candidates(stored, entries):
     """{post id: the posts to check it against, oldest first}: for each of
     its keys the newest STORY_CANDIDATES posts with it (stored, or entered
     before it), then the posts most of its keys lead to."""
-    earlier, candidates = {}, {}
+    entered = collections.defaultdict(list)
     for entry in entries:
-        shared = collections.Counter()
         for key in entry.keys:
-            ids = [i for i in stored.get(key, ()) if i != entry.post_id] + earlier.get(key, [])
-            if ids:
-                shared.update(sorted(ids, reverse=True)[:STORY_CANDIDATES])
-        ranked = sorted(shared.items(), key=lambda item: (-item[1], -item[0]))
+            entered[key].append(entry.post_id)
+    shared = {key for key, ids in entered.items() if len(ids) > 1} | stored.keys()
+    candidates = {}
+    for entry in entries:
+        counted = collections.Counter()
+        for key in [key for key in entry.keys if key in shared]:
+            before = entered[key][:entered[key].index(entry.post_id)]
+            ids = {i for i in stored.get(key, ()) if i != entry.post_id}.union(before)
+            counted.update(sorted(ids, reverse=True)[:STORY_CANDIDATES])
+        ranked = sorted(counted.items(), key=lambda item: (-item[1], -item[0]))
         candidates[entry.post_id] = sorted(i for i, _ in ranked[:STORY_CANDIDATES])
-        for key in entry.keys:
-            earlier.setdefault(key, []).append(entry.post_id)
     return candidates
 
 
@@ -2142,8 +2146,8 @@ def enter_stories(conn, entries, written=True):
             conn.execute(f"UPDATE posts SET story_id = ? WHERE {copies_of()} OR id = ?",
                          (story, post_id, post_id if written else None))
     # In key order: each index page the keys land on is visited once.
-    conn.dialect.store_story_keys(conn, {(key, entry.post_id) for entry in entries
-                                         for key in entry.keys})
+    conn.dialect.store_story_keys(conn, [(key, entry.post_id) for entry in entries
+                                         for key in entry.keys])
     return stories
 
 
