@@ -5412,9 +5412,10 @@ class WorkerStats:
 
 
 class WorkerPool:
-    """Phase 3: N workers, each claiming a batch of posts (one while posts
-    need the network or the LLM), classifying outside any transaction and
-    writing a verdict only if its claim holds."""
+    """Phase 3: N workers (see Worker) and what they share: the tickets of
+    --limit, the figures, what they know of Ollama, the LLM questions asked
+    in the background. Posts are classified outside any transaction, and a
+    verdict is written only if its claim holds."""
 
     def __init__(self, db, settings, classify, stop=None, progress=None):
         self.db, self.settings, self.classify = db, settings, classify
@@ -5473,86 +5474,10 @@ class WorkerPool:
     def work(self, forever):
         with self.db.closing():
             try:
-                self.claim_and_process(self.db.conn(), forever)
+                Worker(self, self.db.conn()).run(forever)
             except StorageError:
                 self.stop.set()     # no other worker can write either
                 raise
-
-    def claim_and_process(self, conn, forever):
-        """Claim a batch, classify its posts one by one, then write their
-        verdicts with the next claim; the batch grows while posts are fast.
-        A post the LLM decides is asked in the background, one at a time,
-        while the worker writes what is done, claims and prepares the next."""
-        in_hand, finished, size = collections.deque(), [], 1
-        asking = None       # (post, future) of the question under way
-        try:
-            while not self.stop.is_set():
-                if not in_hand:
-                    if asking and asking[1].done():
-                        finished += self.answer(conn, asking)
-                        asking = None
-                    if finished and self.stats.ollama_down:
-                        self.take_turn(conn, finished, 0)     # may_claim may wait a while
-                        finished = []
-                    wanted = self.take_tickets(size) if self.may_claim(forever) else 0
-                    posts = self.take_turn(conn, finished, wanted)
-                    finished = []
-                    self.give_back_tickets(wanted - len(posts))
-                    if not posts and asking:
-                        finished += self.answer(conn, asking)    # written by the next turn
-                        asking = None
-                        continue
-                    if not posts and wanted and self.held and not forever:
-                        self.stop.wait(BATCH_WINDOW / 5)    # another batch may come back
-                        continue
-                    if not wanted or (not posts and (self.stop.is_set() or not forever)):
-                        return
-                    if not posts:
-                        self.idle()
-                        continue
-                    self.hold(in_hand, posts)
-                    started = time.monotonic()
-                post = self.next_post(in_hand)
-                slow = not self.quick(post)
-                if (in_hand or finished) and slow and self.holds(post):
-                    # Slow work ahead (an article): the verdicts in hand are
-                    # written and the rest of the batch goes back to the
-                    # queue rather than wait for it.
-                    self.put_down(conn, finished, in_hand)
-                    finished, size = [], 1
-                try:
-                    verdict = self.prepare(conn, post, asking)
-                except StoryPending:
-                    # Its story waits for the post this worker asks about:
-                    # that verdict is written first.
-                    finished += self.answer(conn, asking)
-                    asking = None
-                    self.take_turn(conn, finished, 0)
-                    finished = []
-                    verdict = self.prepare(conn, post)
-                if verdict is None or callable(verdict):
-                    size = 1
-                    if verdict is not None:
-                        if asking:
-                            finished += self.answer(conn, asking)
-                            asking = None
-                        if self.stats.ollama_down:
-                            give_back_posts(conn, [post["claim_token"]])    # not asked
-                        else:
-                            asking = (post, self.asker.submit(verdict))
-                    continue
-                finished.append((post, verdict))
-                if not in_hand:
-                    # One slow post at a time: a second would wait in hand.
-                    fast = not slow and time.monotonic() - started < BATCH_WINDOW
-                    size = min(size * 2, MAX_BATCH) if fast else max(1, size // 2)
-        except BaseException:
-            asking = None       # not waited for: its post is put back with the rest
-            raise
-        finally:
-            if asking:
-                finished += self.answer(conn, asking)
-            self.put_down(conn, finished, in_hand)
 
     def quick(self, post):
         quick = getattr(self.classify, "quick", None)
@@ -5649,30 +5574,6 @@ class WorkerPool:
     def idle(self):
         self.stop.wait(1.0)
 
-    def prepare(self, conn, post, asking=None):
-        """The post's verdict, a function that asks the LLM for it, or None
-        when it failed (already written back). StoryPending when its story
-        waits for the verdict of `asking`, this worker's question under way."""
-        try:
-            return getattr(self.classify, "prepare", self.classify)(post)
-        except StoryPending as e:
-            if asking and e.story == asking[0]["id"]:
-                raise
-            self.fail(conn, post, e)
-        except Exception as e:
-            self.fail(conn, post, e)
-        return None
-
-    def answer(self, conn, asking):
-        """[(post, verdict)] once the LLM has answered the post's question;
-        [] when it failed (already written back)."""
-        post, question = asking
-        try:
-            return [(post, question.result())]
-        except Exception as e:
-            self.fail(conn, post, e)
-            return []
-
     def note_written(self, conn, post, verdict, written):
         if "llm_seconds" in verdict:
             # An answer clears what the page says of Ollama: looked up once
@@ -5743,6 +5644,135 @@ class WorkerPool:
         while self.claiming and time.monotonic() < deadline:
             time.sleep(0.05)
         return release_claims(self.db.conn(), process_claims())
+
+
+class Worker:
+    """One worker of a pool, in its own thread: it claims a batch, classifies
+    its posts one by one and writes their verdicts with the next claim; the
+    batch grows while posts are fast. A post the LLM decides is asked in the
+    background, one at a time, while the worker writes what is done, claims
+    and prepares the next."""
+
+    def __init__(self, pool, conn):
+        self.pool, self.conn = pool, conn
+        # A classify in two steps is prepared first (see Classifier).
+        self.classify = getattr(pool.classify, "prepare", pool.classify)
+        self.in_hand = collections.deque()  # claimed, not begun
+        self.finished = []                  # (post, verdict) not written yet
+        self.asking = None                  # (post, future) of the question under way
+        self.size, self.started = 1, 0.0
+
+    def run(self, forever):
+        try:
+            while not self.pool.stop.is_set():
+                if self.in_hand:
+                    self.take_next()
+                elif not self.refill(forever):
+                    return
+        except BaseException:
+            self.asking = None      # not waited for: its post is put back with the rest
+            raise
+        finally:
+            self.hear_answer()
+            self.put_down()
+
+    def refill(self, forever):
+        """Write what is done and claim the next batch; False once there is
+        nothing more to do."""
+        pool = self.pool
+        if self.asking and self.asking[1].done():
+            self.hear_answer()
+        if self.finished and pool.stats.ollama_down:
+            self.turn(0)                    # may_claim may wait a while
+        wanted = pool.take_tickets(self.size) if pool.may_claim(forever) else 0
+        posts = self.turn(wanted)
+        pool.give_back_tickets(wanted - len(posts))
+        if posts:
+            pool.hold(self.in_hand, posts)
+            self.started = time.monotonic()
+        elif self.asking:
+            self.hear_answer()              # written by the next turn
+        elif wanted and pool.held and not forever:
+            pool.stop.wait(BATCH_WINDOW / 5)    # another batch may come back
+        elif not wanted or pool.stop.is_set() or not forever:
+            return False
+        else:
+            pool.idle()
+        return True
+
+    def take_next(self):
+        """Prepare the next post in hand: its verdict joins those to write,
+        or its question is asked."""
+        post = self.pool.next_post(self.in_hand)
+        slow = not self.pool.quick(post)
+        if slow and self.pool.holds(post) and (self.in_hand or self.finished):
+            # Slow work ahead (an article): the verdicts in hand are written
+            # and the rest of the batch goes back to the queue rather than
+            # wait for it.
+            self.put_down()
+            self.size = 1
+        verdict = self.prepare(post)
+        if verdict is None or callable(verdict):
+            self.size = 1
+            if verdict is not None:
+                self.ask(post, verdict)
+            return
+        self.finished.append((post, verdict))
+        if not self.in_hand:
+            # One slow post at a time: a second would wait in hand.
+            fast = not slow and time.monotonic() - self.started < BATCH_WINDOW
+            self.size = min(self.size * 2, MAX_BATCH) if fast else max(1, self.size // 2)
+
+    def prepare(self, post):
+        """The post's verdict, a function that asks the LLM for it, or None
+        when it failed (already written back)."""
+        try:
+            return self.classify(post)
+        except StoryPending as e:
+            if not self.asking or e.story != self.asking[0]["id"]:
+                return self.fail(post, e)
+        except Exception as e:
+            return self.fail(post, e)
+        # Its story waits for the post this worker asks about: that verdict
+        # is written first, then the post is prepared again.
+        self.hear_answer()
+        self.turn(0)
+        try:
+            return self.classify(post)
+        except Exception as e:
+            return self.fail(post, e)
+
+    def fail(self, post, error):
+        self.pool.fail(self.conn, post, error)
+
+    def ask(self, post, question):
+        """Ask the LLM in the background, once the question under way is
+        answered; not while Ollama is down (the post goes back)."""
+        self.hear_answer()
+        if self.pool.stats.ollama_down:
+            give_back_posts(self.conn, [post["claim_token"]])
+        else:
+            self.asking = (post, self.pool.asker.submit(question))
+
+    def hear_answer(self):
+        """Wait for the answer to the question under way: its verdict joins
+        those to write (a failure is written back at once)."""
+        if not self.asking:
+            return
+        (post, question), self.asking = self.asking, None
+        try:
+            self.finished.append((post, question.result()))
+        except Exception as e:
+            self.fail(post, e)
+
+    def turn(self, wanted):
+        """Write the verdicts in hand and claim up to `wanted` posts."""
+        finished, self.finished = self.finished, []
+        return self.pool.take_turn(self.conn, finished, wanted)
+
+    def put_down(self):
+        finished, self.finished = self.finished, []
+        self.pool.put_down(self.conn, finished, self.in_hand)
 
 
 def warn_short_lease(settings):
