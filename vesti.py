@@ -2042,7 +2042,8 @@ def insert_rows(conn, into, rows, conflict=""):
     rows = list(rows)
     for first in range(0, len(rows), 500):
         chunk = rows[first:first + 500]
-        marks = ", ".join([f"({', '.join('?' * len(chunk[0]))})"] * len(chunk))   # rows of one width
+        # The rows are of one width.
+        marks = ", ".join([f"({', '.join('?' * len(chunk[0]))})"] * len(chunk))
         conn.execute(f"INSERT INTO {into} VALUES {marks} {conflict}",
                      list(itertools.chain.from_iterable(chunk)))
 
@@ -2338,6 +2339,7 @@ def complete_posts(conn, completions):
                    verdict.get("reason"), verdict.get("story")) for post, verdict in chunk]
         # VALUES names its columns column1, column2, … in both dialects; the
         # casts tell PostgreSQL the types of parameters that may all be NULL.
+        row = "(CAST(? AS INTEGER), ?, ?, ?, ?, ?, ?, ?, ?)"
         rows = conn.execute(f"""
             UPDATE posts SET classified = {DONE}, direction = v.column3,
                              relevance = CAST(v.column4 AS INTEGER),
@@ -2345,7 +2347,7 @@ def complete_posts(conn, completions):
                              keywords = v.column7, reason = v.column8, error = NULL,
                              claim_token = NULL,
                              story_id = coalesce(CAST(v.column9 AS INTEGER), posts.story_id)
-            FROM (VALUES {", ".join(["(CAST(? AS INTEGER), ?, ?, ?, ?, ?, ?, ?, ?)"] * len(values))}) AS v
+            FROM (VALUES {", ".join([row] * len(values))}) AS v
             WHERE posts.id = v.column1 AND posts.classified = {PROCESSING}
               AND posts.claim_token = v.column2
             RETURNING {COMPLETED}""", [value for row in values for value in row]).fetchall()
@@ -2386,9 +2388,10 @@ TURNS_BEGUN = set()
 @redoable
 def complete_and_claim(conn, completions, claims, now=None, token=None):
     """In one transaction: complete_posts for the (claimed post, verdict),
-    quick posts entered in their stories (settle_stories), LLM calls and
-    stories counted; then claim_posts for `claims` posts. Returns (whether
-    each verdict was written, the posts claimed).
+    quick posts entered in their stories (settle_stories; where writers work
+    side by side, in a short transaction before), LLM calls and stories
+    counted; then claim_posts for `claims` posts. Returns (whether each
+    verdict was written, the posts claimed).
 
     Workers write at the same time where the database lets them (a shared
     transaction; stories one at a time), and take the count rows they share
