@@ -4486,7 +4486,9 @@ def test_two_worker_processes_share_the_queue_and_survive_a_kill_9(home, backend
     try:
         s, db, _ = worker_home(home, fake.url)
         add_posts(db.conn(), 60)
-        env = {"VESTI_LEASE_SECONDS": "2"}
+        # Long enough that a live worker's post never outlasts its lease
+        # (a re-ask then would be right, but not the killed worker's).
+        env = {"VESTI_LEASE_SECONDS": "5"}
         workers = [worker_process(home, fake.url, "--workers", "4", "--forever", env=env)
                    for _ in range(2)]
         one, two = workers
@@ -4566,8 +4568,9 @@ def test_two_workers_and_a_crawler_on_postgresql_survive_a_kill_9_and_a_restart(
                                                                              server):
     """The README's set-up: `run --workers 0` crawls and serves, two `worker
     --forever` processes classify; one is killed with kill -9 and the
-    database server restarts (for less than a lease); every post is
-    classified, none twice but what the killed one held."""
+    database server restarts (for well under a lease, so no live worker's
+    post outlasts its lease); every post is classified, none twice but what
+    the killed one held."""
     fake = FakeOllama(latency=0.05)
     entries = [40]
     server.routes["/feed"] = lambda request: (200, {"Content-Type": "application/rss+xml"},
@@ -4575,7 +4578,7 @@ def test_two_workers_and_a_crawler_on_postgresql_survive_a_kill_9_and_a_restart(
     write_sources(home / "sources.yaml", [rss_source("wire", server.url + "/feed",
                                                      direction="linux")])
     env = {**os.environ, "VESTI_DB": own_postgres.url, "OLLAMA_URL": fake.url,
-           "RSS_HOST_DELAY": "0", "VESTI_CRAWL_EVERY": "1s", "VESTI_LEASE_SECONDS": "6",
+           "RSS_HOST_DELAY": "0", "VESTI_CRAWL_EVERY": "1s", "VESTI_LEASE_SECONDS": "12",
            "VESTI_WEB_PORT": "0", "VESTI_WEB_PASSWORD": "pw"}
 
     def start(*args):
