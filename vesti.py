@@ -1151,8 +1151,8 @@ class SQLiteDialect:
         """[(clause, parameters)] saying `column` is one of `values`: as few
         clauses as the database takes parameters in one statement."""
         values = list(values)
-        return [(f"{column} IN ({', '.join('?' * len(values[first:first + 500]))})",
-                 values[first:first + 500]) for first in range(0, len(values), 500)]
+        chunks = [values[first:first + 500] for first in range(0, len(values), 500)]
+        return [(f"{column} IN ({', '.join('?' * len(chunk))})", chunk) for chunk in chunks]
 
     def store_story_keys(self, conn, rows):
         """Keep (key, post id) rows of story keys, in key order."""
@@ -2339,7 +2339,7 @@ def complete_posts(conn, completions):
                    verdict.get("reason"), verdict.get("story")) for post, verdict in chunk]
         # VALUES names its columns column1, column2, … in both dialects; the
         # casts tell PostgreSQL the types of parameters that may all be NULL.
-        row = "(CAST(? AS INTEGER), ?, ?, ?, ?, ?, ?, ?, ?)"
+        marks = "(CAST(? AS INTEGER), ?, ?, ?, ?, ?, ?, ?, ?)"
         rows = conn.execute(f"""
             UPDATE posts SET classified = {DONE}, direction = v.column3,
                              relevance = CAST(v.column4 AS INTEGER),
@@ -2347,10 +2347,10 @@ def complete_posts(conn, completions):
                              keywords = v.column7, reason = v.column8, error = NULL,
                              claim_token = NULL,
                              story_id = coalesce(CAST(v.column9 AS INTEGER), posts.story_id)
-            FROM (VALUES {", ".join([row] * len(values))}) AS v
+            FROM (VALUES {", ".join([marks] * len(values))}) AS v
             WHERE posts.id = v.column1 AND posts.classified = {PROCESSING}
               AND posts.claim_token = v.column2
-            RETURNING {COMPLETED}""", [value for row in values for value in row]).fetchall()
+            RETURNING {COMPLETED}""", list(itertools.chain.from_iterable(values))).fetchall()
         done.update((row["id"], row) for row in rows)
     for post, verdict in completions:
         if verdict.get("text"):
@@ -5434,6 +5434,7 @@ class WorkerPool:
         self.last_expiry = 0.0
         self.last_heartbeat = -math.inf
         self.down_noted = True      # the page may say Ollama is down (see note_written)
+        self.asker = None           # the LLM questions' threads, while the pool runs
 
     def run(self, workers, limit=None, forever=False):
         self.tickets = limit
@@ -5490,7 +5491,7 @@ class WorkerPool:
         """True when the post's slow work keeps the worker waiting (with a
         classify of one step, all of it does)."""
         holds = getattr(self.classify, "holds", None)
-        return holds(post) if holds and hasattr(self.classify, "prepare") else True
+        return holds(post) if holds else True
 
     def hold(self, in_hand, posts):
         """Take claimed posts in hand; self.held counts the posts held by
