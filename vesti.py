@@ -2075,13 +2075,17 @@ def story_candidates(stored, entries):
     """{post id: the posts to check it against, oldest first}: for each of
     its keys the newest STORY_CANDIDATES posts with it (stored, or entered
     before it), then the posts most of its keys lead to."""
+    seen = collections.Counter(itertools.chain.from_iterable(entry.keys for entry in entries))
+    shared = {key for key, times in seen.items() if times > 1} | stored.keys()
     entered = collections.defaultdict(list)
     for entry in entries:
-        for key in entry.keys:
+        for key in shared.intersection(entry.keys):
             entered[key].append(entry.post_id)
-    shared = {key for key, ids in entered.items() if len(ids) > 1} | stored.keys()
     candidates = {}
     for entry in entries:
+        if shared.isdisjoint(entry.keys):       # most posts: a story of their own
+            candidates[entry.post_id] = []
+            continue
         counted = collections.Counter()
         for key in [key for key in entry.keys if key in shared]:
             before = entered[key][:entered[key].index(entry.post_id)]
