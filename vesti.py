@@ -6017,7 +6017,9 @@ class Page:
         self.strings = STRINGS[lang]
 
     def t(self, key, **values):
-        return esc(self.strings[key].format(**values))
+        if values:
+            return esc(self.strings[key].format(**values))
+        return said(self.lang, key)
 
     def link(self, path, **query):
         """A link on this site that keeps the chosen language."""
@@ -6025,6 +6027,13 @@ class Page:
         if "lang" in self.query:
             query["lang"] = self.lang
         return path + ("?" + urllib.parse.urlencode(query) if query else "")
+
+
+@functools.lru_cache(maxsize=1024)
+def said(lang, key):
+    """A string of the page's language, escaped: a card says the same words
+    as the next."""
+    return esc(STRINGS[lang][key].format())
 
 
 def esc(value):
@@ -6457,14 +6466,25 @@ def is_web_link(url):
 
 
 def decision_form(post, page, back):
+    return (f'<form class="decide" method="post" action="/posts/{post["id"]}/status">'
+            f'{form_fields(page.token, back)}{decision_buttons(page.lang, post["status"])}</form>')
+
+
+@functools.lru_cache(maxsize=64)
+def form_fields(token, back):
+    """The hidden fields of a decision: every card of a page has the same."""
+    return (f'<input type="hidden" name="token" value="{esc(token)}">'
+            f'<input type="hidden" name="back" value="{esc(back)}">')
+
+
+@functools.lru_cache(maxsize=64)
+def decision_buttons(lang, status):
+    """A card's buttons, the one of its status disabled, and its status."""
     buttons = "".join(
         f'<button name="status" value="{value}" class="{value}"'
-        f'{" disabled" if post["status"] == value else ""}>{page.t(label)}</button>'
+        f'{" disabled" if status == value else ""}>{said(lang, label)}</button>'
         for value, label in (("approved", "approve"), ("rejected", "reject"), ("new", "undo")))
-    return (f'<form class="decide" method="post" action="/posts/{post["id"]}/status">'
-            f'<input type="hidden" name="token" value="{esc(page.token)}">'
-            f'<input type="hidden" name="back" value="{esc(back)}">{buttons}'
-            f'<span class="badge state">{page.t("status." + post["status"])}</span></form>')
+    return f'{buttons}<span class="badge state">{said(lang, "status." + status)}</span>'
 
 
 def story_line(post, copies, page):
