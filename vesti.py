@@ -2254,6 +2254,11 @@ def queue_sizes(conn):
     return dict(row)
 
 
+def pending_count(conn):
+    """queue_sizes' first number alone (a page's banner asks for no more)."""
+    return conn.execute(f"SELECT count(*) FROM posts WHERE {IS_PENDING}").fetchone()[0]
+
+
 _claims = itertools.count()
 
 
@@ -5805,7 +5810,7 @@ def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
     if time.time() - (parse_utc(get_meta(db.conn(), "story_keys_pruned")[0]) or 0) > 86400:
         prune_story_keys(db.conn(), settings.story_hours)
         set_meta(db.conn(), "story_keys_pruned", utc_text())
-    pending = queue_sizes(db.conn())["pending"]
+    pending = pending_count(db.conn())
     total = pending if limit is None else min(limit, pending)
     progress = Progress("worker", total, quiet)
     stop = stop or threading.Event()
@@ -6072,7 +6077,7 @@ def banners(conn, settings, page):
     if state["ollama_down_since"] and settings.ollama_url:
         shown.append(page.t("banner_ollama", since=state["ollama_down_since"],
                             error=shorten(state["ollama_error"], 200)))
-    pending = queue_sizes(conn)["pending"]
+    pending = pending_count(conn)
     silent = minutes_since(state["worker_seen"])
     if pending and (silent is None or silent * 60 >= WORKER_SILENT_AFTER):
         when = page.strings["never"] if silent is None else \
