@@ -65,7 +65,10 @@ What it measures:
    timed on the paths it has: the offset-paged `/?status=S&page=N` for the
    desk pages (its own last page: it has no relevance floor), its decision
    form (answered 303) for the decision; no search, no feed. A table puts its
-   figures beside the new ones.
+   figures beside the new ones. --rounds N serves each N times, alternating
+   (new, old, then old, new, ...), so a noisy machine weighs on both alike;
+   the table gives the least and the median of each path's per-round
+   medians, and their ratio.
 3. Where the time goes, in-process on the same file (median of --repeat):
    vesti.queue_sizes and its parts, vesti.source_health, vesti.crawlers_page,
    vesti.desk_posts and vesti.desk_counts of each desk case, vesti.desk_page
@@ -119,9 +122,9 @@ STOP_TIMEOUT = 30
 MEASURE_BUDGET = 300  # seconds per path at most, warm-up included
 # Sizes: the full benchmark's defaults, and --smoke's (each overridable).
 FULL = {"sources": 2000, "posts": 1_000_000, "runs": 10, "requests": 50, "warmup": 3,
-        "repeat": 10, "page": 200}
+        "repeat": 10, "page": 200, "rounds": 1}
 SMOKE = {"sources": 20, "posts": 10_000, "runs": 2, "requests": 5, "warmup": 1, "repeat": 3,
-         "page": 3}
+         "page": 3, "rounds": 1}
 DIRECTIONS = {"linux": "Linux", "security": "Security", "science": "Science", "ai": "AI"}
 # Crawl interval of each priority (VESTI_CRAWL_EVERY's default 15m,1h,6h).
 INTERVALS = (900, 3600, 21600, 21600)
@@ -1081,17 +1084,24 @@ def latency_benchmark(program, db, sources_yaml, tmp, expected, cases, which, wa
 
 
 def comparison_table(cases, new, old, old_program):
-    print(f"== new vs old: median / p95 in ms (old: {old_program} on a copy of the file; "
-          f"its desk is offset-paged, its page N is /?status=S&page=N)")
-    print(f"{'path':<26} {'new median':>10} {'p95':>7}  {'old median':>10} {'p95':>7}  "
-          f"{'target':<28} verdict")
+    """new and old: a {label: figures} per round."""
+    rounds = max(len(new), len(old))
+    print(f"== new vs old: the median of each path in ms, least and median of {rounds} "
+          f"round(s) (old: {old_program} on a copy of the file; its desk is offset-paged, "
+          f"its page N is /?status=S&page=N)")
+    print(f"{'path':<26} {'new least':>9} {'median':>7}  {'old least':>9} {'median':>7}  "
+          f"{'new/old':>7}  {'target':<28} verdict")
     for case in cases:
-        a, b = new.get(case.label), old.get(case.label)
-        cell = lambda f: (f"{f['median']:10.1f} {f['p95']:7.1f}" if f  # noqa: E731
-                          else f"{'-':>10} {'-':>7}")
-        old_cell = cell(b) if case.old else f"{'n/a':>10} {'':>7}"
-        print(f"{case.label:<26} {cell(a)}  {old_cell}  {target_text(case.target):<28} "
-              f"{verdict(a, case.target)}")
+        a = [r[case.label]["median"] for r in new if case.label in r]
+        b = [r[case.label]["median"] for r in old if case.label in r] if case.old else []
+        cell = lambda m: (f"{min(m):9.1f} {statistics.median(m):7.1f}" if m  # noqa: E731
+                          else f"{'n/a' if not case.old and m is b else '-':>9} {'':>7}")
+        ratio = (f"{statistics.median(a) / statistics.median(b):7.2f}" if a and b
+                 else f"{'':>7}")
+        figures = {"median": statistics.median(a), "p95": max(
+            r[case.label]["p95"] for r in new if case.label in r)} if a else None
+        print(f"{case.label:<26} {cell(a)}  {cell(b)}  {ratio}  {target_text(case.target):<28} "
+              f"{verdict(figures, case.target)}")
 
 
 # In-process ----------------------------------------------------------------------
@@ -1275,6 +1285,9 @@ def main(argv=None):
     parser.add_argument("--compare", metavar="PATH",
                         help="also serve this vesti.py (e.g. the previous main's) on a copy "
                              "of the file and time the same paths where it has them")
+    parser.add_argument("--rounds", type=int,
+                        help="serve and time each program this many times, alternating "
+                             f"(default {FULL['rounds']})")
     parser.add_argument("--smoke", action="store_true",
                         help="small sizes (" + ", ".join(f"{k} {v}" for k, v in SMOKE.items())
                         + ") on a database built in a temporary directory, cache untouched: "
@@ -1288,7 +1301,7 @@ def main(argv=None):
     args.sources, args.posts = max(1, args.sources), max(1, args.posts)
     args.runs, args.requests = max(1, args.runs), max(1, args.requests)
     args.warmup, args.repeat = max(0, args.warmup), max(1, args.repeat)
-    args.page = max(1, args.page)
+    args.page, args.rounds = max(1, args.page), max(1, args.rounds)
     vesti.import_optional("yaml", "pyyaml", "the benchmark")  # not timed
     floor = vesti.load_settings(environ={}, env_file=None).min_relevance
     if args.smoke:
@@ -1302,23 +1315,30 @@ def main(argv=None):
         sources_yaml = os.path.join(tmp, "sources.yaml")
         write_sources(sources_yaml, sources_of(db))
         cases, decided = desk_cases(db, args.page, floor, args.warmup + args.requests)
-        try:
-            new = latency_benchmark(args.vesti, db, sources_yaml, tmp, figures, cases, "new",
-                                    args.warmup, args.requests, floor)
-        finally:
-            restore_posts(db, decided)
+        served = {"new": (args.vesti, db)}
         if args.compare:
-            print()
             copy = os.path.join(tmp, "compare.db")
             started = time.perf_counter()
             copy_db(db, copy)
-            print(f"copied the file for {args.compare} in {time.perf_counter() - started:.1f} s")
-            old = latency_benchmark(os.path.abspath(args.compare), copy, sources_yaml, tmp,
-                                    figures, cases, "old", args.warmup, args.requests, floor)
-            remove_db(copy)
+            print(f"copied the file for {args.compare} in {time.perf_counter() - started:.1f} s\n")
+            served["old"] = (os.path.abspath(args.compare), copy)
+        rounds = {"new": [], "old": []}
+        for number in range(args.rounds):
+            for which in list(served)[::-1 if number % 2 else 1]:
+                program, file = served[which]
+                if args.rounds > 1:
+                    print(f"-- round {number + 1} of {args.rounds}")
+                try:
+                    rounds[which].append(latency_benchmark(
+                        program, file, sources_yaml, tmp, figures, cases, which, args.warmup,
+                        args.requests, floor))
+                finally:
+                    restore_posts(file, decided)     # the decisions taken back
+                print()
+        if args.compare:
+            remove_db(served["old"][1])
+            comparison_table(cases, rounds["new"], rounds["old"], args.compare)
             print()
-            comparison_table(cases, new, old, args.compare)
-        print()
         inprocess_benchmark(db, sources_yaml, cases, floor, args.repeat, args.explain)
     return 0
 
