@@ -6127,21 +6127,29 @@ def silent_html(s, page):
 
 def source_row_html(s, page):
     status = source_state(s)
+    return source_row(s, page.lang, silent_html(s, page) if status == "silent" else "")
+
+
+@functools.lru_cache(maxsize=4096)
+def source_row(s, lang, silent):
+    """A source's row of /crawlers, kept while the source's row is the same:
+    the page, shown again (it refreshes itself while posts are classified),
+    makes again only the rows of the sources that changed."""
+    status = source_state(s)
     slug, crawler = esc(s["slug"]), esc(s["crawler"])
     last_run = (f'{esc(s["run_started"])} <span class="muted">{esc(s["run_trigger"])}: '
                 f'{esc(s["run_status"])}, +{esc(s["run_new_posts"])}</span>'
-                if s["run_started"] else f'<span class="muted">{page.t("never_fetched")}</span>')
-    moved = (f'<br><span class="small">{page.t("moved", url=s["moved_to"])}</span>'
-             if s["moved_to"] else "")
+                if s["run_started"] else f'<span class="muted">{said(lang, "never_fetched")}</span>')
+    moved = (f'<br><span class="small">{esc(STRINGS[lang]["moved"].format(url=s["moved_to"]))}'
+             f'</span>' if s["moved_to"] else "")
     rss = (f'<td class="small wide">{esc(s["etag"])}</td><td class="small wide">'
            f'{esc(s["modified"])}</td><td class="small wide">{esc(s["last_build_date"])}</td>'
            if crawler == "rss" else '<td class="small wide"></td>' * 3)
     failing = " failing" if status in ("alive", "silent") and s["error_count"] else ""
-    silent = silent_html(s, page) if status == "silent" else ""
     return (f'<tr id="source-{slug}"><td><b>{slug}</b></td>'
             f'<td>{esc(s["name"])}{moved}</td><td>{crawler}</td>'
             f'<td class="{status}{failing}">{status}{silent}</td><td>{esc(s["priority"])}</td>'
-            f'<td class="small">{esc(s["last_fetch"] or page.strings["never_fetched"])}</td>'
+            f'<td class="small">{esc(s["last_fetch"] or STRINGS[lang]["never_fetched"])}</td>'
             f'<td>{esc(s["error_count"])}</td>'
             f'<td class="error">{last_error_html(s)}</td>'
             f'<td>{esc(s["post_count"])}</td><td>{esc(s["week_posts"])}</td>'
