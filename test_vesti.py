@@ -4648,6 +4648,27 @@ def test_every_benchmark_runs_in_smoke_mode(name, marker):
     assert re.search(marker, output), output[-3000:]
 
 
+def test_the_web_comparison_sums_up_its_rounds(capsys, monkeypatch):
+    """bench/web.py --compare --rounds: per path the least and the median of
+    the rounds' medians on each side, and new/old of the medians; a path the
+    old vesti has not is n/a; the verdict is the new side's."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import web as bench_web
+    cases = [bench_web.Case("desk /", "/", old="/", target=(20, 50)),
+             bench_web.Case("search", "/?q=x", target=(20, 50))]
+    new = [{"desk /": {"median": 3.0, "p95": 4.0}, "search": {"median": 30.0, "p95": 60.0}},
+           {"desk /": {"median": 2.0, "p95": 9.0}, "search": {"median": 10.0, "p95": 12.0}},
+           {"desk /": {"median": 5.0, "p95": 6.0}, "search": {"median": 8.0, "p95": 9.0}}]
+    old = [{"desk /": {"median": 1.0, "p95": 1.5}}, {"desk /": {"median": 2.0, "p95": 2.5}},
+           {"desk /": {"median": 4.0, "p95": 5.0}}]
+    bench_web.comparison_table(cases, new, old, "old/vesti.py")
+    lines = {line[:26].strip(): line[26:].split() for line in capsys.readouterr().out.splitlines()}
+    assert lines["desk /"][:5] == ["2.0", "3.0", "1.0", "2.0", "1.50"]
+    assert lines["desk /"][-1] == "PASS"
+    assert lines["search"][:3] == ["8.0", "10.0", "n/a"]
+    assert " ".join(lines["search"]).endswith("MISS (p95 60.0 >= 50)")   # one round's p95
+
+
 @pytest.mark.skipif(not os.environ.get("VESTI_READER_PYTHON"),
                     reason="VESTI_READER_PYTHON (a 3.12+ venv with reader, made by .ci/run) not set")
 def test_the_reader_comparison_runs_in_smoke_mode():

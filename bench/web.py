@@ -1084,24 +1084,28 @@ def latency_benchmark(program, db, sources_yaml, tmp, expected, cases, which, wa
 
 
 def comparison_table(cases, new, old, old_program):
-    """new and old: a {label: figures} per round."""
-    rounds = max(len(new), len(old))
-    print(f"== new vs old: the median of each path in ms, least and median of {rounds} "
-          f"round(s) (old: {old_program} on a copy of the file; its desk is offset-paged, "
-          f"its page N is /?status=S&page=N)")
+    """new and old: a {label: figures} per round. For each path, the least
+    and the median of its per-round medians, and the ratio of the medians."""
+    print(f"== new vs old: the median of each path in ms, least and median of "
+          f"{max(len(new), len(old))} round(s) (old: {old_program} on a copy of the file; "
+          f"its desk is offset-paged, its page N is /?status=S&page=N)")
     print(f"{'path':<26} {'new least':>9} {'median':>7}  {'old least':>9} {'median':>7}  "
           f"{'new/old':>7}  {'target':<28} verdict")
     for case in cases:
-        a = [r[case.label]["median"] for r in new if case.label in r]
-        b = [r[case.label]["median"] for r in old if case.label in r] if case.old else []
-        cell = lambda m: (f"{min(m):9.1f} {statistics.median(m):7.1f}" if m  # noqa: E731
-                          else f"{'n/a' if not case.old and m is b else '-':>9} {'':>7}")
-        ratio = (f"{statistics.median(a) / statistics.median(b):7.2f}" if a and b
-                 else f"{'':>7}")
-        figures = {"median": statistics.median(a), "p95": max(
-            r[case.label]["p95"] for r in new if case.label in r)} if a else None
-        print(f"{case.label:<26} {cell(a)}  {cell(b)}  {ratio}  {target_text(case.target):<28} "
-              f"{verdict(figures, case.target)}")
+        a = [r[case.label] for r in new if case.label in r]
+        b = [r[case.label] for r in old if case.label in r]
+        a_median = statistics.median(f["median"] for f in a) if a else None
+        b_median = statistics.median(f["median"] for f in b) if b else None
+
+        def cell(figures, median, absent):
+            if not figures:
+                return f"{absent:>9} {'':>7}"
+            return f"{min(f['median'] for f in figures):9.1f} {median:7.1f}"
+        ratio = f"{a_median / b_median:7.2f}" if a and b else f"{'':>7}"
+        worst = {"median": a_median, "p95": max(f["p95"] for f in a)} if a else None
+        print(f"{case.label:<26} {cell(a, a_median, '-')}  "
+              f"{cell(b, b_median, '-' if case.old else 'n/a')}  {ratio}  "
+              f"{target_text(case.target):<28} {verdict(worst, case.target)}")
 
 
 # In-process ----------------------------------------------------------------------
