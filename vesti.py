@@ -6474,7 +6474,7 @@ def filter_form(page, desk, sources):
             f'<button type="submit">{page.t("show")}</button></form>')
 
 
-@functools.lru_cache(maxsize=4096)      # a page asks again for the links it showed
+@functools.lru_cache(maxsize=1024)      # a page asks again for the links it showed
 def is_web_link(url):
     return bool(url) and urllib.parse.urlsplit(url).scheme in WEB_SCHEMES
 
