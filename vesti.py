@@ -47,6 +47,7 @@ import secrets
 import socket
 import sqlite3
 import ssl
+import struct
 import sys
 import threading
 import time
@@ -600,14 +601,12 @@ def story_words(title, text):
 
 def shingle_hashes(words):
     """Stable 32-bit hashes of the word shingles in order (the same in every
-    process): each is a slice of the words joined once."""
+    process): the CRC-32 of each SHINGLE words in a row, joined by spaces."""
     if len(words) < SHINGLE:
         return [zlib.crc32(" ".join(words).encode())] if words else []
-    joined = " ".join(words)
-    data = joined.encode()
-    sizes = map(len, words) if len(data) == len(joined) else (len(w.encode()) for w in words)
-    starts = list(itertools.accumulate(map((1).__add__, sizes), initial=0))
-    return [zlib.crc32(data[start:end - 1]) for start, end in zip(starts, starts[SHINGLE:])]
+    # Encoded in one go: a word has no space in it.
+    encoded = " ".join(words).encode().split(b" ")
+    return list(map(zlib.crc32, map(b" ".join, zip(*(encoded[i:] for i in range(SHINGLE))))))
 
 
 def shingles(words):
@@ -638,17 +637,20 @@ def minhash(hashes, count):
     return signature
 
 
+_blake2b_64 = functools.partial(hashlib.blake2b, digest_size=8)
+_BAND_VALUES = ", ".join(["%d"] * BAND_ROWS)
+
+
 def band_keys(signature, kind, numbers):
     """One 63-bit key per band of BAND_ROWS values. The numbers of the text
     are part of every key: posts from one template with other figures
     ("QEMU 10.0" and "10.1", today's rates) never even meet."""
-    keys, rest = [], f", {numbers!r})"          # the repr of (kind, band, values, numbers)
-    for band in range(len(signature) // BAND_ROWS):
-        values = signature[band * BAND_ROWS:(band + 1) * BAND_ROWS]
-        digest = hashlib.blake2b(f"({kind!r}, {band}, {values!r}{rest}".encode(),
-                                 digest_size=8).digest()
-        keys.append(int.from_bytes(digest, "big") >> 1)
-    return keys
+    # Each key is the hash of the repr of (kind, band, [its values], numbers).
+    head, rest = f"({kind!r}, ", f"], {numbers!r})"
+    bands = enumerate(zip(*(signature[row::BAND_ROWS] for row in range(BAND_ROWS))))
+    texts = [f"{head}{band}, [{_BAND_VALUES % values}{rest}".encode() for band, values in bands]
+    digests = b"".join([digest.digest() for digest in map(_blake2b_64, texts)])
+    return [key >> 1 for key in struct.unpack(f">{len(texts)}Q", digests)]
 
 
 def story_keys(words):
@@ -2050,8 +2052,9 @@ def insert_rows(conn, into, rows, conflict=""):
 
 # Stories ---------------------------------------------------------------------
 
-# A post entering its story: its id, story_words, story_keys and story_since.
-StoryEntry = collections.namedtuple("StoryEntry", "post_id words keys since")
+# A post entering its story: its id, the title and text its words are taken
+# from (only needed when it has candidates to check), story_keys and story_since.
+StoryEntry = collections.namedtuple("StoryEntry", "post_id title text keys since")
 
 
 def newest_with_keys(conn, keys):
@@ -2110,12 +2113,20 @@ def find_stories(conn, entries):
     """{post id: its story (the story's first post's id), or None} for
     entries looked up together, in order: one may find the story of one
     before it. Candidates are checked exactly, oldest first, among the posts
-    fetched since the entry's `since`; an entry's own words stand for its
-    stored text (which an article fetched for it may have replaced)."""
+    fetched since the entry's `since`; an entry's own text stands for its
+    stored text (which an article fetched for it may have replaced). Words
+    are worked out for the posts checked, and only once."""
     candidates = story_candidates(newest_with_keys(conn, [k for e in entries for k in e.keys]),
                                   entries)
     rows = candidate_posts(conn, {i for ids in candidates.values() for i in ids})
-    words = {entry.post_id: entry.words for entry in entries}
+    texts = {entry.post_id: (entry.title, entry.text) for entry in entries}
+    words = {}
+
+    def words_of(post_id, row):
+        if post_id not in words:
+            words[post_id] = story_words(*(texts.get(post_id) or (row["title"], row["text"])))
+        return words[post_id]
+
     stories = {}
     for entry in entries:
         stories[entry.post_id] = None
@@ -2123,9 +2134,7 @@ def find_stories(conn, entries):
             row = rows.get(candidate)
             if row is None or row["fetched_at"] < entry.since:
                 continue
-            if candidate not in words:
-                words[candidate] = story_words(row["title"], row["text"])
-            if same_story(entry.words, words[candidate]):
+            if same_story(words_of(entry.post_id, None), words_of(candidate, row)):
                 earlier = stories[candidate] if candidate in stories else row["story_id"]
                 stories[entry.post_id] = earlier or candidate
                 break
@@ -2158,17 +2167,17 @@ def enter_stories(conn, entries, written=True):
 
 def join_story(conn, post_id, title, text, hours, now=None):
     """The story of a post with this title and text (see enter_now)."""
-    words = story_words(title, text)
-    return enter_now(conn, post_id, words, story_keys(words), story_since(hours, now))
+    return enter_now(conn, StoryEntry(post_id, title, text, story_keys(story_words(title, text)),
+                                      story_since(hours, now)))
 
 
 @redoable
-def enter_now(conn, post_id, words, keys, since):
+def enter_now(conn, entry):
     """enter_stories for one post, in a transaction of its own, one at a
     time with the other stories' (not with the rest), so two copies looked
     at the same moment end in one story."""
     with transaction(conn, shared=True, stories=True):
-        return enter_stories(conn, [StoryEntry(post_id, words, keys, since)])[post_id]
+        return enter_stories(conn, [entry])[entry.post_id]
 
 
 VERDICT_FIELDS = ("direction", "relevance", "interest", "summary", "keywords", "reason")
@@ -2192,10 +2201,8 @@ def settle_stories(conn, completions):
     verdict when there is one (not a story led by a post of this batch:
     its verdict is not written yet). Returns the completions with each
     post's story."""
-    stories = enter_stories(conn, [
-        StoryEntry(post["id"], verdict["story_words"], verdict["story_keys"],
-                   verdict["story_since"])
-        for post, verdict in completions if "story_keys" in verdict], written=False)
+    stories = enter_stories(conn, [verdict["story_entry"] for _, verdict in completions
+                                   if "story_entry" in verdict], written=False)
     settled = []
     for post, verdict in completions:
         story = stories.get(post["id"])
@@ -2410,7 +2417,7 @@ def complete_and_claim(conn, completions, claims, now=None, token=None):
     token = token or claim_token()
     redone = token in TURNS_BEGUN
     TURNS_BEGUN.add(token)
-    stories = any("story_keys" in verdict for _, verdict in completions)
+    stories = any("story_entry" in verdict for _, verdict in completions)
     if stories and conn.dialect.shared_writes:
         # Stories one at a time, in a short transaction of their own: the
         # rest is written beside the other processes' turns. Done again, it
@@ -5341,12 +5348,12 @@ class Classifier:
         # No story for a post that is not relevant (no LLM call to save, no
         # card on the desk to merge), nor with stories off.
         if matches and self.db is not None and self.settings.story_hours:
-            words = story_words(post["title"], text)
-            story = {"story_words": words, "story_keys": story_keys(words),
-                     "story_since": story_since(self.settings.story_hours)}
+            story = StoryEntry(post["id"], post["title"], text,
+                               story_keys(story_words(post["title"], text)),
+                               story_since(self.settings.story_hours))
             if not self.settings.ollama_url:
                 # Keywords alone decide: the story is entered as the verdict is written.
-                extra.update(story)
+                extra["story_entry"] = story
             else:
                 copied = self.story_verdict(post, full_text, story)
                 if copied is not None:
@@ -5371,8 +5378,7 @@ class Classifier:
         at the same moment finds it), and takes the story's verdict when there
         is one; StoryPending while the story's first post is classified."""
         conn = self.db.conn()
-        joined = enter_now(conn, post["id"], story["story_words"], story["story_keys"],
-                           story["story_since"])
+        joined = enter_now(conn, story)
         if joined == post["id"]:
             return None
         try:
