@@ -4920,3 +4920,125 @@ def test_a_teaser_whose_article_another_feed_carries_joins_that_story(home, serv
     assert rows[teaser]["story_id"] == full
     assert (rows[teaser]["relevance"], rows[teaser]["summary"]) == \
         (rows[full]["relevance"], rows[full]["summary"])
+
+
+# Story keys in a helper process ------------------------------------------------
+
+def told_twice(conn, stories):
+    """`stories` stories (one route each, named first: other numbers, other
+    stories), each told by the wire and then, in other words around it, by
+    the daily; returns {copy's id: the first telling's id}."""
+    firsts = [add_copy(conn, "wire", f"Budget {k}", f"Route {k}. {STORY}", f"2026-12-01 08:{k:02}:00")
+              for k in range(stories)]
+    return {add_copy(conn, "daily", f"Buses {k}", f"Route {k}. Our correspondent: {STORY} More soon.",
+                     f"2026-12-01 09:{k:02}:00"): first for k, first in enumerate(firsts)}
+
+
+def stories_told(conn, copies):
+    """The stories the posts of told_twice ended in, one per telling: which
+    telling leads is a matter of which worker wrote first."""
+    story = {post: found or post for post, found in conn.execute("SELECT id, story_id FROM posts")}
+    return [{story[copy], story[first]} for copy, first in copies.items()]
+
+
+def test_the_story_key_helper_answers_each_line_with_its_posts_keys():
+    posts = [["Budget", STORY], [None, "Photo of the day"], ["Комета", OTHER + " Комета видна."]]
+    answers = io.BytesIO()
+    vesti.serve_story_keys(io.BytesIO(json.dumps(posts).encode() + b"\n" +
+                                      json.dumps(posts[:1]).encode() + b"\n"), answers)
+    expected = [vesti.story_keys(vesti.story_words(title, text)) for title, text in posts]
+    assert [json.loads(line) for line in answers.getvalue().splitlines()] == [expected, expected[:1]]
+    assert expected[0] and expected[1] == [] and expected[2]
+
+
+def test_a_batch_of_keyword_verdicts_has_its_story_keys_worked_out_by_a_helper(home, monkeypatch,
+                                                                             caplog):
+    """With keywords alone deciding, the worker process leaves most keys to
+    its helper process; the stories are the same as without it."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    copies = told_twice(conn, 60)
+    worked_out_here = []
+    real_keys = vesti.story_keys
+    monkeypatch.setattr(vesti, "story_keys", lambda words: worked_out_here.append(1) or real_keys(words))
+    monkeypatch.setattr(vesti, "usable_cores", lambda: 2)
+    monkeypatch.setattr(vesti, "KEY_HELPER_BATCH", 4)
+    with caplog.at_level(logging.WARNING, logger="vesti"):
+        stats, finished = vesti.run_workers(db, s, registry, workers=2, quiet=True)
+    assert finished and stats.done == 120 and queue_of(db) == {1: 120}
+    told = stories_told(conn, copies)
+    assert all(len(story) == 1 for story in told) and len(set().union(*told)) == 60
+    assert len(worked_out_here) < 120 / 4, len(worked_out_here)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("command, said", [
+    (["/nonexistent/python3"], "did not start"),
+    ([sys.executable, "-c", "import sys; sys.exit(3)"], "stopped (exit code 3)"),
+    ([sys.executable, "-c", "import sys; sys.stdin.readline(); print('[1, 2'); sys.stdin.read()"],
+     "answered out of turn"),
+])
+def test_a_helper_that_fails_leaves_the_keys_to_the_worker(home, monkeypatch, caplog,
+                                                          command, said):
+    """A helper that cannot start, dies, or answers nonsense: one warning,
+    the worker works the keys out itself, and the stories are right."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    copies = told_twice(conn, 40)
+    monkeypatch.setattr(vesti.KeyHelper, "command", command)
+    monkeypatch.setattr(vesti, "usable_cores", lambda: 2)
+    monkeypatch.setattr(vesti, "KEY_HELPER_BATCH", 4)
+    with caplog.at_level(logging.WARNING, logger="vesti"):
+        stats, finished = vesti.run_workers(db, s, registry, workers=2, quiet=True)
+    assert finished and queue_of(db) == {1: 80}
+    told = stories_told(conn, copies)
+    assert all(len(story) == 1 for story in told) and len(set().union(*told)) == 40
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and said in warnings[0], warnings
+    assert "story keys are worked out in the worker from now on" in warnings[0]
+
+
+def helper_of(pid):
+    """The pid of the story key helper a process started, or None."""
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
+            cmdline = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"serve_story_keys" in cmdline:
+                return int(entry)
+    return None
+
+
+def gone(pid):
+    with contextlib.suppress(OSError):
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    return True
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/stat").exists(), reason="needs /proc")
+@pytest.mark.parametrize("stop", ["sigterm to the group", "kill -9"])
+def test_the_story_key_helper_ends_with_its_worker(home, stop):
+    """Stopped as systemd or a terminal stops it (SIGTERM to the whole
+    group), the worker exits 0 and its helper with it, saying nothing; killed
+    with kill -9, it leaves no helper behind either."""
+    s, db, registry = story_home(home, "")
+    told_twice(db.conn(), 40)
+    # One worker: its batches grow to 32 posts, and the helper starts.
+    process = subprocess.Popen([sys.executable, str(ROOT / "vesti.py"), "worker", "--forever",
+                                "--workers", "1"],
+                               cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True, env={**os.environ, "OLLAMA_URL": ""})
+    try:
+        assert wait_for(lambda: helper_of(process.pid) is not None and queue_of(db) == {1: 80})
+        helper = helper_of(process.pid)
+        if stop == "kill -9":
+            process.kill()
+        else:
+            os.killpg(process.pid, signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+        assert wait_for(lambda: gone(helper), timeout=10)
+        if stop != "kill -9":
+            assert process.returncode == 0 and "Traceback" not in err, err
+    finally:
+        if process.poll() is None:
+            process.kill()

@@ -42,12 +42,15 @@ import json
 import logging
 import math
 import os
+import queue
 import re
 import secrets
+import signal
 import socket
 import sqlite3
 import ssl
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -56,7 +59,8 @@ import urllib.parse
 import urllib.request
 import xml.etree.ElementTree as ElementTree
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 log = logging.getLogger("vesti")
 
@@ -360,6 +364,11 @@ class StoryPending(VestiError):
     def __init__(self, story):
         super().__init__(f"waiting for the verdict of its story (post {story})")
         self.story = story
+
+
+class HelperGone(VestiError):
+    """The helper process that works out story keys has stopped: the worker
+    works them out itself from then on."""
 
 
 class StorageError(VestiError):
@@ -5316,6 +5325,149 @@ HEARTBEAT = 10
 # 3,900 with 1,024; no more with bigger ones).
 BATCH_WINDOW = 0.25
 MAX_BATCH = 1024
+# With keywords alone deciding, working out a post's story keys (pure Python)
+# is half of what the post costs, and a worker's threads share one
+# interpreter: a batch of at least KEY_HELPER_BATCH quick posts has its keys
+# worked out in a helper process, on another core, while the worker
+# classifies it (in requests of KEY_HELPER_CHUNK posts, so the first come
+# back soon). The helper starts with the first such batch, and only where
+# this process may use more than one core.
+KEY_HELPER_BATCH = 32
+KEY_HELPER_CHUNK = 128
+# A helper that has not answered in this long is taken to be stuck.
+KEY_HELPER_WAIT = 60
+
+
+def usable_cores():
+    with contextlib.suppress(AttributeError, OSError):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def serve_story_keys(requests=None, answers=None):
+    """The helper process of KeyHelper: for each line of JSON [[title, text],
+    ...] read, a line of JSON with their story keys, in order, until its
+    input ends. Signals are for the worker: it closes the input to stop."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    requests, answers = requests or sys.stdin.buffer, answers or sys.stdout.buffer
+    with contextlib.suppress(BrokenPipeError):
+        for line in requests:
+            keys = [story_keys(story_words(title, text)) for title, text in json.loads(line)]
+            answers.write(json.dumps(keys, separators=(",", ":")).encode() + b"\n")
+            answers.flush()
+
+
+class KeyHelper:
+    """Story keys worked out by a helper process (serve_story_keys), asked
+    for in the background: ask() returns a Future at once. Questions go
+    out and answers come back in order, one line of JSON each, through a
+    writer and a reader thread. Once the helper is gone (it cannot start,
+    it died), every question fails with HelperGone at once, and the caller
+    works the keys out itself."""
+
+    command = [sys.executable, "-I", "-c",
+               "import sys; sys.path.insert(0, sys.argv[1]); import vesti; vesti.serve_story_keys()",
+               os.path.dirname(os.path.abspath(__file__))]
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.process = None
+        self.questions = queue.SimpleQueue()    # (future, pairs) to write
+        self.asked = collections.deque()        # (future, how many pairs) written, not answered
+        self.gone = None                        # why the helper stopped
+
+    def ask(self, pairs):
+        """A Future of the story keys of these (title, text) pairs."""
+        future = Future()
+        with self.lock:
+            if self.process is None and self.gone is None:
+                self.start()
+            if self.gone is None:
+                self.questions.put((future, pairs))
+                return future
+        future.set_exception(HelperGone(self.gone))
+        return future
+
+    def start(self):
+        try:
+            self.process = subprocess.Popen(self.command, stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        except (OSError, ValueError) as e:
+            self.give_up(f"the helper process for story keys did not start ({e})")
+            return
+        for target, name in ((self.write, "key-questions"), (self.read, "key-answers")):
+            threading.Thread(target=target, name=name, daemon=True).start()
+
+    def write(self):
+        pipe = self.process.stdin
+        while (question := self.questions.get()) is not None:
+            future, pairs = question
+            with self.lock:
+                if self.gone is not None:
+                    future.set_exception(HelperGone(self.gone))
+                    continue
+                self.asked.append((future, len(pairs)))
+            try:
+                pipe.write(json.dumps(pairs).encode() + b"\n")
+                pipe.flush()
+            except (OSError, ValueError):
+                self.give_up(self.ended())
+        with contextlib.suppress(OSError):
+            pipe.close()
+
+    def read(self):
+        for line in self.process.stdout:
+            with self.lock:
+                future, count = self.asked.popleft() if self.asked else (None, 0)
+            try:
+                keys = json.loads(line)
+            except ValueError:
+                keys = None
+            if future is None or not isinstance(keys, list) or len(keys) != count:
+                self.give_up("the helper process for story keys answered out of turn")
+                if future is not None:
+                    future.set_exception(HelperGone(self.gone))
+                self.process.kill()
+                break
+            future.set_result(keys)
+        self.give_up(self.ended())
+
+    def ended(self):
+        """Why the helper is gone: it exited (or, no longer talking, is made to)."""
+        try:
+            code = self.process.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        return f"the helper process for story keys stopped (exit code {code})"
+
+    def give_up(self, reason):
+        """Fail every question not answered. The first reason stays, and is
+        said once."""
+        with self.lock:
+            first, self.gone = self.gone is None, self.gone or reason
+            waiting, self.asked = list(self.asked), collections.deque()
+        if first:
+            log.warning("%s; story keys are worked out in the worker from now on", reason)
+        for future, _ in waiting:
+            future.set_exception(HelperGone(self.gone))
+
+    def close(self):
+        """Stop the helper (its input closes, it exits), saying nothing."""
+        with self.lock:
+            process, self.gone = self.process, self.gone or "the helper process was closed"
+            waiting, self.asked = list(self.asked), collections.deque()
+        for future, _ in waiting:
+            future.set_exception(HelperGone(self.gone))
+        if process is None:
+            return
+        self.questions.put(None)
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 class Classifier:
@@ -5329,6 +5481,8 @@ class Classifier:
         self.gate = gate or HostGate(settings.host_delay)
         self.db = db        # with a database, posts are looked up in their stories
         self.use(registry)
+        self.helper, self.cores = KeyHelper(), usable_cores()
+        self.ahead = {}     # post id: (the Future of its keys, its place in the answer)
 
     def use(self, registry):
         """Classify with these directions from now on (sources.yaml changed)."""
@@ -5341,6 +5495,8 @@ class Classifier:
     def prepare(self, post):
         """The post's verdict, or a function that asks the LLM for it."""
         directions, keywords = self.vocabulary
+        # Its story keys, when they were asked for ahead.
+        asked = self.ahead.pop(post["id"], None) if self.ahead else None
         full_text = self.article(post)
         text = full_text or post["text"]
         matches = keywords.matches(f"{post['title']}\n{text}")
@@ -5348,8 +5504,7 @@ class Classifier:
         # No story for a post that is not relevant (no LLM call to save, no
         # card on the desk to merge), nor with stories off.
         if matches and self.db is not None and self.settings.story_hours:
-            story = StoryEntry(post["id"], post["title"], text,
-                               story_keys(story_words(post["title"], text)),
+            story = StoryEntry(post["id"], post["title"], text, self.keys_of(post, full_text, asked),
                                story_since(self.settings.story_hours))
             if not self.settings.ollama_url:
                 # Keywords alone decide: the story is entered as the verdict is written.
@@ -5364,6 +5519,45 @@ class Classifier:
             return {**classify_text(text, directions, self.settings, post["title"],
                                     matches=matches), **extra}
         return verdict if matches and self.settings.ollama_url else verdict()
+
+    def look_ahead(self, posts):
+        """Have the helper work out the story keys of a batch of quick posts
+        while the worker classifies them (see KEY_HELPER_BATCH)."""
+        if self.db is None or not self.settings.story_hours or self.settings.ollama_url:
+            return
+        posts = [post for post in posts if not article_link(post)]
+        if len(posts) < KEY_HELPER_BATCH or self.cores < 2:
+            return
+        for first in range(0, len(posts), KEY_HELPER_CHUNK):
+            chunk = posts[first:first + KEY_HELPER_CHUNK]
+            future = self.helper.ask([(post["title"], post["text"]) for post in chunk])
+            self.ahead.update((post["id"], (future, place)) for place, post in enumerate(chunk))
+
+    def keys_of(self, post, full_text, asked):
+        """The story keys of the post: the helper's, when they were `asked`
+        for ahead (of its own text: no article was fetched for it since)."""
+        if asked is not None and full_text is None:
+            future, place = asked
+            try:
+                return future.result(timeout=KEY_HELPER_WAIT)[place]
+            except HelperGone:
+                pass
+            except FutureTimeout:
+                self.helper.give_up(f"the helper process for story keys did not answer "
+                                    f"in {KEY_HELPER_WAIT} s")
+                self.helper.close()
+        return story_keys(story_words(post["title"], full_text or post["text"]))
+
+    def forget(self, posts):
+        """Posts given back before they were classified."""
+        for post in posts:
+            self.ahead.pop(post["id"], None)
+
+    def close(self):
+        """Stop the helper; a later batch starts another."""
+        helper, self.helper = self.helper, KeyHelper()
+        helper.close()
+        self.ahead.clear()
 
     def article(self, post):
         """The full text of a summary-only post's article, or None."""
@@ -5463,6 +5657,7 @@ class WorkerPool:
                     future.result()
         finally:
             self.asker.shutdown(wait=False)     # a question left behind: its post is put back
+            self.call_classify("close")
         return self.stats
 
     def housekeeping(self):
@@ -5502,6 +5697,12 @@ class WorkerPool:
         quick = getattr(self.classify, "quick", None)
         return quick(post) if quick else True
 
+    def call_classify(self, name, *args):
+        """A step a classify may have (look_ahead, forget, close)."""
+        step = getattr(self.classify, name, None)
+        if step is not None:
+            step(*args)
+
     def holds(self, post):
         """True when the post's slow work keeps the worker waiting (with a
         classify of one step, all of it does)."""
@@ -5527,6 +5728,7 @@ class WorkerPool:
             self.take_turn(conn, finished, 0)
         if in_hand:
             give_back_posts(conn, [post["claim_token"] for post in in_hand])
+            self.call_classify("forget", in_hand)
             with self.lock:
                 self.held -= len(in_hand)
             in_hand.clear()
@@ -5708,6 +5910,7 @@ class Worker:
         pool.give_back_tickets(wanted - len(posts))
         if posts:
             pool.hold(self.in_hand, posts)
+            pool.call_classify("look_ahead", posts)
             self.started = time.monotonic()
         elif self.asking:
             self.hear_answer()              # written by the next turn
@@ -7326,7 +7529,6 @@ def cmd_rss(args, settings):
 @contextlib.contextmanager
 def stop_on_signals(stop):
     """SIGTERM and SIGINT set `stop` instead of killing the process."""
-    import signal
     def handler(*_):
         stop.set()
         STOPPING.set()
