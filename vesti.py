@@ -1963,8 +1963,9 @@ def catch_up_index(conn):
     search index: done by the workers between batches and by the page and
     /metrics before they read counts, so a crawl's writes stay short.
     Writes only when there is something to take in."""
-    top = conn.execute("SELECT coalesce(max(id), 0) FROM posts").fetchone()[0]
-    if str(top) != get_meta(conn, INDEXED_TO)[0]:
+    top, indexed = conn.execute(f"""SELECT coalesce(max(id), 0),
+        (SELECT value FROM meta WHERE key = '{INDEXED_TO}') FROM posts""").fetchone()
+    if str(top) != indexed:
         with transaction(conn):
             index_new_posts(conn)
 
@@ -6286,9 +6287,9 @@ def banners(conn, settings, page):
     if state["ollama_down_since"] and settings.ollama_url:
         shown.append(page.t("banner_ollama", since=state["ollama_down_since"],
                             error=shorten(state["ollama_error"], 200)))
-    pending = pending_count(conn)
     silent = minutes_since(state["worker_seen"])
-    if pending and (silent is None or silent * 60 >= WORKER_SILENT_AFTER):
+    pending = (silent is None or silent * 60 >= WORKER_SILENT_AFTER) and pending_count(conn)
+    if pending:
         when = page.strings["never"] if silent is None else \
             page.strings["for_minutes"].format(n=silent)
         shown.append(page.t("banner_no_worker", n=pending, when=when))
@@ -6724,26 +6725,34 @@ def story_line(post, copies, page):
             f'<a href="{esc(every)}">{page.t("every_copy")}</a></p>')
 
 
+@functools.lru_cache(maxsize=8)
+def card_words(lang):
+    """The fixed words of a card, escaped, looked up once per language."""
+    return {key: said(lang, key) for key in ("untitled", "no_direction", "keywords", "reason",
+                                             "stored_text", "utc", "relevance", "interest")}
+
+
 def card_html(post, page, back, copies=()):
-    title = esc(post["title"] or page.strings["untitled"])
+    words = card_words(page.lang)
+    title = esc(post["title"]) or words["untitled"]
     link = (f'<a href="{esc(post["url"])}" rel="noopener noreferrer" target="_blank">{title}</a>'
             if is_web_link(post["url"]) else title)
     why = []
     if post["keywords"]:
-        why.append(f'{page.t("keywords")}: {esc(post["keywords"])}')
+        why.append(f'{words["keywords"]}: {esc(post["keywords"])}')
     if post["reason"]:
-        why.append(f'{page.t("reason")}: {esc(post["reason"])}')
+        why.append(f'{words["reason"]}: {esc(post["reason"])}')
     why_html = f'<p class="why small muted">{" · ".join(why)}</p>' if why else ""
     text = shorten(post["text"], CARD_TEXT)
-    stored = (f'<details><summary class="small">{page.t("stored_text")}</summary>'
+    stored = (f'<details><summary class="small">{words["stored_text"]}</summary>'
               f'<div class="text">{esc(text)}</div></details>' if text else "")
-    direction = post["direction"] or page.strings["no_direction"]
+    direction = esc(post["direction"]) or words["no_direction"]
     return (f'<article class="post" id="post-{post["id"]}" data-id="{post["id"]}" '
             f'data-status="{esc(post["status"])}"><h2>{link}</h2>'
             f'<p class="small muted">{esc(post["source"])} · {esc(post["published_at"])} '
-            f'{page.t("utc")} · <span class="badge">{esc(direction)}</span> '
-            f'{page.t("relevance")} <b>{esc(post["relevance"])}</b> · '
-            f'{page.t("interest")} <b>{esc(post["interest"])}</b></p>'
+            f'{words["utc"]} · <span class="badge">{direction}</span> '
+            f'{words["relevance"]} <b>{esc(post["relevance"])}</b> · '
+            f'{words["interest"]} <b>{esc(post["interest"])}</b></p>'
             f'<p>{esc(post["summary"])}</p>{story_line(post, copies, page)}{why_html}{stored}'
             f'{decision_form(post, page, back)}</article>')
 
