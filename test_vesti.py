@@ -4231,6 +4231,45 @@ def test_a_client_that_drips_its_request_is_dropped_while_others_are_served(web,
     assert answered[0] == 200 and json.loads(answered[2])["pending"] == 0
 
 
+def test_a_page_keeps_its_connection_open_and_an_idle_or_refused_one_is_closed(web, monkeypatch,
+                                                                            caplog):
+    """Pages come one after the other on one connection (a browser's
+    refresh); a refusal, a posted form or a connection left idle past the
+    deadline end it, the last without a line in the log."""
+    monkeypatch.setattr(vesti.WebHandler, "request_deadline", 1)
+    conn = http.client.HTTPConnection("127.0.0.1", web.port, timeout=10)
+    try:
+        statuses = []
+        for path in ("/", "/crawlers", "/api/queue"):
+            conn.request("GET", path, headers={"Authorization": web.auth})
+            response = conn.getresponse()
+            response.read()
+            statuses.append((response.status, response.will_close))
+        assert statuses == [(200, False)] * 3
+        first = conn.sock
+        conn.request("GET", "/healthz")
+        conn.getresponse().read()
+        assert conn.sock is first                                    # the same connection
+        with caplog.at_level(logging.INFO, logger="vesti"):
+            time.sleep(1.5)                                          # idle past the deadline
+            assert first.recv(1) == b""                              # closed by the server
+        assert not [r for r in caplog.records if "timed out" in r.getMessage()]
+    finally:
+        conn.close()
+    for method, path, headers, body in (
+            ("GET", "/", {}, None),                                  # no password
+            ("POST", "/posts/1/status", {"Authorization": web.auth}, "status=approved")):
+        conn = http.client.HTTPConnection("127.0.0.1", web.port, timeout=10)
+        try:
+            conn.request(method, path, body=body, headers=headers)
+            response = conn.getresponse()
+            response.read()
+            assert response.status >= 400 and response.will_close
+            assert conn.sock is None or conn.sock.recv(1) == b""
+        finally:
+            conn.close()
+
+
 def test_control_characters_of_a_request_line_are_escaped_in_the_access_log(web, caplog):
     with caplog.at_level(logging.INFO, logger="vesti.access"):
         with socket.create_connection(("127.0.0.1", web.port), timeout=10) as raw:

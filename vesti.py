@@ -7195,11 +7195,33 @@ class WebHandler(http.server.BaseHTTPRequestHandler):
     # seconds, however slowly it trickles in; a slower client is dropped.
     request_deadline = 10
     timeout = request_deadline
+    # A connection is kept open after a page (HTTP/1.1), for the next request
+    # to arrive, whole, within request_deadline; it is closed after anything
+    # else (an error, a refusal, a form posted), so only a client that gets
+    # pages holds a thread, and never for long.
+    protocol_version = "HTTP/1.1"
 
     def setup(self):
         super().setup()
-        deadline = time.monotonic() + self.request_deadline
-        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, deadline, self.timeout))
+        self.reader = _DeadlineReader(self.connection, 0, self.timeout)
+        self.rfile = io.BufferedReader(self.reader)
+        self.answered = 0
+
+    def handle_one_request(self):
+        self.reader.deadline = time.monotonic() + self.request_deadline
+        if self.answered and not self.next_request_comes():
+            self.close_connection = True
+            return
+        super().handle_one_request()
+        self.answered += 1
+
+    def next_request_comes(self):
+        """On a kept-open connection: whether another request begins before
+        the deadline (the connection is closed quietly if not)."""
+        try:
+            return bool(self.rfile.peek(1))
+        except (TimeoutError, OSError):
+            return False
 
     def do_GET(self):
         self.guard("GET")
@@ -7244,6 +7266,8 @@ class WebHandler(http.server.BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
+        if status >= 400 or self.command not in ("GET", "HEAD") or self.has_body():
+            self.send_header("Connection", "close")
         self.send_header("Cache-Control", "no-store")
         self.send_header("X-Content-Type-Options", "nosniff")
         self.send_header("X-Frame-Options", "DENY")
@@ -7253,6 +7277,9 @@ class WebHandler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
+
+    def has_body(self):
+        return "Content-Length" in self.headers or "Transfer-Encoding" in self.headers
 
     def log_message(self, format, *args):
         self.access_log.info("%s %s", self.address_string(),
