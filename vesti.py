@@ -5443,24 +5443,21 @@ class KeyHelper:
             code = self.process.wait()
         return f"the helper process for story keys stopped (exit code {code})"
 
-    def give_up(self, reason):
+    def give_up(self, reason, quietly=False):
         """Fail every question not answered. The first reason stays, and is
-        said once."""
+        said once (unless `quietly`)."""
         with self.lock:
             first, self.gone = self.gone is None, self.gone or reason
             waiting, self.asked = list(self.asked), collections.deque()
-        if first:
+        if first and not quietly:
             log.warning("%s; story keys are worked out in the worker from now on", reason)
         for future, _ in waiting:
             future.set_exception(HelperGone(self.gone))
 
     def close(self):
         """Stop the helper (its input closes, it exits), saying nothing."""
-        with self.lock:
-            process, self.gone = self.process, self.gone or "the helper process was closed"
-            waiting, self.asked = list(self.asked), collections.deque()
-        for future, _ in waiting:
-            future.set_exception(HelperGone(self.gone))
+        self.give_up("the helper process was closed", quietly=True)
+        process = self.process
         if process is None:
             return
         self.questions.put(None)
@@ -5523,7 +5520,9 @@ class Classifier:
 
     def look_ahead(self, posts):
         """Have the helper work out the story keys of a batch of quick posts
-        while the worker classifies them (see KEY_HELPER_BATCH)."""
+        while the worker classifies them (see KEY_HELPER_BATCH): of every
+        one of them, since telling the relevant ones would cost the worker
+        the keyword matching twice, and the helper's core is otherwise idle."""
         if self.db is None or not self.settings.story_hours or self.settings.ollama_url:
             return
         posts = [post for post in posts if not article_link(post)]
