@@ -4256,15 +4256,20 @@ def test_a_page_keeps_its_connection_open_and_an_idle_or_refused_one_is_closed(w
         assert not [r for r in caplog.records if "timed out" in r.getMessage()]
     finally:
         conn.close()
-    for method, path, headers, body in (
-            ("GET", "/", {}, None),                                  # no password
-            ("POST", "/posts/1/status", {"Authorization": web.auth}, "status=approved")):
+    classified_posts(web.db.conn(), 1)
+    form = {"Authorization": web.auth, "Origin": web.origin,
+            "Content-Type": "application/x-www-form-urlencoded"}
+    for method, path, headers, body, status in (
+            ("GET", "/", {}, None, 401),                                     # no password
+            ("POST", "/posts/1/status", form, "status=approved", 403),       # no token
+            ("POST", "/posts/1/status", form,
+             urllib.parse.urlencode({"token": web.token(), "status": "approved"}), 303)):
         conn = http.client.HTTPConnection("127.0.0.1", web.port, timeout=10)
         try:
             conn.request(method, path, body=body, headers=headers)
             response = conn.getresponse()
             response.read()
-            assert response.status >= 400 and response.will_close
+            assert (response.status, response.will_close) == (status, True)
             assert conn.sock is None or conn.sock.recv(1) == b""
         finally:
             conn.close()
