@@ -1276,18 +1276,26 @@ def test_init_is_idempotent_and_reports_the_sources(home):
 # Classification --------------------------------------------------------------
 
 class FakeOllama(LoopbackServer):
-    """Speaks Ollama's /api/chat: answers with a verdict, or misbehaves."""
+    """Speaks Ollama's /api/chat: answers with a verdict, or misbehaves.
+    `keep_alive`: keeps connections open as the real one does (HTTP/1.1);
+    `drops`: then closes each one after its answer all the same, unsaid."""
 
-    def __init__(self, mode="ok", latency=0.0):
+    def __init__(self, mode="ok", latency=0.0, keep_alive=False, drops=False):
         self.mode, self.latency, self.requests = mode, latency, []
+        self.connections = []       # the client's address of each request
         self.lock = threading.Lock()
         fake = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1" if keep_alive else "HTTP/1.0"
+            disable_nagle_algorithm = keep_alive    # as Ollama (Go) sends
+
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with fake.lock:
                     fake.requests.append((self.path, body))
+                    fake.connections.append(self.client_address)
+                self.close_connection = drops
                 time.sleep(fake.latency)
                 status, answer = fake.answer(body)
                 data = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
@@ -1551,6 +1559,35 @@ def test_an_unreachable_ollama_stops_the_workers_instead_of_cycling_the_queue(ho
     touched = db.conn().execute("SELECT count(*) FROM posts WHERE error LIKE '%refused%'").fetchone()[0]
     assert touched == 3 and queue_of(db) == {0: 50}
     assert db.conn().execute("SELECT max(attempts) FROM posts").fetchone()[0] == 0
+
+
+def test_each_worker_asks_its_questions_on_one_kept_connection(home):
+    """Ollama keeps connections open: a worker asks every question on one,
+    with no connection set-up per post."""
+    fake = FakeOllama(keep_alive=True)
+    try:
+        s, db, registry = worker_home(home, fake.url)
+        add_posts(db.conn(), 12)
+        stats, _ = vesti.run_workers(db, s, registry, workers=2, quiet=True)
+        assert stats.done == 12 and queue_of(db) == {1: 12}
+        assert sorted(fake.titles()) == sorted(f"Post {k}" for k in range(12))
+        assert len(set(fake.connections)) <= 2
+    finally:
+        fake.close()
+
+
+def test_a_kept_connection_the_server_closed_is_replaced_and_the_question_asked_once(home):
+    fake = FakeOllama(keep_alive=True, drops=True)
+    try:
+        s, db, registry = worker_home(home, fake.url)
+        add_posts(db.conn(), 6)
+        stats, _ = vesti.run_workers(db, s, registry, workers=1, quiet=True)
+        assert (stats.done, stats.failed, stats.returned) == (6, 0, 0)
+        assert queue_of(db) == {1: 6}
+        assert sorted(fake.titles()) == sorted(f"Post {k}" for k in range(6))    # once each
+        assert len(set(fake.connections)) == 6
+    finally:
+        fake.close()
 
 
 @both

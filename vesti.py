@@ -54,12 +54,10 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import xml.etree.ElementTree as ElementTree
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 log = logging.getLogger("vesti")
@@ -364,6 +362,11 @@ class StoryPending(VestiError):
     def __init__(self, story):
         super().__init__(f"waiting for the verdict of its story (post {story})")
         self.story = story
+
+
+class NotAsked(VestiError):
+    """A question waiting in line behind one that could not reach Ollama
+    is not asked: its post goes back to the queue, its attempt uncounted."""
 
 
 class HelperGone(VestiError):
@@ -5199,26 +5202,66 @@ def ollama_request(title, text, directions, settings):
                 {"role": "user", "content": f"{title}\n\n{shorten(text, 6000)}".strip()}]}
 
 
+# Each thread keeps its connection to Ollama open from one question to the
+# next, as Ollama keeps it open: no connection set-up (or TLS handshake) per post.
+_ollama_lines = threading.local()
+
+
+def ollama_connection(parts, timeout, fresh=False):
+    """(this thread's connection to the server of `parts`, whether it
+    carried a question before)."""
+    server = (parts.scheme, parts.netloc)
+    kept = getattr(_ollama_lines, "kept", None)
+    if kept is not None and kept[0] == server and not fresh:
+        kept[1].timeout = timeout
+        if kept[1].sock is not None:
+            kept[1].sock.settimeout(timeout)
+        return kept[1], True
+    close_ollama_connection()
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    connection = kind(parts.hostname, parts.port, timeout=timeout)
+    _ollama_lines.kept = (server, connection)
+    return connection, False
+
+
+def close_ollama_connection():
+    """Close this thread's connection to Ollama, if it has one."""
+    kept = getattr(_ollama_lines, "kept", None)
+    _ollama_lines.kept = None
+    if kept is not None:
+        kept[1].close()
+
+
 def post_json(url, payload, timeout):
     """POST JSON, return the decoded JSON answer. Connection failures raise
-    OllamaUnreachable, anything else ClassifyError."""
-    request = urllib.request.Request(url, data=json.dumps(payload).encode("utf-8"),
-                                     headers={"Content-Type": "application/json"})
+    OllamaUnreachable, anything else ClassifyError. A kept connection the
+    server closed meanwhile is replaced once, the question asked again."""
+    parts = urllib.parse.urlsplit(url)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    body = json.dumps(payload).encode("utf-8")
+    for fresh in (False, True):
+        connection, reused = ollama_connection(parts, timeout, fresh)
+        try:
+            connection.request("POST", target, body, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            answer = response.read()
+        except (OSError, http.client.HTTPException) as e:
+            close_ollama_connection()
+            if reused and isinstance(e, ConnectionError):
+                continue
+            if isinstance(e, (socket.timeout, TimeoutError)):
+                raise ClassifyError(f"Ollama did not answer within {timeout:g} s") from None
+            raise OllamaUnreachable(f"Ollama unreachable at {url}: {describe_error(e)}") from None
+        if response.will_close:
+            close_ollama_connection()
+        break
+    if response.status >= 300:
+        detail = shorten(answer[:300].decode("utf-8", "replace").strip(), 200)
+        raise ClassifyError(f"Ollama answered HTTP {response.status}: {detail}")
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            body = response.read()
-    except urllib.error.HTTPError as e:
-        detail = shorten(e.read(300).decode("utf-8", "replace").strip(), 200)
-        raise ClassifyError(f"Ollama answered HTTP {e.code}: {detail}") from None
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-        reason = getattr(e, "reason", e)
-        if isinstance(reason, (socket.timeout, TimeoutError)):
-            raise ClassifyError(f"Ollama did not answer within {timeout:g} s") from None
-        raise OllamaUnreachable(f"Ollama unreachable at {url}: {describe_error(e)}") from None
-    try:
-        return json.loads(body)
+        return json.loads(answer)
     except ValueError:
-        raise ClassifyError(f"Ollama answered with no JSON: {shorten(body.decode('utf-8', 'replace'), 200)!r}") from None
+        raise ClassifyError(f"Ollama answered with no JSON: {shorten(answer.decode('utf-8', 'replace'), 200)!r}") from None
 
 
 def _score(reply, key):
@@ -5643,20 +5686,16 @@ class WorkerPool:
         self.last_expiry = 0.0
         self.last_heartbeat = -math.inf
         self.down_noted = True      # the page may say Ollama is down (see note_written)
-        self.asker = None           # the LLM questions' threads, while the pool runs
 
     def run(self, workers, limit=None, forever=False):
         self.tickets = limit
         self.housekeeping()
-        # Each worker asks the LLM one question at a time in the background.
-        self.asker = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ask")
         try:
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="worker") as pool:
                 futures = [pool.submit(self.work, forever) for _ in range(workers)]
                 for future in futures:
                     future.result()
         finally:
-            self.asker.shutdown(wait=False)     # a question left behind: its post is put back
             self.call_classify("close")
         return self.stats
 
@@ -5870,9 +5909,12 @@ class WorkerPool:
 class Worker:
     """One worker of a pool, in its own thread: it claims a batch, classifies
     its posts one by one and writes their verdicts with the next claim; the
-    batch grows while posts are fast. A post the LLM decides is asked in the
-    background, one at a time, while the worker writes what is done, claims
-    and prepares the next."""
+    batch grows while posts are fast. A post the LLM decides is asked by the
+    worker's asking thread, one question at a time, while the worker writes
+    what is done, claims and prepares the next; the next question waits in
+    line there, so it is asked the moment the one under way is answered."""
+
+    QUESTIONS = 2       # under way and waiting in line
 
     def __init__(self, pool, conn):
         self.pool, self.conn = pool, conn
@@ -5880,7 +5922,8 @@ class Worker:
         self.classify = getattr(pool.classify, "prepare", pool.classify)
         self.in_hand = collections.deque()  # claimed, not begun
         self.finished = []                  # (post, verdict) not written yet
-        self.asking = None                  # (post, future) of the question under way
+        self.asking = collections.deque()   # (post, future) of the questions asked, oldest first
+        self.asker = None                   # the thread that asks, from the first question
         self.size, self.started = 1, 0.0
 
     def run(self, forever):
@@ -5891,18 +5934,25 @@ class Worker:
                 elif not self.refill(forever):
                     return
         except BaseException:
-            self.asking = None      # not waited for: its post is put back with the rest
+            self.asking.clear()     # not waited for: their posts are put back with the rest
             raise
         finally:
-            self.hear_answer()
-            self.put_down()
+            try:
+                for _, question in self.asking:
+                    question.cancel()   # one waiting in line is not asked: its post goes back
+                self.hear_answers()
+                self.put_down()
+            finally:
+                if self.asker is not None:
+                    self.asker.submit(close_ollama_connection)
+                    self.asker.shutdown(wait=False)
 
     def refill(self, forever):
         """Write what is done and claim the next batch; False once there is
         nothing more to do."""
         pool = self.pool
-        if self.asking and self.asking[1].done():
-            self.hear_answer()
+        while self.asking and (self.asking[0][1].done() or len(self.asking) >= self.QUESTIONS):
+            self.hear_answer()      # a full line: the next claim waits for an answer
         if self.finished and pool.stats.ollama_down:
             self.turn(0)                    # may_claim may wait a while
         wanted = pool.take_tickets(self.size) if pool.may_claim(forever) else 0
@@ -5951,13 +6001,13 @@ class Worker:
         try:
             return self.classify(post)
         except StoryPending as e:
-            if not self.asking or e.story != self.asking[0]["id"]:
+            if e.story not in (asked["id"] for asked, _ in self.asking):
                 return self.fail(post, e)
         except Exception as e:
             return self.fail(post, e)
-        # Its story waits for the post this worker asks about: that verdict
+        # Its story waits for a post this worker asks about: that verdict
         # is written first, then the post is prepared again.
-        self.hear_answer()
+        self.hear_answers()
         self.turn(0)
         try:
             return self.classify(post)
@@ -5968,24 +6018,44 @@ class Worker:
         self.pool.fail(self.conn, post, error)
 
     def ask(self, post, question):
-        """Ask the LLM in the background, once the question under way is
-        answered; not while Ollama is down (the post goes back)."""
-        self.hear_answer()
+        """Ask the LLM in the background, behind the question under way
+        (once a question waiting in line is asked); not while Ollama is down
+        (the post goes back)."""
+        if len(self.asking) >= self.QUESTIONS:
+            self.hear_answer()
         if self.pool.stats.ollama_down:
             give_back_posts(self.conn, [post["claim_token"]])
         else:
-            self.asking = (post, self.pool.asker.submit(question))
+            if self.asker is None:
+                self.asker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ask")
+            ahead = self.asking[-1][1] if self.asking else None
+            self.asking.append((post, self.asker.submit(self.put, question, ahead)))
+
+    def put(self, question, ahead):
+        """In the asking thread: the question, unless the one ahead of it
+        could not reach Ollama (or Ollama is down)."""
+        if self.pool.stats.ollama_down or (
+                ahead is not None and isinstance(ahead.exception(), OllamaUnreachable)):
+            raise NotAsked()
+        return question()
 
     def hear_answer(self):
-        """Wait for the answer to the question under way: its verdict joins
-        those to write (a failure is written back at once)."""
+        """Wait for the answer to the oldest question: its verdict joins
+        those to write (a failure is written back at once; a question never
+        asked goes back to the queue)."""
         if not self.asking:
             return
-        (post, question), self.asking = self.asking, None
+        post, question = self.asking.popleft()
         try:
             self.finished.append((post, question.result()))
+        except (CancelledError, NotAsked):
+            give_back_posts(self.conn, [post["claim_token"]])
         except Exception as e:
             self.fail(post, e)
+
+    def hear_answers(self):
+        while self.asking:
+            self.hear_answer()
 
     def turn(self, wanted):
         """Write the verdicts in hand and claim up to `wanted` posts."""

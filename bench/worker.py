@@ -29,7 +29,8 @@ What it measures:
      (the raw CLI ratio and the in-process ratio are printed as well)
 2. Concurrency with a slow LLM. A fake Ollama on 127.0.0.1 answers every
    POST /api/chat after --latency seconds with a valid verdict and counts
-   requests per post title. --llm-posts pending posts, each with a keyword
+   requests per post title; like Ollama, it keeps connections open
+   (HTTP/1.1) and sends with no Nagle delay. --llm-posts pending posts, each with a keyword
    hit, so each goes to the LLM; `vesti.py worker --workers W` runs with
    OLLAMA_URL pointing at the fake.
      ideal  = llm-posts * latency / W
@@ -445,7 +446,11 @@ def throughput_benchmark(store, sources, posts, workers):
 
 class FakeOllama(http.server.BaseHTTPRequestHandler):
     """POST /api/chat: sleeps, then answers VERDICT; counts requests by the
-    post title (the first line of the user message)."""
+    post title (the first line of the user message). Keeps connections open
+    (HTTP/1.1) and sends at once (no Nagle delay), as Ollama does."""
+
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
 
     def do_POST(self):
         site = self.server.site
