@@ -2623,10 +2623,15 @@ def insert_new_posts(conn, source_id, direction, drafts, fetched_at=None):
 
 # Runs and health ------------------------------------------------------------
 
+@redoable
 def start_run(conn, source_id, task, trigger):
-    return conn.execute(
-        "INSERT INTO runs (source_id, task, trigger, started_at, pid) VALUES (?, ?, ?, ?, ?)",
-        (source_id, task, trigger, utc_text(), os.getpid())).lastrowid
+    # In a transaction: the process's threads queue for the write lock and
+    # are woken the moment it is free (see write_lock), where a lone
+    # statement would wait in SQLite's busy handler, which sleeps and polls.
+    with transaction(conn):
+        return conn.execute(
+            "INSERT INTO runs (source_id, task, trigger, started_at, pid) VALUES (?, ?, ?, ?, ?)",
+            (source_id, task, trigger, utc_text(), os.getpid())).lastrowid
 
 
 def finish_run(conn, run_id, status, new_posts=0, error=None):
