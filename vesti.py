@@ -2595,6 +2595,8 @@ def known_entries(conn, source_id, drafts):
 
 def insert_new_posts(conn, source_id, direction, drafts, fetched_at=None):
     """store_posts in the caller's transaction. Returns how many were new."""
+    if not drafts:
+        return 0
     fetched_at = fetched_at or utc_text()
     new = 0
     settle_index_mark(conn)
@@ -4597,23 +4599,41 @@ def crawl_rss(db, settings, selection=("all", None), trigger="cli", gate=None, q
     moved = moved_feeds(db.conn())
     groups = group_by_host(sources, lambda s: moved.get(s["id"]) or s["url"])
 
+    hosts_left = queue.SimpleQueue()
+    for place, group in enumerate(groups):
+        hosts_left.put((place, group))
+
+    def crawl_lane():
+        """Host after host until none is left, on one connection: opening
+        one costs more than recording a feed."""
+        crawled = []
+        with db.closing():
+            while not stop.is_set():
+                try:
+                    place, group = hosts_left.get_nowait()
+                except queue.Empty:
+                    break
+                crawled.append((place, crawl_group(group)))
+        return crawled
+
     def crawl_group(group):
         results = []
-        with db.closing():
-            for source in group:
-                if stop.is_set():
-                    break
-                try:
-                    results.append(crawl_feed(db, source, settings, gate, trigger))
-                except StorageError:
-                    stop.set()      # no other source can be stored either
-                    raise
-                progress.step(f"{source['slug']}: {results[-1].status}")
+        for source in group:
+            if stop.is_set():
+                break
+            try:
+                results.append(crawl_feed(db, source, settings, gate, trigger))
+            except StorageError:
+                stop.set()      # no other source can be stored either
+                raise
+            progress.step(f"{source['slug']}: {results[-1].status}")
         return results
 
-    with ThreadPoolExecutor(max_workers=settings.concurrency,
-                            thread_name_prefix="rss") as pool:
-        results = [r for group in pool.map(crawl_group, groups) for r in group]
+    lanes = max(1, min(settings.concurrency, len(groups)))
+    with ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="rss") as pool:
+        crawled = [pool.submit(crawl_lane) for _ in range(lanes)]
+        results = [r for _, group in sorted(c for lane in crawled for c in lane.result())
+                   for r in group]
     count_fetches(db.conn(), "rss", results)
     summary = CrawlSummary(results)
     if own_progress:
