@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+import tracemalloc
 import urllib.parse
 import xml.etree.ElementTree as ElementTree
 import zlib
@@ -772,6 +773,39 @@ def test_a_gzip_bomb_is_refused_without_eating_memory(home, server):
     s, db = intake(home, [rss_source("x", server.url + "/feed")], RSS_MAX_BYTES=1_000_000)
     crawl(s, db)
     assert "over the limit of 1000000 bytes" in source_row(db, "x")["last_error"]
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "raw deflate"])
+def test_a_compressed_feed_many_times_its_size_is_decoded_whole(home, server, encoding):
+    # Each read of the body inflates to many times the most that is
+    # inflated at once: every piece must arrive, the last item included.
+    entries = [{"guid": f"post-{k}", "link": f"{server.url}/post/{k}", "title": f"Post number {k}",
+                "text": f"Article {k}. " + "The same sentence again. " * 4000} for k in range(40)]
+    body = rss(entries)
+    deflate = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS if encoding == "raw deflate"
+                               else 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
+    data = deflate.compress(body) + deflate.flush()
+    assert len(body) > 100 * len(data) and len(body) > 10 * vesti._Decoder.STEP
+    server.routes["/feed"] = lambda request: (
+        200, {"Content-Encoding": encoding.split()[-1], "Content-Type": "application/rss+xml"}, data)
+    s, db = intake(home, [rss_source("lwn", server.url + "/feed")])
+    assert crawl(s, db).new_posts == 40
+    assert source_row(db, "lwn")["last_error"] is None
+    assert "Post number 39" in {post["title"] for post in posts_of(db, "lwn")}
+
+
+def test_refusing_a_gzip_bomb_holds_about_the_limit_in_memory(home, server):
+    bomb = gzip.compress(b"\0" * (64 << 20), compresslevel=9)
+    server.routes["/feed"] = lambda request: (200, {"Content-Encoding": "gzip"}, bomb)
+    s = make_settings(home, RSS_MAX_BYTES=4_000_000)
+    tracemalloc.start()
+    try:
+        with pytest.raises(vesti.FetchError, match="over the limit of 4000000 bytes"):
+            vesti.http_get(server.url + "/feed", s)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1.25 * 4_000_000
 
 
 def test_a_server_that_never_answers_times_out(home, server):

@@ -3695,6 +3695,8 @@ def send_get(url, headers, settings, policy, deadline):
 class _Decoder:
     """gzip or deflate (zlib-wrapped or raw) with a bounded output size."""
 
+    STEP = 1 << 18      # most bytes inflated by one call
+
     def __init__(self, encoding):
         self.encoding = encoding
         wbits = 16 + zlib.MAX_WBITS if encoding in ("gzip", "x-gzip") else zlib.MAX_WBITS
@@ -3711,6 +3713,18 @@ class _Decoder:
             out = self.inflater.decompress(data, room)
         self.started = True
         return out
+
+    def pieces(self, data, room):
+        """The output of `data`, in pieces of at most STEP bytes (zlib holds
+        twice a call's output while it works), until `room` bytes are out."""
+        while room > 0:
+            step = min(self.STEP, room)
+            out = self.decompress(data, step)
+            yield out
+            room -= len(out)
+            data = self.inflater.unconsumed_tail
+            if not data and len(out) < step:
+                return      # a full step may leave output behind with no input left
 
 
 def read_body(response, settings, deadline):
@@ -3730,16 +3744,14 @@ def read_body(response, settings, deadline):
         raw = response.read1(65536)
         if not raw:
             break
-        while raw:
-            try:
-                data = decoder.decompress(raw, limit + 1 - size) if decoder else raw
-            except zlib.error as e:
-                raise FetchError(f"broken {encoding} body: {e}") from None
-            raw = decoder.inflater.unconsumed_tail if decoder else b""
-            size += len(data)
-            if size > limit:
-                raise FetchError(f"body is over the limit of {limit} bytes")
-            chunks.append(data)
+        try:
+            for data in decoder.pieces(raw, limit + 1 - size) if decoder else (raw,):
+                size += len(data)
+                if size > limit:
+                    raise FetchError(f"body is over the limit of {limit} bytes")
+                chunks.append(data)
+        except zlib.error as e:
+            raise FetchError(f"broken {encoding} body: {e}") from None
     return b"".join(chunks)
 
 
