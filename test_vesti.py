@@ -3678,17 +3678,32 @@ def test_on_a_phone_each_source_shows_its_status_and_last_error(web, browser):
 
 # run: everything at once -------------------------------------------------------
 
+def run_process(home, *args, env=None):
+    """`vesti.py run` in its own process, with the page on a free port and
+    the password "pw"; returns (process, port)."""
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "vesti.py"), "run", *args], cwd=home, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "VESTI_WEB_PORT": "0", "RSS_HOST_DELAY": "0",
+             "VESTI_WEB_PASSWORD": "pw", **(env or {})})
+    line = process.stdout.readline()
+    return process, int(re.search(r"http://127\.0\.0\.1:(\d+)/", line)[1])
+
+
+def stop_process(process):
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.communicate(timeout=15)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
 def test_run_crawls_classifies_serves_and_stops_on_sigterm(home, server, ollama):
     server.feed("/feed", rss(items(5, host=server.url)))
     write_sources(home / "sources.yaml", [rss_source("lwn", server.url + "/feed", direction="linux")])
-    process = subprocess.Popen(
-        [sys.executable, str(ROOT / "vesti.py"), "run"], cwd=home, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env={**os.environ, "VESTI_WEB_PORT": "0", "OLLAMA_URL": ollama.url,
-             "RSS_HOST_DELAY": "0", "VESTI_WEB_PASSWORD": "pw"})
+    process, port = run_process(home, env={"OLLAMA_URL": ollama.url})
     try:
-        line = process.stdout.readline()
-        port = int(re.search(r"http://127\.0\.0\.1:(\d+)/", line)[1])
         auth = {"Authorization": "Basic " + base64.b64encode(b"admin:pw").decode()}
 
         def candidates():
@@ -3698,16 +3713,34 @@ def test_run_crawls_classifies_serves_and_stops_on_sigterm(home, server, ollama)
         assert wait_for(lambda: candidates().count('class="post"') == 5, timeout=15)
         page = candidates()
         assert "Summary: Post number 0" in page and "relevance <b>8</b>" in page
-        process.send_signal(signal.SIGTERM)
-        out, err = process.communicate(timeout=15)
     finally:
-        if process.poll() is None:
-            process.kill()
+        out, err = stop_process(process)
     assert process.returncode == 0, err
     assert "pw" not in out + err
     conn = sqlite3.connect(home / "vesti.db")
     assert conn.execute("SELECT count(*) FROM posts WHERE classified = -1").fetchone()[0] == 0
     assert conn.execute("SELECT trigger FROM runs").fetchone()[0] == "schedule"
+
+
+def test_run_makes_one_story_of_four_outlets_copies_and_asks_the_llm_once(home, server, ollama):
+    wrappers = ("", "From our correspondent: ", "Repost: ", "Breaking: ")
+    for k, prefix in enumerate(wrappers):
+        server.feed(f"/{k}", rss([{"guid": f"budget-{k}", "link": f"{server.url}/{k}/budget",
+                                   "title": f"Budget, as outlet {k} tells it",
+                                   "text": prefix + STORY + " The kernel of the plan is buses."}]))
+    write_sources(home / "sources.yaml", [rss_source(f"outlet{k}", f"{server.url}/{k}",
+                                                     direction="linux") for k in range(4)])
+    process, _ = run_process(home, "--workers", "1", env={"OLLAMA_URL": ollama.url})
+    try:
+        conn = sqlite3.connect(home / "vesti.db")
+        assert wait_for(lambda: conn.execute("SELECT count(*) FROM posts WHERE classified = 1")
+                        .fetchone()[0] == 4, timeout=20)
+    finally:
+        out, err = stop_process(process)
+    assert process.returncode == 0, err
+    assert len(ollama.titles()) == 1
+    stories = {row[0] for row in conn.execute("SELECT story_id FROM posts")}
+    assert len(stories) == 1 and None not in stories
 
 
 @both

@@ -7758,7 +7758,7 @@ def cmd_run(args, settings):
         server = start_web(db, settings, registry)
         # One gate for crawls and article fetches: a host sees one request at a time.
         gate = HostGate(settings.host_delay)
-        classifier = Classifier(registry, settings, gate)
+        classifier = Classifier(registry, settings, gate, db)
         scheduler = Scheduler(db, settings, registry, stop, gate=gate,
                               listeners=(classifier.use, server.app.use))
         crawls = threading.Thread(target=scheduler.run, name="scheduler", daemon=True)
