@@ -5000,19 +5000,29 @@ def test_two_copies_classified_at_once_make_one_story_and_one_llm_call(home):
         first = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
         add_copy(conn, "daily", "Budget approved", STORY + " Subscribe to our newsletter.",
                  "2026-12-01 08:01:00")
-        vesti.run_workers(db, s, registry, workers=2, quiet=True)       # the copy waits
-        assert len(fake.titles()) == 1
-        rows = conn.execute("SELECT id, story_id, classified, error FROM posts ORDER BY id").fetchall()
+        stats, _ = vesti.run_workers(db, s, registry, workers=2, limit=2, quiet=True)
+        assert queue_of(db) == {1: 2} and len(fake.titles()) == 1      # the copy waited
+        assert stats.done == 2 and stats.returned == 0
+        rows = conn.execute("SELECT id, story_id FROM posts ORDER BY id").fetchall()
         leader = rows[0]["story_id"]                    # whichever worker got there first
         assert leader in (first, first + 1) and [r["story_id"] for r in rows] == [leader, leader]
-        copy = next(r for r in rows if r["id"] != leader)
-        if copy["classified"] != 1:                     # it waited for the story's verdict
-            assert "waiting for the verdict of its story" in copy["error"]
-            conn.execute("UPDATE posts SET next_attempt_at = NULL WHERE id = ?", (copy["id"],))
-            vesti.run_workers(db, s, registry, workers=2, quiet=True)
-        assert queue_of(db) == {1: 2} and len(fake.titles()) == 1
     finally:
         fake.close()
+
+
+@both
+def test_a_copy_waiting_for_its_story_is_claimable_once_the_story_has_its_verdict(home):
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    lead = add_copy(conn, "wire", "Budget", STORY, "2026-12-01 08:00:00")
+    copy = add_copy(conn, "daily", "Budget", "Repost: " + STORY, "2026-12-01 08:01:00")
+    later = vesti.utc_text(time.time() + 60)
+    conn.execute("UPDATE posts SET story_id = ?, next_attempt_at = ? WHERE id = ?",
+                 (lead, later, copy))
+    assert vesti.wake_story_copies(conn, [copy]) == []          # the story has no verdict yet
+    conn.execute("UPDATE posts SET classified = 1 WHERE id = ?", (lead,))
+    assert vesti.wake_story_copies(conn, [copy]) == [copy]
+    assert vesti.claim_posts(conn, 5)[0]["id"] == copy
 
 
 @both

@@ -2505,6 +2505,22 @@ def defer_post(conn, post_id, token, error, retry_delay, now=None, text=None):
     return None if row is None else row[0]
 
 
+def wake_story_copies(conn, post_ids):
+    """Copies put back to wait for their story's verdict (defer_post) are
+    claimable at once when the story's first post is classified, failed or
+    gone, instead of waiting out STORY_WAIT. Returns the ids woken."""
+    woken = []
+    for among, values in conn.dialect.among("id", sorted(post_ids)):
+        woken += [row[0] for row in conn.execute(f"""
+            UPDATE posts SET next_attempt_at = NULL
+            WHERE {among} AND {IS_PENDING} AND next_attempt_at IS NOT NULL
+              AND NOT EXISTS (SELECT 1 FROM posts AS lead WHERE lead.id = posts.story_id
+                              AND (lead.classified IS NULL
+                                   OR lead.classified IN ({PENDING}, {PROCESSING})))
+            RETURNING id""", values)]
+    return woken
+
+
 @redoable
 def expire_leases(conn, lease_seconds, max_attempts, now=None):
     """Take back posts whose worker died: pending at once (the post did not
@@ -5420,6 +5436,9 @@ KEY_HELPER_BATCH = 32
 KEY_HELPER_CHUNK = 128
 # A helper that has not answered in this long is taken to be stuck.
 KEY_HELPER_WAIT = 60
+# How often workers look whether the stories their waiting copies wait for
+# have their verdict (see WorkerPool.wake_copies).
+STORY_POLL = 0.2
 
 
 def usable_cores():
@@ -5726,6 +5745,8 @@ class WorkerPool:
         self.last_expiry = 0.0
         self.last_heartbeat = -math.inf
         self.down_noted = True      # the page may say Ollama is down (see note_written)
+        self.story_waits = {}       # copy put back to wait for its story: until when
+        self.next_wake = 0.0
 
     def run(self, workers, limit=None, forever=False):
         self.tickets = limit
@@ -5851,6 +5872,30 @@ class WorkerPool:
                 return False
         return True
 
+    def wake_copies(self, conn):
+        """Copies this pool put back to wait for their story's verdict are
+        claimable as soon as it is there, not STORY_WAIT seconds later;
+        looked at every STORY_POLL seconds while some wait."""
+        with self.lock:
+            if not self.story_waits or time.monotonic() < self.next_wake:
+                return
+            self.next_wake = time.monotonic() + STORY_POLL
+            waiting = list(self.story_waits)
+        woken = wake_story_copies(conn, waiting)
+        with self.lock:
+            for post_id in woken:
+                self.story_waits.pop(post_id, None)
+
+    def copies_waiting(self):
+        """True while a copy this pool put back still waits for its story
+        (at most as long as one LLM call may take): a one-off run finishes
+        them before it exits."""
+        now = time.monotonic()
+        with self.lock:
+            self.story_waits = {post_id: until for post_id, until in self.story_waits.items()
+                                if until > now}
+            return bool(self.story_waits)
+
     def heartbeat(self):
         """Tell the page, every HEARTBEAT seconds, that workers are running and
         how they classify."""
@@ -5888,6 +5933,7 @@ class WorkerPool:
                  verdict["interest"], "" if written else " (taken back by the lease; not written)")
         with self.lock:
             self.connection_failures = 0
+            self.story_waits.pop(post["id"], None)
             if written:
                 self.stats.done += 1
             else:
@@ -5910,10 +5956,13 @@ class WorkerPool:
         elif isinstance(error, StoryPending):
             state = defer_post(conn, post["id"], post["claim_token"], message, STORY_WAIT,
                                text=getattr(error, "text", None))
+            if state == PENDING:
+                return self.wait_for_story(post)
         else:
             state = release_post(conn, post["id"], post["claim_token"], message,
                                  self.settings.max_attempts, self.settings.retry_delay)
         with self.lock:
+            self.story_waits.pop(post["id"], None)
             self.stats.failed += state == FAILED
             self.stats.returned += state == PENDING
             self.stats.lost += state is None
@@ -5924,6 +5973,15 @@ class WorkerPool:
             self.down_noted = True
         if self.progress:
             self.progress.step()
+
+    def wait_for_story(self, post):
+        """A copy put back until its story's first post has a verdict: not
+        a post done (its --limit ticket comes back), and a one-off run
+        waits for it (see copies_waiting)."""
+        until = time.monotonic() + STORY_WAIT + self.settings.ollama_timeout
+        with self.lock:
+            self.story_waits.setdefault(post["id"], until)
+        self.give_back_tickets(1)
 
     def note_connection(self, unreachable, message):
         """Count connection failures in a row; after OLLAMA_DOWN_AFTER, stop
@@ -5995,6 +6053,7 @@ class Worker:
             self.hear_answer()      # a full line: the next claim waits for an answer
         if self.finished and pool.stats.ollama_down:
             self.turn(0)                    # may_claim may wait a while
+        pool.wake_copies(self.conn)
         wanted = pool.take_tickets(self.size) if pool.may_claim(forever) else 0
         posts = self.turn(wanted)
         pool.give_back_tickets(wanted - len(posts))
@@ -6006,6 +6065,8 @@ class Worker:
             self.hear_answer()              # written by the next turn
         elif wanted and pool.held and not forever:
             pool.stop.wait(BATCH_WINDOW / 5)    # another batch may come back
+        elif wanted and not forever and pool.copies_waiting():
+            pool.stop.wait(STORY_POLL)          # copies wait for their story's verdict
         elif not wanted or pool.stop.is_set() or not forever:
             return False
         else:
