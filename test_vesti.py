@@ -1828,9 +1828,9 @@ def test_fast_posts_are_claimed_in_batches_and_the_limit_still_holds(home, monke
     turns = []
     real_turn = vesti.complete_and_claim
 
-    def counted_turn(conn, completions, claims, now=None, token=None):
+    def counted_turn(conn, completions, claims, **options):
         turns.append(len(completions))
-        return real_turn(conn, completions, claims, now, token)
+        return real_turn(conn, completions, claims, **options)
     monkeypatch.setattr(vesti, "complete_and_claim", counted_turn)
     stats, finished = vesti.run_workers(db, s, registry, workers=4, limit=150, quiet=True)
     assert finished and stats.done == 150
@@ -3999,6 +3999,34 @@ def test_articles_on_a_dripping_host_do_not_stall_the_workers(home):
     assert all(snippet in p["text"] for p in served)
     assert drip.connections < 6         # the busy tarpit host was given up on, not queued for
 
+
+
+@both
+def test_articles_of_different_hosts_are_fetched_side_by_side(home):
+    """Posts are stored feed by feed, so the oldest pending ones are one
+    host's: two workers still fetch two hosts' articles at a time, each
+    host at its own pace, instead of queueing for the first host."""
+    page = (CORPUS / "html" / "bbc.com.52241221.html").read_bytes()
+    hosts = [FeedServer("127.0.0.2"), FeedServer("127.0.0.3")]
+    try:
+        s, db, registry = worker_home(home, "", RSS_HOST_DELAY=0.2,
+                                      VESTI_ALLOW_PRIVATE_NETWORKS=1)
+        add_posts(db.conn(), 12, content_type="summary")
+        for k in range(12):
+            host = hosts[k // 6]
+            host.routes[f"/a/{k}"] = lambda request: (200, {"Content-Type": "text/html"}, page)
+            db.conn().execute("UPDATE posts SET url = ? WHERE title = ?",
+                              (f"{host.url}/a/{k}", f"Post {k}"))
+        vesti.run_workers(db, s, registry, workers=2, quiet=True)
+    finally:
+        for host in hosts:
+            host.close()
+    assert queue_of(db) == {1: 12}
+    order = [host for _, host in sorted((at, k) for k, host in enumerate(hosts)
+                                        for _, _, at in host.requests)]
+    assert len(order) == 12
+    # One host after the other would switch hosts about three times.
+    assert sum(a != b for a, b in zip(order, order[1:])) >= 6, order
 
 # The network policy: article links and redirects come from third parties.
 

@@ -1146,7 +1146,12 @@ def fts_query(text):
 
 
 def like_pattern(text):
-    return "%" + re.sub(r"([%_\\])", r"\\\1", text) + "%"
+    return f"%{like_escaped(text)}%"
+
+
+def like_escaped(text):
+    """`text` matched as itself by LIKE ... ESCAPE '\\'."""
+    return re.sub(r"([%_\\])", r"\\\1", text)
 
 
 # Dialects --------------------------------------------------------------------
@@ -2307,16 +2312,33 @@ CLAIMED = """id, source_id, url, article_url, title, text, content_type, attempt
              (SELECT url FROM sources WHERE sources.id = posts.source_id) AS source_url"""
 
 
-def claim_posts(conn, limit, now=None, token=None):
+def claim_posts(conn, limit, now=None, token=None, avoid=()):
     """Take up to `limit` of the oldest claimable posts, each with a claim
-    token of its own (the claim's token and the post's id)."""
-    now_text = utc_text(now)
-    return conn.execute(f"""
+    token of its own (the claim's token and the post's id). `avoid` is a
+    list of sets of hosts, the longest first: summary-only posts whose
+    article is on a host of the first set are passed over while other
+    posts can be had, then those of the next set; so articles of different
+    hosts are fetched side by side instead of one host's in a row."""
+    now_text, token = utc_text(now), token or claim_token()
+    hosts, *fewer = avoid or [()]
+    passed_over, patterns = article_hosts_clause(hosts)
+    posts = conn.execute(f"""
         UPDATE posts SET classified = {PROCESSING}, claimed_at = ?,
                          claim_token = ? || '-' || id, attempts = attempts + 1
-        WHERE id IN ({conn.dialect.claimable.format(pending=IS_PENDING)})
+        WHERE id IN ({conn.dialect.claimable.format(pending=IS_PENDING + passed_over)})
         RETURNING {CLAIMED}
-    """, (now_text, token or claim_token(), now_text, limit)).fetchall()
+    """, (now_text, token, *patterns, now_text, limit)).fetchall()
+    return posts if posts or not hosts else claim_posts(conn, limit, now, token, fewer)
+
+
+def article_hosts_clause(hosts):
+    """The SQL (to AND with) and parameters that leave out summary-only
+    posts whose article link is on one of `hosts`."""
+    if not hosts:
+        return "", []
+    patterns = [f"%://{like_escaped(host)}{end}%" for host in sorted(hosts) for end in "/:"]
+    links = " OR ".join(["coalesce(article_url, url, '') LIKE ? ESCAPE '\\'"] * len(patterns))
+    return f" AND NOT (coalesce(content_type, '') = 'summary' AND ({links}))", patterns
 
 
 def claimed_under(conn, token):
@@ -2418,12 +2440,13 @@ TURNS_BEGUN = set()
 
 
 @redoable
-def complete_and_claim(conn, completions, claims, now=None, token=None):
+def complete_and_claim(conn, completions, claims, now=None, token=None, avoid=()):
     """In one transaction: complete_posts for the (claimed post, verdict),
     quick posts entered in their stories (settle_stories; where writers work
     side by side, in a short transaction before), LLM calls and stories
-    counted; then claim_posts for `claims` posts. Returns (whether each
-    verdict was written, the posts claimed).
+    counted; then claim_posts for `claims` posts (articles on the hosts
+    to `avoid` last, see claim_posts). Returns (whether each verdict was written, the posts
+    claimed).
 
     Workers write at the same time where the database lets them (a shared
     transaction; stories one at a time), and take the count rows they share
@@ -2454,7 +2477,7 @@ def complete_and_claim(conn, completions, claims, now=None, token=None):
                                                    + bool(verdict.get("llm_saved")))
         posts = claimed_under(conn, token) if claims and redone else []
         if claims > len(posts):
-            posts += claim_posts(conn, claims - len(posts), now, token)
+            posts += claim_posts(conn, claims - len(posts), now, token, avoid)
         if counts:
             upsert_counts(conn, counts)
         count_completions(conn, written)
@@ -3518,6 +3541,7 @@ class HostGate:
         self.delay, self.clock = delay, clock
         self._changed = threading.Condition()
         self._busy = set()
+        self._waiting = collections.Counter()
         self._last = {}
 
     @contextlib.contextmanager
@@ -3532,20 +3556,39 @@ class HostGate:
                 self._last[host] = self.clock()
                 self._changed.notify_all()
 
+    def unavailable(self):
+        """The hosts a request would wait for now, as two sets: those taken
+        (a request under way, or callers waiting for one), and those resting
+        (asked less than `delay` seconds ago; the others are forgotten)."""
+        with self._changed:
+            now = self.clock()
+            self._last = {host: at for host, at in self._last.items() if at + self.delay > now}
+            taken = self._busy | self._waiting.keys()
+            return taken, self._last.keys() - taken
+
     def _take(self, host, deadline):
         with self._changed:
-            while True:
-                now = self.clock()
-                wait = None if host in self._busy else \
-                    self._last.get(host, -math.inf) + self.delay - now
-                if wait is not None and wait <= 0:
-                    self._busy.add(host)
-                    return
-                if deadline is not None:
-                    if now >= deadline:
-                        raise HostBusy(f"{host} is busy with another request")
-                    wait = deadline - now if wait is None else min(wait, deadline - now)
-                self._changed.wait(wait)
+            self._waiting[host] += 1
+            try:
+                self._wait_for(host, deadline)
+            finally:
+                self._waiting[host] -= 1
+                if not self._waiting[host]:
+                    del self._waiting[host]
+            self._busy.add(host)
+
+    def _wait_for(self, host, deadline):
+        while True:
+            now = self.clock()
+            wait = None if host in self._busy else \
+                self._last.get(host, -math.inf) + self.delay - now
+            if wait is not None and wait <= 0:
+                return
+            if deadline is not None:
+                if now >= deadline:
+                    raise HostBusy(f"{host} is busy with another request")
+                wait = deadline - now if wait is None else min(wait, deadline - now)
+            self._changed.wait(wait)
 
 
 @dataclasses.dataclass
@@ -5699,6 +5742,14 @@ class Classifier:
         """True when preparing the post waits on the network (its article)."""
         return article_link(post) is not None
 
+    def busy_hosts(self):
+        """The hosts an article fetch would wait for now (one request at a
+        time per host, RSS_HOST_DELAY apart), for claim_posts: those resting
+        are passed over while other posts can be had, those taken by another
+        worker even longer."""
+        taken, resting = self.gate.unavailable()
+        return [taken | resting, taken]
+
 
 def article_link(post):
     """The page whose full text a summary-only post is classified on, or None."""
@@ -5803,6 +5854,11 @@ class WorkerPool:
         if step is not None:
             step(*args)
 
+    def busy_hosts(self):
+        """The article hosts a claim passes over while it can (see claim_posts)."""
+        busy = getattr(self.classify, "busy_hosts", None)
+        return busy() if busy else ()
+
     def holds(self, post):
         """True when the post's slow work keeps the worker waiting (with a
         classify of one step, all of it does)."""
@@ -5843,7 +5899,8 @@ class WorkerPool:
                 wanted = 0
             self.claiming += 1
         try:
-            written, posts = complete_and_claim(conn, finished, wanted, token=claim_token())
+            written, posts = complete_and_claim(conn, finished, wanted, token=claim_token(),
+                                                avoid=self.busy_hosts() if wanted else ())
         finally:
             with self.lock:
                 self.claiming -= 1
