@@ -2554,6 +2554,51 @@ def test_healthz_answers_without_a_password(web):
     assert web.request("OPTIONS", "/crawlers")[0] == 405
 
 
+def test_the_generated_password_stays_the_same_across_restarts(home):
+    write_sources(home / "sources.yaml", [])
+    statuses = []
+    for run in range(2):
+        env = {k: v for k, v in os.environ.items() if k != "VESTI_WEB_PASSWORD"}
+        process = subprocess.Popen([sys.executable, str(ROOT / "vesti.py"), "serve", "--port", "0"],
+                                   cwd=home, text=True, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, env=env)
+        try:
+            said = process.stdout.readline() + process.stdout.readline()
+            port = int(re.search(r"http://127\.0\.0\.1:(\d+)/", said)[1])
+            if run == 0:
+                password = re.search(r"generated password (\S+),", said)[1]
+                assert "VESTI_WEB_PASSWORD" in said
+            else:
+                assert password not in said and "generated" not in said
+                assert "the one printed at the first start" in said
+            for given in (password, "wrong"):
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+                auth = base64.b64encode(f"admin:{given}".encode()).decode()
+                conn.request("GET", "/api/queue", headers={"Authorization": f"Basic {auth}"})
+                statuses.append(conn.getresponse().status)
+        finally:
+            out, err = stop_process(process)
+        assert password not in err
+    assert statuses == [200, 401, 200, 401]
+    kept = sqlite3.connect(home / "vesti.db").execute(
+        "SELECT value FROM meta WHERE key = 'web_password'").fetchone()[0]
+    assert kept.startswith("scrypt:") and password not in kept
+
+
+def test_wrong_passwords_from_one_address_are_refused_for_a_while(web, caplog):
+    wrong = {"Authorization": "Basic " + base64.b64encode(b"admin:guess").decode()}
+    assert web.get("/", auth=False)[0] == 401             # a browser's first ask counts for nothing
+    assert [web.get("/", auth=False, headers=wrong)[0] for _ in range(5)] == [401] * 5
+    status, headers, body = web.get("/")                  # even the right password waits now
+    assert status == 429 and 0 < int(headers["Retry-After"]) <= 900
+    assert "Too many wrong passwords" in body and "s3cret" not in body
+    assert web.get("/healthz", auth=False)[0] == 200
+    warnings = [r.getMessage() for r in caplog.records if "wrong passwords" in r.getMessage()]
+    assert len(warnings) == 1 and "guess" not in warnings[0]
+    web.app.wrong.clock = lambda: time.monotonic() + 901  # a quarter of an hour later
+    assert web.get("/")[0] == 200
+
+
 def test_unknown_paths_are_404_and_wrong_methods_405(web):
     assert web.get("/nope")[0] == 404
     status, headers, _ = web.get("/crawlers/reset")

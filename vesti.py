@@ -7210,6 +7210,88 @@ def metrics_text(conn):
     return "\n".join(lines) + "\n"
 
 
+# Passwords -------------------------------------------------------------------
+
+# scrypt's cost for a kept password: one of OWASP's equivalent settings
+# (N=2**14, r=8, p=5: 16 MB, about a tenth of a second here), paid once per
+# password a client presents: a password that matched is remembered.
+SCRYPT = {"n": 2 ** 14, "r": 8, "p": 5}
+
+
+def password_hash(password, salt=None):
+    """'scrypt:N:r:p:salt:hash' of a password, the only form it is kept in."""
+    salt = salt or secrets.token_bytes(16)
+    digest = hashlib.scrypt(password.encode(), salt=salt, dklen=32, **SCRYPT)
+    return f"scrypt:{SCRYPT['n']}:{SCRYPT['r']}:{SCRYPT['p']}:{salt.hex()}:{digest.hex()}"
+
+
+def password_matches(password, kept):
+    """True when `password` is the one `kept` is the hash of."""
+    try:
+        kind, n, r, p, salt, digest = kept.split(":")
+        computed = hashlib.scrypt(password.encode(), salt=bytes.fromhex(salt), n=int(n),
+                                  r=int(r), p=int(p), dklen=len(digest) // 2)
+    except (ValueError, AttributeError):
+        return False
+    return kind == "scrypt" and hmac.compare_digest(computed.hex(), digest)
+
+
+def generated_web_password(conn):
+    """With no VESTI_WEB_PASSWORD: a password made at the first start and
+    kept, hashed, in the database, so open pages, feed readers and metrics
+    scrapers keep working across restarts. Returns it the one time it is
+    made (to be printed), else None."""
+    if get_meta(conn, "web_password")[0] is not None:
+        return None
+    password = secrets.token_urlsafe(12)
+    kept = password_hash(password)
+    conn.execute("INSERT INTO meta (key, value, updated_at) VALUES ('web_password', ?, ?) "
+                 "ON CONFLICT DO NOTHING", (kept, utc_text()))
+    # Another process starting at the same moment may have made its own.
+    return password if get_meta(conn, "web_password")[0] == kept else None
+
+
+# Wrong passwords from one address in LOGIN_WINDOW seconds after which its
+# further tries are refused (429) until the oldest of them is that old.
+LOGIN_FAILURES = 5
+LOGIN_WINDOW = 900
+# Addresses remembered at most (the oldest forgotten first).
+LOGIN_ADDRESSES = 10_000
+
+
+class WrongPasswords:
+    """Wrong passwords per client address, to slow down guessing."""
+
+    def __init__(self, clock=time.monotonic):
+        self.clock, self.lock = clock, threading.Lock()
+        self.failures = collections.OrderedDict()      # address: deque of times
+
+    def wait(self, address):
+        """Seconds the address must wait before it may try again (0: now)."""
+        with self.lock:
+            times = self.recent(address)
+            if len(times) < LOGIN_FAILURES:
+                return 0
+            return max(1, math.ceil(times[0] + LOGIN_WINDOW - self.clock()))
+
+    def failed(self, address):
+        """Count a wrong password; True when it is the one that reaches the limit."""
+        with self.lock:
+            times = self.recent(address)
+            times.append(self.clock())
+            self.failures[address] = times
+            self.failures.move_to_end(address)
+            while len(self.failures) > LOGIN_ADDRESSES:
+                self.failures.popitem(last=False)
+            return len(times) == LOGIN_FAILURES
+
+    def recent(self, address):
+        times = self.failures.get(address, collections.deque())
+        while times and times[0] <= self.clock() - LOGIN_WINDOW:
+            times.popleft()
+        return times
+
+
 # The web application ---------------------------------------------------------
 
 def abort(status, text, headers=None):
@@ -7220,9 +7302,13 @@ def abort(status, text, headers=None):
 class WebApp:
     """Routes, Basic auth and cross-site protection for the VESTI page."""
 
-    def __init__(self, db, settings, registry, password):
+    def __init__(self, db, settings, registry, password=None):
         self.db, self.settings, self.registry = db, settings, registry
-        self.user, self.password = settings.web_user, password
+        # VESTI_WEB_PASSWORD, or None for the one kept hashed in the database.
+        self.user, self.password = settings.web_user, password or None
+        self.kept = None if self.password else get_meta(db.conn(), "web_password")[0]
+        self.matched = set()        # the sha256 of the kept password, once it was given
+        self.wrong = WrongPasswords()
         self._sources = (-math.inf, "")
         # Kept in the database: pages left open across a restart still post.
         self.secret = lasting_secret(db.conn(), "web_secret").encode()
@@ -7260,8 +7346,37 @@ class WebApp:
             return False
         # Both compared every time (&, not and), so timing tells nothing.
         return scheme.lower() == "basic" and \
-            hmac.compare_digest(user.encode(), self.user.encode()) & \
-            hmac.compare_digest(password.encode(), self.password.encode())
+            hmac.compare_digest(user.encode(), self.user.encode()) & self.right_password(password)
+
+    def right_password(self, password):
+        if self.password is not None:
+            return hmac.compare_digest(password.encode(), self.password.encode())
+        seen = hashlib.sha256(password.encode()).digest()
+        if seen in self.matched:
+            return True
+        if self.kept is None or not password_matches(password, self.kept):
+            return False
+        self.matched.add(seen)
+        return True
+
+    def check_login(self, request):
+        """Basic auth on every path but /healthz; an address that gave
+        LOGIN_FAILURES wrong passwords lately waits (429) before it may try
+        again. A request with no credentials (a browser's first) is no
+        wrong password."""
+        address = request.client_address[0]
+        wait = self.wrong.wait(address)
+        if wait:
+            abort(429, f"Too many wrong passwords from {address}; try again in "
+                       f"{math.ceil(wait / 60)} min", {"Retry-After": str(wait)})
+        header = request.headers.get("Authorization")
+        if self.authorized(header):
+            return
+        if header and self.wrong.failed(address):
+            log.warning("web: %d wrong passwords from %s in %d minutes; its tries are refused "
+                        "for a while", LOGIN_FAILURES, address, LOGIN_WINDOW // 60)
+        abort(401, "Authentication required",
+              {"WWW-Authenticate": 'Basic realm="VESTI", charset="UTF-8"'})
 
     def same_origin(self, request):
         """A POST must come from this page: its Origin (or Referer) names this host."""
@@ -7279,10 +7394,8 @@ class WebApp:
 
     def route(self, request, method):
         path, _, query = request.path.partition("?")
-        if not (method in ("GET", "HEAD") and path == "/healthz") and \
-                not self.authorized(request.headers.get("Authorization")):
-            abort(401, "Authentication required",
-                  {"WWW-Authenticate": 'Basic realm="VESTI", charset="UTF-8"'})
+        if not (method in ("GET", "HEAD") and path == "/healthz"):
+            self.check_login(request)
         matches = [(m, r.fullmatch(path), h) for m, r, h in self.routes if r.fullmatch(path)]
         if not matches:
             abort(404, "Not found")
@@ -7552,19 +7665,17 @@ def make_web_server(app, host, port):
     return server
 
 
-def web_password(settings):
-    """VESTI_WEB_PASSWORD, or a generated one (printed once by the caller)."""
-    if settings.web_password:
-        return settings.web_password, False
-    return secrets.token_urlsafe(12), True
-
-
-def announce_web(server, settings, password, generated):
+def announce_web(server, settings, generated):
+    """Where the page is, and the password when it was just made."""
     host, port = server.server_address[:2]
     print(f"web: http://{host}:{port}/ (user {settings.web_user})", flush=True)
     if generated:
-        print(f"web: generated password {password} (set VESTI_WEB_PASSWORD to choose one)",
-              flush=True)
+        print(f"web: generated password {generated}, kept (hashed) in the database: it stays "
+              f"the same after a restart, and is not shown again. To choose another, set "
+              f"VESTI_WEB_PASSWORD (e.g. in .env)", flush=True)
+    elif not settings.web_password:
+        print("web: the password is the one printed at the first start; forgot it? set "
+              "VESTI_WEB_PASSWORD (e.g. in .env)", flush=True)
 
 
 ###############################################################################
@@ -7847,13 +7958,13 @@ def cmd_crawl(args, settings):
 
 
 def start_web(db, settings, registry, host=None, port=None):
-    password, generated = web_password(settings)
-    server = make_web_server(WebApp(db, settings, registry, password),
+    generated = None if settings.web_password else generated_web_password(db.conn())
+    server = make_web_server(WebApp(db, settings, registry, settings.web_password),
                              host or settings.web_host,
                              settings.web_port if port is None else port)
     logging.getLogger("vesti.access").setLevel(logging.INFO)
     threading.Thread(target=server.serve_forever, name="web", daemon=True).start()
-    announce_web(server, settings, password, generated)
+    announce_web(server, settings, generated)
     return server
 
 
