@@ -3762,6 +3762,12 @@ def test_run_crawls_classifies_serves_and_stops_on_sigterm(home, server, ollama)
         out, err = stop_process(process)
     assert process.returncode == 0, err
     assert "pw" not in out + err
+    # A line per crawl and per spell of work on the console, none per page asked.
+    assert re.search(r"^crawl: priority 0: 1 sources \(1 ok.*5 new posts in [0-9.]+ s$", out, re.M)
+    spells = re.findall(r"^worker: (\d+) processed \(.* in [0-9.]+ s; nothing left to claim$",
+                        out, re.M)
+    assert sum(map(int, spells)) == 5
+    assert "GET /" not in err
     conn = sqlite3.connect(home / "vesti.db")
     assert conn.execute("SELECT count(*) FROM posts WHERE classified = -1").fetchone()[0] == 0
     assert conn.execute("SELECT trigger FROM runs").fetchone()[0] == "schedule"
@@ -3827,9 +3833,9 @@ def test_sigterm_stops_a_crawl_and_closes_its_runs(home):
         release.set()
     finally:
         srv.close()
-    assert process.returncode == 0, err
+    assert process.returncode == 130, err
     assert time.monotonic() - started < 4
-    assert "1 unfinished runs recorded as interrupted" in err
+    assert "interrupted; 1 unfinished runs recorded as interrupted" in err
     runs = sqlite3.connect(home / "vesti.db").execute("SELECT status FROM runs").fetchall()
     assert runs == [("interrupted",)]                   # the other sources were never started
     assert len(srv.requests) == 1

@@ -4655,8 +4655,10 @@ class CrawlSummary:
     def count(self, *statuses):
         return sum(r.status in statuses for r in self.results)
 
-    def line(self):
-        return (f"{len(self.results)} sources ({self.count('ok', 'not_modified', 'unchanged')} ok, "
+    def line(self, stop=None):
+        """The run in one line; it says so when `stop` cut it short."""
+        cut = "interrupted: " if stop is not None and stop.is_set() else ""
+        return (f"{cut}{len(self.results)} sources ({self.count('ok', 'not_modified', 'unchanged')} ok, "
                 f"{self.count('error', 'gone')} failed, {self.count('deferred')} deferred), "
                 f"{self.new_posts} new posts")
 
@@ -4711,7 +4713,7 @@ def crawl_rss(db, settings, selection=("all", None), trigger="cli", gate=None, q
     count_fetches(db.conn(), "rss", results)
     summary = CrawlSummary(results)
     if own_progress:
-        progress.finish(summary.line())
+        progress.finish(summary.line(stop))
     return summary
 
 
@@ -5150,7 +5152,7 @@ def crawl_telegram(db, settings, selection=("all", None), trigger="cli", client_
         count_fetches(db.conn(), "telegram", results)
     summary = CrawlSummary(results)
     if own_progress:
-        progress.finish(summary.line())
+        progress.finish(summary.line(stop))
     return summary
 
 
@@ -5203,7 +5205,7 @@ def crawl_everything(db, settings, selection=("all", None), trigger="cli", quiet
     if "failure" in result:
         raise result["failure"]
     summary = CrawlSummary(feeds.results + result["telegram"].results)
-    progress.finish(summary.line())
+    progress.finish(summary.line(stop))
     return summary
 
 
@@ -5457,6 +5459,10 @@ OLLAMA_DOWN_AFTER = 3
 OLLAMA_PAUSE = 60
 # How often workers leave a sign of life for the page (meta 'worker_seen').
 HEARTBEAT = 10
+# Workers that run on (`run`, `worker --forever`) say on the console what they
+# did: when nothing is left to claim after some work, and every WORK_REPORT
+# seconds while they keep working.
+WORK_REPORT = 60
 # A worker whose posts classify fast (keywords alone) claims them in batches
 # and writes their verdicts with the next claim, one transaction for many
 # posts: the batch doubles while a whole batch takes less than BATCH_WINDOW
@@ -5770,6 +5776,11 @@ class WorkerStats:
     def processed(self):
         return self.done + self.returned + self.failed + self.lost
 
+    def since(self, earlier):
+        """What was done after `earlier` (a copy of these figures)."""
+        return WorkerStats(self.done - earlier.done, self.returned - earlier.returned,
+                           self.failed - earlier.failed, self.lost - earlier.lost)
+
     def line(self):
         lost = f", {self.lost} taken back by the lease" if self.lost else ""
         return (f"{self.processed} processed ({self.done} done, {self.returned} returned "
@@ -5782,11 +5793,13 @@ class WorkerPool:
     in the background. Posts are classified outside any transaction, and a
     verdict is written only if its claim holds."""
 
-    def __init__(self, db, settings, classify, stop=None, progress=None):
+    def __init__(self, db, settings, classify, stop=None, progress=None, report=False):
         self.db, self.settings, self.classify = db, settings, classify
         self.stop = stop or threading.Event()
         self.progress = progress
         self.stats = WorkerStats()
+        self.report = report        # say on the console what was done (see WORK_REPORT)
+        self.said, self.said_at = WorkerStats(), time.monotonic()
         self.lock = threading.Lock()
         self.tickets = None
         self.held = 0
@@ -5917,6 +5930,7 @@ class WorkerPool:
         if forever and self.lease_check_due():
             self.housekeeping()
         self.heartbeat()
+        self.say_done(dry=False)
         while self.stats.ollama_down:
             if not forever:
                 return False
@@ -5952,6 +5966,20 @@ class WorkerPool:
             self.story_waits = {post_id: until for post_id, until in self.story_waits.items()
                                 if until > now}
             return bool(self.story_waits)
+
+    def say_done(self, dry):
+        """With `report`: a console line of what the workers did since the
+        last one, once nothing is left to claim (`dry`), or after
+        WORK_REPORT seconds of work."""
+        with self.lock:
+            done = self.stats.since(self.said)
+            now = time.monotonic()
+            if not self.report or not done.processed or (
+                    not dry and now - self.said_at < WORK_REPORT):
+                return
+            seconds, self.said, self.said_at = now - self.said_at, dataclasses.replace(self.stats), now
+        left = "nothing left to claim" if dry else f"{pending_count(self.db.conn())} waiting"
+        print(f"worker: {done.line()} in {seconds:.1f} s; {left}", flush=True)
 
     def heartbeat(self):
         """Tell the page, every HEARTBEAT seconds, that workers are running and
@@ -6127,6 +6155,7 @@ class Worker:
         elif not wanted or pool.stop.is_set() or not forever:
             return False
         else:
+            pool.say_done(dry=True)
             pool.idle()
         return True
 
@@ -6252,7 +6281,7 @@ def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
     progress = Progress("worker", total, quiet)
     stop = stop or threading.Event()
     pool = WorkerPool(db, settings, classify or Classifier(registry, settings, gate, db), stop,
-                      progress)
+                      progress, report=forever)
     try:
         finished, _ = run_until_stopped(lambda: pool.run(workers, limit, forever), stop,
                                         settings.stop_grace)
@@ -7799,10 +7828,12 @@ class Scheduler:
 
     def crawl(self, priority, source_ids):
         try:
+            started = time.monotonic()
             with self.db.closing():
                 summary = crawl_everything(self.db, self.settings, ("ids", source_ids),
                                            "schedule", quiet=True, gate=self.gate, stop=self.stop)
-            log.info("scheduled crawl of priority %d: %s", priority, summary.line())
+            print(f"crawl: priority {priority}: {summary.line(self.stop)} "
+                  f"in {time.monotonic() - started:.1f} s", flush=True)
         except StorageError as e:
             self.failure = e
             self.stop.set()
@@ -7882,18 +7913,26 @@ def cmd_init(args, settings):
     return 0
 
 
+# The exit code of a command cut short by SIGINT or SIGTERM, as shells expect
+# of a program stopped by Ctrl-C.
+INTERRUPTED = 130
+
+
 def crawl_command(db, settings, crawl):
     """Run crawl(stop) for a command: SIGTERM/SIGINT stop it starting more
     sources; fetches in flight get VESTI_STOP_GRACE seconds, then their runs
-    are closed as interrupted."""
+    are closed as interrupted. Exit code INTERRUPTED after a stop."""
     stop = threading.Event()
     with stop_on_signals(stop):
         finished, _ = run_until_stopped(lambda: crawl(stop), stop, settings.stop_grace)
-    if not finished:
-        count = interrupt_runs(db.conn())
-        print(f"vesti: stopped; {count} unfinished runs recorded as interrupted", file=sys.stderr)
-        leave_now(0)
-    return 0
+    if not stop.is_set():
+        return 0
+    if finished:
+        print("vesti: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    count = interrupt_runs(db.conn())
+    print(f"vesti: interrupted; {count} unfinished runs recorded as interrupted", file=sys.stderr)
+    leave_now(INTERRUPTED)
 
 
 def cmd_rss(args, settings):
@@ -7962,7 +8001,6 @@ def start_web(db, settings, registry, host=None, port=None):
     server = make_web_server(WebApp(db, settings, registry, settings.web_password),
                              host or settings.web_host,
                              settings.web_port if port is None else port)
-    logging.getLogger("vesti.access").setLevel(logging.INFO)
     threading.Thread(target=server.serve_forever, name="web", daemon=True).start()
     announce_web(server, settings, generated)
     return server
@@ -8475,7 +8513,7 @@ def main(argv=None):
         return 1
     except KeyboardInterrupt:
         print("vesti: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except BrokenPipeError:
         # `vesti.py status | head`: the reader has what it wanted.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
