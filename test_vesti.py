@@ -1251,6 +1251,19 @@ def test_cyrillic_feeds_come_out_readable(home, server, path, word):
         assert posts[0]["title"] == word
 
 
+@pytest.mark.parametrize("name,title", [
+    ("rssparser__heise.atom", "Scrum Day 2016: Bewerbungen für Vorträge und Workshops"),
+    ("miniflux__encoding_WINDOWS-1251.xml", "Цитата #17705")])     # declared in the XML
+def test_a_healthy_feed_served_as_text_xml_without_a_charset_has_no_warning(home, server,
+                                                                           name, title):
+    server.feed("/feed", (CORPUS / "feeds" / "real" / name).read_bytes(), content_type="text/xml")
+    s, db = intake(home, [rss_source("x", server.url + "/feed")])
+    crawl(s, db)
+    assert state_row(db, "x")["status"] == "ok"
+    assert state_row(db, "x")["last_error"] is None and source_row(db, "x")["last_error"] is None
+    assert title in [p["title"] for p in posts_of(db, "x")]
+
+
 # Command line (phase 1) ------------------------------------------------------
 
 def test_rss_command_and_its_shim_crawl_and_report(home, server):

@@ -4009,9 +4009,7 @@ def _fragment_sensitive(links):
 
 def run_feedparser(body, feed_url, content_type):
     feedparser = import_optional("feedparser", "feedparser", "the RSS crawler")
-    # Without a Content-Type feedparser flags every feed as malformed; XML
-    # with no charset lets it read the declaration or guess with chardet.
-    headers = {"content-location": feed_url, "content-type": content_type or "application/xml"}
+    headers = {"content-location": feed_url, "content-type": rfc7303_content_type(content_type)}
     if body[:1].isspace() and body.lstrip()[:5] == b"<?xml":
         body = body.lstrip()  # a stray newline before the declaration is common and harmless
     return feedparser.parse(body, response_headers=headers)
@@ -4124,10 +4122,35 @@ def read_plain_feed(body, feed_url, content_type, max_entries=None):
     return reading
 
 
+def media_type(content_type):
+    """(media type, charset or "") of a Content-Type; none at all is XML."""
+    mime, _, params = (content_type or "application/xml").partition(";")
+    charset = next((value.strip().strip("\"'") for key, _, value in
+                    (chunk.partition("=") for chunk in params.split(";"))
+                    if key.strip().lower() == "charset"), "")
+    return mime.strip(), charset
+
+
+def is_xml_type(mime):
+    return mime in XML_TYPES or (mime.startswith(("application/", "text/")) and mime.endswith("+xml"))
+
+
+def rfc7303_content_type(content_type):
+    """The Content-Type feedparser is told. Without one it flags every feed
+    as malformed. A text/xml without a charset is read as RFC 7303 reads it,
+    like application/xml (the XML declaration, else UTF-8): feedparser keeps
+    RFC 3023's us-ascii default, which RFC 7303 dropped because servers
+    never meant it, and flags every such feed that is not ASCII."""
+    mime, charset = media_type(content_type)
+    if not content_type or (mime.startswith("text/") and is_xml_type(mime) and not charset):
+        return "application/xml"
+    return content_type
+
+
 def parse_plain_xml(body, content_type):
-    """The document's root element, decoded as feedparser decodes it (RFC
-    3023: the HTTP charset, the XML declaration, UTF-8), or NotPlain where
-    feedparser would complain or guess."""
+    """The document's root element, decoded as feedparser decodes it (the
+    HTTP charset, the XML declaration, UTF-8), or NotPlain where feedparser
+    would complain or guess."""
     if body[:1].isspace() and body.lstrip()[:5] == b"<?xml":
         body = body.lstrip()
     if body[:3] == codecs.BOM_UTF8:
@@ -4135,19 +4158,12 @@ def parse_plain_xml(body, content_type):
     elif body[:2] in (codecs.BOM_UTF16_BE, codecs.BOM_UTF16_LE) or b"\0" in body[:4] \
             or body[:4] == b"\x4c\x6f\xa7\x94":
         raise NotPlain("a UTF-16, UTF-32 or EBCDIC body")
-    mime, _, params = (content_type or "application/xml").partition(";")
-    mime = mime.strip()
-    charset = next((value.strip().strip("\"'") for key, _, value in
-                    (chunk.partition("=") for chunk in params.split(";"))
-                    if key.strip().lower() == "charset"), "")
+    mime, charset = media_type(content_type)
+    if not is_xml_type(mime):
+        raise NotPlain(f"{mime} is not an XML media type")
     declared = XML_ENCODING.match(body)
     declared = declared.group(1).decode("utf-8", "replace").lower() if declared else ""
-    if mime in XML_TYPES[:3] or (mime.startswith("application/") and mime.endswith("+xml")):
-        encoding = charset or declared or "utf-8"
-    elif mime in XML_TYPES[3:] or (mime.startswith("text/") and mime.endswith("+xml")):
-        encoding = charset or "us-ascii"
-    else:
-        raise NotPlain(f"{mime} is not an XML media type")
+    encoding = charset or declared or "utf-8"
     try:
         text = body.decode("gb18030" if encoding.lower() == "gb2312" else encoding)
     except (UnicodeDecodeError, LookupError):
