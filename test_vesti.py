@@ -3428,6 +3428,52 @@ def test_discover_finds_a_sites_feeds_and_writes_their_entries(home, server):
         f"vesti: discover: no feed found at {server.url}/"
 
 
+def site_naming(server, *feeds):
+    """The site's page on `server`, naming these feed URLs."""
+    links = "".join(f'<link rel="alternate" type="application/rss+xml" href="{url}">'
+                    for url in feeds)
+    server.status("/", 200, {"Content-Type": "text/html"},
+                  f"<html><head>{links}</head><body>hi</body></html>".encode())
+
+
+def test_discover_says_why_the_feeds_it_found_could_not_be_read(home, server, internal):
+    internal.feed("/feed", rss(items(1, host=internal.url), title="Internal News"))
+    site_naming(server, internal.url + "/feed")
+    write_sources(home / "sources.yaml", [])
+    result = cli("discover", server.url + "/", cwd=home, env=FAST)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    said = result.stderr
+    assert "no feed found" not in said and "network policy" in said
+    assert "127.0.0.2" in said and "VESTI_ALLOW_PRIVATE_NETWORKS=1" in said
+    assert internal.requests == [] and result.stdout == ""
+    allowed = cli("discover", server.url + "/", cwd=home,
+                  env={**FAST, "VESTI_ALLOW_PRIVATE_NETWORKS": "1"})
+    assert allowed.returncode == 0 and f"# Internal News: {internal.url}/feed" in allowed.stdout
+    for named, what in [(server.url + "/gone.rss", "HTTP 404"),
+                        ("http://127.0.0.1:9/feed", "connection refused")]:
+        site_naming(server, named)
+        result = cli("discover", server.url + "/", cwd=home, env=FAST)
+        assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+        assert what in result.stderr and named in result.stderr
+    result = cli("discover", "http://127.0.0.1:9/", cwd=home, env=FAST)     # the site itself
+    assert result.returncode == 1
+    assert result.stderr == "vesti: discover: http://127.0.0.1:9/: connection refused\n"
+
+
+def test_discover_marks_the_feeds_that_are_already_sources(home, server):
+    server.feed("/news/rss", rss(items(2, host=server.url), title="Kernel News"))
+    server.feed("/blog/rss", rss(items(1, host=server.url), title="Kernel Blog"))
+    site_naming(server, "/news/rss", "/blog/rss")
+    write_sources(home / "sources.yaml",
+                  [rss_source("kernel", server.url.upper() + "/news/rss?utm_source=vesti")])
+    result = cli("discover", server.url + "/", cwd=home, env=FAST)
+    assert result.returncode == 0, result.stderr
+    assert f"# Kernel News: {server.url}/news/rss (already a source: kernel)" in result.stdout
+    entries = yaml.safe_load(result.stdout)
+    assert [entry["url"] for entry in entries] == [server.url + "/blog/rss"]
+    assert entries[0]["slug"] != "kernel"
+
+
 def test_reset_dead_command_does_what_the_button_does(home):
     write_sources(home / "sources.yaml", [rss_source("a", "http://127.0.0.1:9/a")])
     cli("init", cwd=home)

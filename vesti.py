@@ -3602,8 +3602,9 @@ def connect_to(host, port, policy, timeout):
             failure = e
     if failure is None and refused:
         raise RefusedDestination(
-            f"refused {host}: it resolves to a {refused[1]} address ({refused[0]}); "
-            f"set VESTI_ALLOW_PRIVATE_NETWORKS=1 to allow links and redirects there")
+            f"refused {host} by the network policy: it resolves to a {refused[1]} address "
+            f"({refused[0]}); set VESTI_ALLOW_PRIVATE_NETWORKS=1 to allow links and redirects "
+            f"there")
     raise FetchError(describe_error(failure or OSError("no address")))
 
 
@@ -4444,6 +4445,11 @@ def conditional_get(source, state, settings, gate):
                     home=source["url"])
 
 
+def status_text(status):
+    """"HTTP 404 Not Found": an answer's status, said."""
+    return f"HTTP {status} {http.client.responses.get(status, '')}".strip()
+
+
 # A server may ask to wait; no longer than a day.
 MAX_RETRY_AFTER = 86400
 
@@ -4459,8 +4465,7 @@ def check_status(response):
             seconds = min(seconds, MAX_RETRY_AFTER)
             raise SourceDeferred(f"HTTP {status}, retry after {int(seconds)} s", seconds)
     if status != 304 and not 200 <= status < 300:
-        reason = http.client.responses.get(status, "")
-        raise FetchError(f"HTTP {status} {reason}".strip())
+        raise FetchError(status_text(status))
 
 
 @dataclasses.dataclass
@@ -8074,53 +8079,99 @@ def feed_title(response):
     return dict.get(parsed.feed, "title") or response.url
 
 
+@dataclasses.dataclass
+class Discovery:
+    """What discover found at a site: its feeds [(title, feed URL, URL
+    asked)], and the candidates it could not read [(URL, FetchError)]."""
+    feeds: list = dataclasses.field(default_factory=list)
+    unread: list = dataclasses.field(default_factory=list)
+
+
 def discover_feeds(url, settings):
-    """The feeds a site offers, checked to be feeds: [(title, feed URL)]."""
+    """The feeds a site offers, checked to be feeds, as a Discovery."""
     gate = HostGate(settings.host_delay)
     page = http_get(url, settings, {"Accept": "text/html,application/xhtml+xml,*/*;q=0.5"}, gate)
     if page.status != 200:
-        raise FetchError(f"{url}: HTTP {page.status}")
+        raise FetchError(status_text(page.status))
     title = feed_title(page)
     if title is not None:
-        return [(title, page.url)]
+        return Discovery([(title, page.url, url)])
     links = _AlternateLinks()
     links.feed(page.body[:2_000_000].decode("utf-8", "replace"))
     named = [urllib.parse.urljoin(page.url, href) for _, href in links.found]
-    candidates = named or [urllib.parse.urljoin(page.url, path) for path in COMMON_FEED_PATHS]
-    feeds, seen = [], set()
-    for candidate in candidates:
-        if candidate in seen or urllib.parse.urlsplit(candidate).scheme not in WEB_SCHEMES:
+    if named:
+        return read_candidates(named, url, settings, gate, guessed=False)
+    guessed = [urllib.parse.urljoin(page.url, path) for path in COMMON_FEED_PATHS]
+    return read_candidates(guessed, url, settings, gate, guessed=True)
+
+
+def read_candidates(candidates, site, settings, gate, guessed):
+    """A Discovery of the URLs that may be feeds. A guessed path that is not
+    there is no news; a named feed that cannot be read, or any fetch that
+    failed, is said."""
+    found = Discovery()
+    for candidate in dict.fromkeys(candidates):
+        if urllib.parse.urlsplit(candidate).scheme not in WEB_SCHEMES:
             continue
-        seen.add(candidate)
         try:
-            response = http_get(candidate, settings, None, gate, home=url)
+            response = http_get(candidate, settings, None, gate, home=site)
         except FetchError as e:
             log.info("discover: %s: %s", candidate, e)
+            found.unread.append((candidate, e))
             continue
         title = feed_title(response) if response.status == 200 else None
         if title is not None:
-            feeds.append((title, response.url))
-    return feeds
+            found.feeds.append((title, response.url, candidate))
+        elif not guessed:
+            why = status_text(response.status) if response.status != 200 else "not a feed"
+            found.unread.append((candidate, FetchError(why)))
+    return found
+
+
+def no_feed_read(url, unread):
+    """Why discover lists no feed, in one line: a refusal first (it names
+    the setting that allows it), else the first failure."""
+    if not unread:
+        return f"no feed found at {url}"
+    candidate, error = next(((c, e) for c, e in unread if isinstance(e, RefusedDestination)),
+                            unread[0])
+    more = f" (and {len(unread) - 1} more not read)" if len(unread) > 1 else ""
+    return f"no feed read at {url}: {candidate}: {error}{more}"
+
+
+def sources_by_url(registry):
+    """The slug of every source, by its canonical URL."""
+    return {canonical_url(s.url): s.slug for s in registry.sources}
 
 
 def cmd_discover(args, settings):
     registry = load_registry(settings.sources)
     url = args.url if "://" in args.url else f"https://{args.url}"
+    check_feed_url("discover", url)
     try:
-        check_feed_url("discover", url)
-        feeds = discover_feeds(url, settings)
+        found = discover_feeds(url, settings)
     except FetchError as e:
-        print(f"vesti: discover: {e}", file=sys.stderr)
+        print(f"vesti: discover: {url}: {e}", file=sys.stderr)
         return 1
-    if not feeds:
-        print(f"vesti: discover: no feed found at {url}", file=sys.stderr)
+    if not found.feeds:
+        print(f"vesti: discover: {no_feed_read(url, found.unread)}", file=sys.stderr)
         return 1
-    taken = {s.slug for s in registry.sources}
-    for title, feed in feeds:
-        slug = slug_for(title, feed, taken)
-        print(f"# {title}: {feed}")
-        print("\n".join(source_entries([(slug, title, feed)], "  ", None, 1)))
+    print_discovered(found.feeds, registry)
     return 0
+
+
+def print_discovered(feeds, registry):
+    """Each feed with a sources.yaml entry to paste, or the slug of the
+    source it already is (by its URL or the URL the site named)."""
+    known, taken = sources_by_url(registry), {s.slug for s in registry.sources}
+    for title, feed, asked in feeds:
+        slug = known.get(canonical_url(feed)) or known.get(canonical_url(asked))
+        if slug:
+            print(f"# {title}: {feed} (already a source: {slug})\n")
+            continue
+        entry = (slug_for(title, feed, taken), title, feed)
+        print(f"# {title}: {feed}")
+        print("\n".join(source_entries([entry], "  ", None, 1)))
 
 
 def since_date(text):
