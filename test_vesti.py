@@ -3355,15 +3355,53 @@ def test_an_opml_export_is_added_to_sources_yaml_keeping_every_comment(home):
     assert "# - slug: durov" in text and "# VESTI source registry" in text
     registry = vesti.load_registry(str(home / "sources.yaml"))
     added = {s.slug: s for s in registry.sources if s.slug != "lwn"}
-    assert sorted(added) == ["nasa", "opennet", "phoronix"]
-    assert added["opennet"].name == "OpenNET: новости" and added["nasa"].direction == "linux"
+    assert sorted(added) == ["nasa-breaking-news", "opennet-novosti", "phoronix"]   # by title
+    assert added["opennet-novosti"].name == "OpenNET: новости"
+    assert added["nasa-breaking-news"].direction == "linux"          # --direction, not "Space"
     assert added["phoronix"].priority == 1
     again = cli("opml-import", str(OPML / "freshrss.opml"), cwd=home)
     assert "1 feeds added" in again.stdout and "2 skipped" in again.stdout   # phoronix, ftp
     slugs = [s.slug for s in vesti.load_registry(str(home / "sources.yaml")).sources]
-    assert slugs[-1] == "habr" and len(slugs) == len(set(slugs)) == 5
+    assert slugs[-1] == "habr-co" and len(slugs) == len(set(slugs)) == 5
     rows = sqlite3.connect(home / "vesti.db").execute("SELECT count(*) FROM sources").fetchone()
     assert rows[0] == 5                                     # synced at once
+
+
+EDITOR_DIRECTIONS = """\
+directions:
+  linux:
+    title: Linux and open source
+    keywords: [linux]
+  space:
+    title: Космос
+    keywords: [orbit]
+sources:
+  - slug: lwn-net
+    name: LWN
+    crawler: rss
+    url: https://lwn.net/headlines/rss
+"""
+
+
+def test_opml_folders_named_like_directions_put_their_feeds_there(home):
+    (home / "sources.yaml").write_text(EDITOR_DIRECTIONS, encoding="utf-8")
+    result = cli("opml-import", str(OPML / "inoreader.opml"), cwd=home)
+    assert result.returncode == 0, result.stderr
+    assert "9 feeds added" in result.stdout and "1 skipped" in result.stdout
+    assert "folders matching no direction: Podcasts, Podcasts / Security; " \
+        "their feeds were added without a direction" in result.stdout
+    added = {s.slug: s.direction for s in vesti.load_registry(str(home / "sources.yaml")).sources}
+    assert added == {"lwn-net": None, "lwn-net-2": "linux", "opennet-novosti": "linux",
+                     "khabr-vse-publikatsii": "linux", "nasa-breaking-news": "space",
+                     "radio-t": None, "risky-business": None, "hacker-news": None,
+                     "feeds-feedburner": None, "nhk": None}
+    (home / "other").mkdir()
+    (home / "other" / "sources.yaml").write_text(EDITOR_DIRECTIONS, encoding="utf-8")
+    chosen = cli("opml-import", str(OPML / "inoreader.opml"), "--direction", "space",
+                 cwd=home / "other")
+    assert chosen.returncode == 0 and "folders" not in chosen.stdout, chosen.stderr
+    registry = vesti.load_registry(str(home / "other" / "sources.yaml"))
+    assert {s.direction for s in registry.sources if s.slug != "lwn-net"} == {"space"}
 
 
 def test_a_broken_opml_file_changes_nothing(home):
@@ -3376,6 +3414,11 @@ def test_a_broken_opml_file_changes_nothing(home):
     (home / "bomb.opml").write_text('<?xml version="1.0"?><!DOCTYPE x [<!ENTITY a "aaaa">]>'
                                     '<opml><body><outline xmlUrl="&a;"/></body></opml>')
     assert cli("opml-import", "bomb.opml", cwd=home).returncode == 2
+    deep = ('<outline text="f">' * 150 + '<outline xmlUrl="https://x.example/rss"/>'
+            + "</outline>" * 150)
+    (home / "deep.opml").write_text(f"<opml><body>{deep}</body></opml>")
+    nested = cli("opml-import", "deep.opml", cwd=home)
+    assert nested.returncode == 2 and "nested deeper" in nested.stderr, nested.stderr
     assert (home / "sources.yaml").read_bytes() == before
 
 
@@ -3411,13 +3454,13 @@ def test_discover_finds_a_sites_feeds_and_writes_their_entries(home, server):
         '<link rel="alternate" type="application/rss+xml" title="Kernel news" href="/news/rss">'
         '<link rel="alternate" type="application/atom+xml" href="/missing.atom">'
         '<link rel="stylesheet" href="/style.css"></head><body>hi</body></html>').encode())
-    write_sources(home / "sources.yaml", [rss_source("127-0-0-1", "https://example.org/rss")])
+    write_sources(home / "sources.yaml", [rss_source("kernel-news", "https://example.org/rss")])
     result = cli("discover", server.url + "/", cwd=home, env=FAST)
     assert result.returncode == 0, result.stderr
     assert f"# Kernel News: {server.url}/news/rss" in result.stdout
     assert "missing.atom" not in result.stdout                 # named, but not a feed
     entry = yaml.safe_load(result.stdout)
-    assert entry[0]["slug"] == "127-0-0-1-2" and entry[0]["url"] == server.url + "/news/rss"
+    assert entry[0]["slug"] == "kernel-news-2" and entry[0]["url"] == server.url + "/news/rss"
     server.status("/plain", 200, {"Content-Type": "text/html"}, b"<html>no links</html>")
     server.routes["/"] = server.routes["/plain"]
     result = cli("discover", server.url + "/", cwd=home, env=FAST)       # no <link>: the common paths

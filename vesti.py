@@ -55,6 +55,7 @@ import subprocess
 import sys
 import threading
 import time
+import unicodedata
 import urllib.parse
 import xml.etree.ElementTree as ElementTree
 import zlib
@@ -7885,10 +7886,19 @@ def cmd_export(args, settings):
 # OPML ------------------------------------------------------------------------
 
 MAX_OPML_BYTES = 10 * 1024 * 1024
+# Feed readers nest folders a level or two; far deeper is not a reader's export.
+MAX_OPML_DEPTH = 100
 
 
-def opml_feeds(path):
-    """(title, feed URL) of every outline with an xmlUrl, nested ones too."""
+@dataclasses.dataclass
+class OpmlFeed:
+    title: str
+    url: str
+    folders: tuple      # the names of the folders it is in, outermost first
+
+
+def read_opml(path):
+    """The <body> of an OPML file; a ConfigError for anything that is not one."""
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_OPML_BYTES + 1)
@@ -7904,22 +7914,75 @@ def opml_feeds(path):
         raise ConfigError(f"{path}: not valid OPML ({e})") from None
     if root.tag.lower() != "opml" or root.find("body") is None:
         raise ConfigError(f"{path}: not OPML (no <opml> with a <body>)")
-    feeds = []
-    for outline in root.iter("outline"):
-        url = (outline.get("xmlUrl") or outline.get("xmlurl") or "").strip()
-        if url:
-            title = outline.get("title") or outline.get("text") or ""
-            feeds.append((" ".join(title.split()), url))
+    return root.find("body")
+
+
+def outline_name(outline):
+    return " ".join((outline.get("title") or outline.get("text") or "").split())
+
+
+def outline_feed_url(outline):
+    return (outline.get("xmlUrl") or outline.get("xmlurl") or "").strip()
+
+
+def opml_feeds(path):
+    """Every outline with an xmlUrl, nested ones too, in the file's order,
+    with the folders (named outlines without one) it is in."""
+    feeds, walk = [], [(iter(read_opml(path)), ())]
+    while walk:
+        children, folders = walk[-1]
+        outline = next(children, None)
+        if outline is None:
+            walk.pop()
+        elif outline.tag == "outline":
+            if len(walk) > MAX_OPML_DEPTH:
+                raise ConfigError(f"{path}: outlines nested deeper than {MAX_OPML_DEPTH} "
+                                  f"levels; not a feed reader's export")
+            url, name = outline_feed_url(outline), outline_name(outline)
+            if url:
+                feeds.append(OpmlFeed(name, url, folders))
+            walk.append((iter(outline), folders if url or not name else folders + (name,)))
     return feeds
 
 
-def slug_for(title, url, taken):
-    """A slug from the feed's site (or title), unique among `taken`."""
+def direction_names(registry):
+    """Each direction's id, by its id and by its title, in any case."""
+    return {name.strip().casefold(): d.id for d in registry.directions.values()
+            for name in (d.id, d.title)}
+
+
+def folder_direction(names, folders):
+    """The direction the nearest of these folders is named after, or None."""
+    return next((names[f.casefold()] for f in reversed(folders) if f.casefold() in names), None)
+
+
+# Cyrillic in Latin letters, as a slug spells it (Russian, Ukrainian, Belarusian).
+CYRILLIC_LATIN = str.maketrans({
+    "а": "a", "б": "b", "в": "v", "г": "g", "д": "d", "е": "e", "ё": "e", "ж": "zh", "з": "z",
+    "и": "i", "й": "y", "к": "k", "л": "l", "м": "m", "н": "n", "о": "o", "п": "p", "р": "r",
+    "с": "s", "т": "t", "у": "u", "ф": "f", "х": "kh", "ц": "ts", "ч": "ch", "ш": "sh",
+    "щ": "shch", "ъ": "", "ы": "y", "ь": "", "э": "e", "ю": "yu", "я": "ya",
+    "і": "i", "ї": "yi", "є": "ye", "ґ": "g", "ў": "u"})
+
+
+def slug_words(text):
+    """`text` as a slug: lower-case Latin letters, digits, _ and -; accents
+    dropped, Cyrillic transliterated, anything else a separator."""
+    latin = unicodedata.normalize("NFKD", text.lower().translate(CYRILLIC_LATIN))
+    latin = "".join(ch for ch in latin if not unicodedata.combining(ch))
+    return re.sub(r"[^a-z0-9_]+", "-", latin).strip("-")[:40].strip("-")
+
+
+def site_name(url):
+    """A feed's host without www. and its top-level domain (lwn.net -> lwn)."""
     host = host_of(url).removeprefix("www.")
-    if host and not re.fullmatch(r"[0-9.:\[\]]+", host):
-        host = host.rsplit(".", 1)[0]                  # lwn.net -> lwn
-    base = re.sub(r"[^a-z0-9]+", "-", (host or title).lower())
-    base = base.strip("-")[:40] or "feed"
+    return host if re.fullmatch(r"[0-9.:\[\]]*", host) else host.rsplit(".", 1)[0]
+
+
+def slug_for(title, url, taken):
+    """A slug from the feed's title (or, when that gives nothing, its
+    site's host), unique among `taken`."""
+    base = slug_words(title) or slug_words(site_name(url)) or "feed"
     slug, n = base, 2
     while slug in taken:
         slug, n = f"{base}-{n}", n + 1
@@ -7931,9 +7994,10 @@ def yaml_text(value):
     return json.dumps(value, ensure_ascii=False)
 
 
-def source_entries(feeds, indent, direction, priority):
+def source_entries(feeds, indent, priority):
+    """sources.yaml lines of new feeds: (slug, title, URL, direction or None)."""
     lines = []
-    for slug, title, url in feeds:
+    for slug, title, url, direction in feeds:
         lines += [f"{indent}- slug: {slug}", f"{indent}  name: {yaml_text(title or slug)}",
                   f"{indent}  crawler: rss", f"{indent}  url: {yaml_text(url)}"]
         if direction:
@@ -7963,38 +8027,52 @@ def append_sources(text, entries):
     return "\n".join(lines[:end] + [""] * (end > start + 1) + entries + lines[end:]).rstrip("\n") + "\n"
 
 
+def sources_by_url(registry):
+    """The slug of every source, by its canonical URL."""
+    return {canonical_url(s.url): s.slug for s in registry.sources}
+
+
 def import_opml(registry, path, direction=None, priority=0):
-    """Add an OPML file's feeds to sources.yaml (checked before it is written).
-    Returns (added, skipped)."""
+    """Add an OPML file's feeds to sources.yaml (checked before it is
+    written), each in `direction`, else in the direction its folder is named
+    after. Returns (added, skipped, the folders that name no direction)."""
     feeds = opml_feeds(path)
     if not feeds:
         raise ConfigError(f"{path}: no feeds (no outline with an xmlUrl)")
-    known = {canonical_url(s.url) for s in registry.sources}
-    taken = {s.slug for s in registry.sources}
-    added, skipped = [], 0
-    for title, url in feeds:
-        if canonical_url(url) in known or urllib.parse.urlsplit(url).scheme not in WEB_SCHEMES:
+    known, taken = set(sources_by_url(registry)), {s.slug for s in registry.sources}
+    names = direction_names(registry)
+    added, skipped, unmatched = [], 0, {}
+    for feed in feeds:
+        url = canonical_url(feed.url)
+        if url in known or urllib.parse.urlsplit(feed.url).scheme not in WEB_SCHEMES:
             skipped += 1
             continue
-        known.add(canonical_url(url))
-        added.append((slug_for(title, url, taken), title, url))
+        known.add(url)
+        chosen = direction or folder_direction(names, feed.folders)
+        if feed.folders and not chosen:
+            unmatched[" / ".join(feed.folders)] = True
+        added.append((slug_for(feed.title, feed.url, taken), feed.title, feed.url, chosen))
     if added:
-        with open(registry.path, encoding="utf-8") as f:
-            text = f.read()
-        item = re.search(r"^( *)- slug:", text, re.MULTILINE)
-        updated = append_sources(text, source_entries(added, item[1] if item else "  ",
-                                                      direction, priority))
-        scratch = f"{registry.path}.importing"
-        with open(scratch, "w", encoding="utf-8") as f:
-            f.write(updated)
-        try:
-            load_registry(scratch)
-        except ConfigError as e:
-            os.unlink(scratch)
-            raise ConfigError(f"{path}: the import would break {registry.path} ({e}); "
-                              f"nothing was changed") from None
-        os.replace(scratch, registry.path)
-    return len(added), skipped
+        add_sources(registry, path, added, priority)
+    return len(added), skipped, list(unmatched)
+
+
+def add_sources(registry, path, feeds, priority):
+    """Append feeds to sources.yaml, only if the file still loads after."""
+    with open(registry.path, encoding="utf-8") as f:
+        text = f.read()
+    item = re.search(r"^( *)- slug:", text, re.MULTILINE)
+    updated = append_sources(text, source_entries(feeds, item[1] if item else "  ", priority))
+    scratch = f"{registry.path}.importing"
+    with open(scratch, "w", encoding="utf-8") as f:
+        f.write(updated)
+    try:
+        load_registry(scratch)
+    except ConfigError as e:
+        os.unlink(scratch)
+        raise ConfigError(f"{path}: the import would break {registry.path} ({e}); "
+                          f"nothing was changed") from None
+    os.replace(scratch, registry.path)
 
 
 def opml_document(sources):
@@ -8024,9 +8102,12 @@ def opml_document(sources):
 def cmd_opml_import(args, settings):
     registry = load_registry(settings.sources)
     check_direction(registry, args.direction)
-    added, skipped = import_opml(registry, args.file, args.direction, args.priority)
+    added, skipped, unmatched = import_opml(registry, args.file, args.direction, args.priority)
     print(f"opml-import: {added} feeds added to {registry.path}, {skipped} skipped "
           f"(already there or not http)")
+    if unmatched:
+        print(f"opml-import: folders matching no direction: {', '.join(unmatched)}; "
+              f"their feeds were added without a direction")
     open_intake(settings)
     return 0
 
@@ -8139,11 +8220,6 @@ def no_feed_read(url, unread):
     return f"no feed read at {url}: {candidate}: {error}{more}"
 
 
-def sources_by_url(registry):
-    """The slug of every source, by its canonical URL."""
-    return {canonical_url(s.url): s.slug for s in registry.sources}
-
-
 def cmd_discover(args, settings):
     registry = load_registry(settings.sources)
     url = args.url if "://" in args.url else f"https://{args.url}"
@@ -8169,9 +8245,9 @@ def print_discovered(feeds, registry):
         if slug:
             print(f"# {title}: {feed} (already a source: {slug})\n")
             continue
-        entry = (slug_for(title, feed, taken), title, feed)
+        entry = (slug_for(title, feed, taken), title, feed, None)
         print(f"# {title}: {feed}")
-        print("\n".join(source_entries([entry], "  ", None, 1)))
+        print("\n".join(source_entries([entry], "  ", 1)))
 
 
 def since_date(text):
@@ -8270,7 +8346,8 @@ def build_parser():
     opml_in = command("opml-import", cmd_opml_import,
                       "add an OPML file's feeds to sources.yaml (comments kept)")
     opml_in.add_argument("file", metavar="FILE", help="an OPML file (a feed reader's export)")
-    opml_in.add_argument("--direction", metavar="D", help="direction of the new sources")
+    opml_in.add_argument("--direction", metavar="D",
+                         help="direction of every new source (else: the one its folder names)")
     opml_in.add_argument("--priority", metavar="N", type=whole_number, default=1,
                          help="priority of the new sources (default 1)")
     command("opml-export", cmd_opml_export, "the enabled feeds as OPML 2.0 to stdout")
