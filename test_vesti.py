@@ -1251,6 +1251,19 @@ def test_cyrillic_feeds_come_out_readable(home, server, path, word):
         assert posts[0]["title"] == word
 
 
+@pytest.mark.parametrize("name,title", [
+    ("rssparser__heise.atom", "Scrum Day 2016: Bewerbungen für Vorträge und Workshops"),
+    ("miniflux__encoding_WINDOWS-1251.xml", "Цитата #17705")])     # declared in the XML
+def test_a_healthy_feed_served_as_text_xml_without_a_charset_has_no_warning(home, server,
+                                                                           name, title):
+    server.feed("/feed", (CORPUS / "feeds" / "real" / name).read_bytes(), content_type="text/xml")
+    s, db = intake(home, [rss_source("x", server.url + "/feed")])
+    crawl(s, db)
+    assert state_row(db, "x")["status"] == "ok"
+    assert state_row(db, "x")["last_error"] is None and source_row(db, "x")["last_error"] is None
+    assert title in [p["title"] for p in posts_of(db, "x")]
+
+
 # Command line (phase 1) ------------------------------------------------------
 
 def test_rss_command_and_its_shim_crawl_and_report(home, server):
@@ -3387,15 +3400,53 @@ def test_an_opml_export_is_added_to_sources_yaml_keeping_every_comment(home):
     assert "# - slug: durov" in text and "# VESTI source registry" in text
     registry = vesti.load_registry(str(home / "sources.yaml"))
     added = {s.slug: s for s in registry.sources if s.slug != "lwn"}
-    assert sorted(added) == ["nasa", "opennet", "phoronix"]
-    assert added["opennet"].name == "OpenNET: новости" and added["nasa"].direction == "linux"
+    assert sorted(added) == ["nasa-breaking-news", "opennet-novosti", "phoronix"]   # by title
+    assert added["opennet-novosti"].name == "OpenNET: новости"
+    assert added["nasa-breaking-news"].direction == "linux"          # --direction, not "Space"
     assert added["phoronix"].priority == 1
     again = cli("opml-import", str(OPML / "freshrss.opml"), cwd=home)
     assert "1 feeds added" in again.stdout and "2 skipped" in again.stdout   # phoronix, ftp
     slugs = [s.slug for s in vesti.load_registry(str(home / "sources.yaml")).sources]
-    assert slugs[-1] == "habr" and len(slugs) == len(set(slugs)) == 5
+    assert slugs[-1] == "habr-co" and len(slugs) == len(set(slugs)) == 5
     rows = sqlite3.connect(home / "vesti.db").execute("SELECT count(*) FROM sources").fetchone()
     assert rows[0] == 5                                     # synced at once
+
+
+EDITOR_DIRECTIONS = """\
+directions:
+  linux:
+    title: Linux and open source
+    keywords: [linux]
+  space:
+    title: Космос
+    keywords: [orbit]
+sources:
+  - slug: lwn-net
+    name: LWN
+    crawler: rss
+    url: https://lwn.net/headlines/rss
+"""
+
+
+def test_opml_folders_named_like_directions_put_their_feeds_there(home):
+    (home / "sources.yaml").write_text(EDITOR_DIRECTIONS, encoding="utf-8")
+    result = cli("opml-import", str(OPML / "inoreader.opml"), cwd=home)
+    assert result.returncode == 0, result.stderr
+    assert "9 feeds added" in result.stdout and "1 skipped" in result.stdout
+    assert "folders matching no direction: Podcasts, Podcasts / Security; " \
+        "their feeds were added without a direction" in result.stdout
+    added = {s.slug: s.direction for s in vesti.load_registry(str(home / "sources.yaml")).sources}
+    assert added == {"lwn-net": None, "lwn-net-2": "linux", "opennet-novosti": "linux",
+                     "khabr-vse-publikatsii": "linux", "nasa-breaking-news": "space",
+                     "radio-t": None, "risky-business": None, "hacker-news": None,
+                     "feeds-feedburner": None, "nhk": None}
+    (home / "other").mkdir()
+    (home / "other" / "sources.yaml").write_text(EDITOR_DIRECTIONS, encoding="utf-8")
+    chosen = cli("opml-import", str(OPML / "inoreader.opml"), "--direction", "space",
+                 cwd=home / "other")
+    assert chosen.returncode == 0 and "folders" not in chosen.stdout, chosen.stderr
+    registry = vesti.load_registry(str(home / "other" / "sources.yaml"))
+    assert {s.direction for s in registry.sources if s.slug != "lwn-net"} == {"space"}
 
 
 def test_a_broken_opml_file_changes_nothing(home):
@@ -3408,6 +3459,11 @@ def test_a_broken_opml_file_changes_nothing(home):
     (home / "bomb.opml").write_text('<?xml version="1.0"?><!DOCTYPE x [<!ENTITY a "aaaa">]>'
                                     '<opml><body><outline xmlUrl="&a;"/></body></opml>')
     assert cli("opml-import", "bomb.opml", cwd=home).returncode == 2
+    deep = ('<outline text="f">' * 150 + '<outline xmlUrl="https://x.example/rss"/>'
+            + "</outline>" * 150)
+    (home / "deep.opml").write_text(f"<opml><body>{deep}</body></opml>")
+    nested = cli("opml-import", "deep.opml", cwd=home)
+    assert nested.returncode == 2 and "nested deeper" in nested.stderr, nested.stderr
     assert (home / "sources.yaml").read_bytes() == before
 
 
@@ -3443,13 +3499,13 @@ def test_discover_finds_a_sites_feeds_and_writes_their_entries(home, server):
         '<link rel="alternate" type="application/rss+xml" title="Kernel news" href="/news/rss">'
         '<link rel="alternate" type="application/atom+xml" href="/missing.atom">'
         '<link rel="stylesheet" href="/style.css"></head><body>hi</body></html>').encode())
-    write_sources(home / "sources.yaml", [rss_source("127-0-0-1", "https://example.org/rss")])
+    write_sources(home / "sources.yaml", [rss_source("kernel-news", "https://example.org/rss")])
     result = cli("discover", server.url + "/", cwd=home, env=FAST)
     assert result.returncode == 0, result.stderr
     assert f"# Kernel News: {server.url}/news/rss" in result.stdout
     assert "missing.atom" not in result.stdout                 # named, but not a feed
     entry = yaml.safe_load(result.stdout)
-    assert entry[0]["slug"] == "127-0-0-1-2" and entry[0]["url"] == server.url + "/news/rss"
+    assert entry[0]["slug"] == "kernel-news-2" and entry[0]["url"] == server.url + "/news/rss"
     server.status("/plain", 200, {"Content-Type": "text/html"}, b"<html>no links</html>")
     server.routes["/"] = server.routes["/plain"]
     result = cli("discover", server.url + "/", cwd=home, env=FAST)       # no <link>: the common paths
@@ -3458,6 +3514,52 @@ def test_discover_finds_a_sites_feeds_and_writes_their_entries(home, server):
     result = cli("discover", server.url + "/", cwd=home, env=FAST)
     assert result.returncode == 1 and result.stderr.strip() == \
         f"vesti: discover: no feed found at {server.url}/"
+
+
+def site_naming(server, *feeds):
+    """The site's page on `server`, naming these feed URLs."""
+    links = "".join(f'<link rel="alternate" type="application/rss+xml" href="{url}">'
+                    for url in feeds)
+    server.status("/", 200, {"Content-Type": "text/html"},
+                  f"<html><head>{links}</head><body>hi</body></html>".encode())
+
+
+def test_discover_says_why_the_feeds_it_found_could_not_be_read(home, server, internal):
+    internal.feed("/feed", rss(items(1, host=internal.url), title="Internal News"))
+    site_naming(server, internal.url + "/feed")
+    write_sources(home / "sources.yaml", [])
+    result = cli("discover", server.url + "/", cwd=home, env=FAST)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    said = result.stderr
+    assert "no feed found" not in said and "network policy" in said
+    assert "127.0.0.2" in said and "VESTI_ALLOW_PRIVATE_NETWORKS=1" in said
+    assert internal.requests == [] and result.stdout == ""
+    allowed = cli("discover", server.url + "/", cwd=home,
+                  env={**FAST, "VESTI_ALLOW_PRIVATE_NETWORKS": "1"})
+    assert allowed.returncode == 0 and f"# Internal News: {internal.url}/feed" in allowed.stdout
+    for named, what in [(server.url + "/gone.rss", "HTTP 404"),
+                        ("http://127.0.0.1:9/feed", "connection refused")]:
+        site_naming(server, named)
+        result = cli("discover", server.url + "/", cwd=home, env=FAST)
+        assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+        assert what in result.stderr and named in result.stderr
+    result = cli("discover", "http://127.0.0.1:9/", cwd=home, env=FAST)     # the site itself
+    assert result.returncode == 1
+    assert result.stderr == "vesti: discover: http://127.0.0.1:9/: connection refused\n"
+
+
+def test_discover_marks_the_feeds_that_are_already_sources(home, server):
+    server.feed("/news/rss", rss(items(2, host=server.url), title="Kernel News"))
+    server.feed("/blog/rss", rss(items(1, host=server.url), title="Kernel Blog"))
+    site_naming(server, "/news/rss", "/blog/rss")
+    write_sources(home / "sources.yaml",
+                  [rss_source("kernel", server.url.upper() + "/news/rss?utm_source=vesti")])
+    result = cli("discover", server.url + "/", cwd=home, env=FAST)
+    assert result.returncode == 0, result.stderr
+    assert f"# Kernel News: {server.url}/news/rss (already a source: kernel)" in result.stdout
+    entries = yaml.safe_load(result.stdout)
+    assert [entry["url"] for entry in entries] == [server.url + "/blog/rss"]
+    assert entries[0]["slug"] != "kernel"
 
 
 def test_reset_dead_command_does_what_the_button_does(home):

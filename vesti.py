@@ -55,6 +55,7 @@ import subprocess
 import sys
 import threading
 import time
+import unicodedata
 import urllib.parse
 import xml.etree.ElementTree as ElementTree
 import zlib
@@ -3661,8 +3662,9 @@ def connect_to(host, port, policy, timeout):
             failure = e
     if failure is None and refused:
         raise RefusedDestination(
-            f"refused {host}: it resolves to a {refused[1]} address ({refused[0]}); "
-            f"set VESTI_ALLOW_PRIVATE_NETWORKS=1 to allow links and redirects there")
+            f"refused {host} by the network policy: it resolves to a {refused[1]} address "
+            f"({refused[0]}); set VESTI_ALLOW_PRIVATE_NETWORKS=1 to allow links and redirects "
+            f"there")
     raise FetchError(describe_error(failure or OSError("no address")))
 
 
@@ -4068,9 +4070,7 @@ def _fragment_sensitive(links):
 
 def run_feedparser(body, feed_url, content_type):
     feedparser = import_optional("feedparser", "feedparser", "the RSS crawler")
-    # Without a Content-Type feedparser flags every feed as malformed; XML
-    # with no charset lets it read the declaration or guess with chardet.
-    headers = {"content-location": feed_url, "content-type": content_type or "application/xml"}
+    headers = {"content-location": feed_url, "content-type": rfc7303_content_type(content_type)}
     if body[:1].isspace() and body.lstrip()[:5] == b"<?xml":
         body = body.lstrip()  # a stray newline before the declaration is common and harmless
     return feedparser.parse(body, response_headers=headers)
@@ -4183,10 +4183,35 @@ def read_plain_feed(body, feed_url, content_type, max_entries=None):
     return reading
 
 
+def media_type(content_type):
+    """(media type, charset or "") of a Content-Type; none at all is XML."""
+    mime, _, params = (content_type or "application/xml").partition(";")
+    charset = next((value.strip().strip("\"'") for key, _, value in
+                    (chunk.partition("=") for chunk in params.split(";"))
+                    if key.strip().lower() == "charset"), "")
+    return mime.strip(), charset
+
+
+def is_xml_type(mime):
+    return mime in XML_TYPES or (mime.startswith(("application/", "text/")) and mime.endswith("+xml"))
+
+
+def rfc7303_content_type(content_type):
+    """The Content-Type feedparser is told. Without one it flags every feed
+    as malformed. A text/xml without a charset is read as RFC 7303 reads it,
+    like application/xml (the XML declaration, else UTF-8): feedparser keeps
+    RFC 3023's us-ascii default, which RFC 7303 dropped because servers
+    never meant it, and flags every such feed that is not ASCII."""
+    mime, charset = media_type(content_type)
+    if not content_type or (mime.startswith("text/") and is_xml_type(mime) and not charset):
+        return "application/xml"
+    return content_type
+
+
 def parse_plain_xml(body, content_type):
-    """The document's root element, decoded as feedparser decodes it (RFC
-    3023: the HTTP charset, the XML declaration, UTF-8), or NotPlain where
-    feedparser would complain or guess."""
+    """The document's root element, decoded as feedparser decodes it (the
+    HTTP charset, the XML declaration, UTF-8), or NotPlain where feedparser
+    would complain or guess."""
     if body[:1].isspace() and body.lstrip()[:5] == b"<?xml":
         body = body.lstrip()
     if body[:3] == codecs.BOM_UTF8:
@@ -4194,19 +4219,12 @@ def parse_plain_xml(body, content_type):
     elif body[:2] in (codecs.BOM_UTF16_BE, codecs.BOM_UTF16_LE) or b"\0" in body[:4] \
             or body[:4] == b"\x4c\x6f\xa7\x94":
         raise NotPlain("a UTF-16, UTF-32 or EBCDIC body")
-    mime, _, params = (content_type or "application/xml").partition(";")
-    mime = mime.strip()
-    charset = next((value.strip().strip("\"'") for key, _, value in
-                    (chunk.partition("=") for chunk in params.split(";"))
-                    if key.strip().lower() == "charset"), "")
+    mime, charset = media_type(content_type)
+    if not is_xml_type(mime):
+        raise NotPlain(f"{mime} is not an XML media type")
     declared = XML_ENCODING.match(body)
     declared = declared.group(1).decode("utf-8", "replace").lower() if declared else ""
-    if mime in XML_TYPES[:3] or (mime.startswith("application/") and mime.endswith("+xml")):
-        encoding = charset or declared or "utf-8"
-    elif mime in XML_TYPES[3:] or (mime.startswith("text/") and mime.endswith("+xml")):
-        encoding = charset or "us-ascii"
-    else:
-        raise NotPlain(f"{mime} is not an XML media type")
+    encoding = charset or declared or "utf-8"
     try:
         text = body.decode("gb18030" if encoding.lower() == "gb2312" else encoding)
     except (UnicodeDecodeError, LookupError):
@@ -4487,6 +4505,11 @@ def conditional_get(source, state, settings, gate):
                     home=source["url"])
 
 
+def status_text(status):
+    """"HTTP 404 Not Found": an answer's status, said."""
+    return f"HTTP {status} {http.client.responses.get(status, '')}".strip()
+
+
 # A server may ask to wait; no longer than a day.
 MAX_RETRY_AFTER = 86400
 
@@ -4502,8 +4525,7 @@ def check_status(response):
             seconds = min(seconds, MAX_RETRY_AFTER)
             raise SourceDeferred(f"HTTP {status}, retry after {int(seconds)} s", seconds)
     if status != 304 and not 200 <= status < 300:
-        reason = http.client.responses.get(status, "")
-        raise FetchError(f"HTTP {status} {reason}".strip())
+        raise FetchError(status_text(status))
 
 
 @dataclasses.dataclass
@@ -8131,10 +8153,19 @@ def cmd_export(args, settings):
 # OPML ------------------------------------------------------------------------
 
 MAX_OPML_BYTES = 10 * 1024 * 1024
+# Feed readers nest folders a level or two; far deeper is not a reader's export.
+MAX_OPML_DEPTH = 100
 
 
-def opml_feeds(path):
-    """(title, feed URL) of every outline with an xmlUrl, nested ones too."""
+@dataclasses.dataclass
+class OpmlFeed:
+    title: str
+    url: str
+    folders: tuple      # the names of the folders it is in, outermost first
+
+
+def read_opml(path):
+    """The <body> of an OPML file; a ConfigError for anything that is not one."""
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_OPML_BYTES + 1)
@@ -8150,22 +8181,75 @@ def opml_feeds(path):
         raise ConfigError(f"{path}: not valid OPML ({e})") from None
     if root.tag.lower() != "opml" or root.find("body") is None:
         raise ConfigError(f"{path}: not OPML (no <opml> with a <body>)")
-    feeds = []
-    for outline in root.iter("outline"):
-        url = (outline.get("xmlUrl") or outline.get("xmlurl") or "").strip()
-        if url:
-            title = outline.get("title") or outline.get("text") or ""
-            feeds.append((" ".join(title.split()), url))
+    return root.find("body")
+
+
+def outline_name(outline):
+    return " ".join((outline.get("title") or outline.get("text") or "").split())
+
+
+def outline_feed_url(outline):
+    return (outline.get("xmlUrl") or outline.get("xmlurl") or "").strip()
+
+
+def opml_feeds(path):
+    """Every outline with an xmlUrl, nested ones too, in the file's order,
+    with the folders (named outlines without one) it is in."""
+    feeds, walk = [], [(iter(read_opml(path)), ())]
+    while walk:
+        children, folders = walk[-1]
+        outline = next(children, None)
+        if outline is None:
+            walk.pop()
+        elif outline.tag == "outline":
+            if len(walk) > MAX_OPML_DEPTH:
+                raise ConfigError(f"{path}: outlines nested deeper than {MAX_OPML_DEPTH} "
+                                  f"levels; not a feed reader's export")
+            url, name = outline_feed_url(outline), outline_name(outline)
+            if url:
+                feeds.append(OpmlFeed(name, url, folders))
+            walk.append((iter(outline), folders if url or not name else folders + (name,)))
     return feeds
 
 
-def slug_for(title, url, taken):
-    """A slug from the feed's site (or title), unique among `taken`."""
+def direction_names(registry):
+    """Each direction's id, by its id and by its title, in any case."""
+    return {name.strip().casefold(): d.id for d in registry.directions.values()
+            for name in (d.id, d.title)}
+
+
+def folder_direction(names, folders):
+    """The direction the nearest of these folders is named after, or None."""
+    return next((names[f.casefold()] for f in reversed(folders) if f.casefold() in names), None)
+
+
+# Cyrillic in Latin letters, as a slug spells it (Russian, Ukrainian, Belarusian).
+CYRILLIC_LATIN = str.maketrans({
+    "а": "a", "б": "b", "в": "v", "г": "g", "д": "d", "е": "e", "ё": "e", "ж": "zh", "з": "z",
+    "и": "i", "й": "y", "к": "k", "л": "l", "м": "m", "н": "n", "о": "o", "п": "p", "р": "r",
+    "с": "s", "т": "t", "у": "u", "ф": "f", "х": "kh", "ц": "ts", "ч": "ch", "ш": "sh",
+    "щ": "shch", "ъ": "", "ы": "y", "ь": "", "э": "e", "ю": "yu", "я": "ya",
+    "і": "i", "ї": "yi", "є": "ye", "ґ": "g", "ў": "u"})
+
+
+def slug_words(text):
+    """`text` as a slug: lower-case Latin letters, digits, _ and -; accents
+    dropped, Cyrillic transliterated, anything else a separator."""
+    latin = unicodedata.normalize("NFKD", text.lower().translate(CYRILLIC_LATIN))
+    latin = "".join(ch for ch in latin if not unicodedata.combining(ch))
+    return re.sub(r"[^a-z0-9_]+", "-", latin).strip("-")[:40].strip("-")
+
+
+def site_name(url):
+    """A feed's host without www. and its top-level domain (lwn.net -> lwn)."""
     host = host_of(url).removeprefix("www.")
-    if host and not re.fullmatch(r"[0-9.:\[\]]+", host):
-        host = host.rsplit(".", 1)[0]                  # lwn.net -> lwn
-    base = re.sub(r"[^a-z0-9]+", "-", (host or title).lower())
-    base = base.strip("-")[:40] or "feed"
+    return host if re.fullmatch(r"[0-9.:\[\]]*", host) else host.rsplit(".", 1)[0]
+
+
+def slug_for(title, url, taken):
+    """A slug from the feed's title (or, when that gives nothing, its
+    site's host), unique among `taken`."""
+    base = slug_words(title) or slug_words(site_name(url)) or "feed"
     slug, n = base, 2
     while slug in taken:
         slug, n = f"{base}-{n}", n + 1
@@ -8177,9 +8261,10 @@ def yaml_text(value):
     return json.dumps(value, ensure_ascii=False)
 
 
-def source_entries(feeds, indent, direction, priority):
+def source_entries(feeds, indent, priority):
+    """sources.yaml lines of new feeds: (slug, title, URL, direction or None)."""
     lines = []
-    for slug, title, url in feeds:
+    for slug, title, url, direction in feeds:
         lines += [f"{indent}- slug: {slug}", f"{indent}  name: {yaml_text(title or slug)}",
                   f"{indent}  crawler: rss", f"{indent}  url: {yaml_text(url)}"]
         if direction:
@@ -8209,38 +8294,52 @@ def append_sources(text, entries):
     return "\n".join(lines[:end] + [""] * (end > start + 1) + entries + lines[end:]).rstrip("\n") + "\n"
 
 
+def sources_by_url(registry):
+    """The slug of every source, by its canonical URL."""
+    return {canonical_url(s.url): s.slug for s in registry.sources}
+
+
 def import_opml(registry, path, direction=None, priority=0):
-    """Add an OPML file's feeds to sources.yaml (checked before it is written).
-    Returns (added, skipped)."""
+    """Add an OPML file's feeds to sources.yaml (checked before it is
+    written), each in `direction`, else in the direction its folder is named
+    after. Returns (added, skipped, the folders that name no direction)."""
     feeds = opml_feeds(path)
     if not feeds:
         raise ConfigError(f"{path}: no feeds (no outline with an xmlUrl)")
-    known = {canonical_url(s.url) for s in registry.sources}
-    taken = {s.slug for s in registry.sources}
-    added, skipped = [], 0
-    for title, url in feeds:
-        if canonical_url(url) in known or urllib.parse.urlsplit(url).scheme not in WEB_SCHEMES:
+    known, taken = set(sources_by_url(registry)), {s.slug for s in registry.sources}
+    names = direction_names(registry)
+    added, skipped, unmatched = [], 0, {}
+    for feed in feeds:
+        url = canonical_url(feed.url)
+        if url in known or urllib.parse.urlsplit(feed.url).scheme not in WEB_SCHEMES:
             skipped += 1
             continue
-        known.add(canonical_url(url))
-        added.append((slug_for(title, url, taken), title, url))
+        known.add(url)
+        chosen = direction or folder_direction(names, feed.folders)
+        if feed.folders and not chosen:
+            unmatched[" / ".join(feed.folders)] = True
+        added.append((slug_for(feed.title, feed.url, taken), feed.title, feed.url, chosen))
     if added:
-        with open(registry.path, encoding="utf-8") as f:
-            text = f.read()
-        item = re.search(r"^( *)- slug:", text, re.MULTILINE)
-        updated = append_sources(text, source_entries(added, item[1] if item else "  ",
-                                                      direction, priority))
-        scratch = f"{registry.path}.importing"
-        with open(scratch, "w", encoding="utf-8") as f:
-            f.write(updated)
-        try:
-            load_registry(scratch)
-        except ConfigError as e:
-            os.unlink(scratch)
-            raise ConfigError(f"{path}: the import would break {registry.path} ({e}); "
-                              f"nothing was changed") from None
-        os.replace(scratch, registry.path)
-    return len(added), skipped
+        add_sources(registry, path, added, priority)
+    return len(added), skipped, list(unmatched)
+
+
+def add_sources(registry, path, feeds, priority):
+    """Append feeds to sources.yaml, only if the file still loads after."""
+    with open(registry.path, encoding="utf-8") as f:
+        text = f.read()
+    item = re.search(r"^( *)- slug:", text, re.MULTILINE)
+    updated = append_sources(text, source_entries(feeds, item[1] if item else "  ", priority))
+    scratch = f"{registry.path}.importing"
+    with open(scratch, "w", encoding="utf-8") as f:
+        f.write(updated)
+    try:
+        load_registry(scratch)
+    except ConfigError as e:
+        os.unlink(scratch)
+        raise ConfigError(f"{path}: the import would break {registry.path} ({e}); "
+                          f"nothing was changed") from None
+    os.replace(scratch, registry.path)
 
 
 def opml_document(sources):
@@ -8270,9 +8369,12 @@ def opml_document(sources):
 def cmd_opml_import(args, settings):
     registry = load_registry(settings.sources)
     check_direction(registry, args.direction)
-    added, skipped = import_opml(registry, args.file, args.direction, args.priority)
+    added, skipped, unmatched = import_opml(registry, args.file, args.direction, args.priority)
     print(f"opml-import: {added} feeds added to {registry.path}, {skipped} skipped "
           f"(already there or not http)")
+    if unmatched:
+        print(f"opml-import: folders matching no direction: {', '.join(unmatched)}; "
+              f"their feeds were added without a direction")
     open_intake(settings)
     return 0
 
@@ -8325,53 +8427,94 @@ def feed_title(response):
     return dict.get(parsed.feed, "title") or response.url
 
 
+@dataclasses.dataclass
+class Discovery:
+    """What discover found at a site: its feeds [(title, feed URL, URL
+    asked)], and the candidates it could not read [(URL, FetchError)]."""
+    feeds: list = dataclasses.field(default_factory=list)
+    unread: list = dataclasses.field(default_factory=list)
+
+
 def discover_feeds(url, settings):
-    """The feeds a site offers, checked to be feeds: [(title, feed URL)]."""
+    """The feeds a site offers, checked to be feeds, as a Discovery."""
     gate = HostGate(settings.host_delay)
     page = http_get(url, settings, {"Accept": "text/html,application/xhtml+xml,*/*;q=0.5"}, gate)
     if page.status != 200:
-        raise FetchError(f"{url}: HTTP {page.status}")
+        raise FetchError(status_text(page.status))
     title = feed_title(page)
     if title is not None:
-        return [(title, page.url)]
+        return Discovery([(title, page.url, url)])
     links = _AlternateLinks()
     links.feed(page.body[:2_000_000].decode("utf-8", "replace"))
     named = [urllib.parse.urljoin(page.url, href) for _, href in links.found]
-    candidates = named or [urllib.parse.urljoin(page.url, path) for path in COMMON_FEED_PATHS]
-    feeds, seen = [], set()
-    for candidate in candidates:
-        if candidate in seen or urllib.parse.urlsplit(candidate).scheme not in WEB_SCHEMES:
+    if named:
+        return read_candidates(named, url, settings, gate, guessed=False)
+    guessed = [urllib.parse.urljoin(page.url, path) for path in COMMON_FEED_PATHS]
+    return read_candidates(guessed, url, settings, gate, guessed=True)
+
+
+def read_candidates(candidates, site, settings, gate, guessed):
+    """A Discovery of the URLs that may be feeds. A guessed path that is not
+    there is no news; a named feed that cannot be read, or any fetch that
+    failed, is said."""
+    found = Discovery()
+    for candidate in dict.fromkeys(candidates):
+        if urllib.parse.urlsplit(candidate).scheme not in WEB_SCHEMES:
             continue
-        seen.add(candidate)
         try:
-            response = http_get(candidate, settings, None, gate, home=url)
+            response = http_get(candidate, settings, None, gate, home=site)
         except FetchError as e:
             log.info("discover: %s: %s", candidate, e)
+            found.unread.append((candidate, e))
             continue
         title = feed_title(response) if response.status == 200 else None
         if title is not None:
-            feeds.append((title, response.url))
-    return feeds
+            found.feeds.append((title, response.url, candidate))
+        elif not guessed:
+            why = status_text(response.status) if response.status != 200 else "not a feed"
+            found.unread.append((candidate, FetchError(why)))
+    return found
+
+
+def no_feed_read(url, unread):
+    """Why discover lists no feed, in one line: a refusal first (it names
+    the setting that allows it), else the first failure."""
+    if not unread:
+        return f"no feed found at {url}"
+    candidate, error = next(((c, e) for c, e in unread if isinstance(e, RefusedDestination)),
+                            unread[0])
+    more = f" (and {len(unread) - 1} more not read)" if len(unread) > 1 else ""
+    return f"no feed read at {url}: {candidate}: {error}{more}"
 
 
 def cmd_discover(args, settings):
     registry = load_registry(settings.sources)
     url = args.url if "://" in args.url else f"https://{args.url}"
+    check_feed_url("discover", url)
     try:
-        check_feed_url("discover", url)
-        feeds = discover_feeds(url, settings)
+        found = discover_feeds(url, settings)
     except FetchError as e:
-        print(f"vesti: discover: {e}", file=sys.stderr)
+        print(f"vesti: discover: {url}: {e}", file=sys.stderr)
         return 1
-    if not feeds:
-        print(f"vesti: discover: no feed found at {url}", file=sys.stderr)
+    if not found.feeds:
+        print(f"vesti: discover: {no_feed_read(url, found.unread)}", file=sys.stderr)
         return 1
-    taken = {s.slug for s in registry.sources}
-    for title, feed in feeds:
-        slug = slug_for(title, feed, taken)
-        print(f"# {title}: {feed}")
-        print("\n".join(source_entries([(slug, title, feed)], "  ", None, 1)))
+    print_discovered(found.feeds, registry)
     return 0
+
+
+def print_discovered(feeds, registry):
+    """Each feed with a sources.yaml entry to paste, or the slug of the
+    source it already is (by its URL or the URL the site named)."""
+    known, taken = sources_by_url(registry), {s.slug for s in registry.sources}
+    for title, feed, asked in feeds:
+        slug = known.get(canonical_url(feed)) or known.get(canonical_url(asked))
+        if slug:
+            print(f"# {title}: {feed} (already a source: {slug})\n")
+            continue
+        entry = (slug_for(title, feed, taken), title, feed, None)
+        print(f"# {title}: {feed}")
+        print("\n".join(source_entries([entry], "  ", 1)))
 
 
 def since_date(text):
@@ -8470,7 +8613,8 @@ def build_parser():
     opml_in = command("opml-import", cmd_opml_import,
                       "add an OPML file's feeds to sources.yaml (comments kept)")
     opml_in.add_argument("file", metavar="FILE", help="an OPML file (a feed reader's export)")
-    opml_in.add_argument("--direction", metavar="D", help="direction of the new sources")
+    opml_in.add_argument("--direction", metavar="D",
+                         help="direction of every new source (else: the one its folder names)")
     opml_in.add_argument("--priority", metavar="N", type=whole_number, default=1,
                          help="priority of the new sources (default 1)")
     command("opml-export", cmd_opml_export, "the enabled feeds as OPML 2.0 to stdout")
