@@ -4965,6 +4965,7 @@ def test_two_workers_and_a_crawler_on_postgresql_survive_a_kill_9_and_a_restart(
     ("worker", r"wall / ideal = \d+\.\d+ +target <= "),
     ("web", r"GET /api/queue +median +\d+\.\d ms"),
     ("stories", r"median = \d+\.\d+ ms +target < 5 ms"),
+    ("first_morning", r"full desk +\d+\.\d"),
 ])
 def test_every_benchmark_runs_in_smoke_mode(name, marker):
     """Each benchmark runs end to end with tiny sizes, prints its figures and
