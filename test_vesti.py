@@ -3067,6 +3067,28 @@ def test_pages_speak_english_and_russian(web):
     assert all("lang=ru" in link for link in links if "lang=en" not in link)
 
 
+def test_counts_on_the_pages_take_the_plural_form_of_their_number(web):
+    conn = web.db.conn()
+    desk_post(conn, lwn(web), 1, relevance=7)
+    desk_post(conn, lwn(web), 2, relevance=1)
+    assert "1 less relevant post is hidden." in web.get("/")[2]
+    assert "1 менее релевантный пост скрыт." in web.get("/?lang=ru")[2]
+    russian = {n: vesti.Page("ru", "t", {}).t("hidden_low", n=n)
+               for n in (1, 2, 4, 5, 11, 12, 14, 21, 22, 25, 101, 111)}
+    assert russian == {
+        1: "1 менее релевантный пост скрыт.", 2: "2 менее релевантных поста скрыты.",
+        4: "4 менее релевантных поста скрыты.", 5: "5 менее релевантных постов скрыто.",
+        11: "11 менее релевантных постов скрыто.", 12: "12 менее релевантных постов скрыто.",
+        14: "14 менее релевантных постов скрыто.", 21: "21 менее релевантный пост скрыт.",
+        22: "22 менее релевантных поста скрыты.", 25: "25 менее релевантных постов скрыто.",
+        101: "101 менее релевантный пост скрыт.", 111: "111 менее релевантных постов скрыто."}
+    english = vesti.Page("en", "t", {})
+    assert english.t("more_sources", n=1) == "+1 source" and \
+        english.t("more_sources", n=3) == "+3 sources"
+    assert english.t("reject_shown", n=1) == "Reject the 1 post shown"
+    assert english.t("banner_no_worker", n=1, when="yet").startswith("1 post waits and")
+
+
 @both
 def test_the_crawlers_page_lists_failing_and_dead_sources_first(home):
     write_sources(home / "sources.yaml", [rss_source(slug, f"https://{slug}.example/rss")
@@ -4925,7 +4947,7 @@ def test_a_sources_list_shows_its_copies_and_a_copy_decides_its_story(home):
         assert card_ids(page) == [other, copy]                 # the copy is the daily's post
         assert facet(page, "statuses", "to decide") == 2
         card = re.search(rf'id="post-{copy}".*?</article>', page, re.S)[0]
-        assert "+1 sources" in card and "City Wire" in card
+        assert "+1 source:" in card and "City Wire" in card
         status, _, _ = web.post(f"/posts/{copy}/status", {"status": "approved",
                                                           "token": web.token()})
         assert status == 303

@@ -6222,7 +6222,8 @@ nav.pages{margin:1em 0;display:flex;gap:1em}
 }
 """
 
-# Every string a page shows, in English and Russian.
+# Every string a page shows, in English and Russian. A phrase with a count
+# is a tuple of its plural forms (see plural_form).
 STRINGS = {
     "en": {
         "desk": "Desk", "crawlers": "Crawlers", "pending": "pending", "processing": "processing",
@@ -6234,21 +6235,25 @@ STRINGS = {
         "sort.relevance": "most relevant first", "sort.interest": "most interesting first",
         "min": "relevance at least", "search": "Search title and text",
         "show": "Show", "approve": "Approve", "reject": "Reject", "undo": "Undo",
-        "reject_shown": "Reject all {n} shown", "relevance": "relevance", "interest": "interest",
+        "reject_shown": ("Reject the {n} post shown", "Reject all {n} shown"),
+        "relevance": "relevance", "interest": "interest",
         "keywords": "keywords", "reason": "why", "stored_text": "Stored text",
-        "more_sources": "+{n} sources", "every_copy": "every copy",
+        "more_sources": ("+{n} source", "+{n} sources"), "every_copy": "every copy",
         "older": "older →", "first": "← newest", "untitled": "(untitled)",
         "empty_filtered": "No posts match these filters.",
         "empty_none": "No classified posts yet: they appear here as the workers classify "
                       "the queue.",
-        "hidden_low": "{n} less relevant posts are hidden.", "show_all": "Show them",
-        "many_matches": "more than {n} matches", "utc": "UTC",
+        "hidden_low": ("{n} less relevant post is hidden.", "{n} less relevant posts are hidden."),
+        "show_all": "Show them",
+        "many_matches": ("more than {n} match", "more than {n} matches"), "utc": "UTC",
         "banner_ollama": "Classification is stopped: Ollama has been unreachable since {since} "
                          "UTC ({error}). Posts wait in the queue until it answers; to classify "
                          "by keywords alone, set OLLAMA_URL= (empty).",
-        "banner_no_worker": "{n} posts wait and no worker has run {when}: start "
-                            "`python vesti.py worker --forever` or `python vesti.py run`.",
-        "never": "yet", "for_minutes": "for {n} minutes",
+        "banner_no_worker": tuple(
+            f"{{n}} {waits} and no worker has run {{when}}: start "
+            "`python vesti.py worker --forever` or `python vesti.py run`."
+            for waits in ("post waits", "posts wait")),
+        "never": "yet", "for_minutes": ("for {n} minute", "for {n} minutes"),
         "banner_keywords": "Keyword-only mode: OLLAMA_URL is empty, so relevance comes from "
                            "keyword hits alone.",
         "keys_title": "Keyboard", "key.j": "next card", "key.k": "previous card",
@@ -6275,22 +6280,30 @@ STRINGS = {
         "sort.newest": "сначала новые", "sort.relevance": "сначала релевантные",
         "sort.interest": "сначала интересные", "min": "релевантность не ниже",
         "search": "Поиск по заголовку и тексту", "show": "Показать", "approve": "Одобрить",
-        "reject": "Отклонить", "undo": "Вернуть", "reject_shown": "Отклонить все показанные ({n})",
+        "reject": "Отклонить", "undo": "Вернуть",
+        "reject_shown": ("Отклонить {n} показанный пост", "Отклонить все {n} показанных поста",
+                         "Отклонить все {n} показанных постов"),
         "relevance": "релевантность", "interest": "интерес", "keywords": "ключевые слова",
         "reason": "почему", "stored_text": "Сохранённый текст", "older": "старше →",
-        "more_sources": "ещё источников: {n}", "every_copy": "все копии",
+        "more_sources": ("ещё {n} источник", "ещё {n} источника", "ещё {n} источников"),
+        "every_copy": "все копии",
         "first": "← новые", "untitled": "(без заголовка)",
         "empty_filtered": "Под эти фильтры ничего не подходит.",
         "empty_none": "Классифицированных постов пока нет: они появятся здесь, когда воркеры "
                       "разберут очередь.",
-        "hidden_low": "Скрыто менее релевантных постов: {n}.", "show_all": "Показать их",
-        "many_matches": "больше {n} совпадений", "utc": "UTC",
+        "hidden_low": ("{n} менее релевантный пост скрыт.", "{n} менее релевантных поста скрыты.",
+                       "{n} менее релевантных постов скрыто."),
+        "show_all": "Показать их",
+        "many_matches": ("больше {n} совпадения", "больше {n} совпадений", "больше {n} совпадений"),
+        "utc": "UTC",
         "banner_ollama": "Классификация остановлена: Ollama недоступна с {since} UTC ({error}). "
                          "Посты ждут в очереди, пока она не ответит; чтобы классифицировать "
                          "только по ключевым словам, задайте пустой OLLAMA_URL=.",
-        "banner_no_worker": "В очереди {n} постов, а воркер не работал {when}: запустите "
-                            "`python vesti.py worker --forever` или `python vesti.py run`.",
-        "never": "ни разу", "for_minutes": "уже {n} мин",
+        "banner_no_worker": tuple(
+            f"В очереди {{n}} {posts}, а воркер не работал {{when}}: запустите "
+            "`python vesti.py worker --forever` или `python vesti.py run`."
+            for posts in ("пост", "поста", "постов")),
+        "never": "ни разу", "for_minutes": ("уже {n} минуту", "уже {n} минуты", "уже {n} минут"),
         "banner_keywords": "Режим ключевых слов: OLLAMA_URL пуст, релевантность считается "
                            "только по совпадениям ключевых слов.",
         "keys_title": "Клавиши", "key.j": "следующая карточка", "key.k": "предыдущая карточка",
@@ -6342,7 +6355,7 @@ class Page:
 
     def t(self, key, **values):
         if values:
-            return esc(self.strings[key].format(**values))
+            return esc(phrase(self.lang, key, **values))
         return said(self.lang, key)
 
     def link(self, path, **query):
@@ -6351,6 +6364,25 @@ class Page:
         if "lang" in self.query:
             query["lang"] = self.lang
         return path + ("?" + urllib.parse.urlencode(query) if query else "")
+
+
+def plural_form(lang, n):
+    """Which form of a counted phrase fits n: English has one and many;
+    Russian one (1, 21, 101), few (2-4, 22-24) and many (5-20, 11-14, 25…)."""
+    if lang != "ru":
+        return 0 if n == 1 else 1
+    if n % 10 == 1 and n % 100 != 11:
+        return 0
+    return 1 if 2 <= n % 10 <= 4 and not 12 <= n % 100 <= 14 else 2
+
+
+def phrase(lang, key, **values):
+    """A string of the page's language with its values, not escaped; a
+    counted phrase in the form its n needs."""
+    text = STRINGS[lang][key]
+    if isinstance(text, tuple):
+        text = text[plural_form(lang, values["n"])]
+    return text.format(**values)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -6399,8 +6431,7 @@ def banners(conn, settings, page):
     silent = minutes_since(state["worker_seen"])
     pending = (silent is None or silent * 60 >= WORKER_SILENT_AFTER) and pending_count(conn)
     if pending:
-        when = page.strings["never"] if silent is None else \
-            page.strings["for_minutes"].format(n=silent)
+        when = page.strings["never"] if silent is None else phrase(page.lang, "for_minutes", n=silent)
         shown.append(page.t("banner_no_worker", n=pending, when=when))
     if (state["classify_mode"] or ("ollama" if settings.ollama_url else "keywords")) == "keywords":
         shown.append(page.t("banner_keywords"))
