@@ -3649,6 +3649,47 @@ def test_the_desk_from_the_keyboard_decides_in_place(web, browser):
     assert browser.evaluate("!document.getElementById('keys').hidden")
 
 
+def decision_shown(browser, post):
+    """The card of a post once its decisions have settled, and the alerts
+    the page raised."""
+    assert wait_until(browser, f"document.getElementById('post-{post}').dataset.busy === '0'")
+    return browser.evaluate(f"""(() => {{
+        const card = document.getElementById('post-{post}'), note = card.querySelector('.unsaved');
+        return {{status: card.dataset.status, badge: card.querySelector('.state').textContent,
+                 note: note && !note.hidden ? note.textContent : '', alerts: window.alerts,
+                 current: document.querySelector('article.current').dataset.id}}; }})()""")
+
+
+def test_a_decision_that_did_not_save_looks_unsaved_and_saves_when_tried_again(web, browser):
+    conn = web.db.conn()
+    post = [desk_post(conn, lwn(web), k) for k in range(1, 4)][-1]
+    browser.open(web.origin + "/", {"Authorization": web.auth})
+    browser.evaluate("window.alerts = []; window.alert = m => window.alerts.push(String(m))")
+    press(browser, "j")
+    secret, web.app.secret = web.app.secret, b"another secret"    # the server refuses the form
+    press(browser, "a")
+    shown = decision_shown(browser, post)
+    assert (shown["status"], shown["badge"], shown["alerts"]) == ("new", "to decide", [])
+    assert shown["note"] == ("Not saved: the server answered 403 (Cross-site request refused). "
+                             "Press a to try again.")
+    assert int(shown["current"]) == post                  # the key to try again is at hand
+    web.app.secret = secret
+    browser.call("Network.emulateNetworkConditions", session=True, offline=True, latency=0,
+                 downloadThroughput=-1, uploadThroughput=-1)              # the connection is lost
+    browser.evaluate(f"document.querySelector('#post-{post} button.approved').click()")
+    shown = decision_shown(browser, post)
+    assert (shown["status"], shown["alerts"]) == ("new", [])
+    assert shown["note"] == "Not saved: the server could not be reached. Press a to try again."
+    assert conn.execute("SELECT status FROM posts WHERE id = ?", (post,)).fetchone()[0] == "new"
+    browser.call("Network.emulateNetworkConditions", session=True, offline=False, latency=0,
+                 downloadThroughput=-1, uploadThroughput=-1)
+    press(browser, "a")
+    shown = decision_shown(browser, post)
+    assert (shown["status"], shown["badge"], shown["note"]) == ("approved", "approved", "")
+    assert conn.execute("SELECT status FROM posts WHERE id = ?", (post,)).fetchone()[0] == \
+        "approved"
+
+
 def test_without_javascript_a_decision_comes_back_to_its_card(web, browser):
     conn = web.db.conn()
     ids = [desk_post(conn, lwn(web), k) for k in range(1, 41)]

@@ -6203,6 +6203,7 @@ input,select{font:inherit;padding:.3em .4em;border:1px solid var(--line);border-
 .post{background:#fff;border:1px solid var(--line);border-radius:8px;padding:.8em 1em;margin-bottom:.7em;scroll-margin-top:1em}
 .post.current{outline:2px solid var(--accent)}
 .post[data-status=approved]{border-left:4px solid var(--ok)}.post[data-status=rejected]{border-left:4px solid var(--bad);opacity:.7}
+.post.not-saved{border-left:4px solid var(--warn)}.post .unsaved{color:var(--bad);font-weight:600}
 .post h2{font-size:1.05em;margin:0 0 .3em}.post h2 a{color:var(--fg)}
 .post p{margin:.3em 0}.post form{display:flex;gap:.5em;align-items:center}
 .post details{margin:.3em 0}.post .text{white-space:pre-wrap;font-size:.9em;max-height:24em;overflow:auto}
@@ -6260,6 +6261,11 @@ STRINGS = {
         "key.a": "approve", "key.r": "reject", "key.u": "undo the last decision",
         "key.o": "open the article", "key./": "search", "key.?": "this list",
         "keys_hint": "Press ? for keys",
+        "not_saved": "Not saved: {why}. {retry}",
+        "unreachable": "the server could not be reached",
+        "answered": "the server answered {status} ({answer})",
+        "retry.approved": "Press a to try again.", "retry.rejected": "Press r to try again.",
+        "retry.new": "Press Undo to try again.",
         "col.slug": "slug", "col.name": "name", "col.crawler": "crawler", "col.status": "status",
         "col.priority": "priority", "col.last_fetch": "last fetch (UTC)", "col.errors": "errors",
         "col.last_error": "last error", "col.posts": "posts", "col.last_run": "last run (UTC)",
@@ -6310,6 +6316,12 @@ STRINGS = {
         "key.a": "одобрить", "key.r": "отклонить", "key.u": "отменить последнее решение",
         "key.o": "открыть статью", "key./": "поиск", "key.?": "этот список",
         "keys_hint": "? — список клавиш",
+        "not_saved": "Не сохранено: {why}. {retry}",
+        "unreachable": "не удалось связаться с сервером",
+        "answered": "сервер ответил {status} ({answer})",
+        "retry.approved": "Нажмите a, чтобы попробовать ещё раз.",
+        "retry.rejected": "Нажмите r, чтобы попробовать ещё раз.",
+        "retry.new": "Нажмите «Вернуть», чтобы попробовать ещё раз.",
         "col.slug": "slug", "col.name": "название", "col.crawler": "тип", "col.status": "статус",
         "col.priority": "приоритет", "col.last_fetch": "последний запрос (UTC)",
         "col.errors": "ошибок", "col.last_error": "последняя ошибка", "col.posts": "постов",
@@ -6915,29 +6927,44 @@ def keys_overlay(page):
             f'<ul style="list-style:none;padding:0;margin:.4em 0 0">{keys}</ul></aside>')
 
 
-DESK_SCRIPT = """
+DESK_SCRIPT = r"""
 (function(){
 var cards=[].slice.call(document.querySelectorAll('article.post')),cur=-1,last=null;
-var names=JSON.parse(document.getElementById('names').textContent);
+var words=JSON.parse(document.getElementById('words').textContent);
+function fill(text,values){return text.replace(/\{(\w+)\}/g,function(m,k){return k in values?values[k]:m})}
 function focus(i){if(!cards.length)return;cur=Math.max(0,Math.min(i,cards.length-1));
  cards.forEach(function(c,k){c.classList.toggle('current',k===cur)});
  cards[cur].scrollIntoView({block:'nearest'});}
 function show(card,status){card.dataset.status=status;
- card.querySelector('.state').textContent=names[status];
+ card.querySelector('.state').textContent=words.status[status];
  [].forEach.call(card.querySelectorAll('form.decide button'),function(b){b.disabled=b.value===status});}
-function send(card,status){
- var form=card.querySelector('form.decide'),body=new URLSearchParams();
- body.set('token',form.token.value);body.set('status',status);
- return fetch(form.action,{method:'POST',credentials:'same-origin',body:body,
+function note(card,text){var p=card.querySelector('.unsaved');
+ if(!p&&text){p=document.createElement('p');p.className='unsaved';p.setAttribute('role','alert');
+  card.querySelector('form.decide').before(p);}
+ if(p){p.textContent=text;p.hidden=!text;}
+ card.classList.toggle('not-saved',!!text);}
+/* Rejects with the reason in words: the server unreachable, or its answer. */
+function post(action,fields){
+ return fetch(action,{method:'POST',credentials:'same-origin',body:new URLSearchParams(fields),
   headers:{'Accept':'application/json','Content-Type':'application/x-www-form-urlencoded'}})
- .then(function(r){if(!r.ok)throw new Error('HTTP '+r.status);return r.json()});}
+ .catch(function(){throw words.unreachable})
+ .then(function(r){if(r.ok)return r.json();
+  return r.text().catch(function(){return ''}).then(function(t){
+   throw fill(words.answered,{status:r.status,answer:t.trim().split('\n')[0].slice(0,200)})})});}
+function send(card,status){var form=card.querySelector('form.decide');
+ return post(form.action,{token:form.token.value,status:status});}
+/* A decision is shown at once; one that did not save shows the decision
+   saved before it, says why, and keeps the card in focus to try again. */
 function decide(card,status,move){
  last={card:card,previous:card.dataset.status};
- show(card,status);card.dataset.busy=(+card.dataset.busy||0)+1;
+ if(card.saved===undefined)card.saved=card.dataset.status;
+ show(card,status);note(card,'');card.dataset.busy=(+card.dataset.busy||0)+1;
  /* One card's decisions reach the server in the order they were made. */
  card.chain=(card.chain||Promise.resolve()).then(function(){return send(card,status)})
- .then(function(j){if(+card.dataset.busy===1)show(card,j.status)})
- .catch(function(e){card.classList.add('failed');alert(e)})
+ .then(function(j){card.saved=j.status;if(+card.dataset.busy===1){show(card,j.status);note(card,'')}},
+  function(why){if(+card.dataset.busy===1)show(card,card.saved);
+   note(card,fill(words.not_saved,{why:String(why),retry:words.retry[status]}));
+   focus(cards.indexOf(card));})
  .then(function(){card.dataset.busy=+card.dataset.busy-1});
  if(move)focus(cards.indexOf(card)+1);}
 document.addEventListener('submit',function(e){var form=e.target;
@@ -6958,6 +6985,17 @@ document.addEventListener('keydown',function(e){
  else return;});
 })();
 """
+
+
+@functools.lru_cache(maxsize=8)
+def script_words(lang):
+    """What the desk's script may say, in the page's language, as JSON safe
+    inside a <script> element."""
+    strings = STRINGS[lang]
+    words = {"status": {s: strings[f"status.{s}"] for s in DECISIONS},
+             "retry": {s: strings[f"retry.{s}"] for s in DECISIONS},
+             **{key: strings[key] for key in ("not_saved", "unreachable", "answered")}}
+    return json.dumps(words, ensure_ascii=False).replace("<", "\\u003c")
 
 
 def source_options(conn):
@@ -6987,12 +7025,11 @@ def desk_page(conn, desk, page, directions, settings, sources=None):
         if desk.after else "",
         f'<a href="{esc(page.link("/", **desk.params(after=next_cursor(desk, posts[-1]))))}" '
         f'rel="next">{page.t("older")}</a>' if more else ""])
-    names = json.dumps({s: page.strings[f"status.{s}"] for s in DECISIONS}).replace("<", "\\u003c")
     sources = source_options(conn) if sources is None else sources
     body = (f"{banners(conn, settings, page)}{filter_form(page, desk, sources)}"
             f"{facet_links(page, desk, directions, counts)}{hidden}{bulk_form(page, posts, here)}"
             f"{cards}<nav class=pages>{pager}</nav>{keys_overlay(page)}"
-            f'<script type="application/json" id="names">{names}</script>'
+            f'<script type="application/json" id="words">{script_words(page.lang)}</script>'
             f"<script>{DESK_SCRIPT}</script>")
     return layout(page, page.strings["desk"], body, "/")
 
