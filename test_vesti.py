@@ -2951,15 +2951,25 @@ def test_a_decision_with_json_answers_json_and_records_who_and_when(web):
 
 
 @both
-def test_bulk_decisions_reject_every_card_shown(web):
+def test_bulk_decisions_reject_every_card_shown_once_confirmed(web):
     conn = web.db.conn()
     ids = [desk_post(conn, lwn(web), k) for k in range(1, 6)]
+    conn.execute("UPDATE posts SET title = '<b>Bold</b> news' WHERE id = ?", (ids[0],))
     page = web.get("/")[2]
     form = re.search(r'<form class="actions bulk".*?</form>', page)[0]
     shown = re.search(r'name="ids" value="([^"]+)"', form)[1]
     assert sorted(int(i) for i in shown.split(",")) == ids
-    status, headers, _ = web.post("/posts/status", {"token": web.token(), "ids": shown,
-                                                    "status": "rejected", "back": "/"})
+    assert page.index('class="actions bulk"') > page.index(f'id="post-{ids[0]}"')   # below the cards
+    # Without JavaScript the button asks first, on a page of its own.
+    status, _, asked = web.post("/posts/status", {"token": web.token(), "ids": shown,
+                                                  "status": "rejected", "back": "/"})
+    assert status == 200 and "Reject these 5 posts?" in asked
+    assert "&lt;b&gt;Bold&lt;/b&gt; news" in asked and "Post 5" in asked and "<b>Bold" not in asked
+    fields = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', asked))
+    assert fields == {"token": web.token(), "ids": shown, "status": "rejected", "back": "/",
+                      "confirmed": "1"}
+    assert {r[0] for r in conn.execute("SELECT status FROM posts")} == {"new"}
+    status, headers, _ = web.post("/posts/status", fields)
     assert status == 303 and headers["Location"] == "/"
     assert {r[0] for r in conn.execute("SELECT status FROM posts")} == {"rejected"}
     assert card_ids(web.get("/")[2]) == []
@@ -3688,6 +3698,57 @@ def test_a_decision_that_did_not_save_looks_unsaved_and_saves_when_tried_again(w
     assert (shown["status"], shown["badge"], shown["note"]) == ("approved", "approved", "")
     assert conn.execute("SELECT status FROM posts WHERE id = ?", (post,)).fetchone()[0] == \
         "approved"
+
+
+def visible(browser, selector):
+    return browser.evaluate(f"""(() => {{ const e = document.querySelector({json.dumps(selector)});
+        return !!e && e.getClientRects().length > 0; }})()""")
+
+
+def test_rejecting_every_card_shown_asks_first_and_can_be_undone(web, browser):
+    conn = web.db.conn()
+    ids = [desk_post(conn, lwn(web), k) for k in range(1, 4)]
+    browser.open(web.origin + "/", {"Authorization": web.auth})
+    browser.evaluate("window.asked = []; window.confirm = m => window.asked.push(m)")
+
+    def statuses(shown):
+        on_page = browser.evaluate("[...document.querySelectorAll('article.post')]"
+                                   ".map(c => c.dataset.status).join()")
+        stored = {r[0] for r in conn.execute("SELECT status FROM posts")}
+        return on_page == ",".join([shown] * 3) and stored == {shown}
+    browser.evaluate("document.querySelector('form.bulk button[value=rejected]').click()")
+    assert visible(browser, "form.bulk .confirm") and not visible(browser, "form.bulk .ask")
+    assert browser.evaluate("document.querySelector('form.bulk .confirm').innerText") \
+        .startswith("Reject these 3 posts?")
+    assert statuses("new")                                  # nothing decided yet
+    browser.evaluate("document.querySelector('form.bulk .no').click()")       # Cancel
+    assert visible(browser, "form.bulk .ask") and not visible(browser, "form.bulk .confirm")
+    browser.evaluate("document.querySelector('form.bulk button[value=rejected]').click()")
+    browser.evaluate("document.querySelector('form.bulk .yes').click()")
+    assert wait_until(browser, "!document.querySelector('form.bulk .done').hidden")
+    assert statuses("rejected")
+    assert browser.evaluate("document.querySelector('form.bulk .done').innerText") \
+        .startswith("3 posts rejected.")
+    browser.evaluate("document.querySelector('form.bulk .undo').click()")
+    assert wait_until(browser, "document.querySelector('form.bulk .done').hidden")
+    assert statuses("new")
+    assert visible(browser, "form.bulk .ask") and browser.evaluate("window.asked") == []
+
+
+def test_on_a_phone_the_desk_starts_with_its_first_card(web, browser):
+    conn = web.db.conn()
+    for k in range(1, 6):
+        desk_post(conn, lwn(web), k)
+    browser.call("Emulation.setDeviceMetricsOverride", session=True, width=390, height=844,
+                 deviceScaleFactor=3, mobile=True)
+    browser.open(web.origin + "/", {"Authorization": web.auth})
+    shown = browser.evaluate("""(() => {
+        const top = e => e.getBoundingClientRect().top + window.scrollY;
+        const cards = [...document.querySelectorAll('article.post')];
+        const last = cards[cards.length - 1];
+        return {bulk: top(document.querySelector('form.bulk')),
+                lastCardBottom: top(last) + last.getBoundingClientRect().height}; })()""")
+    assert shown["bulk"] >= shown["lastCardBottom"]        # not in the thumb's path above a card
 
 
 def test_without_javascript_a_decision_comes_back_to_its_card(web, browser):

@@ -3089,6 +3089,16 @@ def set_decisions(conn, post_ids, decision, editor):
     return found
 
 
+def titled_posts(conn, post_ids):
+    """The title and source of each of these posts that exists, in the order
+    given: what a decision on many posts asks about first."""
+    marks = ",".join("?" * len(post_ids))
+    found = {row["id"]: row for row in conn.execute(f"""
+        SELECT p.id, p.title, s.name AS source FROM posts p
+        LEFT JOIN sources s ON s.id = p.source_id WHERE p.id IN ({marks})""", post_ids)}
+    return [found[i] for i in post_ids if i in found]
+
+
 # A story is shown once, as its first post (a source's own list shows all).
 ONE_CARD_PER_STORY = "(p.story_id IS NULL OR p.story_id = p.id)"
 
@@ -6209,6 +6219,8 @@ input,select{font:inherit;padding:.3em .4em;border:1px solid var(--line);border-
 .post details{margin:.3em 0}.post .text{white-space:pre-wrap;font-size:.9em;max-height:24em;overflow:auto}
 .badge{display:inline-block;padding:0 .5em;border-radius:10px;background:#eef2ff;font-size:.8em}
 nav.pages{margin:1em 0;display:flex;gap:1em}
+.bulk [hidden]{display:none}.bulk .unsaved{color:var(--bad);font-weight:600}
+.keys-hint{float:right;margin:.2em 0 0 1em}
 #keys{position:fixed;right:1em;bottom:1em;background:#fff;border:1px solid var(--line);border-radius:8px;padding:.8em 1.2em;box-shadow:0 4px 16px #0002}
 #keys[hidden]{display:none}#keys kbd{display:inline-block;min-width:1.4em;font-weight:600}
 @media (max-width:600px){
@@ -6265,7 +6277,12 @@ STRINGS = {
         "unreachable": "the server could not be reached",
         "answered": "the server answered {status} ({answer})",
         "retry.approved": "Press a to try again.", "retry.rejected": "Press r to try again.",
-        "retry.new": "Press Undo to try again.",
+        "retry.new": "Press Undo to try again.", "retry.bulk": "Press the button to try again.",
+        "bulk_ask.rejected": ("Reject this {n} post?", "Reject these {n} posts?"),
+        "bulk_ask.approved": ("Approve this {n} post?", "Approve these {n} posts?"),
+        "bulk_ask.new": ("Set this {n} post back to decide?", "Set these {n} posts back to decide?"),
+        "bulk_done": ("{n} post rejected.", "{n} posts rejected."),
+        "yes": "Yes", "cancel": "Cancel",
         "col.slug": "slug", "col.name": "name", "col.crawler": "crawler", "col.status": "status",
         "col.priority": "priority", "col.last_fetch": "last fetch (UTC)", "col.errors": "errors",
         "col.last_error": "last error", "col.posts": "posts", "col.last_run": "last run (UTC)",
@@ -6322,6 +6339,13 @@ STRINGS = {
         "retry.approved": "Нажмите a, чтобы попробовать ещё раз.",
         "retry.rejected": "Нажмите r, чтобы попробовать ещё раз.",
         "retry.new": "Нажмите «Вернуть», чтобы попробовать ещё раз.",
+        "retry.bulk": "Нажмите кнопку, чтобы попробовать ещё раз.",
+        "bulk_ask.rejected": ("Отклонить {n} пост?", "Отклонить {n} поста?", "Отклонить {n} постов?"),
+        "bulk_ask.approved": ("Одобрить {n} пост?", "Одобрить {n} поста?", "Одобрить {n} постов?"),
+        "bulk_ask.new": ("Вернуть к решению {n} пост?", "Вернуть к решению {n} поста?",
+                         "Вернуть к решению {n} постов?"),
+        "bulk_done": ("{n} пост отклонён.", "{n} поста отклонены.", "{n} постов отклонено."),
+        "yes": "Да", "cancel": "Отмена",
         "col.slug": "slug", "col.name": "название", "col.crawler": "тип", "col.status": "статус",
         "col.priority": "приоритет", "col.last_fetch": "последний запрос (UTC)",
         "col.errors": "ошибок", "col.last_error": "последняя ошибка", "col.posts": "постов",
@@ -6910,15 +6934,37 @@ def card_html(post, page, back, copies=()):
 
 
 def bulk_form(page, posts, back):
+    """"Reject all shown", under the cards. The script asks in place, then
+    offers an undo; without it the server asks on a page of its own."""
     if not posts:
         return ""
-    ids = ",".join(str(p["id"]) for p in posts)
-    return (f'<form class="actions bulk" method="post" action="/posts/status">'
-            f'<input type="hidden" name="token" value="{esc(page.token)}">'
-            f'<input type="hidden" name="ids" value="{ids}">'
-            f'<input type="hidden" name="back" value="{esc(back)}">'
-            f'<button name="status" value="rejected">{page.t("reject_shown", n=len(posts))}'
-            f'</button><span class="muted small">{page.t("keys_hint")}</span></form>')
+    ids, n = ",".join(str(p["id"]) for p in posts), len(posts)
+    return (f'<form class="actions bulk" method="post" action="{esc(page.link("/posts/status"))}">'
+            f'{form_fields(page.token, back)}<input type="hidden" name="ids" value="{ids}">'
+            f'<span class="ask"><button name="status" value="rejected">'
+            f'{page.t("reject_shown", n=n)}</button></span>'
+            f'<span class="confirm" hidden>{page.t("bulk_ask.rejected", n=n)} '
+            f'<button type="button" class="yes primary">{page.t("yes")}</button> '
+            f'<button type="button" class="no">{page.t("cancel")}</button></span>'
+            f'<span class="done" hidden role="status">{page.t("bulk_done", n=n)} '
+            f'<button type="button" class="undo">{page.t("undo")}</button></span>'
+            f'<span class="unsaved" hidden role="alert"></span></form>')
+
+
+def bulk_confirmation(page, posts, status, fields, back):
+    """The page that asks, without JavaScript, before a decision on many
+    posts: what it decides, and the same form, confirmed."""
+    untitled = said(page.lang, "untitled")
+    listed = "".join(f'<li>{esc(p["title"]) or untitled} <span class="small muted">'
+                     f'{esc(p["source"])}</span></li>' for p in posts)
+    hidden = "".join(f'<input type="hidden" name="{name}" value="{esc(value)}">'
+                     for name, value in (*fields, ("confirmed", "1")))
+    question = phrase(page.lang, f"bulk_ask.{status}", n=len(posts))
+    body = (f'<h2>{esc(question)}</h2><ol>{listed}</ol>'
+            f'<form class="actions" method="post" action="{esc(page.link("/posts/status"))}">'
+            f'{hidden}<button class="primary" type="submit">{page.t("yes")}</button> '
+            f'<a href="{esc(back)}">{page.t("cancel")}</a></form>')
+    return layout(page, question, body, "/")
 
 
 def keys_overlay(page):
@@ -6967,6 +7013,35 @@ function decide(card,status,move){
    focus(cards.indexOf(card));})
  .then(function(){card.dataset.busy=+card.dataset.busy-1});
  if(move)focus(cards.indexOf(card)+1);}
+/* "Reject all shown" asks in place first, then offers to undo for a while:
+   each post goes back to the decision it had. */
+var bulk=document.querySelector('form.bulk'),undoTimer=null,UNDO_MS=10000;
+function bulkStep(step){['ask','confirm','done'].forEach(function(s){
+ bulk.querySelector('.'+s).hidden=s!==step})}
+function bulkNote(text){var p=bulk.querySelector('.unsaved');p.textContent=text;p.hidden=!text}
+function bulkFailed(why){bulkNote(fill(words.not_saved,{why:String(why),retry:words.retry.bulk}))}
+function bulkSend(shown,status){return post(bulk.action,{token:bulk.token.value,status:status,
+ confirmed:'1',ids:shown.map(function(c){return c.dataset.id}).join(',')})}
+function settle(shown,status){shown.forEach(function(c){c.saved=status;show(c,status);note(c,'')})}
+function rejectShown(){
+ var shown=bulk.ids.value.split(',').map(function(id){return document.getElementById('post-'+id)})
+  .filter(Boolean),before=shown.map(function(c){return c.dataset.status});
+ bulkNote('');
+ bulkSend(shown,'rejected').then(function(){settle(shown,'rejected');bulkStep('done');
+  bulk.undo=function(){undoShown(shown,before)};
+  clearTimeout(undoTimer);undoTimer=setTimeout(function(){bulkStep('ask')},UNDO_MS);},
+  function(why){bulkStep('ask');bulkFailed(why)});}
+function undoShown(shown,before){clearTimeout(undoTimer);bulkNote('');
+ var groups={};shown.forEach(function(c,i){(groups[before[i]]=groups[before[i]]||[]).push(c)});
+ Promise.all(Object.keys(groups).map(function(status){
+  return bulkSend(groups[status],status).then(function(){settle(groups[status],status)})}))
+ .then(function(){bulkStep('ask')},bulkFailed);}
+if(bulk){
+ bulk.addEventListener('submit',function(e){e.preventDefault();bulkNote('');bulkStep('confirm');
+  bulk.querySelector('.yes').focus()});
+ bulk.querySelector('.no').addEventListener('click',function(){bulkStep('ask')});
+ bulk.querySelector('.yes').addEventListener('click',rejectShown);
+ bulk.querySelector('.undo').addEventListener('click',function(){bulk.undo()});}
 document.addEventListener('submit',function(e){var form=e.target;
  if(!form.classList.contains('decide')||!e.submitter)return;
  e.preventDefault();var card=form.closest('article.post');cur=cards.indexOf(card);
@@ -6993,7 +7068,7 @@ def script_words(lang):
     inside a <script> element."""
     strings = STRINGS[lang]
     words = {"status": {s: strings[f"status.{s}"] for s in DECISIONS},
-             "retry": {s: strings[f"retry.{s}"] for s in DECISIONS},
+             "retry": {s: strings[f"retry.{s}"] for s in (*DECISIONS, "bulk")},
              **{key: strings[key] for key in ("not_saved", "unreachable", "answered")}}
     return json.dumps(words, ensure_ascii=False).replace("<", "\\u003c")
 
@@ -7027,8 +7102,9 @@ def desk_page(conn, desk, page, directions, settings, sources=None):
         f'rel="next">{page.t("older")}</a>' if more else ""])
     sources = source_options(conn) if sources is None else sources
     body = (f"{banners(conn, settings, page)}{filter_form(page, desk, sources)}"
-            f"{facet_links(page, desk, directions, counts)}{hidden}{bulk_form(page, posts, here)}"
-            f"{cards}<nav class=pages>{pager}</nav>{keys_overlay(page)}"
+            f'<p class="keys-hint small muted">{page.t("keys_hint")}</p>'
+            f"{facet_links(page, desk, directions, counts)}{hidden}"
+            f"{cards}{bulk_form(page, posts, here)}<nav class=pages>{pager}</nav>{keys_overlay(page)}"
             f'<script type="application/json" id="words">{script_words(page.lang)}</script>'
             f"<script>{DESK_SCRIPT}</script>")
     return layout(page, page.strings["desk"], body, "/")
@@ -7312,10 +7388,23 @@ class WebApp:
                if re.fullmatch(r"[1-9][0-9]{0,17}", i.strip())]
         if not ids or len(ids) > MAX_BULK:
             abort(400, f"ids must name 1 to {MAX_BULK} posts")
+        wants_json = "application/json" in request.headers.get("Accept", "")
+        if not wants_json and (form.get("confirmed") or [""])[-1] != "1":
+            return self.confirm_many(request, query, form, ids, status)
         changed = set_decisions(self.db.conn(), ids, status, self.user)
-        if "application/json" in request.headers.get("Accept", ""):
+        if wants_json:
             return self.json(request, {"ids": ids, "status": status, "changed": changed})
         self.back(request, form)
+
+    def confirm_many(self, request, query, form, ids, status):
+        """A form's decision on many posts is asked again first (the page's
+        script asks in place and sends it confirmed)."""
+        back = (form.get("back") or ["/"])[-1]
+        fields = (("token", self.token()), ("ids", ",".join(map(str, ids))), ("status", status),
+                  ("back", back))
+        self.html(request, bulk_confirmation(self.page(request, query),
+                                             titled_posts(self.db.conn(), ids), status, fields,
+                                             back if LOCAL_PATH.fullmatch(back) else "/"))
 
     def back(self, request, form, post_id=None):
         """To the page the form came from; after one post's decision, to its
