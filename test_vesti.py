@@ -3277,9 +3277,9 @@ def test_the_crawlers_page_and_status_show_each_sources_figures(home, server):
     finally:
         w.close()
     cells = re.findall(r"<td[^>]*>(.*?)</td>", crawlers_row(page, "lwn"))
-    assert cells[8:13] == ["4", "4", source_row(db, "lwn")["last_new_at"], "100%", "1"]
+    assert cells[7:12] == ["4", "4", source_row(db, "lwn")["last_new_at"], "100%", "1"]
     garden = re.findall(r"<td[^>]*>(.*?)</td>", crawlers_row(page, "garden"))
-    assert garden[8:13] == ["2", "2", source_row(db, "garden")["last_new_at"], "0%", "0"]
+    assert garden[7:12] == ["2", "2", source_row(db, "garden")["last_new_at"], "0%", "0"]
     assert "new posts, 7 days" in page and "last new post (UTC)" in page
     report = json.loads(cli("status", "--json", cwd=home,
                             env={"RSS_HOST_DELAY": "0"}).stdout)
@@ -3798,6 +3798,90 @@ def test_on_a_phone_each_source_shows_its_status_and_last_error(web, browser):
         assert box["width"] > 0 and box["height"] > 0
         assert 0 <= box["left"] and box["right"] <= 390, (cell, box)
     assert "HTTP 500 Internal Server Error" in boxes["errorText"]
+
+
+CRAWLER_ERRORS = [
+    "TLS certificate not accepted (certificate has expired)",
+    "refused feeds.internal.example: it resolves to a private address (10.0.12.7); set "
+    "VESTI_ALLOW_PRIVATE_NETWORKS=1 to allow links and redirects there",
+    "cannot resolve host ([Errno -2] Name or service not known)",
+    "no entries: the answer is not a feed (<unknown>:2:0: syntax error; the server sent "
+    "text/html, 48213 bytes, starting '<!DOCTYPE html><html lang=\"en\"><head><title>"
+    "Just a moment...</title>')",
+    "HTTP 503 Service Unavailable",
+]
+
+
+def feed_etag(k):
+    return f'W/"5f2b{k:04x}-6a1c9e8d7f3b2a10c4d5e6f7a8b9"'
+
+
+def realistic_sources(web):
+    """27 sources as a newsroom has them (the corpus' real feeds' names):
+    every fifth failing with an error of the kinds VESTI records, feeds with
+    their ETag, Last-Modified and lastBuildDate, a few channels never fetched."""
+    feeds = dict((line.split("\t")[0].split("__")[1].rsplit(".", 1)[0].lower(),
+                  line.split("\t")[-1]) for line in
+                 (CORPUS / "feeds" / "real" / "MANIFEST.tsv").read_text().splitlines()[1:])
+    sources = [rss_source(re.sub(r"[^a-z0-9]+", "-", stem), f"https://{stem}.example/feed",
+                          name=title or stem, priority=k % 3)
+               for k, (stem, title) in enumerate(list(feeds.items())[:27])]
+    for source in sources[-3:]:
+        source.update(crawler="telegram", url="https://t.me/" + source["slug"].replace("-", "_"))
+    write_sources(web.settings.sources, sources)
+    vesti.sync_sources(web.db.conn(), vesti.load_registry(web.settings.sources))
+    conn = web.db.conn()
+    for k, source in enumerate(sources):
+        source_id = source_row(web.db, source["slug"])["id"]
+        if source["crawler"] == "telegram":
+            continue
+        conn.execute("UPDATE sources SET last_fetch = ?, error_count = ?, last_error = ? "
+                     "WHERE id = ?", (ago(600 + k), 3 if k % 5 == 1 else 0,
+                                      CRAWLER_ERRORS[k // 5] if k % 5 == 1 else None, source_id))
+        conn.execute("INSERT INTO rss_state (source_id, etag, modified, last_build_date) "
+                     "VALUES (?, ?, ?, ?)",
+                     (source_id, feed_etag(k),
+                      "Tue, 01 Dec 2026 08:30:00 GMT", "Tue, 01 Dec 2026 08:29:41 +0000"))
+        conn.execute("INSERT INTO runs (source_id, task, trigger, started_at, status, new_posts) "
+                     "VALUES (?, 'rss', 'schedule', ?, 'ok', 3)", (source_id, ago(600 + k)))
+    return sources
+
+
+def test_the_crawlers_page_fits_a_laptop_and_a_phone_with_errors_readable(web, browser):
+    sources = realistic_sources(web)
+    failing = sources[1]["slug"]
+    quiet = sources[-1]["slug"]                      # a channel never fetched: most fields empty
+    browser.call("Emulation.setDeviceMetricsOverride", session=True, width=1366, height=768,
+                 deviceScaleFactor=1, mobile=False)
+    browser.open(web.origin + "/crawlers", {"Authorization": web.auth})
+    laptop = browser.evaluate(f"""({{page: document.documentElement.scrollWidth,
+        table: document.querySelector('.table').scrollWidth,
+        room: document.querySelector('.table').clientWidth, viewport: window.innerWidth,
+        error: document.querySelector('#source-{failing} td.error').getBoundingClientRect().width,
+        text: document.querySelector('#source-{sources[0]["slug"]}').innerText}})""")
+    assert laptop["viewport"] == 1366 and laptop["page"] <= 1366, laptop
+    assert laptop["table"] <= laptop["room"], laptop         # nothing cut off at the right
+    assert laptop["error"] >= 250, laptop
+    for shown in (feed_etag(0), "Tue, 01 Dec 2026 08:30:00 GMT", "Tue, 01 Dec 2026 08:29:41 +0000"):
+        assert shown in laptop["text"]
+    browser.call("Emulation.setDeviceMetricsOverride", session=True, width=390, height=844,
+                 deviceScaleFactor=3, mobile=True)
+    browser.open(web.origin + "/crawlers?lang=ru", {"Authorization": web.auth})
+    phone = browser.evaluate(f"""(() => {{
+        const shown = e => e.getClientRects().length > 0;
+        const cells = [...document.querySelectorAll('table.sources td')].filter(shown);
+        return {{page: document.documentElement.scrollWidth,
+                 height: document.documentElement.scrollHeight,
+                 empty: cells.filter(td => !td.textContent.trim()).length,
+                 quiet: [...document.querySelectorAll('#source-{quiet} td')].filter(shown)
+                        .map(td => td.className),
+                 error: document.querySelector('#source-{failing} td.error').innerText,
+                 label: getComputedStyle(document.querySelector('#source-{failing} td.error'),
+                                         '::before').content}}; }})()""")
+    assert phone["page"] <= 390 and phone["empty"] == 0, phone
+    assert CRAWLER_ERRORS[0] in phone["error"] and phone["label"] == '"последняя ошибка: "'
+    assert "error" not in phone["quiet"] and "alive" in phone["quiet"]
+    assert phone["height"] < 27 * 180, phone               # a short card per source
 
 
 # run: everything at once -------------------------------------------------------

@@ -6197,8 +6197,10 @@ main{padding:1em 1.2em;max-width:1400px}
 .table{overflow-x:auto;background:#fff;border:1px solid var(--line);border-radius:8px}
 table{border-collapse:collapse;width:100%;font-size:.9em}
 th,td{text-align:left;padding:.45em .6em;border-bottom:1px solid var(--line);vertical-align:top}
-th{background:#fafbfc;font-weight:600;white-space:nowrap}
-td.error{max-width:28em;word-break:break-word;color:var(--bad)}
+th{background:#fafbfc;font-weight:600}table.sources{font-size:.85em}table.sources th{font-size:.9em}
+table.sources th,table.sources td{padding:.45em .5em}
+td.error{min-width:21em;max-width:28em;overflow-wrap:anywhere;color:var(--bad)}
+td.when{min-width:7.5em}.moved{overflow-wrap:anywhere}td.run{min-width:11em}.validator{overflow-wrap:anywhere}
 .alive{color:var(--ok);font-weight:600}.dead{color:var(--bad);font-weight:600}.disabled{color:var(--muted)}
 .failing,.silent{color:var(--warn);font-weight:600}
 .muted{color:var(--muted)}.small{font-size:.85em}
@@ -6226,10 +6228,12 @@ nav.pages{margin:1em 0;display:flex;gap:1em}
 @media (max-width:600px){
  main{padding:.6em}.card b{font-size:1.4em}
  .table{border:0;background:none}
- table.sources,table.sources tbody,table.sources tr,table.sources td{display:block;width:100%}
+ table.sources,table.sources tbody{display:block;width:100%}
  table.sources thead{display:none}
- table.sources tr{background:#fff;border:1px solid var(--line);border-radius:8px;margin-bottom:.6em;padding:.3em .2em}
- table.sources td{border:0;padding:.15em .6em;max-width:none}
+ table.sources tr{display:flex;flex-wrap:wrap;background:#fff;border:1px solid var(--line);border-radius:8px;margin-bottom:.6em;padding:.3em .2em}
+ table.sources td{display:block;border:0;padding:.15em .6em;min-width:0;max-width:none}
+ table.sources td.source,table.sources td.error{flex-basis:100%}
+ table.sources td:empty{display:none}
  table.sources td::before{color:var(--muted);font-weight:400}
  table.sources td.wide{display:none}
 }
@@ -6283,10 +6287,10 @@ STRINGS = {
         "bulk_ask.new": ("Set this {n} post back to decide?", "Set these {n} posts back to decide?"),
         "bulk_done": ("{n} post rejected.", "{n} posts rejected."),
         "yes": "Yes", "cancel": "Cancel",
-        "col.slug": "slug", "col.name": "name", "col.crawler": "crawler", "col.status": "status",
+        "col.source": "source", "col.crawler": "crawler", "col.status": "status",
         "col.priority": "priority", "col.last_fetch": "last fetch (UTC)", "col.errors": "errors",
         "col.last_error": "last error", "col.posts": "posts", "col.last_run": "last run (UTC)",
-        "col.etag": "etag", "col.modified": "modified", "col.last_build_date": "last build date",
+        "col.etag": "ETag", "col.modified": "Last-Modified", "col.last_build_date": "lastBuildDate",
         "never_fetched": "never", "moved": "moved permanently to {url}; update sources.yaml",
         "col.week": "new posts, 7 days", "col.last_new": "last new post (UTC)",
         "col.relevant": "relevant", "col.approved": "approved",
@@ -6346,11 +6350,11 @@ STRINGS = {
                          "Вернуть к решению {n} постов?"),
         "bulk_done": ("{n} пост отклонён.", "{n} поста отклонены.", "{n} постов отклонено."),
         "yes": "Да", "cancel": "Отмена",
-        "col.slug": "slug", "col.name": "название", "col.crawler": "тип", "col.status": "статус",
+        "col.source": "источник", "col.crawler": "тип", "col.status": "статус",
         "col.priority": "приоритет", "col.last_fetch": "последний запрос (UTC)",
         "col.errors": "ошибок", "col.last_error": "последняя ошибка", "col.posts": "постов",
-        "col.last_run": "последний запуск (UTC)", "col.etag": "etag",
-        "col.modified": "modified", "col.last_build_date": "last build date",
+        "col.last_run": "последний запуск (UTC)", "col.etag": "ETag",
+        "col.modified": "Last-Modified", "col.last_build_date": "lastBuildDate",
         "never_fetched": "ни разу", "moved": "переехал насовсем на {url}; поправьте sources.yaml",
         "col.week": "новых постов за 7 дней", "col.last_new": "последний новый пост (UTC)",
         "col.relevant": "релевантных", "col.approved": "одобрено",
@@ -6526,38 +6530,49 @@ def source_row(s, lang, silent):
     last_run = (f'{esc(s["run_started"])} <span class="muted">{esc(s["run_trigger"])}: '
                 f'{esc(s["run_status"])}, +{esc(s["run_new_posts"])}</span>'
                 if s["run_started"] else f'<span class="muted">{said(lang, "never_fetched")}</span>')
-    moved = (f'<br><span class="small">{esc(STRINGS[lang]["moved"].format(url=s["moved_to"]))}'
+    name = f'<br><span class="small">{esc(s["name"])}</span>' if s["name"] != s["slug"] else ""
+    moved = (f'<br><span class="small moved">{esc(STRINGS[lang]["moved"].format(url=s["moved_to"]))}'
              f'</span>' if s["moved_to"] else "")
-    rss = (f'<td class="small wide">{esc(s["etag"])}</td><td class="small wide">'
-           f'{esc(s["modified"])}</td><td class="small wide">{esc(s["last_build_date"])}</td>'
-           if crawler == "rss" else '<td class="small wide"></td>' * 3)
     failing = " failing" if status in ("alive", "silent") and s["error_count"] else ""
-    return (f'<tr id="source-{slug}"><td><b>{slug}</b></td>'
-            f'<td>{esc(s["name"])}{moved}</td><td>{crawler}</td>'
+    return (f'<tr id="source-{slug}"><td class="source"><b>{slug}</b>{name}{moved}</td>'
+            f'<td>{crawler}</td>'
             f'<td class="{status}{failing}">{status}{silent}</td><td>{esc(s["priority"])}</td>'
-            f'<td class="small">{esc(s["last_fetch"] or STRINGS[lang]["never_fetched"])}</td>'
+            f'<td class="small when">{esc(s["last_fetch"] or STRINGS[lang]["never_fetched"])}</td>'
             f'<td>{esc(s["error_count"])}</td>'
             f'<td class="error">{last_error_html(s)}</td>'
             f'<td>{esc(s["post_count"])}</td><td>{esc(s["week_posts"])}</td>'
-            f'<td class="small">{esc(s["last_new_at"])}</td>'
+            f'<td class="small when">{esc(s["last_new_at"])}</td>'
             f'<td>{share_text(s["relevant_share"])}</td><td>{esc(s["approved"])}</td>'
-            f'<td class="small wide">{last_run}</td>{rss}</tr>')
+            f'<td class="small wide run">{last_run}{validators_html(s, lang)}</td></tr>')
+
+
+def validators_html(s, lang):
+    """A feed's ETag, Last-Modified and lastBuildDate, a line each under its
+    last run: read rarely, they would take three wide columns."""
+    return "".join(f'<br><span class="muted validator">{said(lang, "col." + key)}: '
+                   f'{esc(s[key])}</span>' for key in ("etag", "modified", "last_build_date")
+                   if s[key])
 
 
 def card_labels(page):
     """On a phone each source row is a card; its cells are labelled by
     column, in the page's language, from CSS (not an attribute per cell)."""
     rules = "".join(
-        f'table.sources td:nth-child({n})::before{{content:{json.dumps(page.strings["col." + c] + ": ")}}}'
-        for n, c in enumerate(SOURCE_COLUMNS, 1) if c != "slug")
+        f'table.sources td:nth-child({n})::before{{content:{css_string(page.strings["col." + c] + ": ")}}}'
+        for n, c in enumerate(SOURCE_COLUMNS, 1) if c != "source")
     return f"<style>@media (max-width:600px){{{rules}}}</style>"
 
 
-SOURCE_COLUMNS = ("slug", "name", "crawler", "status", "priority", "last_fetch", "errors",
-                  "last_error", "posts", "week", "last_new", "relevant", "approved", "last_run",
-                  "etag", "modified", "last_build_date")
+def css_string(text):
+    """A CSS string of the text: JSON's quotes and backslashes are CSS's too,
+    but its \\uXXXX escapes are not, so letters stay letters."""
+    return json.dumps(text, ensure_ascii=False).replace("<", "\\3c ")
+
+
+SOURCE_COLUMNS = ("source", "crawler", "status", "priority", "last_fetch", "errors",
+                  "last_error", "posts", "week", "last_new", "relevant", "approved", "last_run")
 # Columns a phone screen leaves out.
-WIDE_COLUMNS = ("last_run", "etag", "modified", "last_build_date")
+WIDE_COLUMNS = ("last_run",)
 
 
 def crawlers_page(conn, page, settings):
