@@ -3061,6 +3061,30 @@ def test_banners_say_why_nothing_is_classified(home):
         w.close()
 
 
+@both
+def test_the_desk_says_how_many_posts_are_still_being_classified(web, monkeypatch):
+    conn = web.db.conn()
+    assert "being classified" not in web.get("/")[2]
+    add_posts(conn, 1, source_id=lwn(web), start=100)
+    empty = web.get("/")[2]
+    assert card_ids(empty) == [] and "1 post is still being classified." in empty
+    add_posts(conn, 2, source_id=lwn(web), start=200)
+    conn.execute("UPDATE posts SET classified = -1, claimed_at = ? WHERE title = 'Post 201'",
+                 (ago(0),))
+    post = desk_post(conn, lwn(web), 1)
+    page = web.get("/")[2]
+    assert card_ids(page) == [post]
+    assert page.index("3 posts are still being classified.") < page.index(f'id="post-{post}"')
+    assert "3 поста ещё классифицируются." in web.get("/?lang=ru")[2]
+    vesti.note_ollama_down(conn, "connection refused")
+    web.app.settings = web.settings.replace(ollama_url="http://127.0.0.1:9")
+    empty = web.get("/?q=nothing")[2]
+    assert "Ollama cannot be reached, so 3 posts wait to be classified" in empty
+    assert "still being classified" not in empty
+    monkeypatch.setattr(vesti, "WAITING_COUNT_CAP", 2)      # a big queue is not counted whole
+    assert "2+ posts wait to be classified" in web.get("/")[2]
+
+
 def test_pages_speak_english_and_russian(web):
     desk_post(web.db.conn(), lwn(web), 1)
     english = web.get("/crawlers")[2]

@@ -2282,6 +2282,16 @@ def pending_count(conn):
     return conn.execute(f"SELECT count(*) FROM posts WHERE {IS_PENDING}").fetchone()[0]
 
 
+def waiting_count(conn, cap):
+    """Posts pending or processing, counted up to `cap` each (from their
+    states' indexes): a page's note needs no more, and a first crawl's
+    queue counted whole would cost more than the page."""
+    return conn.execute(f"""
+        SELECT (SELECT count(*) FROM (SELECT 1 FROM posts WHERE {IS_PENDING} LIMIT ?) AS p)
+             + (SELECT count(*) FROM (SELECT 1 FROM posts WHERE classified = {PROCESSING}
+                                      LIMIT ?) AS c)""", (cap, cap)).fetchone()[0]
+
+
 _claims = itertools.count()
 
 
@@ -6173,6 +6183,8 @@ WORKER_SILENT_AFTER = 120
 # Searches matching more posts than this show no counts (counting them would
 # cost more than the page).
 SEARCH_COUNT_CAP = 2000
+# The desk counts the posts still to classify up to this many ("10000+").
+WAITING_COUNT_CAP = 10000
 # The stored text behind a card's disclosure is cut to this many characters.
 CARD_TEXT = 6000
 FEED_POSTS = 100
@@ -6273,6 +6285,12 @@ STRINGS = {
         "never": "yet", "for_minutes": ("for {n} minute", "for {n} minutes"),
         "banner_keywords": "Keyword-only mode: OLLAMA_URL is empty, so relevance comes from "
                            "keyword hits alone.",
+        "classifying": ("{count} post is still being classified.",
+                        "{count} posts are still being classified."),
+        "ollama_waits": ("Ollama cannot be reached, so {count} post waits to be classified; it "
+                         "appears here once Ollama answers.",
+                         "Ollama cannot be reached, so {count} posts wait to be classified; they "
+                         "appear here once Ollama answers."),
         "keys_title": "Keyboard", "key.j": "next card", "key.k": "previous card",
         "key.a": "approve", "key.r": "reject", "key.u": "undo the last decision",
         "key.o": "open the article", "key./": "search", "key.?": "this list",
@@ -6333,6 +6351,13 @@ STRINGS = {
         "never": "ни разу", "for_minutes": ("уже {n} минуту", "уже {n} минуты", "уже {n} минут"),
         "banner_keywords": "Режим ключевых слов: OLLAMA_URL пуст, релевантность считается "
                            "только по совпадениям ключевых слов.",
+        "classifying": ("{count} пост ещё классифицируется.", "{count} поста ещё классифицируются.",
+                        "{count} постов ещё классифицируются."),
+        "ollama_waits": tuple(
+            f"Ollama недоступна, поэтому {{count}} {posts} классификации; {they} здесь, когда "
+            "она ответит." for posts, they in (("пост ждёт", "он появится"),
+                                               ("поста ждут", "они появятся"),
+                                               ("постов ждут", "они появятся"))),
         "keys_title": "Клавиши", "key.j": "следующая карточка", "key.k": "предыдущая карточка",
         "key.a": "одобрить", "key.r": "отклонить", "key.u": "отменить последнее решение",
         "key.o": "открыть статью", "key./": "поиск", "key.?": "этот список",
@@ -6460,12 +6485,18 @@ def minutes_since(stamp, now=None):
     return None if then is None else max(0, int(((time.time() if now is None else now) - then) // 60))
 
 
+def ollama_down(state, settings):
+    """Whether the workers last found Ollama unreachable (and it is still
+    the one asked)."""
+    return bool(state["ollama_down_since"] and settings.ollama_url)
+
+
 def banners(conn, settings, page):
     """Why classification is not happening, when it is not: Ollama down,
     no worker running while posts wait, or keyword-only mode."""
     state = classification_state(conn)
     shown = []
-    if state["ollama_down_since"] and settings.ollama_url:
+    if ollama_down(state, settings):
         shown.append(page.t("banner_ollama", since=state["ollama_down_since"],
                             error=shorten(state["ollama_error"], 200)))
     silent = minutes_since(state["worker_seen"])
@@ -7088,6 +7119,18 @@ def script_words(lang):
     return json.dumps(words, ensure_ascii=False).replace("<", "\\u003c")
 
 
+def waiting_note(conn, page, settings):
+    """How many posts are still to classify, above the cards (or in place of
+    them): the desk fills up while the workers go through the queue, or
+    waits for Ollama."""
+    waiting = min(waiting_count(conn, WAITING_COUNT_CAP), WAITING_COUNT_CAP)
+    if not waiting:
+        return ""
+    count = f"{waiting}+" if waiting == WAITING_COUNT_CAP else str(waiting)
+    key = "ollama_waits" if ollama_down(classification_state(conn), settings) else "classifying"
+    return f'<p class="small muted" id="waiting">{page.t(key, n=waiting, count=count)}</p>'
+
+
 def source_options(conn):
     """The <option>s of every enabled source, for the desk's source filter."""
     return "".join(f'<option value="{esc(s["slug"])}">{esc(s["name"])}</option>' for s in
@@ -7118,7 +7161,7 @@ def desk_page(conn, desk, page, directions, settings, sources=None):
     sources = source_options(conn) if sources is None else sources
     body = (f"{banners(conn, settings, page)}{filter_form(page, desk, sources)}"
             f'<p class="keys-hint small muted">{page.t("keys_hint")}</p>'
-            f"{facet_links(page, desk, directions, counts)}{hidden}"
+            f"{facet_links(page, desk, directions, counts)}{hidden}{waiting_note(conn, page, settings)}"
             f"{cards}{bulk_form(page, posts, here)}<nav class=pages>{pager}</nav>{keys_overlay(page)}"
             f'<script type="application/json" id="words">{script_words(page.lang)}</script>'
             f"<script>{DESK_SCRIPT}</script>")
