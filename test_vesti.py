@@ -3963,6 +3963,37 @@ def test_run_picks_up_new_directions_when_sources_yaml_changes(home, server):
     assert classifier(post)["direction"] == "sea"
 
 
+@both
+def test_a_rejected_sources_yaml_edit_is_on_every_page_until_a_good_one_loads(home):
+    s, db = intake(home, [rss_source("a", "http://127.0.0.1:9/a")], VESTI_WEB_PASSWORD="pw")
+    web = Web(home, password="pw", settings=s)       # `serve`, beside `run`'s scheduler
+    scheduler = vesti.Scheduler(db, s, vesti.load_registry(s.sources), threading.Event())
+    good = (home / "sources.yaml").read_text()
+
+    def edit(text):
+        (home / "sources.yaml").write_text(text)
+        os.utime(home / "sources.yaml", (time.time() + 5, time.time() + 5))
+        scheduler.reload_sources()
+    try:
+        edit(good + "  - {slug: b, crawler: atom, url: 'http://x/'}\n")
+        for path in ("/", "/crawlers", "/?lang=ru"):
+            banner = re.search(r'<p class="banner"[^>]*>([^<]*sources\.yaml[^<]*)</p>',
+                               web.get(path)[2])
+            assert banner and "source &#x27;b&#x27;: unknown crawler &#x27;atom&#x27;" in banner[1]
+        assert "The sources are as they were" in web.get("/")[2]
+        assert "Источники остались прежними" in web.get("/?lang=ru")[2]
+        assert [r[0] for r in db.conn().execute("SELECT slug FROM sources")] == ["a"]
+        edit(good.replace("slug: a", "slug: c"))
+        assert "unknown crawler" not in web.get("/")[2]
+        assert "unknown crawler" not in web.get("/crawlers")[2]
+        edit(good + "  - {slug: b, crawler: atom, url: 'http://x/'}\n")
+        (home / "sources.yaml").write_text(good)
+        vesti.open_intake(s)[1].close()                 # any command that loads it
+        assert "unknown crawler" not in web.get("/")[2]
+    finally:
+        web.close()
+
+
 def test_sigterm_stops_a_crawl_and_closes_its_runs(home):
     srv = FeedServer()
     try:

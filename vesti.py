@@ -2963,6 +2963,29 @@ def note_ollama_down(conn, error):
                  (error, utc_text()))
 
 
+def note_sources_rejected(conn, path, error):
+    """A changed sources.yaml that did not load, kept for every process's
+    pages until one does."""
+    set_meta(conn, "sources_rejected", json.dumps({"file": path, "error": error}))
+
+
+def sources_rejected(conn):
+    """(file, error, since when) of a sources.yaml edit that did not load,
+    or None."""
+    value, since = get_meta(conn, "sources_rejected")
+    if value is None:
+        return None
+    note = json.loads(value)
+    return note["file"], note["error"], since
+
+
+def forget_sources_rejected(conn, path):
+    """This sources.yaml loaded: a rejected edit of it is past."""
+    note = sources_rejected(conn)
+    if note and os.path.abspath(note[0]) == os.path.abspath(path):
+        delete_meta(conn, "sources_rejected")
+
+
 def classification_state(conn):
     """What the workers last said about themselves and Ollama."""
     rows = {row[0]: (row[1], row[2]) for row in conn.execute(
@@ -6285,6 +6308,9 @@ STRINGS = {
         "never": "yet", "for_minutes": ("for {n} minute", "for {n} minutes"),
         "banner_keywords": "Keyword-only mode: OLLAMA_URL is empty, so relevance comes from "
                            "keyword hits alone.",
+        "banner_sources": "{file} was changed but could not be loaded ({since} UTC): {error}. "
+                          "The sources are as they were; the file is read again when it "
+                          "changes.",
         "classifying": ("{count} post is still being classified.",
                         "{count} posts are still being classified."),
         "ollama_waits": ("Ollama cannot be reached, so {count} post waits to be classified; it "
@@ -6351,6 +6377,8 @@ STRINGS = {
         "never": "ни разу", "for_minutes": ("уже {n} минуту", "уже {n} минуты", "уже {n} минут"),
         "banner_keywords": "Режим ключевых слов: OLLAMA_URL пуст, релевантность считается "
                            "только по совпадениям ключевых слов.",
+        "banner_sources": "{file} изменён, но не загружен ({since} UTC): {error}. Источники "
+                          "остались прежними; файл будет прочитан снова, когда изменится.",
         "classifying": ("{count} пост ещё классифицируется.", "{count} поста ещё классифицируются.",
                         "{count} постов ещё классифицируются."),
         "ollama_waits": tuple(
@@ -6493,7 +6521,8 @@ def ollama_down(state, settings):
 
 def banners(conn, settings, page):
     """Why classification is not happening, when it is not: Ollama down,
-    no worker running while posts wait, or keyword-only mode."""
+    no worker running while posts wait, or keyword-only mode; and a
+    sources.yaml edit that was not loaded."""
     state = classification_state(conn)
     shown = []
     if ollama_down(state, settings):
@@ -6506,6 +6535,10 @@ def banners(conn, settings, page):
         shown.append(page.t("banner_no_worker", n=pending, when=when))
     if (state["classify_mode"] or ("ollama" if settings.ollama_url else "keywords")) == "keywords":
         shown.append(page.t("banner_keywords"))
+    rejected = sources_rejected(conn)
+    if rejected:
+        shown.append(page.t("banner_sources", file=rejected[0], since=rejected[2],
+                            error=shorten(rejected[1].splitlines()[0], 300)))
     return "".join(f'<p class="banner" role="status">{text}</p>' for text in shown)
 
 
@@ -7724,8 +7757,10 @@ class Scheduler:
                 listener(self.registry)
             log.warning("%s changed: %d sources synced", self.settings.sources,
                         len(self.registry.sources))
+            forget_sources_rejected(self.db.conn(), self.settings.sources)
         except ConfigError as e:
             log.error("%s; keeping the sources as they were", e)
+            note_sources_rejected(self.db.conn(), self.settings.sources, str(e))
 
     def priorities(self):
         return enabled_priorities(self.db.conn())
@@ -7824,6 +7859,7 @@ def open_intake(settings):
     registry = load_registry(settings.sources)
     db = Database(settings.db, settings.busy_timeout)
     sync_sources(db.conn(), registry)
+    forget_sources_rejected(db.conn(), settings.sources)
     close_orphan_runs(db.conn())
     return registry, db
 
