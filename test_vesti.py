@@ -3681,6 +3681,7 @@ def test_the_desk_from_the_keyboard_decides_in_place(web, browser):
         == "new"
     press(browser, "?")
     assert browser.evaluate("!document.getElementById('keys').hidden")
+    assert visible(browser, ".keys-hint") and visible(browser, "form.filters")   # a wide screen
 
 
 def decision_shown(browser, post):
@@ -3725,8 +3726,9 @@ def test_a_decision_that_did_not_save_looks_unsaved_and_saves_when_tried_again(w
 
 
 def visible(browser, selector):
+    """Whether the element is rendered (not hidden, nor in a closed <details>)."""
     return browser.evaluate(f"""(() => {{ const e = document.querySelector({json.dumps(selector)});
-        return !!e && e.getClientRects().length > 0; }})()""")
+        return !!e && e.checkVisibility(); }})()""")
 
 
 def test_rejecting_every_card_shown_asks_first_and_can_be_undone(web, browser):
@@ -3763,6 +3765,8 @@ def test_on_a_phone_the_desk_starts_with_its_first_card(web, browser):
     conn = web.db.conn()
     for k in range(1, 6):
         desk_post(conn, lwn(web), k)
+    desk_post(conn, lwn(web), 6, relevance=1)
+    add_posts(conn, 3, source_id=lwn(web), start=100)       # the first crawl's, still waiting
     browser.call("Emulation.setDeviceMetricsOverride", session=True, width=390, height=844,
                  deviceScaleFactor=3, mobile=True)
     browser.open(web.origin + "/", {"Authorization": web.auth})
@@ -3770,9 +3774,16 @@ def test_on_a_phone_the_desk_starts_with_its_first_card(web, browser):
         const top = e => e.getBoundingClientRect().top + window.scrollY;
         const cards = [...document.querySelectorAll('article.post')];
         const last = cards[cards.length - 1];
-        return {bulk: top(document.querySelector('form.bulk')),
+        return {bulk: top(document.querySelector('form.bulk')), firstCard: top(cards[0]),
                 lastCardBottom: top(last) + last.getBoundingClientRect().height}; })()""")
     assert shown["bulk"] >= shown["lastCardBottom"]        # not in the thumb's path above a card
+    assert shown["firstCard"] < 844 / 2, shown             # the filters folded away
+    assert not visible(browser, ".keys-hint")               # no keyboard to press ? on
+    assert not visible(browser, "form.filters") and visible(browser, "details.filters summary")
+    browser.evaluate("document.querySelector('details.filters summary').click()")
+    assert visible(browser, "form.filters")
+    browser.open(web.origin + "/?q=post", {"Authorization": web.auth})
+    assert visible(browser, "form.filters")                 # a filter in use stays in sight
 
 
 def test_without_javascript_a_decision_comes_back_to_its_card(web, browser):

@@ -6258,6 +6258,9 @@ input,select{font:inherit;padding:.3em .4em;border:1px solid var(--line);border-
 nav.pages{margin:1em 0;display:flex;gap:1em}
 .bulk [hidden]{display:none}.bulk .unsaved{color:var(--bad);font-weight:600}
 .keys-hint{float:right;margin:.2em 0 0 1em}
+details.filters>summary{cursor:pointer;font-weight:600;margin-bottom:.5em}
+@media (min-width:601px){details.filters>summary{display:none}}
+@media (max-width:600px),(hover:none) and (pointer:coarse){.keys-hint{display:none}}
 #keys{position:fixed;right:1em;bottom:1em;background:#fff;border:1px solid var(--line);border-radius:8px;padding:.8em 1.2em;box-shadow:0 4px 16px #0002}
 #keys[hidden]{display:none}#keys kbd{display:inline-block;min-width:1.4em;font-weight:600}
 @media (max-width:600px){
@@ -6320,7 +6323,7 @@ STRINGS = {
         "keys_title": "Keyboard", "key.j": "next card", "key.k": "previous card",
         "key.a": "approve", "key.r": "reject", "key.u": "undo the last decision",
         "key.o": "open the article", "key./": "search", "key.?": "this list",
-        "keys_hint": "Press ? for keys",
+        "keys_hint": "Press ? for keys", "filters": "Filters",
         "not_saved": "Not saved: {why}. {retry}",
         "unreachable": "the server could not be reached",
         "answered": "the server answered {status} ({answer})",
@@ -6389,7 +6392,7 @@ STRINGS = {
         "keys_title": "Клавиши", "key.j": "следующая карточка", "key.k": "предыдущая карточка",
         "key.a": "одобрить", "key.r": "отклонить", "key.u": "отменить последнее решение",
         "key.o": "открыть статью", "key./": "поиск", "key.?": "этот список",
-        "keys_hint": "? — список клавиш",
+        "keys_hint": "? — список клавиш", "filters": "Фильтры",
         "not_saved": "Не сохранено: {why}. {retry}",
         "unreachable": "не удалось связаться с сервером",
         "answered": "сервер ответил {status} ({answer})",
@@ -6939,6 +6942,24 @@ def filter_form(page, desk, sources):
             f'<button type="submit">{page.t("show")}</button></form>')
 
 
+def filters_html(page, desk, directions, counts, sources, default_min):
+    """The filters and their counts under "Filters": open on a wide screen;
+    on a phone folded away by the script (they would fill the first screen)
+    unless one is in use."""
+    in_use = desk.q or desk.source or desk.direction or desk.status != "new" or \
+        desk.sort != "newest" or desk.min != default_min
+    return (f'<details class="filters" open{"" if in_use else " data-fold"}>'
+            f'<summary>{page.t("filters")}</summary>{filter_form(page, desk, sources)}'
+            f'<p class="keys-hint small muted">{page.t("keys_hint")}</p>'
+            f'{facet_links(page, desk, directions, counts)}</details>'
+            f'<script>{FOLD_FILTERS}</script>')
+
+
+# Right after the filters, so a phone never shows them unfolded first.
+FOLD_FILTERS = ("(function(d){if(d.hasAttribute('data-fold')&&matchMedia('(max-width:600px)')"
+                ".matches)d.open=false})(document.querySelector('details.filters'));")
+
+
 @functools.lru_cache(maxsize=1024)      # a page asks again for the links it showed
 def is_web_link(url):
     return bool(url) and urllib.parse.urlsplit(url).scheme in WEB_SCHEMES
@@ -7192,9 +7213,8 @@ def desk_page(conn, desk, page, directions, settings, sources=None):
         f'<a href="{esc(page.link("/", **desk.params(after=next_cursor(desk, posts[-1]))))}" '
         f'rel="next">{page.t("older")}</a>' if more else ""])
     sources = source_options(conn) if sources is None else sources
-    body = (f"{banners(conn, settings, page)}{filter_form(page, desk, sources)}"
-            f'<p class="keys-hint small muted">{page.t("keys_hint")}</p>'
-            f"{facet_links(page, desk, directions, counts)}{hidden}{waiting_note(conn, page, settings)}"
+    filters = filters_html(page, desk, directions, counts, sources, settings.min_relevance)
+    body = (f"{banners(conn, settings, page)}{filters}{hidden}{waiting_note(conn, page, settings)}"
             f"{cards}{bulk_form(page, posts, here)}<nav class=pages>{pager}</nav>{keys_overlay(page)}"
             f'<script type="application/json" id="words">{script_words(page.lang)}</script>'
             f"<script>{DESK_SCRIPT}</script>")
