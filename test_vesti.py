@@ -2959,7 +2959,7 @@ def test_bulk_decisions_reject_every_card_shown_once_confirmed(web):
     form = re.search(r'<form class="actions bulk".*?</form>', page)[0]
     shown = re.search(r'name="ids" value="([^"]+)"', form)[1]
     assert sorted(int(i) for i in shown.split(",")) == ids
-    assert page.index('class="actions bulk"') > page.index(f'id="post-{ids[0]}"')   # below the cards
+    assert page.index('class="actions bulk"') > page.index(f'id="post-{ids[0]}"')  # under the cards
     # Without JavaScript the button asks first, on a page of its own.
     status, _, asked = web.post("/posts/status", {"token": web.token(), "ids": shown,
                                                   "status": "rejected", "back": "/"})

@@ -6331,7 +6331,8 @@ STRINGS = {
         "retry.new": "Press Undo to try again.", "retry.bulk": "Press the button to try again.",
         "bulk_ask.rejected": ("Reject this {n} post?", "Reject these {n} posts?"),
         "bulk_ask.approved": ("Approve this {n} post?", "Approve these {n} posts?"),
-        "bulk_ask.new": ("Set this {n} post back to decide?", "Set these {n} posts back to decide?"),
+        "bulk_ask.new": ("Set this {n} post back to decide?",
+                         "Set these {n} posts back to decide?"),
         "bulk_done": ("{n} post rejected.", "{n} posts rejected."),
         "yes": "Yes", "cancel": "Cancel",
         "col.source": "source", "col.crawler": "crawler", "col.status": "status",
@@ -6400,7 +6401,8 @@ STRINGS = {
         "retry.rejected": "Нажмите r, чтобы попробовать ещё раз.",
         "retry.new": "Нажмите «Вернуть», чтобы попробовать ещё раз.",
         "retry.bulk": "Нажмите кнопку, чтобы попробовать ещё раз.",
-        "bulk_ask.rejected": ("Отклонить {n} пост?", "Отклонить {n} поста?", "Отклонить {n} постов?"),
+        "bulk_ask.rejected": ("Отклонить {n} пост?", "Отклонить {n} поста?",
+                              "Отклонить {n} постов?"),
         "bulk_ask.approved": ("Одобрить {n} пост?", "Одобрить {n} поста?", "Одобрить {n} постов?"),
         "bulk_ask.new": ("Вернуть к решению {n} пост?", "Вернуть к решению {n} поста?",
                          "Вернуть к решению {n} постов?"),
@@ -6534,7 +6536,8 @@ def banners(conn, settings, page):
     silent = minutes_since(state["worker_seen"])
     pending = (silent is None or silent * 60 >= WORKER_SILENT_AFTER) and pending_count(conn)
     if pending:
-        when = page.strings["never"] if silent is None else phrase(page.lang, "for_minutes", n=silent)
+        when = page.strings["never"] if silent is None else \
+            phrase(page.lang, "for_minutes", n=silent)
         shown.append(page.t("banner_no_worker", n=pending, when=when))
     if (state["classify_mode"] or ("ollama" if settings.ollama_url else "keywords")) == "keywords":
         shown.append(page.t("banner_keywords"))
@@ -6598,8 +6601,9 @@ def source_row(s, lang, silent):
                 f'{esc(s["run_status"])}, +{esc(s["run_new_posts"])}</span>'
                 if s["run_started"] else f'<span class="muted">{said(lang, "never_fetched")}</span>')
     name = f'<br><span class="small">{esc(s["name"])}</span>' if s["name"] != s["slug"] else ""
-    moved = (f'<br><span class="small moved">{esc(STRINGS[lang]["moved"].format(url=s["moved_to"]))}'
-             f'</span>' if s["moved_to"] else "")
+    moved = (f'<br><span class="small moved">'
+             f'{esc(STRINGS[lang]["moved"].format(url=s["moved_to"]))}</span>'
+             if s["moved_to"] else "")
     failing = " failing" if status in ("alive", "silent") and s["error_count"] else ""
     return (f'<tr id="source-{slug}"><td class="source"><b>{slug}</b>{name}{moved}</td>'
             f'<td>{crawler}</td>'
@@ -6625,7 +6629,8 @@ def card_labels(page):
     """On a phone each source row is a card; its cells are labelled by
     column, in the page's language, from CSS (not an attribute per cell)."""
     rules = "".join(
-        f'table.sources td:nth-child({n})::before{{content:{css_string(page.strings["col." + c] + ": ")}}}'
+        f'table.sources td:nth-child({n})::before'
+        f'{{content:{css_string(page.strings["col." + c] + ": ")}}}'
         for n, c in enumerate(SOURCE_COLUMNS, 1) if c != "source")
     return f"<style>@media (max-width:600px){{{rules}}}</style>"
 
@@ -6942,6 +6947,12 @@ def filter_form(page, desk, sources):
             f'<button type="submit">{page.t("show")}</button></form>')
 
 
+# Run right after the filters (not with the desk's script at the end), so a
+# phone never shows them unfolded first.
+FOLD_FILTERS = ("(function(d){if(d.hasAttribute('data-fold')&&matchMedia('(max-width:600px)')"
+                ".matches)d.open=false})(document.querySelector('details.filters'));")
+
+
 def filters_html(page, desk, directions, counts, sources, default_min):
     """The filters and their counts under "Filters": open on a wide screen;
     on a phone folded away by the script (they would fill the first screen)
@@ -6953,11 +6964,6 @@ def filters_html(page, desk, directions, counts, sources, default_min):
             f'<p class="keys-hint small muted">{page.t("keys_hint")}</p>'
             f'{facet_links(page, desk, directions, counts)}</details>'
             f'<script>{FOLD_FILTERS}</script>')
-
-
-# Right after the filters, so a phone never shows them unfolded first.
-FOLD_FILTERS = ("(function(d){if(d.hasAttribute('data-fold')&&matchMedia('(max-width:600px)')"
-                ".matches)d.open=false})(document.querySelector('details.filters'));")
 
 
 @functools.lru_cache(maxsize=1024)      # a page asks again for the links it showed
@@ -7215,7 +7221,8 @@ def desk_page(conn, desk, page, directions, settings, sources=None):
     sources = source_options(conn) if sources is None else sources
     filters = filters_html(page, desk, directions, counts, sources, settings.min_relevance)
     body = (f"{banners(conn, settings, page)}{filters}{hidden}{waiting_note(conn, page, settings)}"
-            f"{cards}{bulk_form(page, posts, here)}<nav class=pages>{pager}</nav>{keys_overlay(page)}"
+            f"{cards}{bulk_form(page, posts, here)}<nav class=pages>{pager}</nav>"
+            f"{keys_overlay(page)}"
             f'<script type="application/json" id="words">{script_words(page.lang)}</script>'
             f"<script>{DESK_SCRIPT}</script>")
     return layout(page, page.strings["desk"], body, "/")
