@@ -3009,15 +3009,25 @@ def test_a_decision_with_json_answers_json_and_records_who_and_when(web):
 
 
 @both
-def test_bulk_decisions_reject_every_card_shown(web):
+def test_bulk_decisions_reject_every_card_shown_once_confirmed(web):
     conn = web.db.conn()
     ids = [desk_post(conn, lwn(web), k) for k in range(1, 6)]
+    conn.execute("UPDATE posts SET title = '<b>Bold</b> news' WHERE id = ?", (ids[0],))
     page = web.get("/")[2]
     form = re.search(r'<form class="actions bulk".*?</form>', page)[0]
     shown = re.search(r'name="ids" value="([^"]+)"', form)[1]
     assert sorted(int(i) for i in shown.split(",")) == ids
-    status, headers, _ = web.post("/posts/status", {"token": web.token(), "ids": shown,
-                                                    "status": "rejected", "back": "/"})
+    assert page.index('class="actions bulk"') > page.index(f'id="post-{ids[0]}"')  # under the cards
+    # Without JavaScript the button asks first, on a page of its own.
+    status, _, asked = web.post("/posts/status", {"token": web.token(), "ids": shown,
+                                                  "status": "rejected", "back": "/"})
+    assert status == 200 and "Reject these 5 posts?" in asked
+    assert "&lt;b&gt;Bold&lt;/b&gt; news" in asked and "Post 5" in asked and "<b>Bold" not in asked
+    fields = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', asked))
+    assert fields == {"token": web.token(), "ids": shown, "status": "rejected", "back": "/",
+                      "confirmed": "1"}
+    assert {r[0] for r in conn.execute("SELECT status FROM posts")} == {"new"}
+    status, headers, _ = web.post("/posts/status", fields)
     assert status == 303 and headers["Location"] == "/"
     assert {r[0] for r in conn.execute("SELECT status FROM posts")} == {"rejected"}
     assert card_ids(web.get("/")[2]) == []
@@ -3109,6 +3119,30 @@ def test_banners_say_why_nothing_is_classified(home):
         w.close()
 
 
+@both
+def test_the_desk_says_how_many_posts_are_still_being_classified(web, monkeypatch):
+    conn = web.db.conn()
+    assert "being classified" not in web.get("/")[2]
+    add_posts(conn, 1, source_id=lwn(web), start=100)
+    empty = web.get("/")[2]
+    assert card_ids(empty) == [] and "1 post is still being classified." in empty
+    add_posts(conn, 2, source_id=lwn(web), start=200)
+    conn.execute("UPDATE posts SET classified = -1, claimed_at = ? WHERE title = 'Post 201'",
+                 (ago(0),))
+    post = desk_post(conn, lwn(web), 1)
+    page = web.get("/")[2]
+    assert card_ids(page) == [post]
+    assert page.index("3 posts are still being classified.") < page.index(f'id="post-{post}"')
+    assert "3 поста ещё классифицируются." in web.get("/?lang=ru")[2]
+    vesti.note_ollama_down(conn, "connection refused")
+    web.app.settings = web.settings.replace(ollama_url="http://127.0.0.1:9")
+    empty = web.get("/?q=nothing")[2]
+    assert "Ollama cannot be reached, so 3 posts wait to be classified" in empty
+    assert "still being classified" not in empty
+    monkeypatch.setattr(vesti, "WAITING_COUNT_CAP", 2)      # a big queue is not counted whole
+    assert "2+ posts wait to be classified" in web.get("/")[2]
+
+
 def test_pages_speak_english_and_russian(web):
     desk_post(web.db.conn(), lwn(web), 1)
     english = web.get("/crawlers")[2]
@@ -3123,6 +3157,28 @@ def test_pages_speak_english_and_russian(web):
     page = web.get("/?lang=ru")[2]
     links = [html.unescape(link) for link in re.findall(r'href="(/[^"]*)"', page)]
     assert all("lang=ru" in link for link in links if "lang=en" not in link)
+
+
+def test_counts_on_the_pages_take_the_plural_form_of_their_number(web):
+    conn = web.db.conn()
+    desk_post(conn, lwn(web), 1, relevance=7)
+    desk_post(conn, lwn(web), 2, relevance=1)
+    assert "1 less relevant post is hidden." in web.get("/")[2]
+    assert "1 менее релевантный пост скрыт." in web.get("/?lang=ru")[2]
+    russian = {n: vesti.Page("ru", "t", {}).t("hidden_low", n=n)
+               for n in (1, 2, 4, 5, 11, 12, 14, 21, 22, 25, 101, 111)}
+    assert russian == {
+        1: "1 менее релевантный пост скрыт.", 2: "2 менее релевантных поста скрыты.",
+        4: "4 менее релевантных поста скрыты.", 5: "5 менее релевантных постов скрыто.",
+        11: "11 менее релевантных постов скрыто.", 12: "12 менее релевантных постов скрыто.",
+        14: "14 менее релевантных постов скрыто.", 21: "21 менее релевантный пост скрыт.",
+        22: "22 менее релевантных поста скрыты.", 25: "25 менее релевантных постов скрыто.",
+        101: "101 менее релевантный пост скрыт.", 111: "111 менее релевантных постов скрыто."}
+    english = vesti.Page("en", "t", {})
+    assert english.t("more_sources", n=1) == "+1 source" and \
+        english.t("more_sources", n=3) == "+3 sources"
+    assert english.t("reject_shown", n=1) == "Reject the 1 post shown"
+    assert english.t("banner_no_worker", n=1, when="yet").startswith("1 post waits and")
 
 
 @both
@@ -3303,9 +3359,9 @@ def test_the_crawlers_page_and_status_show_each_sources_figures(home, server):
     finally:
         w.close()
     cells = re.findall(r"<td[^>]*>(.*?)</td>", crawlers_row(page, "lwn"))
-    assert cells[8:13] == ["4", "4", source_row(db, "lwn")["last_new_at"], "100%", "1"]
+    assert cells[7:12] == ["4", "4", source_row(db, "lwn")["last_new_at"], "100%", "1"]
     garden = re.findall(r"<td[^>]*>(.*?)</td>", crawlers_row(page, "garden"))
-    assert garden[8:13] == ["2", "2", source_row(db, "garden")["last_new_at"], "0%", "0"]
+    assert garden[7:12] == ["2", "2", source_row(db, "garden")["last_new_at"], "0%", "0"]
     assert "new posts, 7 days" in page and "last new post (UTC)" in page
     report = json.loads(cli("status", "--json", cwd=home,
                             env={"RSS_HOST_DELAY": "0"}).stdout)
@@ -3772,6 +3828,109 @@ def test_the_desk_from_the_keyboard_decides_in_place(web, browser):
         == "new"
     press(browser, "?")
     assert browser.evaluate("!document.getElementById('keys').hidden")
+    assert visible(browser, ".keys-hint") and visible(browser, "form.filters")   # a wide screen
+
+
+def decision_shown(browser, post):
+    """The card of a post once its decisions have settled, and the alerts
+    the page raised."""
+    assert wait_until(browser, f"document.getElementById('post-{post}').dataset.busy === '0'")
+    return browser.evaluate(f"""(() => {{
+        const card = document.getElementById('post-{post}'), note = card.querySelector('.unsaved');
+        return {{status: card.dataset.status, badge: card.querySelector('.state').textContent,
+                 note: note && !note.hidden ? note.textContent : '', alerts: window.alerts,
+                 current: document.querySelector('article.current').dataset.id}}; }})()""")
+
+
+def test_a_decision_that_did_not_save_looks_unsaved_and_saves_when_tried_again(web, browser):
+    conn = web.db.conn()
+    post = [desk_post(conn, lwn(web), k) for k in range(1, 4)][-1]
+    browser.open(web.origin + "/", {"Authorization": web.auth})
+    browser.evaluate("window.alerts = []; window.alert = m => window.alerts.push(String(m))")
+    press(browser, "j")
+    secret, web.app.secret = web.app.secret, b"another secret"    # the server refuses the form
+    press(browser, "a")
+    shown = decision_shown(browser, post)
+    assert (shown["status"], shown["badge"], shown["alerts"]) == ("new", "to decide", [])
+    assert shown["note"] == ("Not saved: the server answered 403 (Cross-site request refused). "
+                             "Press a to try again.")
+    assert int(shown["current"]) == post                  # the key to try again is at hand
+    web.app.secret = secret
+    browser.call("Network.emulateNetworkConditions", session=True, offline=True, latency=0,
+                 downloadThroughput=-1, uploadThroughput=-1)              # the connection is lost
+    browser.evaluate(f"document.querySelector('#post-{post} button.approved').click()")
+    shown = decision_shown(browser, post)
+    assert (shown["status"], shown["alerts"]) == ("new", [])
+    assert shown["note"] == "Not saved: the server could not be reached. Press a to try again."
+    assert conn.execute("SELECT status FROM posts WHERE id = ?", (post,)).fetchone()[0] == "new"
+    browser.call("Network.emulateNetworkConditions", session=True, offline=False, latency=0,
+                 downloadThroughput=-1, uploadThroughput=-1)
+    press(browser, "a")
+    shown = decision_shown(browser, post)
+    assert (shown["status"], shown["badge"], shown["note"]) == ("approved", "approved", "")
+    assert conn.execute("SELECT status FROM posts WHERE id = ?", (post,)).fetchone()[0] == \
+        "approved"
+
+
+def visible(browser, selector):
+    """Whether the element is rendered (not hidden, nor in a closed <details>)."""
+    return browser.evaluate(f"""(() => {{ const e = document.querySelector({json.dumps(selector)});
+        return !!e && e.checkVisibility(); }})()""")
+
+
+def test_rejecting_every_card_shown_asks_first_and_can_be_undone(web, browser):
+    conn = web.db.conn()
+    ids = [desk_post(conn, lwn(web), k) for k in range(1, 4)]
+    browser.open(web.origin + "/", {"Authorization": web.auth})
+    browser.evaluate("window.asked = []; window.confirm = m => window.asked.push(m)")
+
+    def statuses(shown):
+        on_page = browser.evaluate("[...document.querySelectorAll('article.post')]"
+                                   ".map(c => c.dataset.status).join()")
+        stored = {r[0] for r in conn.execute("SELECT status FROM posts")}
+        return on_page == ",".join([shown] * 3) and stored == {shown}
+    browser.evaluate("document.querySelector('form.bulk button[value=rejected]').click()")
+    assert visible(browser, "form.bulk .confirm") and not visible(browser, "form.bulk .ask")
+    assert browser.evaluate("document.querySelector('form.bulk .confirm').innerText") \
+        .startswith("Reject these 3 posts?")
+    assert statuses("new")                                  # nothing decided yet
+    browser.evaluate("document.querySelector('form.bulk .no').click()")       # Cancel
+    assert visible(browser, "form.bulk .ask") and not visible(browser, "form.bulk .confirm")
+    browser.evaluate("document.querySelector('form.bulk button[value=rejected]').click()")
+    browser.evaluate("document.querySelector('form.bulk .yes').click()")
+    assert wait_until(browser, "!document.querySelector('form.bulk .done').hidden")
+    assert statuses("rejected")
+    assert browser.evaluate("document.querySelector('form.bulk .done').innerText") \
+        .startswith("3 posts rejected.")
+    browser.evaluate("document.querySelector('form.bulk .undo').click()")
+    assert wait_until(browser, "document.querySelector('form.bulk .done').hidden")
+    assert statuses("new")
+    assert visible(browser, "form.bulk .ask") and browser.evaluate("window.asked") == []
+
+
+def test_on_a_phone_the_desk_starts_with_its_first_card(web, browser):
+    conn = web.db.conn()
+    for k in range(1, 6):
+        desk_post(conn, lwn(web), k)
+    desk_post(conn, lwn(web), 6, relevance=1)
+    add_posts(conn, 3, source_id=lwn(web), start=100)       # the first crawl's, still waiting
+    browser.call("Emulation.setDeviceMetricsOverride", session=True, width=390, height=844,
+                 deviceScaleFactor=3, mobile=True)
+    browser.open(web.origin + "/", {"Authorization": web.auth})
+    shown = browser.evaluate("""(() => {
+        const top = e => e.getBoundingClientRect().top + window.scrollY;
+        const cards = [...document.querySelectorAll('article.post')];
+        const last = cards[cards.length - 1];
+        return {bulk: top(document.querySelector('form.bulk')), firstCard: top(cards[0]),
+                lastCardBottom: top(last) + last.getBoundingClientRect().height}; })()""")
+    assert shown["bulk"] >= shown["lastCardBottom"]        # not in the thumb's path above a card
+    assert shown["firstCard"] < 844 / 2, shown             # the filters folded away
+    assert not visible(browser, ".keys-hint")               # no keyboard to press ? on
+    assert not visible(browser, "form.filters") and visible(browser, "details.filters summary")
+    browser.evaluate("document.querySelector('details.filters summary').click()")
+    assert visible(browser, "form.filters")
+    browser.open(web.origin + "/?q=post", {"Authorization": web.auth})
+    assert visible(browser, "form.filters")                 # a filter in use stays in sight
 
 
 def test_without_javascript_a_decision_comes_back_to_its_card(web, browser):
@@ -3821,6 +3980,90 @@ def test_on_a_phone_each_source_shows_its_status_and_last_error(web, browser):
         assert box["width"] > 0 and box["height"] > 0
         assert 0 <= box["left"] and box["right"] <= 390, (cell, box)
     assert "HTTP 500 Internal Server Error" in boxes["errorText"]
+
+
+CRAWLER_ERRORS = [
+    "TLS certificate not accepted (certificate has expired)",
+    "refused feeds.internal.example: it resolves to a private address (10.0.12.7); set "
+    "VESTI_ALLOW_PRIVATE_NETWORKS=1 to allow links and redirects there",
+    "cannot resolve host ([Errno -2] Name or service not known)",
+    "no entries: the answer is not a feed (<unknown>:2:0: syntax error; the server sent "
+    "text/html, 48213 bytes, starting '<!DOCTYPE html><html lang=\"en\"><head><title>"
+    "Just a moment...</title>')",
+    "HTTP 503 Service Unavailable",
+]
+
+
+def feed_etag(k):
+    return f'W/"5f2b{k:04x}-6a1c9e8d7f3b2a10c4d5e6f7a8b9"'
+
+
+def realistic_sources(web):
+    """27 sources as a newsroom has them (the corpus' real feeds' names):
+    every fifth failing with an error of the kinds VESTI records, feeds with
+    their ETag, Last-Modified and lastBuildDate, a few channels never fetched."""
+    feeds = dict((line.split("\t")[0].split("__")[1].rsplit(".", 1)[0].lower(),
+                  line.split("\t")[-1]) for line in
+                 (CORPUS / "feeds" / "real" / "MANIFEST.tsv").read_text().splitlines()[1:])
+    sources = [rss_source(re.sub(r"[^a-z0-9]+", "-", stem), f"https://{stem}.example/feed",
+                          name=title or stem, priority=k % 3)
+               for k, (stem, title) in enumerate(list(feeds.items())[:27])]
+    for source in sources[-3:]:
+        source.update(crawler="telegram", url="https://t.me/" + source["slug"].replace("-", "_"))
+    write_sources(web.settings.sources, sources)
+    vesti.sync_sources(web.db.conn(), vesti.load_registry(web.settings.sources))
+    conn = web.db.conn()
+    for k, source in enumerate(sources):
+        source_id = source_row(web.db, source["slug"])["id"]
+        if source["crawler"] == "telegram":
+            continue
+        conn.execute("UPDATE sources SET last_fetch = ?, error_count = ?, last_error = ? "
+                     "WHERE id = ?", (ago(600 + k), 3 if k % 5 == 1 else 0,
+                                      CRAWLER_ERRORS[k // 5] if k % 5 == 1 else None, source_id))
+        conn.execute("INSERT INTO rss_state (source_id, etag, modified, last_build_date) "
+                     "VALUES (?, ?, ?, ?)",
+                     (source_id, feed_etag(k),
+                      "Tue, 01 Dec 2026 08:30:00 GMT", "Tue, 01 Dec 2026 08:29:41 +0000"))
+        conn.execute("INSERT INTO runs (source_id, task, trigger, started_at, status, new_posts) "
+                     "VALUES (?, 'rss', 'schedule', ?, 'ok', 3)", (source_id, ago(600 + k)))
+    return sources
+
+
+def test_the_crawlers_page_fits_a_laptop_and_a_phone_with_errors_readable(web, browser):
+    sources = realistic_sources(web)
+    failing = sources[1]["slug"]
+    quiet = sources[-1]["slug"]                      # a channel never fetched: most fields empty
+    browser.call("Emulation.setDeviceMetricsOverride", session=True, width=1366, height=768,
+                 deviceScaleFactor=1, mobile=False)
+    browser.open(web.origin + "/crawlers", {"Authorization": web.auth})
+    laptop = browser.evaluate(f"""({{page: document.documentElement.scrollWidth,
+        table: document.querySelector('.table').scrollWidth,
+        room: document.querySelector('.table').clientWidth, viewport: window.innerWidth,
+        error: document.querySelector('#source-{failing} td.error').getBoundingClientRect().width,
+        text: document.querySelector('#source-{sources[0]["slug"]}').innerText}})""")
+    assert laptop["viewport"] == 1366 and laptop["page"] <= 1366, laptop
+    assert laptop["table"] <= laptop["room"], laptop         # nothing cut off at the right
+    assert laptop["error"] >= 250, laptop
+    for shown in (feed_etag(0), "Tue, 01 Dec 2026 08:30:00 GMT", "Tue, 01 Dec 2026 08:29:41 +0000"):
+        assert shown in laptop["text"]
+    browser.call("Emulation.setDeviceMetricsOverride", session=True, width=390, height=844,
+                 deviceScaleFactor=3, mobile=True)
+    browser.open(web.origin + "/crawlers?lang=ru", {"Authorization": web.auth})
+    phone = browser.evaluate(f"""(() => {{
+        const shown = e => e.getClientRects().length > 0;
+        const cells = [...document.querySelectorAll('table.sources td')].filter(shown);
+        return {{page: document.documentElement.scrollWidth,
+                 height: document.documentElement.scrollHeight,
+                 empty: cells.filter(td => !td.textContent.trim()).length,
+                 quiet: [...document.querySelectorAll('#source-{quiet} td')].filter(shown)
+                        .map(td => td.className),
+                 error: document.querySelector('#source-{failing} td.error').innerText,
+                 label: getComputedStyle(document.querySelector('#source-{failing} td.error'),
+                                         '::before').content}}; }})()""")
+    assert phone["page"] <= 390 and phone["empty"] == 0, phone
+    assert CRAWLER_ERRORS[0] in phone["error"] and phone["label"] == '"последняя ошибка: "'
+    assert "error" not in phone["quiet"] and "alive" in phone["quiet"]
+    assert phone["height"] < 27 * 180, phone               # a short card per source
 
 
 # run: everything at once -------------------------------------------------------
@@ -3915,6 +4158,37 @@ def test_run_picks_up_new_directions_when_sources_yaml_changes(home, server):
     scheduler.reload_sources()
     assert "sea" in seen[0].directions
     assert classifier(post)["direction"] == "sea"
+
+
+@both
+def test_a_rejected_sources_yaml_edit_is_on_every_page_until_a_good_one_loads(home):
+    s, db = intake(home, [rss_source("a", "http://127.0.0.1:9/a")], VESTI_WEB_PASSWORD="pw")
+    web = Web(home, password="pw", settings=s)       # `serve`, beside `run`'s scheduler
+    scheduler = vesti.Scheduler(db, s, vesti.load_registry(s.sources), threading.Event())
+    good = (home / "sources.yaml").read_text()
+
+    def edit(text):
+        (home / "sources.yaml").write_text(text)
+        os.utime(home / "sources.yaml", (time.time() + 5, time.time() + 5))
+        scheduler.reload_sources()
+    try:
+        edit(good + "  - {slug: b, crawler: atom, url: 'http://x/'}\n")
+        for path in ("/", "/crawlers", "/?lang=ru"):
+            banner = re.search(r'<p class="banner"[^>]*>([^<]*sources\.yaml[^<]*)</p>',
+                               web.get(path)[2])
+            assert banner and "source &#x27;b&#x27;: unknown crawler &#x27;atom&#x27;" in banner[1]
+        assert "The sources are as they were" in web.get("/")[2]
+        assert "Источники остались прежними" in web.get("/?lang=ru")[2]
+        assert [r[0] for r in db.conn().execute("SELECT slug FROM sources")] == ["a"]
+        edit(good.replace("slug: a", "slug: c"))
+        assert "unknown crawler" not in web.get("/")[2]
+        assert "unknown crawler" not in web.get("/crawlers")[2]
+        edit(good + "  - {slug: b, crawler: atom, url: 'http://x/'}\n")
+        (home / "sources.yaml").write_text(good)
+        vesti.open_intake(s)[1].close()                 # any command that loads it
+        assert "unknown crawler" not in web.get("/")[2]
+    finally:
+        web.close()
 
 
 def test_sigterm_stops_a_crawl_and_closes_its_runs(home):
@@ -5140,7 +5414,7 @@ def test_a_sources_list_shows_its_copies_and_a_copy_decides_its_story(home):
         assert card_ids(page) == [other, copy]                 # the copy is the daily's post
         assert facet(page, "statuses", "to decide") == 2
         card = re.search(rf'id="post-{copy}".*?</article>', page, re.S)[0]
-        assert "+1 sources" in card and "City Wire" in card
+        assert "+1 source:" in card and "City Wire" in card
         status, _, _ = web.post(f"/posts/{copy}/status", {"status": "approved",
                                                           "token": web.token()})
         assert status == 303

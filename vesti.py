@@ -2288,6 +2288,16 @@ def pending_count(conn):
     return conn.execute(f"SELECT count(*) FROM posts WHERE {IS_PENDING}").fetchone()[0]
 
 
+def waiting_count(conn, cap):
+    """Posts pending or processing, counted up to `cap` each (from their
+    states' indexes): a page's note needs no more, and a first crawl's
+    queue counted whole would cost more than the page."""
+    return conn.execute(f"""
+        SELECT (SELECT count(*) FROM (SELECT 1 FROM posts WHERE {IS_PENDING} LIMIT ?) AS p)
+             + (SELECT count(*) FROM (SELECT 1 FROM posts WHERE classified = {PROCESSING}
+                                      LIMIT ?) AS c)""", (cap, cap)).fetchone()[0]
+
+
 _claims = itertools.count()
 
 
@@ -2993,6 +3003,29 @@ def note_ollama_down(conn, error):
                  (error, utc_text()))
 
 
+def note_sources_rejected(conn, path, error):
+    """A changed sources.yaml that did not load, kept for every process's
+    pages until one does."""
+    set_meta(conn, "sources_rejected", json.dumps({"file": path, "error": error}))
+
+
+def sources_rejected(conn):
+    """(file, error, since when) of a sources.yaml edit that did not load,
+    or None."""
+    value, since = get_meta(conn, "sources_rejected")
+    if value is None:
+        return None
+    note = json.loads(value)
+    return note["file"], note["error"], since
+
+
+def forget_sources_rejected(conn, path):
+    """This sources.yaml loaded: a rejected edit of it is past."""
+    note = sources_rejected(conn)
+    if note and os.path.abspath(note[0]) == os.path.abspath(path):
+        delete_meta(conn, "sources_rejected")
+
+
 def classification_state(conn):
     """What the workers last said about themselves and Ollama."""
     rows = {row[0]: (row[1], row[2]) for row in conn.execute(
@@ -3127,6 +3160,16 @@ def set_decisions(conn, post_ids, decision, editor):
                                 FROM source_post_counts WHERE source_id = :id AND status = 'approved')
                             WHERE id = :id""", [{"id": i} for i in sources])
     return found
+
+
+def titled_posts(conn, post_ids):
+    """The title and source of each of these posts that exists, in the order
+    given: what a decision on many posts asks about first."""
+    marks = ",".join("?" * len(post_ids))
+    found = {row["id"]: row for row in conn.execute(f"""
+        SELECT p.id, p.title, s.name AS source FROM posts p
+        LEFT JOIN sources s ON s.id = p.source_id WHERE p.id IN ({marks})""", post_ids)}
+    return [found[i] for i in post_ids if i in found]
 
 
 # A story is shown once, as its first post (a source's own list shows all).
@@ -6332,6 +6375,8 @@ WORKER_SILENT_AFTER = 120
 # Searches matching more posts than this show no counts (counting them would
 # cost more than the page).
 SEARCH_COUNT_CAP = 2000
+# The desk counts the posts still to classify up to this many ("10000+").
+WAITING_COUNT_CAP = 10000
 # The stored text behind a card's disclosure is cut to this many characters.
 CARD_TEXT = 6000
 FEED_POSTS = 100
@@ -6356,8 +6401,10 @@ main{padding:1em 1.2em;max-width:1400px}
 .table{overflow-x:auto;background:#fff;border:1px solid var(--line);border-radius:8px}
 table{border-collapse:collapse;width:100%;font-size:.9em}
 th,td{text-align:left;padding:.45em .6em;border-bottom:1px solid var(--line);vertical-align:top}
-th{background:#fafbfc;font-weight:600;white-space:nowrap}
-td.error{max-width:28em;word-break:break-word;color:var(--bad)}
+th{background:#fafbfc;font-weight:600}table.sources{font-size:.85em}table.sources th{font-size:.9em}
+table.sources th,table.sources td{padding:.45em .5em}
+td.error{min-width:21em;max-width:28em;overflow-wrap:anywhere;color:var(--bad)}
+td.when{min-width:7.5em}.moved{overflow-wrap:anywhere}td.run{min-width:11em}.validator{overflow-wrap:anywhere}
 .alive{color:var(--ok);font-weight:600}.dead{color:var(--bad);font-weight:600}.disabled{color:var(--muted)}
 .failing,.silent{color:var(--warn);font-weight:600}
 .muted{color:var(--muted)}.small{font-size:.85em}
@@ -6372,26 +6419,35 @@ input,select{font:inherit;padding:.3em .4em;border:1px solid var(--line);border-
 .post{background:#fff;border:1px solid var(--line);border-radius:8px;padding:.8em 1em;margin-bottom:.7em;scroll-margin-top:1em}
 .post.current{outline:2px solid var(--accent)}
 .post[data-status=approved]{border-left:4px solid var(--ok)}.post[data-status=rejected]{border-left:4px solid var(--bad);opacity:.7}
+.post.not-saved{border-left:4px solid var(--warn)}.post .unsaved{color:var(--bad);font-weight:600}
 .post h2{font-size:1.05em;margin:0 0 .3em}.post h2 a{color:var(--fg)}
 .post p{margin:.3em 0}.post form{display:flex;gap:.5em;align-items:center}
 .post details{margin:.3em 0}.post .text{white-space:pre-wrap;font-size:.9em;max-height:24em;overflow:auto}
 .badge{display:inline-block;padding:0 .5em;border-radius:10px;background:#eef2ff;font-size:.8em}
 nav.pages{margin:1em 0;display:flex;gap:1em}
+.bulk [hidden]{display:none}.bulk .unsaved{color:var(--bad);font-weight:600}
+.keys-hint{float:right;margin:.2em 0 0 1em}
+details.filters>summary{cursor:pointer;font-weight:600;margin-bottom:.5em}
+@media (min-width:601px){details.filters>summary{display:none}}
+@media (max-width:600px),(hover:none) and (pointer:coarse){.keys-hint{display:none}}
 #keys{position:fixed;right:1em;bottom:1em;background:#fff;border:1px solid var(--line);border-radius:8px;padding:.8em 1.2em;box-shadow:0 4px 16px #0002}
 #keys[hidden]{display:none}#keys kbd{display:inline-block;min-width:1.4em;font-weight:600}
 @media (max-width:600px){
  main{padding:.6em}.card b{font-size:1.4em}
  .table{border:0;background:none}
- table.sources,table.sources tbody,table.sources tr,table.sources td{display:block;width:100%}
+ table.sources,table.sources tbody{display:block;width:100%}
  table.sources thead{display:none}
- table.sources tr{background:#fff;border:1px solid var(--line);border-radius:8px;margin-bottom:.6em;padding:.3em .2em}
- table.sources td{border:0;padding:.15em .6em;max-width:none}
+ table.sources tr{display:flex;flex-wrap:wrap;background:#fff;border:1px solid var(--line);border-radius:8px;margin-bottom:.6em;padding:.3em .2em}
+ table.sources td{display:block;border:0;padding:.15em .6em;min-width:0;max-width:none}
+ table.sources td.source,table.sources td.error{flex-basis:100%}
+ table.sources td:empty{display:none}
  table.sources td::before{color:var(--muted);font-weight:400}
  table.sources td.wide{display:none}
 }
 """
 
-# Every string a page shows, in English and Russian.
+# Every string a page shows, in English and Russian. A phrase with a count
+# is a tuple of its plural forms (see plural_form).
 STRINGS = {
     "en": {
         "desk": "Desk", "crawlers": "Crawlers", "pending": "pending", "processing": "processing",
@@ -6403,31 +6459,55 @@ STRINGS = {
         "sort.relevance": "most relevant first", "sort.interest": "most interesting first",
         "min": "relevance at least", "search": "Search title and text",
         "show": "Show", "approve": "Approve", "reject": "Reject", "undo": "Undo",
-        "reject_shown": "Reject all {n} shown", "relevance": "relevance", "interest": "interest",
+        "reject_shown": ("Reject the {n} post shown", "Reject all {n} shown"),
+        "relevance": "relevance", "interest": "interest",
         "keywords": "keywords", "reason": "why", "stored_text": "Stored text",
-        "more_sources": "+{n} sources", "every_copy": "every copy",
+        "more_sources": ("+{n} source", "+{n} sources"), "every_copy": "every copy",
         "older": "older →", "first": "← newest", "untitled": "(untitled)",
         "empty_filtered": "No posts match these filters.",
         "empty_none": "No classified posts yet: they appear here as the workers classify "
                       "the queue.",
-        "hidden_low": "{n} less relevant posts are hidden.", "show_all": "Show them",
-        "many_matches": "more than {n} matches", "utc": "UTC",
+        "hidden_low": ("{n} less relevant post is hidden.", "{n} less relevant posts are hidden."),
+        "show_all": "Show them",
+        "many_matches": ("more than {n} match", "more than {n} matches"), "utc": "UTC",
         "banner_ollama": "Classification is stopped: Ollama has been unreachable since {since} "
                          "UTC ({error}). Posts wait in the queue until it answers; to classify "
                          "by keywords alone, set OLLAMA_URL= (empty).",
-        "banner_no_worker": "{n} posts wait and no worker has run {when}: start "
-                            "`python vesti.py worker --forever` or `python vesti.py run`.",
-        "never": "yet", "for_minutes": "for {n} minutes",
+        "banner_no_worker": tuple(
+            f"{{n}} {waits} and no worker has run {{when}}: start "
+            "`python vesti.py worker --forever` or `python vesti.py run`."
+            for waits in ("post waits", "posts wait")),
+        "never": "yet", "for_minutes": ("for {n} minute", "for {n} minutes"),
         "banner_keywords": "Keyword-only mode: OLLAMA_URL is empty, so relevance comes from "
                            "keyword hits alone.",
+        "banner_sources": "{file} was changed but could not be loaded ({since} UTC): {error}. "
+                          "The sources are as they were; the file is read again when it "
+                          "changes.",
+        "classifying": ("{count} post is still being classified.",
+                        "{count} posts are still being classified."),
+        "ollama_waits": ("Ollama cannot be reached, so {count} post waits to be classified; it "
+                         "appears here once Ollama answers.",
+                         "Ollama cannot be reached, so {count} posts wait to be classified; they "
+                         "appear here once Ollama answers."),
         "keys_title": "Keyboard", "key.j": "next card", "key.k": "previous card",
         "key.a": "approve", "key.r": "reject", "key.u": "undo the last decision",
         "key.o": "open the article", "key./": "search", "key.?": "this list",
-        "keys_hint": "Press ? for keys",
-        "col.slug": "slug", "col.name": "name", "col.crawler": "crawler", "col.status": "status",
+        "keys_hint": "Press ? for keys", "filters": "Filters",
+        "not_saved": "Not saved: {why}. {retry}",
+        "unreachable": "the server could not be reached",
+        "answered": "the server answered {status} ({answer})",
+        "retry.approved": "Press a to try again.", "retry.rejected": "Press r to try again.",
+        "retry.new": "Press Undo to try again.", "retry.bulk": "Press the button to try again.",
+        "bulk_ask.rejected": ("Reject this {n} post?", "Reject these {n} posts?"),
+        "bulk_ask.approved": ("Approve this {n} post?", "Approve these {n} posts?"),
+        "bulk_ask.new": ("Set this {n} post back to decide?",
+                         "Set these {n} posts back to decide?"),
+        "bulk_done": ("{n} post rejected.", "{n} posts rejected."),
+        "yes": "Yes", "cancel": "Cancel",
+        "col.source": "source", "col.crawler": "crawler", "col.status": "status",
         "col.priority": "priority", "col.last_fetch": "last fetch (UTC)", "col.errors": "errors",
         "col.last_error": "last error", "col.posts": "posts", "col.last_run": "last run (UTC)",
-        "col.etag": "etag", "col.modified": "modified", "col.last_build_date": "last build date",
+        "col.etag": "ETag", "col.modified": "Last-Modified", "col.last_build_date": "lastBuildDate",
         "never_fetched": "never", "moved": "moved permanently to {url}; update sources.yaml",
         "col.week": "new posts, 7 days", "col.last_new": "last new post (UTC)",
         "col.relevant": "relevant", "col.approved": "approved",
@@ -6444,33 +6524,64 @@ STRINGS = {
         "sort.newest": "сначала новые", "sort.relevance": "сначала релевантные",
         "sort.interest": "сначала интересные", "min": "релевантность не ниже",
         "search": "Поиск по заголовку и тексту", "show": "Показать", "approve": "Одобрить",
-        "reject": "Отклонить", "undo": "Вернуть", "reject_shown": "Отклонить все показанные ({n})",
+        "reject": "Отклонить", "undo": "Вернуть",
+        "reject_shown": ("Отклонить {n} показанный пост", "Отклонить все {n} показанных поста",
+                         "Отклонить все {n} показанных постов"),
         "relevance": "релевантность", "interest": "интерес", "keywords": "ключевые слова",
         "reason": "почему", "stored_text": "Сохранённый текст", "older": "старше →",
-        "more_sources": "ещё источников: {n}", "every_copy": "все копии",
+        "more_sources": ("ещё {n} источник", "ещё {n} источника", "ещё {n} источников"),
+        "every_copy": "все копии",
         "first": "← новые", "untitled": "(без заголовка)",
         "empty_filtered": "Под эти фильтры ничего не подходит.",
         "empty_none": "Классифицированных постов пока нет: они появятся здесь, когда воркеры "
                       "разберут очередь.",
-        "hidden_low": "Скрыто менее релевантных постов: {n}.", "show_all": "Показать их",
-        "many_matches": "больше {n} совпадений", "utc": "UTC",
+        "hidden_low": ("{n} менее релевантный пост скрыт.", "{n} менее релевантных поста скрыты.",
+                       "{n} менее релевантных постов скрыто."),
+        "show_all": "Показать их",
+        "many_matches": ("больше {n} совпадения", "больше {n} совпадений", "больше {n} совпадений"),
+        "utc": "UTC",
         "banner_ollama": "Классификация остановлена: Ollama недоступна с {since} UTC ({error}). "
                          "Посты ждут в очереди, пока она не ответит; чтобы классифицировать "
                          "только по ключевым словам, задайте пустой OLLAMA_URL=.",
-        "banner_no_worker": "В очереди {n} постов, а воркер не работал {when}: запустите "
-                            "`python vesti.py worker --forever` или `python vesti.py run`.",
-        "never": "ни разу", "for_minutes": "уже {n} мин",
+        "banner_no_worker": tuple(
+            f"В очереди {{n}} {posts}, а воркер не работал {{when}}: запустите "
+            "`python vesti.py worker --forever` или `python vesti.py run`."
+            for posts in ("пост", "поста", "постов")),
+        "never": "ни разу", "for_minutes": ("уже {n} минуту", "уже {n} минуты", "уже {n} минут"),
         "banner_keywords": "Режим ключевых слов: OLLAMA_URL пуст, релевантность считается "
                            "только по совпадениям ключевых слов.",
+        "banner_sources": "{file} изменён, но не загружен ({since} UTC): {error}. Источники "
+                          "остались прежними; файл будет прочитан снова, когда изменится.",
+        "classifying": ("{count} пост ещё классифицируется.", "{count} поста ещё классифицируются.",
+                        "{count} постов ещё классифицируются."),
+        "ollama_waits": tuple(
+            f"Ollama недоступна, поэтому {{count}} {posts} классификации; {they} здесь, когда "
+            "она ответит." for posts, they in (("пост ждёт", "он появится"),
+                                               ("поста ждут", "они появятся"),
+                                               ("постов ждут", "они появятся"))),
         "keys_title": "Клавиши", "key.j": "следующая карточка", "key.k": "предыдущая карточка",
         "key.a": "одобрить", "key.r": "отклонить", "key.u": "отменить последнее решение",
         "key.o": "открыть статью", "key./": "поиск", "key.?": "этот список",
-        "keys_hint": "? — список клавиш",
-        "col.slug": "slug", "col.name": "название", "col.crawler": "тип", "col.status": "статус",
+        "keys_hint": "? — список клавиш", "filters": "Фильтры",
+        "not_saved": "Не сохранено: {why}. {retry}",
+        "unreachable": "не удалось связаться с сервером",
+        "answered": "сервер ответил {status} ({answer})",
+        "retry.approved": "Нажмите a, чтобы попробовать ещё раз.",
+        "retry.rejected": "Нажмите r, чтобы попробовать ещё раз.",
+        "retry.new": "Нажмите «Вернуть», чтобы попробовать ещё раз.",
+        "retry.bulk": "Нажмите кнопку, чтобы попробовать ещё раз.",
+        "bulk_ask.rejected": ("Отклонить {n} пост?", "Отклонить {n} поста?",
+                              "Отклонить {n} постов?"),
+        "bulk_ask.approved": ("Одобрить {n} пост?", "Одобрить {n} поста?", "Одобрить {n} постов?"),
+        "bulk_ask.new": ("Вернуть к решению {n} пост?", "Вернуть к решению {n} поста?",
+                         "Вернуть к решению {n} постов?"),
+        "bulk_done": ("{n} пост отклонён.", "{n} поста отклонены.", "{n} постов отклонено."),
+        "yes": "Да", "cancel": "Отмена",
+        "col.source": "источник", "col.crawler": "тип", "col.status": "статус",
         "col.priority": "приоритет", "col.last_fetch": "последний запрос (UTC)",
         "col.errors": "ошибок", "col.last_error": "последняя ошибка", "col.posts": "постов",
-        "col.last_run": "последний запуск (UTC)", "col.etag": "etag",
-        "col.modified": "modified", "col.last_build_date": "last build date",
+        "col.last_run": "последний запуск (UTC)", "col.etag": "ETag",
+        "col.modified": "Last-Modified", "col.last_build_date": "lastBuildDate",
         "never_fetched": "ни разу", "moved": "переехал насовсем на {url}; поправьте sources.yaml",
         "col.week": "новых постов за 7 дней", "col.last_new": "последний новый пост (UTC)",
         "col.relevant": "релевантных", "col.approved": "одобрено",
@@ -6511,7 +6622,7 @@ class Page:
 
     def t(self, key, **values):
         if values:
-            return esc(self.strings[key].format(**values))
+            return esc(phrase(self.lang, key, **values))
         return said(self.lang, key)
 
     def link(self, path, **query):
@@ -6520,6 +6631,25 @@ class Page:
         if "lang" in self.query:
             query["lang"] = self.lang
         return path + ("?" + urllib.parse.urlencode(query) if query else "")
+
+
+def plural_form(lang, n):
+    """Which form of a counted phrase fits n: English has one and many;
+    Russian one (1, 21, 101), few (2-4, 22-24) and many (5-20, 11-14, 25…)."""
+    if lang != "ru":
+        return 0 if n == 1 else 1
+    if n % 10 == 1 and n % 100 != 11:
+        return 0
+    return 1 if 2 <= n % 10 <= 4 and not 12 <= n % 100 <= 14 else 2
+
+
+def phrase(lang, key, **values):
+    """A string of the page's language with its values, not escaped; a
+    counted phrase in the form its n needs."""
+    text = STRINGS[lang][key]
+    if isinstance(text, tuple):
+        text = text[plural_form(lang, values["n"])]
+    return text.format(**values)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -6557,22 +6687,33 @@ def minutes_since(stamp, now=None):
     return None if then is None else max(0, int(((time.time() if now is None else now) - then) // 60))
 
 
+def ollama_down(state, settings):
+    """Whether the workers last found Ollama unreachable (and it is still
+    the one asked)."""
+    return bool(state["ollama_down_since"] and settings.ollama_url)
+
+
 def banners(conn, settings, page):
     """Why classification is not happening, when it is not: Ollama down,
-    no worker running while posts wait, or keyword-only mode."""
+    no worker running while posts wait, or keyword-only mode; and a
+    sources.yaml edit that was not loaded."""
     state = classification_state(conn)
     shown = []
-    if state["ollama_down_since"] and settings.ollama_url:
+    if ollama_down(state, settings):
         shown.append(page.t("banner_ollama", since=state["ollama_down_since"],
                             error=shorten(state["ollama_error"], 200)))
     silent = minutes_since(state["worker_seen"])
     pending = (silent is None or silent * 60 >= WORKER_SILENT_AFTER) and pending_count(conn)
     if pending:
         when = page.strings["never"] if silent is None else \
-            page.strings["for_minutes"].format(n=silent)
+            phrase(page.lang, "for_minutes", n=silent)
         shown.append(page.t("banner_no_worker", n=pending, when=when))
     if (state["classify_mode"] or ("ollama" if settings.ollama_url else "keywords")) == "keywords":
         shown.append(page.t("banner_keywords"))
+    rejected = sources_rejected(conn)
+    if rejected:
+        shown.append(page.t("banner_sources", file=rejected[0], since=rejected[2],
+                            error=shorten(rejected[1].splitlines()[0], 300)))
     return "".join(f'<p class="banner" role="status">{text}</p>' for text in shown)
 
 
@@ -6628,38 +6769,51 @@ def source_row(s, lang, silent):
     last_run = (f'{esc(s["run_started"])} <span class="muted">{esc(s["run_trigger"])}: '
                 f'{esc(s["run_status"])}, +{esc(s["run_new_posts"])}</span>'
                 if s["run_started"] else f'<span class="muted">{said(lang, "never_fetched")}</span>')
-    moved = (f'<br><span class="small">{esc(STRINGS[lang]["moved"].format(url=s["moved_to"]))}'
-             f'</span>' if s["moved_to"] else "")
-    rss = (f'<td class="small wide">{esc(s["etag"])}</td><td class="small wide">'
-           f'{esc(s["modified"])}</td><td class="small wide">{esc(s["last_build_date"])}</td>'
-           if crawler == "rss" else '<td class="small wide"></td>' * 3)
+    name = f'<br><span class="small">{esc(s["name"])}</span>' if s["name"] != s["slug"] else ""
+    moved = (f'<br><span class="small moved">'
+             f'{esc(STRINGS[lang]["moved"].format(url=s["moved_to"]))}</span>'
+             if s["moved_to"] else "")
     failing = " failing" if status in ("alive", "silent") and s["error_count"] else ""
-    return (f'<tr id="source-{slug}"><td><b>{slug}</b></td>'
-            f'<td>{esc(s["name"])}{moved}</td><td>{crawler}</td>'
+    return (f'<tr id="source-{slug}"><td class="source"><b>{slug}</b>{name}{moved}</td>'
+            f'<td>{crawler}</td>'
             f'<td class="{status}{failing}">{status}{silent}</td><td>{esc(s["priority"])}</td>'
-            f'<td class="small">{esc(s["last_fetch"] or STRINGS[lang]["never_fetched"])}</td>'
+            f'<td class="small when">{esc(s["last_fetch"] or STRINGS[lang]["never_fetched"])}</td>'
             f'<td>{esc(s["error_count"])}</td>'
             f'<td class="error">{last_error_html(s)}</td>'
             f'<td>{esc(s["post_count"])}</td><td>{esc(s["week_posts"])}</td>'
-            f'<td class="small">{esc(s["last_new_at"])}</td>'
+            f'<td class="small when">{esc(s["last_new_at"])}</td>'
             f'<td>{share_text(s["relevant_share"])}</td><td>{esc(s["approved"])}</td>'
-            f'<td class="small wide">{last_run}</td>{rss}</tr>')
+            f'<td class="small wide run">{last_run}{validators_html(s, lang)}</td></tr>')
+
+
+def validators_html(s, lang):
+    """A feed's ETag, Last-Modified and lastBuildDate, a line each under its
+    last run: read rarely, they would take three wide columns."""
+    return "".join(f'<br><span class="muted validator">{said(lang, "col." + key)}: '
+                   f'{esc(s[key])}</span>' for key in ("etag", "modified", "last_build_date")
+                   if s[key])
 
 
 def card_labels(page):
     """On a phone each source row is a card; its cells are labelled by
     column, in the page's language, from CSS (not an attribute per cell)."""
     rules = "".join(
-        f'table.sources td:nth-child({n})::before{{content:{json.dumps(page.strings["col." + c] + ": ")}}}'
-        for n, c in enumerate(SOURCE_COLUMNS, 1) if c != "slug")
+        f'table.sources td:nth-child({n})::before'
+        f'{{content:{css_string(page.strings["col." + c] + ": ")}}}'
+        for n, c in enumerate(SOURCE_COLUMNS, 1) if c != "source")
     return f"<style>@media (max-width:600px){{{rules}}}</style>"
 
 
-SOURCE_COLUMNS = ("slug", "name", "crawler", "status", "priority", "last_fetch", "errors",
-                  "last_error", "posts", "week", "last_new", "relevant", "approved", "last_run",
-                  "etag", "modified", "last_build_date")
+def css_string(text):
+    """A CSS string of the text: JSON's quotes and backslashes are CSS's too,
+    but its \\uXXXX escapes are not, so letters stay letters."""
+    return json.dumps(text, ensure_ascii=False).replace("<", "\\3c ")
+
+
+SOURCE_COLUMNS = ("source", "crawler", "status", "priority", "last_fetch", "errors",
+                  "last_error", "posts", "week", "last_new", "relevant", "approved", "last_run")
 # Columns a phone screen leaves out.
-WIDE_COLUMNS = ("last_run", "etag", "modified", "last_build_date")
+WIDE_COLUMNS = ("last_run",)
 
 
 def crawlers_page(conn, page, settings):
@@ -6962,6 +7116,25 @@ def filter_form(page, desk, sources):
             f'<button type="submit">{page.t("show")}</button></form>')
 
 
+# Run right after the filters (not with the desk's script at the end), so a
+# phone never shows them unfolded first.
+FOLD_FILTERS = ("(function(d){if(d.hasAttribute('data-fold')&&matchMedia('(max-width:600px)')"
+                ".matches)d.open=false})(document.querySelector('details.filters'));")
+
+
+def filters_html(page, desk, directions, counts, sources, default_min):
+    """The filters and their counts under "Filters": open on a wide screen;
+    on a phone folded away by the script (they would fill the first screen)
+    unless one is in use."""
+    in_use = desk.q or desk.source or desk.direction or desk.status != "new" or \
+        desk.sort != "newest" or desk.min != default_min
+    return (f'<details class="filters" open{"" if in_use else " data-fold"}>'
+            f'<summary>{page.t("filters")}</summary>{filter_form(page, desk, sources)}'
+            f'<p class="keys-hint small muted">{page.t("keys_hint")}</p>'
+            f'{facet_links(page, desk, directions, counts)}</details>'
+            f'<script>{FOLD_FILTERS}</script>')
+
+
 @functools.lru_cache(maxsize=1024)      # a page asks again for the links it showed
 def is_web_link(url):
     return bool(url) and urllib.parse.urlsplit(url).scheme in WEB_SCHEMES
@@ -7036,15 +7209,37 @@ def card_html(post, page, back, copies=()):
 
 
 def bulk_form(page, posts, back):
+    """"Reject all shown", under the cards. The script asks in place, then
+    offers an undo; without it the server asks on a page of its own."""
     if not posts:
         return ""
-    ids = ",".join(str(p["id"]) for p in posts)
-    return (f'<form class="actions bulk" method="post" action="/posts/status">'
-            f'<input type="hidden" name="token" value="{esc(page.token)}">'
-            f'<input type="hidden" name="ids" value="{ids}">'
-            f'<input type="hidden" name="back" value="{esc(back)}">'
-            f'<button name="status" value="rejected">{page.t("reject_shown", n=len(posts))}'
-            f'</button><span class="muted small">{page.t("keys_hint")}</span></form>')
+    ids, n = ",".join(str(p["id"]) for p in posts), len(posts)
+    return (f'<form class="actions bulk" method="post" action="{esc(page.link("/posts/status"))}">'
+            f'{form_fields(page.token, back)}<input type="hidden" name="ids" value="{ids}">'
+            f'<span class="ask"><button name="status" value="rejected">'
+            f'{page.t("reject_shown", n=n)}</button></span>'
+            f'<span class="confirm" hidden>{page.t("bulk_ask.rejected", n=n)} '
+            f'<button type="button" class="yes primary">{page.t("yes")}</button> '
+            f'<button type="button" class="no">{page.t("cancel")}</button></span>'
+            f'<span class="done" hidden role="status">{page.t("bulk_done", n=n)} '
+            f'<button type="button" class="undo">{page.t("undo")}</button></span>'
+            f'<span class="unsaved" hidden role="alert"></span></form>')
+
+
+def bulk_confirmation(page, posts, status, fields, back):
+    """The page that asks, without JavaScript, before a decision on many
+    posts: what it decides, and the same form, confirmed."""
+    untitled = said(page.lang, "untitled")
+    listed = "".join(f'<li>{esc(p["title"]) or untitled} <span class="small muted">'
+                     f'{esc(p["source"])}</span></li>' for p in posts)
+    hidden = "".join(f'<input type="hidden" name="{name}" value="{esc(value)}">'
+                     for name, value in (*fields, ("confirmed", "1")))
+    question = phrase(page.lang, f"bulk_ask.{status}", n=len(posts))
+    body = (f'<h2>{esc(question)}</h2><ol>{listed}</ol>'
+            f'<form class="actions" method="post" action="{esc(page.link("/posts/status"))}">'
+            f'{hidden}<button class="primary" type="submit">{page.t("yes")}</button> '
+            f'<a href="{esc(back)}">{page.t("cancel")}</a></form>')
+    return layout(page, question, body, "/")
 
 
 def keys_overlay(page):
@@ -7053,31 +7248,75 @@ def keys_overlay(page):
             f'<ul style="list-style:none;padding:0;margin:.4em 0 0">{keys}</ul></aside>')
 
 
-DESK_SCRIPT = """
+DESK_SCRIPT = r"""
 (function(){
 var cards=[].slice.call(document.querySelectorAll('article.post')),cur=-1,last=null;
-var names=JSON.parse(document.getElementById('names').textContent);
+var words=JSON.parse(document.getElementById('words').textContent);
+function fill(text,values){return text.replace(/\{(\w+)\}/g,function(m,k){return k in values?values[k]:m})}
 function focus(i){if(!cards.length)return;cur=Math.max(0,Math.min(i,cards.length-1));
  cards.forEach(function(c,k){c.classList.toggle('current',k===cur)});
  cards[cur].scrollIntoView({block:'nearest'});}
 function show(card,status){card.dataset.status=status;
- card.querySelector('.state').textContent=names[status];
+ card.querySelector('.state').textContent=words.status[status];
  [].forEach.call(card.querySelectorAll('form.decide button'),function(b){b.disabled=b.value===status});}
-function send(card,status){
- var form=card.querySelector('form.decide'),body=new URLSearchParams();
- body.set('token',form.token.value);body.set('status',status);
- return fetch(form.action,{method:'POST',credentials:'same-origin',body:body,
+function note(card,text){var p=card.querySelector('.unsaved');
+ if(!p&&text){p=document.createElement('p');p.className='unsaved';p.setAttribute('role','alert');
+  card.querySelector('form.decide').before(p);}
+ if(p){p.textContent=text;p.hidden=!text;}
+ card.classList.toggle('not-saved',!!text);}
+/* Rejects with the reason in words: the server unreachable, or its answer. */
+function post(action,fields){
+ return fetch(action,{method:'POST',credentials:'same-origin',body:new URLSearchParams(fields),
   headers:{'Accept':'application/json','Content-Type':'application/x-www-form-urlencoded'}})
- .then(function(r){if(!r.ok)throw new Error('HTTP '+r.status);return r.json()});}
+ .catch(function(){throw words.unreachable})
+ .then(function(r){if(r.ok)return r.json();
+  return r.text().catch(function(){return ''}).then(function(t){
+   throw fill(words.answered,{status:r.status,answer:t.trim().split('\n')[0].slice(0,200)})})});}
+function send(card,status){var form=card.querySelector('form.decide');
+ return post(form.action,{token:form.token.value,status:status});}
+/* A decision is shown at once; one that did not save shows the decision
+   saved before it, says why, and keeps the card in focus to try again. */
 function decide(card,status,move){
  last={card:card,previous:card.dataset.status};
- show(card,status);card.dataset.busy=(+card.dataset.busy||0)+1;
+ if(card.saved===undefined)card.saved=card.dataset.status;
+ show(card,status);note(card,'');card.dataset.busy=(+card.dataset.busy||0)+1;
  /* One card's decisions reach the server in the order they were made. */
  card.chain=(card.chain||Promise.resolve()).then(function(){return send(card,status)})
- .then(function(j){if(+card.dataset.busy===1)show(card,j.status)})
- .catch(function(e){card.classList.add('failed');alert(e)})
+ .then(function(j){card.saved=j.status;if(+card.dataset.busy===1){show(card,j.status);note(card,'')}},
+  function(why){if(+card.dataset.busy===1)show(card,card.saved);
+   note(card,fill(words.not_saved,{why:String(why),retry:words.retry[status]}));
+   focus(cards.indexOf(card));})
  .then(function(){card.dataset.busy=+card.dataset.busy-1});
  if(move)focus(cards.indexOf(card)+1);}
+/* "Reject all shown" asks in place first, then offers to undo for a while:
+   each post goes back to the decision it had. */
+var bulk=document.querySelector('form.bulk'),undoTimer=null,UNDO_MS=10000;
+function bulkStep(step){['ask','confirm','done'].forEach(function(s){
+ bulk.querySelector('.'+s).hidden=s!==step})}
+function bulkNote(text){var p=bulk.querySelector('.unsaved');p.textContent=text;p.hidden=!text}
+function bulkFailed(why){bulkNote(fill(words.not_saved,{why:String(why),retry:words.retry.bulk}))}
+function bulkSend(shown,status){return post(bulk.action,{token:bulk.token.value,status:status,
+ confirmed:'1',ids:shown.map(function(c){return c.dataset.id}).join(',')})}
+function settle(shown,status){shown.forEach(function(c){c.saved=status;show(c,status);note(c,'')})}
+function rejectShown(){
+ var shown=bulk.ids.value.split(',').map(function(id){return document.getElementById('post-'+id)})
+  .filter(Boolean),before=shown.map(function(c){return c.dataset.status});
+ bulkNote('');
+ bulkSend(shown,'rejected').then(function(){settle(shown,'rejected');bulkStep('done');
+  bulk.undo=function(){undoShown(shown,before)};
+  clearTimeout(undoTimer);undoTimer=setTimeout(function(){bulkStep('ask')},UNDO_MS);},
+  function(why){bulkStep('ask');bulkFailed(why)});}
+function undoShown(shown,before){clearTimeout(undoTimer);bulkNote('');
+ var groups={};shown.forEach(function(c,i){(groups[before[i]]=groups[before[i]]||[]).push(c)});
+ Promise.all(Object.keys(groups).map(function(status){
+  return bulkSend(groups[status],status).then(function(){settle(groups[status],status)})}))
+ .then(function(){bulkStep('ask')},bulkFailed);}
+if(bulk){
+ bulk.addEventListener('submit',function(e){e.preventDefault();bulkNote('');bulkStep('confirm');
+  bulk.querySelector('.yes').focus()});
+ bulk.querySelector('.no').addEventListener('click',function(){bulkStep('ask')});
+ bulk.querySelector('.yes').addEventListener('click',rejectShown);
+ bulk.querySelector('.undo').addEventListener('click',function(){bulk.undo()});}
 document.addEventListener('submit',function(e){var form=e.target;
  if(!form.classList.contains('decide')||!e.submitter)return;
  e.preventDefault();var card=form.closest('article.post');cur=cards.indexOf(card);
@@ -7096,6 +7335,29 @@ document.addEventListener('keydown',function(e){
  else return;});
 })();
 """
+
+
+@functools.lru_cache(maxsize=8)
+def script_words(lang):
+    """What the desk's script may say, in the page's language, as JSON safe
+    inside a <script> element."""
+    strings = STRINGS[lang]
+    words = {"status": {s: strings[f"status.{s}"] for s in DECISIONS},
+             "retry": {s: strings[f"retry.{s}"] for s in (*DECISIONS, "bulk")},
+             **{key: strings[key] for key in ("not_saved", "unreachable", "answered")}}
+    return json.dumps(words, ensure_ascii=False).replace("<", "\\u003c")
+
+
+def waiting_note(conn, page, settings):
+    """How many posts are still to classify, above the cards (or in place of
+    them): the desk fills up while the workers go through the queue, or
+    waits for Ollama."""
+    waiting = min(waiting_count(conn, WAITING_COUNT_CAP), WAITING_COUNT_CAP)
+    if not waiting:
+        return ""
+    count = f"{waiting}+" if waiting == WAITING_COUNT_CAP else str(waiting)
+    key = "ollama_waits" if ollama_down(classification_state(conn), settings) else "classifying"
+    return f'<p class="small muted" id="waiting">{page.t(key, n=waiting, count=count)}</p>'
 
 
 def source_options(conn):
@@ -7125,12 +7387,12 @@ def desk_page(conn, desk, page, directions, settings, sources=None):
         if desk.after else "",
         f'<a href="{esc(page.link("/", **desk.params(after=next_cursor(desk, posts[-1]))))}" '
         f'rel="next">{page.t("older")}</a>' if more else ""])
-    names = json.dumps({s: page.strings[f"status.{s}"] for s in DECISIONS}).replace("<", "\\u003c")
     sources = source_options(conn) if sources is None else sources
-    body = (f"{banners(conn, settings, page)}{filter_form(page, desk, sources)}"
-            f"{facet_links(page, desk, directions, counts)}{hidden}{bulk_form(page, posts, here)}"
-            f"{cards}<nav class=pages>{pager}</nav>{keys_overlay(page)}"
-            f'<script type="application/json" id="names">{names}</script>'
+    filters = filters_html(page, desk, directions, counts, sources, settings.min_relevance)
+    body = (f"{banners(conn, settings, page)}{filters}{hidden}{waiting_note(conn, page, settings)}"
+            f"{cards}{bulk_form(page, posts, here)}<nav class=pages>{pager}</nav>"
+            f"{keys_overlay(page)}"
+            f'<script type="application/json" id="words">{script_words(page.lang)}</script>'
             f"<script>{DESK_SCRIPT}</script>")
     return layout(page, page.strings["desk"], body, "/")
 
@@ -7526,10 +7788,23 @@ class WebApp:
                if re.fullmatch(r"[1-9][0-9]{0,17}", i.strip())]
         if not ids or len(ids) > MAX_BULK:
             abort(400, f"ids must name 1 to {MAX_BULK} posts")
+        wants_json = "application/json" in request.headers.get("Accept", "")
+        if not wants_json and (form.get("confirmed") or [""])[-1] != "1":
+            return self.confirm_many(request, query, form, ids, status)
         changed = set_decisions(self.db.conn(), ids, status, self.user)
-        if "application/json" in request.headers.get("Accept", ""):
+        if wants_json:
             return self.json(request, {"ids": ids, "status": status, "changed": changed})
         self.back(request, form)
+
+    def confirm_many(self, request, query, form, ids, status):
+        """A form's decision on many posts is asked again first (the page's
+        script asks in place and sends it confirmed)."""
+        back = (form.get("back") or ["/"])[-1]
+        fields = (("token", self.token()), ("ids", ",".join(map(str, ids))), ("status", status),
+                  ("back", back))
+        self.html(request, bulk_confirmation(self.page(request, query),
+                                             titled_posts(self.db.conn(), ids), status, fields,
+                                             back if LOCAL_PATH.fullmatch(back) else "/"))
 
     def back(self, request, form, post_id=None):
         """To the page the form came from; after one post's decision, to its
@@ -7789,8 +8064,10 @@ class Scheduler:
                 listener(self.registry)
             log.warning("%s changed: %d sources synced", self.settings.sources,
                         len(self.registry.sources))
+            forget_sources_rejected(self.db.conn(), self.settings.sources)
         except ConfigError as e:
             log.error("%s; keeping the sources as they were", e)
+            note_sources_rejected(self.db.conn(), self.settings.sources, str(e))
 
     def priorities(self):
         return enabled_priorities(self.db.conn())
@@ -7891,6 +8168,7 @@ def open_intake(settings):
     registry = load_registry(settings.sources)
     db = Database(settings.db, settings.busy_timeout)
     sync_sources(db.conn(), registry)
+    forget_sources_rejected(db.conn(), settings.sources)
     close_orphan_runs(db.conn())
     return registry, db
 
