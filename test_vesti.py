@@ -1823,9 +1823,9 @@ def test_a_claim_that_lands_after_a_stop_is_given_back(home, monkeypatch):
     pool = vesti.WorkerPool(db, s, vesti.Classifier(registry, s), stop)
     real_claim = vesti.claim_posts
 
-    def claim_while_stopping(conn, limit, now=None, token=None):
+    def claim_while_stopping(conn, limit, *args):
         stop.set()                       # SIGTERM arrives while the claim waits for the lock
-        return real_claim(conn, limit, now, token)
+        return real_claim(conn, limit, *args)
     monkeypatch.setattr(vesti, "claim_posts", claim_while_stopping)
     assert pool.take_turn(db.conn(), [], 1) == []
     assert tuple(db.conn().execute("SELECT classified, attempts FROM posts").fetchone()) == (0, 0)
