@@ -2972,6 +2972,28 @@ def test_bulk_decisions_reject_every_card_shown(web):
 
 
 @both
+def test_an_undo_takes_back_who_decided_and_when(web):
+    conn = web.db.conn()
+    for k in range(1, 6):
+        desk_post(conn, lwn(web), k)
+    conn.execute("UPDATE posts SET story_id = 4 WHERE id IN (4, 5)")      # a story of two
+    web.post("/posts/1/status", {"token": web.token(), "status": "approved"})
+    web.post("/posts/4/status", {"token": web.token(), "status": "approved"})
+    web.post("/posts/status", {"token": web.token(), "ids": "2,3", "status": "rejected"})
+    decided = conn.execute("SELECT status, decided_by FROM posts ORDER BY id").fetchall()
+    assert [tuple(r) for r in decided] == [("approved", "admin"), ("rejected", "admin"),
+                                           ("rejected", "admin"), ("approved", "admin"),
+                                           ("approved", "admin")]
+    web.post("/posts/1/status", {"token": web.token(), "status": "new"})
+    web.post("/posts/4/status", {"token": web.token(), "status": "new"})
+    web.post("/posts/status", {"token": web.token(), "ids": "2,3", "status": "new"})
+    undone = conn.execute("SELECT status, decided_at, decided_by FROM posts").fetchall()
+    assert [tuple(r) for r in undone] == [("new", None, None)] * 5
+    exported = list(csv.DictReader(io.StringIO(vesti.csv_export(vesti.decided_posts(conn, "any")))))
+    assert {(r["status"], r["decided_at"], r["decided_by"]) for r in exported} == {("new", "", "")}
+
+
+@both
 def test_a_page_left_open_across_a_restart_still_decides(web, home):
     conn = web.db.conn()
     post = desk_post(conn, lwn(web), 1)

@@ -3066,8 +3066,10 @@ def set_decision(conn, post_id, decision, editor):
 def set_decisions(conn, post_ids, decision, editor):
     """One decision on many posts at once (on any post of a story, for the
     whole story), and the approved figure of their sources; returns how many
-    of the posts exist."""
-    found, sources, now = 0, set(), utc_text()
+    of the posts exist. An undo (back to new) takes the decision back: nobody
+    decided the post, so nobody is recorded."""
+    found, sources = 0, set()
+    now, editor = (None, None) if decision == "new" else (utc_text(), editor)
     with transaction(conn):
         for post_id in post_ids:
             row = conn.execute("""UPDATE posts SET status = ?, decided_at = ?, decided_by = ?
