@@ -2936,6 +2936,30 @@ def test_paging_by_position_covers_every_post_once_in_every_order(web):
         assert seen == sorted(seen, key=key, reverse=True), sort
 
 
+def pager_links(page):
+    """The words of the links to the first and the next page."""
+    return re.findall(r'<a href="[^"]*"(?: rel="next")?>([←\w][^<]*)</a>',
+                      re.search(r"<nav class=pages>(.*?)</nav>", page)[1])
+
+
+def test_only_newest_first_pages_lead_to_older_posts(web):
+    conn = web.db.conn()
+    for k in range(1, 56):
+        desk_post(conn, lwn(web), k, relevance=3 + k % 8, interest=k % 5)
+    page = web.get("/")[2]
+    assert pager_links(page) == ["older →"]
+    second = html.unescape(re.search(r'<a href="([^"]+)" rel="next">', page)[1])
+    assert pager_links(web.get(second)[2]) == ["← newest"]
+    assert pager_links(web.get("/?lang=ru")[2]) == ["старше →"]
+    for sort in ("relevance", "interest"):
+        page = web.get(f"/?sort={sort}")[2]
+        assert pager_links(page) == ["next →"], sort
+        second = html.unescape(re.search(r'<a href="([^"]+)" rel="next">', page)[1])
+        assert pager_links(web.get(second)[2]) == ["← first"], sort
+        assert pager_links(web.get(f"/?sort={sort}&lang=ru")[2]) == ["дальше →"], sort
+        assert pager_links(web.get(second + "&lang=ru")[2]) == ["← в начало"], sort
+
+
 @both
 def test_a_decision_with_json_answers_json_and_records_who_and_when(web):
     conn = web.db.conn()

@@ -6239,7 +6239,8 @@ STRINGS = {
         "reject_shown": "Reject all {n} shown", "relevance": "relevance", "interest": "interest",
         "keywords": "keywords", "reason": "why", "stored_text": "Stored text",
         "more_sources": "+{n} sources", "every_copy": "every copy",
-        "older": "older →", "first": "← newest", "untitled": "(untitled)",
+        "older": "older →", "first": "← newest", "next": "next →", "to_first": "← first",
+        "untitled": "(untitled)",
         "empty_filtered": "No posts match these filters.",
         "empty_none": "No classified posts yet: they appear here as the workers classify "
                       "the queue.",
@@ -6280,6 +6281,7 @@ STRINGS = {
         "reject": "Отклонить", "undo": "Вернуть", "reject_shown": "Отклонить все показанные ({n})",
         "relevance": "релевантность", "interest": "интерес", "keywords": "ключевые слова",
         "reason": "почему", "stored_text": "Сохранённый текст", "older": "старше →",
+        "next": "дальше →", "to_first": "← в начало",
         "more_sources": "ещё источников: {n}", "every_copy": "все копии",
         "first": "← новые", "untitled": "(без заголовка)",
         "empty_filtered": "Под эти фильтры ничего не подходит.",
@@ -6953,11 +6955,13 @@ def desk_page(conn, desk, page, directions, settings, sources=None):
     hidden = (f'<p class="small muted">{page.t("hidden_low", n=counts["hidden"])} '
               f'<a href="{esc(page.link("/", **desk.params(min=0)))}">{page.t("show_all")}</a></p>'
               if counts["hidden"] and desk.min else "")
+    # Only newest first leads to older posts; another order leads to the next ones.
+    first, following = ("first", "older") if desk.sort == "newest" else ("to_first", "next")
     pager = "".join([
-        f'<a href="{esc(page.link("/", **desk.params()))}">{page.t("first")}</a>'
+        f'<a href="{esc(page.link("/", **desk.params()))}">{page.t(first)}</a>'
         if desk.after else "",
         f'<a href="{esc(page.link("/", **desk.params(after=next_cursor(desk, posts[-1]))))}" '
-        f'rel="next">{page.t("older")}</a>' if more else ""])
+        f'rel="next">{page.t(following)}</a>' if more else ""])
     names = json.dumps({s: page.strings[f"status.{s}"] for s in DECISIONS}).replace("<", "\\u003c")
     sources = source_options(conn) if sources is None else sources
     body = (f"{banners(conn, settings, page)}{filter_form(page, desk, sources)}"
