@@ -2913,6 +2913,27 @@ def test_without_fts5_search_falls_back_to_like(web, monkeypatch):
     assert card_ids(web.get("/?q=" + urllib.parse.quote("_%"))[2]) == []
 
 
+def walk_desk(web, path):
+    """The ids of every card of a desk view, page after page."""
+    seen = []
+    while path:
+        page = web.get(path)[2]
+        seen += card_ids(page)
+        found = re.search(r'<a href="([^"]+)" rel="next">', page)
+        path = html.unescape(found[1]) if found else None
+    return seen
+
+
+@both
+def test_a_search_newest_first_is_in_the_desks_own_order(web):
+    conn = web.db.conn()
+    kernel = [desk_post(conn, lwn(web), k, minute=k * 23 % 61, title=f"Kernel news {k}")
+              for k in range(1, 56)]                     # ids and dates disagree
+    for k in range(56, 62):
+        desk_post(conn, lwn(web), k, minute=k * 23 % 61, title=f"Rocket launch {k}")
+    assert walk_desk(web, "/?q=kernel") == [i for i in walk_desk(web, "/") if i in kernel]
+
+
 @both
 def test_paging_by_position_covers_every_post_once_in_every_order(web):
     conn = web.db.conn()

@@ -1183,15 +1183,6 @@ class SQLiteDialect:
         pattern = like_pattern(text)
         return "(p.title LIKE ? ESCAPE '\\' OR p.text LIKE ? ESCAPE '\\')", [pattern, pattern]
 
-    def search_source(self, text):
-        """FROM, WHERE, parameters and the id to order by of a search walked
-        newest collected first: FTS5 gives its matches in rowid order, so a
-        common word costs no more than a rare one."""
-        if not self.fts5:
-            return ("posts p", *self.search_filter(text), "p.id")
-        return "posts_fts f JOIN posts p ON p.id = f.rowid", "posts_fts MATCH ?", \
-            [fts_query(text)], "f.rowid"
-
     def search_matches(self, text):
         """A query of the ids of a search's matches, and its parameters: read
         from the search index alone, so a LIMIT stops it early."""
@@ -1254,12 +1245,6 @@ class PostgresDialect(SQLiteDialect):
             return "false", []
         return ("p.id IN (SELECT post_id FROM post_words WHERE words @@ to_tsquery('simple', ?))",
                 [query])
-
-    def search_source(self, text):
-        query = self.tsquery(text)
-        return "post_words f JOIN posts p ON p.id = f.post_id", \
-            "f.words @@ to_tsquery('simple', ?)" if query else "false", \
-            [query] if query else [], "f.post_id"
 
     def search_matches(self, text):
         query = self.tsquery(text)
@@ -6629,12 +6614,11 @@ DESK_COLUMNS = """p.id, p.title, p.url, p.summary, p.direction, p.relevance, p.i
 
 def desk_posts(conn, desk, limit=PAGE_SIZE + 1):
     """One page of the desk, keyset-paged: the page after `desk.after` in the
-    chosen order. A search walks the search index newest-collected first."""
+    chosen order, with or without a search (a post's id tells when it was
+    collected, not when it was published, so a search is ordered as the rest)."""
     if desk.status == "any" and not desk.q:
         return every_decision(conn, desk, limit)
     where, params = desk_filters(desk)
-    if desk.q and desk.sort == "newest":
-        return search_posts(conn, desk, where, params, limit)
     if desk.q:
         clause, values = conn.dialect.search_filter(desk.q)
         where.append(clause)
@@ -6662,19 +6646,6 @@ def every_decision(conn, desk, limit):
         value = -1 if score is None or post[score] is None else post[score]
         return value, post["published_at"] or "", post["id"]
     return sorted(posts, key=order, reverse=True)[:limit]
-
-
-def search_posts(conn, desk, where, params, limit):
-    """A search, newest collected first (see the dialect's search_source)."""
-    source, clause, values, order = conn.dialect.search_source(desk.q)
-    where, params = [*where, clause], [*params, *values]
-    if desk.after:
-        where.append(f"{order} < ?")
-        params.append(desk.after[2])
-    return conn.execute(f"""
-        SELECT {DESK_COLUMNS} FROM {source} LEFT JOIN sources s ON s.id = p.source_id
-        WHERE {' AND '.join(where)} ORDER BY {order} DESC LIMIT ?""",
-                        [*params, limit]).fetchall()
 
 
 def next_cursor(desk, post):
