@@ -408,8 +408,8 @@ def test_an_older_database_gains_the_missing_columns_and_keeps_its_rows(tmp_path
     old.commit()
     old.close()
     conn = vesti.Database(str(path)).conn()
-    row = conn.execute("SELECT text, attempts, status, relevance FROM posts").fetchone()
-    assert tuple(row) == ("kept", 0, "new", None)
+    row = conn.execute("SELECT text, attempts, status, relevance, undated FROM posts").fetchone()
+    assert tuple(row) == ("kept", 0, "new", None, 0)
     assert vesti.queue_sizes(conn)["pending"] == 1
 
 
@@ -571,11 +571,12 @@ def test_a_feed_is_crawled_into_the_queue(home, server):
     s, db = intake(home, [rss_source("lwn", server.url + "/feed", direction="linux")])
     summary = crawl(s, db)
     assert summary.new_posts == 3
-    posts = posts_of(db, "lwn")
+    posts = posts_of(db, "lwn")[::-1]           # stored last to first: the feed's first is newest
     assert [p["title"] for p in posts] == ["Post number 0", "Post number 1", "Post number 2"]
     assert {(p["classified"], p["direction"], p["status"]) for p in posts} == {(0, "linux", "new")}
     assert posts[0]["canonical_url"] == server.url + "/post/0"
     assert posts[0]["published_at"] == posts[0]["fetched_at"]      # no date in the entry
+    assert posts[0]["undated"] == 1
     state = state_row(db, "lwn")
     assert (state["etag"], state["modified"], state["last_build_date"]) == \
         ('"v1"', "Mon, 30 Nov 2026 10:00:00 GMT", "Mon, 30 Nov 2026 10:00:00 GMT")
@@ -856,7 +857,7 @@ def test_entries_beyond_rss_max_entries_are_not_taken(home, server):
     server.feed("/feed", rss(items(30, host=server.url)))
     s, db = intake(home, [rss_source("x", server.url + "/feed")], RSS_MAX_ENTRIES=10)
     crawl(s, db)
-    assert [p["title"] for p in posts_of(db, "x")] == [f"Post number {k}" for k in range(10)]
+    assert {p["title"] for p in posts_of(db, "x")} == {f"Post number {k}" for k in range(10)}
 
 
 @both
@@ -866,17 +867,22 @@ def test_summary_only_entries_are_marked_for_phase_3(home, server):
                               {"guid": "b", "link": server.url + "/b", "text": long_text}]))
     s, db = intake(home, [rss_source("x", server.url + "/feed")])
     crawl(s, db)
-    assert [(p["content_type"], "<p>" in p["text"]) for p in posts_of(db, "x")] == \
-        [("summary", False), ("full", False)]
+    assert [(p["content_type"], "<p>" in p["text"]) for p in
+            sorted(posts_of(db, "x"), key=lambda p: p["url"])] == [("summary", False), ("full", False)]
 
 
 @both
 def test_entry_dates_become_utc_published_at(home, server):
     server.feed("/feed", rss([{"guid": "a", "link": server.url + "/a",
-                               "date": "Mon, 30 Nov 2026 12:30:00 +0300"}]))
+                               "date": "Mon, 30 Nov 2026 12:30:00 +0300"},
+                              {"guid": "b", "link": server.url + "/b",
+                               "date": "Fri, 01 Jan 2100 00:00:00 GMT"}]))
     s, db = intake(home, [rss_source("x", server.url + "/feed")])
     crawl(s, db)
-    assert posts_of(db, "x")[0]["published_at"] == "2026-11-30 09:30:00"
+    posts = {p["url"].rsplit("/", 1)[1]: p for p in posts_of(db, "x")}
+    assert (posts["a"]["published_at"], posts["a"]["undated"]) == ("2026-11-30 09:30:00", 0)
+    # A date far in the future is no date: the entry is undated, at its fetch time.
+    assert (posts["b"]["published_at"], posts["b"]["undated"]) == (posts["b"]["fetched_at"], 1)
 
 
 def test_plain_text_titles_keep_their_angle_brackets(home, server):
@@ -1105,8 +1111,7 @@ def read_both_ways(body, url, content_type, monkeypatch):
 
     def parse():
         try:
-            return vesti.parse_feed(body, url, 200, content_type=content_type,
-                                    fetched_at="2026-12-01 00:00:00")
+            return vesti.parse_feed(body, url, 200, content_type=content_type)
         except vesti.FeedError as e:
             return str(e)
     ours = parse()
@@ -2847,7 +2852,8 @@ def test_counts_follow_the_worker_decisions_and_a_new_direction(home, server):
     vesti.sync_sources(db.conn(), registry)
     db.conn().execute("UPDATE posts SET classified = 0")          # classified again, by hand
     vesti.run_workers(db, s, registry, workers=2, quiet=True)
-    assert db.conn().execute("SELECT direction FROM posts WHERE id = 5").fetchone()[0] == "sea"
+    assert db.conn().execute("SELECT direction FROM posts WHERE title = ?",
+                             (texts[4],)).fetchone()[0] == "sea"
     assert counts_match_posts(db.conn())
     db.conn().execute("UPDATE post_counts SET n = n + 7 WHERE direction = 'sea'")   # a drift
     vesti.recount_posts(db.conn())
@@ -3069,6 +3075,36 @@ def test_cards_explain_scores_and_hold_the_stored_text(web):
     assert buttons == ["approved", "rejected", "new"]            # the same places, always
 
 
+def card_titled(page, title):
+    """The HTML of the card whose title is this."""
+    return next(card for card in page.split('<article class="post"')[1:]
+                if f">{html.escape(title)}</a></h2>" in card)
+
+
+@both
+def test_undated_entries_say_so_and_keep_their_feeds_order(web, home, server):
+    server.feed("/undated", rss(items(3, host=server.url)))
+    hour_ago = time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(time.time() - 3600))
+    server.feed("/dated", rss([{**items(1, start=9, host=server.url)[0], "date": hour_ago}]))
+    write_sources(home / "sources.yaml", [rss_source("undated", server.url + "/undated"),
+                                          rss_source("dated", server.url + "/dated")])
+    conn = web.db.conn()
+    vesti.sync_sources(conn, vesti.load_registry(str(home / "sources.yaml")))
+    crawl(web.settings, web.db)
+    conn.execute("UPDATE posts SET classified = 1, direction = 'linux', relevance = 7, interest = 4")
+    posts = {r["title"]: r for r in conn.execute("SELECT * FROM posts")}
+    page = web.get("/")[2]
+    assert re.findall(r"<h2><a [^>]*>([^<]*)</a></h2>", page) == \
+        ["Post number 0", "Post number 1", "Post number 2", "Post number 9"]
+    russian = web.get("/?lang=ru")[2]
+    for k in range(3):
+        fetched = posts[f"Post number {k}"]["fetched_at"]
+        assert f"undated · fetched {fetched} UTC" in card_titled(page, f"Post number {k}")
+        assert f"без даты · получен {fetched} UTC" in card_titled(russian, f"Post number {k}")
+    dated = card_titled(page, "Post number 9")
+    assert f' · {posts["Post number 9"]["published_at"]} UTC' in dated and "undated" not in dated
+
+
 class ReasoningOllama(FakeOllama):
     def verdict(self, body):
         return {**super().verdict(body), "reason": "It is about a kernel release."}
@@ -3195,6 +3231,44 @@ def test_export_writes_decided_posts_as_csv_json_and_atom(home):
     assert every.stdout.count("<entry>") == 3
     bad = cli("export", "--since", "yesterday", cwd=home)
     assert bad.returncode == 2 and "--since" in bad.stderr
+
+
+ATOM = "{http://www.w3.org/2005/Atom}"
+VESTI_ATOM = "{urn:vesti}"
+
+
+def atom_entries(text):
+    """{post id: its <entry>} of an Atom document, parsed strictly."""
+    root = ElementTree.fromstring(text.encode("utf-8"))
+    assert root.tag == ATOM + "feed"
+    return {int(e.find(ATOM + "id").text.rsplit(":", 1)[1]): e for e in root.findall(ATOM + "entry")}
+
+
+def crawled_undated_post(web, home, server):
+    """A post of a feed whose entries have no date, crawled, classified and approved."""
+    server.feed("/undated", rss(items(1, host=server.url)))
+    write_sources(home / "sources.yaml", [rss_source("undated", server.url + "/undated")])
+    conn = web.db.conn()
+    vesti.sync_sources(conn, vesti.load_registry(str(home / "sources.yaml")))
+    crawl(web.settings, web.db)
+    conn.execute("UPDATE posts SET classified = 1, direction = 'linux', relevance = 7, interest = 4")
+    post = conn.execute("SELECT id FROM posts").fetchone()[0]
+    web.post(f"/posts/{post}/status", {"token": web.token(), "status": "approved"})
+    return post
+
+
+@both
+def test_exports_give_an_undated_post_no_publication_date(web, home, server):
+    post = crawled_undated_post(web, home, server)
+    decided_at = web.db.conn().execute("SELECT decided_at FROM posts").fetchone()[0]
+    entry = atom_entries(web.get("/approved.atom")[2])[post]
+    assert entry.find(ATOM + "published") is None
+    assert entry.find(ATOM + "updated").text == vesti.iso_time(decided_at)
+    item, = json.loads(web.get("/approved.json")[2])["items"]
+    assert "date_published" not in item and item["date_modified"] == vesti.iso_time(decided_at)
+    exported = cli("export", cwd=home)
+    row, = csv.DictReader(io.StringIO(exported.stdout))
+    assert (row["id"], row["published_at"]) == (str(post), "")
 
 
 def metric_samples(text):

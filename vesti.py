@@ -764,7 +764,10 @@ CREATE TABLE IF NOT EXISTS posts (
     reason TEXT,
     decided_at TEXT,
     decided_by TEXT,
-    story_id INTEGER
+    story_id INTEGER,
+    -- 1: the entry gave no date (or one far in the future), so published_at
+    -- is the time it was fetched.
+    undated INTEGER NOT NULL DEFAULT 0
 );
 -- The queue: each state has its own small index, so a claim or a completion
 -- touches only the indexes of the states it leaves and enters, and each
@@ -2539,7 +2542,7 @@ class Draft:
     title: str
     text: str
     content_type: str
-    published_at: str
+    published_at: str           # None: the entry gave no date (see insert_new_posts)
     url_identifies: bool = True
     text_identifies: bool = True
     article_url: str = None     # a Telegram teaser's link, fetched in phase 3
@@ -2597,13 +2600,13 @@ def insert_new_posts(conn, source_id, direction, drafts, fetched_at=None):
             continue
         conn.execute("""
             INSERT INTO posts (source_id, external_id, url, canonical_url, title, text,
-                               content_type, sha256, fetched_at, published_at,
+                               content_type, sha256, fetched_at, published_at, undated,
                                classified, direction, article_url, edited_at)
-            VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+            VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
         """, (source_id, draft.external_id, draft.url, draft.canonical_url,
               draft.title, draft.text, draft.content_type, sha, fetched_at,
-              draft.published_at or fetched_at, PENDING, direction,
-              draft.article_url, draft.edited_at))
+              draft.published_at or fetched_at, int(draft.published_at is None), PENDING,
+              direction, draft.article_url, draft.edited_at))
         new += 1
     if new:
         conn.execute("UPDATE sources SET post_count = post_count + ? WHERE id = ?",
@@ -3097,8 +3100,8 @@ def decided_posts(conn, status="approved", direction=None, limit=None, since=Non
         "coalesce(p.decided_at, p.published_at) DESC, p.id DESC"
     return conn.execute(f"""
         SELECT p.id, p.title, p.url, p.summary, p.direction, p.relevance, p.interest,
-               p.status, p.published_at, p.decided_at, p.decided_by, p.keywords, p.reason,
-               s.name AS source
+               p.status, p.published_at, p.undated, p.decided_at, p.decided_by, p.keywords,
+               p.reason, s.name AS source
         FROM posts p LEFT JOIN sources s ON s.id = p.source_id
         WHERE {' AND '.join(where)} ORDER BY {order}{"" if limit is None else " LIMIT ?"}""",
                         params if limit is None else [*params, limit]).fetchall()
@@ -3935,18 +3938,18 @@ def entry_text(entry):
     return text, "full" if len(text) >= FULL_TEXT_MIN else "summary"
 
 
-def entry_published(entry, fetched_at):
-    """The entry's date as UTC text; the fetch time when it has none (or one
-    more than a day in the future)."""
+def entry_published(entry):
+    """The entry's date as UTC text; None when it has none (or one more than
+    a day in the future): it is then stored as undated, at its fetch time."""
     # Plain dict lookups: feedparser's own get() warns when it maps one to the other.
     parsed = dict.get(entry, "published_parsed") or dict.get(entry, "updated_parsed")
     if not parsed:
-        return fetched_at
+        return None
     try:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", parsed)
     except (TypeError, ValueError):
-        return fetched_at
-    return fetched_at if stamp > utc_text(time.time() + 86400) else stamp
+        return None
+    return None if stamp > utc_text(time.time() + 86400) else stamp
 
 
 def entry_link(entry, feed_url):
@@ -4340,15 +4343,14 @@ def plain_date(text):
         return None
 
 
-def entry_draft(entry, link, canonical, fetched_at):
+def entry_draft(entry, link, canonical):
     title = readable(entry.get("title"), (entry.get("title_detail") or {}).get("type"))
     text, kind = entry_text(entry)
     return Draft(entry_id(entry, link, title, text), link or None, canonical,
-                 title, text, kind, entry_published(entry, fetched_at))
+                 title, text, kind, entry_published(entry))
 
 
-def parse_feed(body, feed_url, max_entries, keep_fragments=False, content_type=None,
-               fetched_at=None):
+def parse_feed(body, feed_url, max_entries, keep_fragments=False, content_type=None):
     """Drafts from a feed body. Malformed feeds that still yield entries come
     with a warning; a body that yields none is a FeedError."""
     reading = read_feed(body, feed_url, content_type, max_entries)
@@ -4361,8 +4363,7 @@ def parse_feed(body, feed_url, max_entries, keep_fragments=False, content_type=N
     links = [entry_link(e, feed_url) for e in entries]
     canonical = [canonical_urls(link) if link else (None, None) for link in links]
     keep_fragments = keep_fragments or _fragment_sensitive([whole for _, whole in canonical if whole])
-    fetched_at = fetched_at or utc_text()
-    drafts = [entry_draft(e, link, urls[keep_fragments], fetched_at)
+    drafts = [entry_draft(e, link, urls[keep_fragments])
               for e, link, urls in zip(entries, links, canonical)]
     mark_ambiguous(drafts)
     warning = f"malformed feed, {len(drafts)} entries kept: {shorten(str(problem), 200)}" \
@@ -4492,8 +4493,11 @@ def fetch_feed(conn, source, settings, gate):
 
 def keep_fetched(conn, source, fetched):
     """Store a fetch's new posts and the feed's state, in the caller's
-    transaction. Returns how many posts were new."""
-    fetched.new = insert_new_posts(conn, source["id"], source["direction"], fetched.drafts)
+    transaction. Returns how many posts were new. A feed lists its newest
+    entry first: stored last to first, its newest gets the highest id, and
+    the desk, which breaks a tie of times by id, keeps the feed's order
+    among entries of one time (all of a fetch's undated ones)."""
+    fetched.new = insert_new_posts(conn, source["id"], source["direction"], fetched.drafts[::-1])
     save_rss_state(conn, source["id"], **fetched.state)
     return fetched.new
 
@@ -6231,6 +6235,7 @@ STRINGS = {
                       "the queue.",
         "hidden_low": "{n} less relevant posts are hidden.", "show_all": "Show them",
         "many_matches": "more than {n} matches", "utc": "UTC",
+        "undated": "undated · fetched",
         "banner_ollama": "Classification is stopped: Ollama has been unreachable since {since} "
                          "UTC ({error}). Posts wait in the queue until it answers; to classify "
                          "by keywords alone, set OLLAMA_URL= (empty).",
@@ -6274,6 +6279,7 @@ STRINGS = {
                       "разберут очередь.",
         "hidden_low": "Скрыто менее релевантных постов: {n}.", "show_all": "Показать их",
         "many_matches": "больше {n} совпадений", "utc": "UTC",
+        "undated": "без даты · получен",
         "banner_ollama": "Классификация остановлена: Ollama недоступна с {since} UTC ({error}). "
                          "Посты ждут в очереди, пока она не ответит; чтобы классифицировать "
                          "только по ключевым словам, задайте пустой OLLAMA_URL=.",
@@ -6607,7 +6613,7 @@ def story_copies(conn, posts):
 
 
 DESK_COLUMNS = """p.id, p.title, p.url, p.summary, p.direction, p.relevance, p.interest,
-                  p.status, p.published_at, p.content_type, p.keywords, p.reason,
+                  p.status, p.published_at, p.undated, p.content_type, p.keywords, p.reason,
                   substr(p.text, 1, {card_text}) AS text, p.decided_at, p.decided_by,
                   p.story_id, s.name AS source, s.slug AS source_slug""".format(card_text=CARD_TEXT + 1)
 
@@ -6813,7 +6819,15 @@ def story_line(post, copies, page):
 def card_words(lang):
     """The fixed words of a card, escaped, looked up once per language."""
     return {key: said(lang, key) for key in ("untitled", "no_direction", "keywords", "reason",
-                                             "stored_text", "utc", "relevance", "interest")}
+                                             "stored_text", "utc", "relevance", "interest",
+                                             "undated")}
+
+
+def card_time(post, words):
+    """When the post was published; for an undated one, that it has no date
+    and when it was fetched (what its published_at then holds)."""
+    stamp = f'{esc(post["published_at"])} {words["utc"]}'
+    return f'{words["undated"]} {stamp}' if post["undated"] else stamp
 
 
 def card_html(post, page, back, copies=()):
@@ -6833,8 +6847,8 @@ def card_html(post, page, back, copies=()):
     direction = esc(post["direction"]) or words["no_direction"]
     return (f'<article class="post" id="post-{post["id"]}" data-id="{post["id"]}" '
             f'data-status="{esc(post["status"])}"><h2>{link}</h2>'
-            f'<p class="small muted">{esc(post["source"])} · {esc(post["published_at"])} '
-            f'{words["utc"]} · <span class="badge">{direction}</span> '
+            f'<p class="small muted">{esc(post["source"])} · {card_time(post, words)} · '
+            f'<span class="badge">{direction}</span> '
             f'{words["relevance"]} <b>{esc(post["relevance"])}</b> · '
             f'{words["interest"]} <b>{esc(post["interest"])}</b></p>'
             f'<p>{esc(post["summary"])}</p>{story_line(post, copies, page)}{why_html}{stored}'
@@ -6954,17 +6968,24 @@ def post_link(post):
     return post["url"] if is_web_link(post["url"]) else None
 
 
+def published_date(post):
+    """When the post was published, or None for an undated one: its
+    published_at is then only when it was fetched, which an export does not
+    pass off as a publication date."""
+    return None if post["undated"] else post["published_at"]
+
+
 def atom_feed(posts, title, self_url=None):
     """Atom 1.0 of decided posts, newest decision first."""
     updated = iso_time(max((p["decided_at"] or p["published_at"] for p in posts), default=None))
     entries = []
     for p in posts:
-        link = post_link(p)
+        link, published = post_link(p), published_date(p)
         entries.append(
             f"<entry><id>urn:vesti:post:{p['id']}</id><title>{esc(p['title'] or '(untitled)')}</title>"
             + (f'<link rel="alternate" href="{esc(link)}"/>' if link else "")
-            + f"<published>{iso_time(p['published_at'])}</published>"
-            f"<updated>{iso_time(p['decided_at'] or p['published_at'])}</updated>"
+            + (f"<published>{iso_time(published)}</published>" if published else "")
+            + f"<updated>{iso_time(p['decided_at'] or p['published_at'])}</updated>"
             f"<author><name>{esc(p['source'] or 'VESTI')}</name></author>"
             + (f'<category term="{esc(p["direction"])}"/>' if p["direction"] else "")
             + f"<summary>{esc(p['summary'] or '')}</summary></entry>")
@@ -6978,9 +6999,10 @@ def json_feed(posts, title, self_url=None):
     """JSON Feed 1.1 of decided posts, newest decision first."""
     items = []
     for p in posts:
+        published = published_date(p)
         item = {"id": str(p["id"]), "title": p["title"] or "(untitled)",
                 "content_text": p["summary"] or p["title"] or "",
-                "date_published": iso_time(p["published_at"]),
+                **({"date_published": iso_time(published)} if published else {}),
                 "date_modified": iso_time(p["decided_at"] or p["published_at"]),
                 "authors": [{"name": p["source"] or "VESTI"}],
                 "tags": [p["direction"]] if p["direction"] else [],
@@ -7005,7 +7027,7 @@ def csv_export(posts):
     writer = csv.writer(out)
     writer.writerow(EXPORT_FIELDS)
     for p in posts:
-        writer.writerow([p[f] for f in EXPORT_FIELDS])
+        writer.writerow([published_date(p) if f == "published_at" else p[f] for f in EXPORT_FIELDS])
     return out.getvalue()
 
 
