@@ -3271,6 +3271,41 @@ def test_exports_give_an_undated_post_no_publication_date(web, home, server):
     assert (row["id"], row["published_at"]) == (str(post), "")
 
 
+@both
+def test_atom_and_json_exports_say_who_decided_and_when(web, home):
+    feedparser = pytest.importorskip("feedparser")
+    conn = web.db.conn()
+    for k in (1, 2, 3):
+        desk_post(conn, lwn(web), k)
+    web.post("/posts/1/status", {"token": web.token(), "status": "approved"})
+    conn.execute("UPDATE posts SET status = 'approved', decided_at = '2026-11-29 10:00:00', "
+                 "decided_by = 'olga' WHERE id = 2")
+    decided = {r["id"]: (r["decided_by"], vesti.iso_time(r["decided_at"]))
+               for r in conn.execute("SELECT * FROM posts WHERE status = 'approved'")}
+    assert decided[1][0] == "admin"
+    web_atom = web.get("/approved.atom")[2]
+    assert not feedparser.parse(web_atom.encode("utf-8")).bozo
+    exports = {"web": (web_atom, web.get("/approved.json")[2]),
+               "cli": (cli("export", "--format", "atom", cwd=home).stdout,
+                       cli("export", "--format", "json", cwd=home).stdout)}
+    for where, (atom, json_feed) in exports.items():
+        entries = atom_entries(atom)
+        assert sorted(entries) == [1, 2], where
+        for post, (editor, when) in decided.items():
+            entry = entries[post]
+            assert entry.find(f"{ATOM}contributor/{ATOM}name").text == editor, where
+            assert entry.find(ATOM + "updated").text == when, where
+            assert (entry.find(VESTI_ATOM + "decided_by").text,
+                    entry.find(VESTI_ATOM + "decided_at").text) == (editor, when), where
+        items = {int(i["id"]): i for i in json.loads(json_feed)["items"]}
+        assert {post: (i["_vesti"]["decided_by"], i["_vesti"]["decided_at"])
+                for post, i in items.items()} == decided, where
+    every = cli("export", "--status", "any", "--format", "atom", cwd=home).stdout
+    undecided = atom_entries(every)[3]
+    assert undecided.find(ATOM + "contributor") is None
+    assert undecided.find(VESTI_ATOM + "decided_by") is None
+
+
 def metric_samples(text):
     parser = pytest.importorskip("prometheus_client.parser")
     families = {f.name: f for f in parser.text_string_to_metric_families(text)}

@@ -6975,6 +6975,20 @@ def published_date(post):
     return None if post["undated"] else post["published_at"]
 
 
+# Atom has no element for an editor's decision: who decided is the entry's
+# contributor, and both who and when are said in VESTI's own namespace (a
+# reader cannot tell an <updated> that is a decision from one that is not).
+ATOM_VESTI = "urn:vesti"
+
+
+def atom_decision(post):
+    """The elements of an entry that say who decided it and when."""
+    by, at = post["decided_by"], post["decided_at"]
+    return ((f"<contributor><name>{esc(by)}</name></contributor>"
+             f"<vesti:decided_by>{esc(by)}</vesti:decided_by>" if by else "")
+            + (f"<vesti:decided_at>{iso_time(at)}</vesti:decided_at>" if at else ""))
+
+
 def atom_feed(posts, title, self_url=None):
     """Atom 1.0 of decided posts, newest decision first."""
     updated = iso_time(max((p["decided_at"] or p["published_at"] for p in posts), default=None))
@@ -6987,10 +7001,12 @@ def atom_feed(posts, title, self_url=None):
             + (f"<published>{iso_time(published)}</published>" if published else "")
             + f"<updated>{iso_time(p['decided_at'] or p['published_at'])}</updated>"
             f"<author><name>{esc(p['source'] or 'VESTI')}</name></author>"
+            + atom_decision(p)
             + (f'<category term="{esc(p["direction"])}"/>' if p["direction"] else "")
             + f"<summary>{esc(p['summary'] or '')}</summary></entry>")
     self_link = f'<link rel="self" href="{esc(self_url)}"/>' if self_url else ""
-    return ('<?xml version="1.0" encoding="utf-8"?>\n<feed xmlns="http://www.w3.org/2005/Atom">'
+    return ('<?xml version="1.0" encoding="utf-8"?>\n'
+            f'<feed xmlns="http://www.w3.org/2005/Atom" xmlns:vesti="{ATOM_VESTI}">'
             f"<id>urn:vesti:{urllib.parse.quote(title.lower(), safe='')}</id><title>{esc(title)}</title><updated>{updated}</updated>"
             f"{self_link}<generator>VESTI {__version__}</generator>{''.join(entries)}</feed>\n")
 
@@ -7007,7 +7023,8 @@ def json_feed(posts, title, self_url=None):
                 "authors": [{"name": p["source"] or "VESTI"}],
                 "tags": [p["direction"]] if p["direction"] else [],
                 "_vesti": {"status": p["status"], "relevance": p["relevance"],
-                           "interest": p["interest"]}}
+                           "interest": p["interest"], "decided_by": p["decided_by"],
+                           "decided_at": p["decided_at"] and iso_time(p["decided_at"])}}
         if post_link(p):
             item["url"] = post_link(p)
         items.append(item)
