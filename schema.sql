@@ -53,7 +53,10 @@ CREATE TABLE IF NOT EXISTS posts (
     reason TEXT,
     decided_at TEXT,
     decided_by TEXT,
-    story_id INTEGER
+    story_id INTEGER,
+    -- 1: the entry gave no date (or one far in the future), so published_at
+    -- is the time it was fetched.
+    undated INTEGER NOT NULL DEFAULT 0
 );
 -- The queue: each state has its own small index, so a claim or a completion
 -- touches only the indexes of the states it leaves and enters, and each

@@ -408,8 +408,8 @@ def test_an_older_database_gains_the_missing_columns_and_keeps_its_rows(tmp_path
     old.commit()
     old.close()
     conn = vesti.Database(str(path)).conn()
-    row = conn.execute("SELECT text, attempts, status, relevance FROM posts").fetchone()
-    assert tuple(row) == ("kept", 0, "new", None)
+    row = conn.execute("SELECT text, attempts, status, relevance, undated FROM posts").fetchone()
+    assert tuple(row) == ("kept", 0, "new", None, 0)
     assert vesti.queue_sizes(conn)["pending"] == 1
 
 
@@ -571,11 +571,12 @@ def test_a_feed_is_crawled_into_the_queue(home, server):
     s, db = intake(home, [rss_source("lwn", server.url + "/feed", direction="linux")])
     summary = crawl(s, db)
     assert summary.new_posts == 3
-    posts = posts_of(db, "lwn")
+    posts = posts_of(db, "lwn")[::-1]           # stored last to first: the feed's first is newest
     assert [p["title"] for p in posts] == ["Post number 0", "Post number 1", "Post number 2"]
     assert {(p["classified"], p["direction"], p["status"]) for p in posts} == {(0, "linux", "new")}
     assert posts[0]["canonical_url"] == server.url + "/post/0"
     assert posts[0]["published_at"] == posts[0]["fetched_at"]      # no date in the entry
+    assert posts[0]["undated"] == 1
     state = state_row(db, "lwn")
     assert (state["etag"], state["modified"], state["last_build_date"]) == \
         ('"v1"', "Mon, 30 Nov 2026 10:00:00 GMT", "Mon, 30 Nov 2026 10:00:00 GMT")
@@ -856,7 +857,7 @@ def test_entries_beyond_rss_max_entries_are_not_taken(home, server):
     server.feed("/feed", rss(items(30, host=server.url)))
     s, db = intake(home, [rss_source("x", server.url + "/feed")], RSS_MAX_ENTRIES=10)
     crawl(s, db)
-    assert [p["title"] for p in posts_of(db, "x")] == [f"Post number {k}" for k in range(10)]
+    assert {p["title"] for p in posts_of(db, "x")} == {f"Post number {k}" for k in range(10)}
 
 
 @both
@@ -866,17 +867,22 @@ def test_summary_only_entries_are_marked_for_phase_3(home, server):
                               {"guid": "b", "link": server.url + "/b", "text": long_text}]))
     s, db = intake(home, [rss_source("x", server.url + "/feed")])
     crawl(s, db)
-    assert [(p["content_type"], "<p>" in p["text"]) for p in posts_of(db, "x")] == \
-        [("summary", False), ("full", False)]
+    assert [(p["content_type"], "<p>" in p["text"]) for p in
+            sorted(posts_of(db, "x"), key=lambda p: p["url"])] == [("summary", False), ("full", False)]
 
 
 @both
 def test_entry_dates_become_utc_published_at(home, server):
     server.feed("/feed", rss([{"guid": "a", "link": server.url + "/a",
-                               "date": "Mon, 30 Nov 2026 12:30:00 +0300"}]))
+                               "date": "Mon, 30 Nov 2026 12:30:00 +0300"},
+                              {"guid": "b", "link": server.url + "/b",
+                               "date": "Fri, 01 Jan 2100 00:00:00 GMT"}]))
     s, db = intake(home, [rss_source("x", server.url + "/feed")])
     crawl(s, db)
-    assert posts_of(db, "x")[0]["published_at"] == "2026-11-30 09:30:00"
+    posts = {p["url"].rsplit("/", 1)[1]: p for p in posts_of(db, "x")}
+    assert (posts["a"]["published_at"], posts["a"]["undated"]) == ("2026-11-30 09:30:00", 0)
+    # A date far in the future is no date: the entry is undated, at its fetch time.
+    assert (posts["b"]["published_at"], posts["b"]["undated"]) == (posts["b"]["fetched_at"], 1)
 
 
 def test_plain_text_titles_keep_their_angle_brackets(home, server):
@@ -1105,8 +1111,7 @@ def read_both_ways(body, url, content_type, monkeypatch):
 
     def parse():
         try:
-            return vesti.parse_feed(body, url, 200, content_type=content_type,
-                                    fetched_at="2026-12-01 00:00:00")
+            return vesti.parse_feed(body, url, 200, content_type=content_type)
         except vesti.FeedError as e:
             return str(e)
     ours = parse()
@@ -2905,7 +2910,8 @@ def test_counts_follow_the_worker_decisions_and_a_new_direction(home, server):
     vesti.sync_sources(db.conn(), registry)
     db.conn().execute("UPDATE posts SET classified = 0")          # classified again, by hand
     vesti.run_workers(db, s, registry, workers=2, quiet=True)
-    assert db.conn().execute("SELECT direction FROM posts WHERE id = 5").fetchone()[0] == "sea"
+    assert db.conn().execute("SELECT direction FROM posts WHERE title = ?",
+                             (texts[4],)).fetchone()[0] == "sea"
     assert counts_match_posts(db.conn())
     db.conn().execute("UPDATE post_counts SET n = n + 7 WHERE direction = 'sea'")   # a drift
     vesti.recount_posts(db.conn())
@@ -2971,6 +2977,27 @@ def test_without_fts5_search_falls_back_to_like(web, monkeypatch):
     assert card_ids(web.get("/?q=" + urllib.parse.quote("_%"))[2]) == []
 
 
+def walk_desk(web, path):
+    """The ids of every card of a desk view, page after page."""
+    seen = []
+    while path:
+        page = web.get(path)[2]
+        seen += card_ids(page)
+        found = re.search(r'<a href="([^"]+)" rel="next">', page)
+        path = html.unescape(found[1]) if found else None
+    return seen
+
+
+@both
+def test_a_search_newest_first_is_in_the_desks_own_order(web):
+    conn = web.db.conn()
+    kernel = [desk_post(conn, lwn(web), k, minute=k * 23 % 61, title=f"Kernel news {k}")
+              for k in range(1, 56)]                     # ids and dates disagree
+    for k in range(56, 62):
+        desk_post(conn, lwn(web), k, minute=k * 23 % 61, title=f"Rocket launch {k}")
+    assert walk_desk(web, "/?q=kernel") == [i for i in walk_desk(web, "/") if i in kernel]
+
+
 @both
 def test_paging_by_position_covers_every_post_once_in_every_order(web):
     conn = web.db.conn()
@@ -2992,6 +3019,30 @@ def test_paging_by_position_covers_every_post_once_in_every_order(web):
                "relevance": lambda i: (rows[i]["relevance"], rows[i]["published_at"], i),
                "interest": lambda i: (rows[i]["interest"], rows[i]["published_at"], i)}[sort]
         assert seen == sorted(seen, key=key, reverse=True), sort
+
+
+def pager_links(page):
+    """The words of the links to the first and the next page."""
+    return re.findall(r'<a href="[^"]*"(?: rel="next")?>([←\w][^<]*)</a>',
+                      re.search(r"<nav class=pages>(.*?)</nav>", page)[1])
+
+
+def test_only_newest_first_pages_lead_to_older_posts(web):
+    conn = web.db.conn()
+    for k in range(1, 56):
+        desk_post(conn, lwn(web), k, relevance=3 + k % 8, interest=k % 5)
+    page = web.get("/")[2]
+    assert pager_links(page) == ["older →"]
+    second = html.unescape(re.search(r'<a href="([^"]+)" rel="next">', page)[1])
+    assert pager_links(web.get(second)[2]) == ["← newest"]
+    assert pager_links(web.get("/?lang=ru")[2]) == ["старше →"]
+    for sort in ("relevance", "interest"):
+        page = web.get(f"/?sort={sort}")[2]
+        assert pager_links(page) == ["next →"], sort
+        second = html.unescape(re.search(r'<a href="([^"]+)" rel="next">', page)[1])
+        assert pager_links(web.get(second)[2]) == ["← first"], sort
+        assert pager_links(web.get(f"/?sort={sort}&lang=ru")[2]) == ["дальше →"], sort
+        assert pager_links(web.get(second + "&lang=ru")[2]) == ["← в начало"], sort
 
 
 @both
@@ -3040,6 +3091,28 @@ def test_bulk_decisions_reject_every_card_shown_once_confirmed(web):
 
 
 @both
+def test_an_undo_takes_back_who_decided_and_when(web):
+    conn = web.db.conn()
+    for k in range(1, 6):
+        desk_post(conn, lwn(web), k)
+    conn.execute("UPDATE posts SET story_id = 4 WHERE id IN (4, 5)")      # a story of two
+    web.post("/posts/1/status", {"token": web.token(), "status": "approved"})
+    web.post("/posts/4/status", {"token": web.token(), "status": "approved"})
+    web.post("/posts/status", {"token": web.token(), "ids": "2,3", "status": "rejected"})
+    decided = conn.execute("SELECT status, decided_by FROM posts ORDER BY id").fetchall()
+    assert [tuple(r) for r in decided] == [("approved", "admin"), ("rejected", "admin"),
+                                           ("rejected", "admin"), ("approved", "admin"),
+                                           ("approved", "admin")]
+    web.post("/posts/1/status", {"token": web.token(), "status": "new"})
+    web.post("/posts/4/status", {"token": web.token(), "status": "new"})
+    web.post("/posts/status", {"token": web.token(), "ids": "2,3", "status": "new"})
+    undone = conn.execute("SELECT status, decided_at, decided_by FROM posts").fetchall()
+    assert [tuple(r) for r in undone] == [("new", None, None)] * 5
+    exported = list(csv.DictReader(io.StringIO(vesti.csv_export(vesti.decided_posts(conn, "any")))))
+    assert {(r["status"], r["decided_at"], r["decided_by"]) for r in exported} == {("new", "", "")}
+
+
+@both
 def test_a_page_left_open_across_a_restart_still_decides(web, home):
     conn = web.db.conn()
     post = desk_post(conn, lwn(web), 1)
@@ -3068,6 +3141,36 @@ def test_cards_explain_scores_and_hold_the_stored_text(web):
                      r"&lt;b&gt;Full&lt;/b&gt; text of the article.</div></details>", card)
     buttons = re.findall(r'<button name="status" value="(\w+)"', card)
     assert buttons == ["approved", "rejected", "new"]            # the same places, always
+
+
+def card_titled(page, title):
+    """The HTML of the card whose title is this."""
+    return next(card for card in page.split('<article class="post"')[1:]
+                if f">{html.escape(title)}</a></h2>" in card)
+
+
+@both
+def test_undated_entries_say_so_and_keep_their_feeds_order(web, home, server):
+    server.feed("/undated", rss(items(3, host=server.url)))
+    hour_ago = time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(time.time() - 3600))
+    server.feed("/dated", rss([{**items(1, start=9, host=server.url)[0], "date": hour_ago}]))
+    write_sources(home / "sources.yaml", [rss_source("undated", server.url + "/undated"),
+                                          rss_source("dated", server.url + "/dated")])
+    conn = web.db.conn()
+    vesti.sync_sources(conn, vesti.load_registry(str(home / "sources.yaml")))
+    crawl(web.settings, web.db)
+    conn.execute("UPDATE posts SET classified = 1, direction = 'linux', relevance = 7, interest = 4")
+    posts = {r["title"]: r for r in conn.execute("SELECT * FROM posts")}
+    page = web.get("/")[2]
+    assert re.findall(r"<h2><a [^>]*>([^<]*)</a></h2>", page) == \
+        ["Post number 0", "Post number 1", "Post number 2", "Post number 9"]
+    russian = web.get("/?lang=ru")[2]
+    for k in range(3):
+        fetched = posts[f"Post number {k}"]["fetched_at"]
+        assert f"undated · fetched {fetched} UTC" in card_titled(page, f"Post number {k}")
+        assert f"без даты · получен {fetched} UTC" in card_titled(russian, f"Post number {k}")
+    dated = card_titled(page, "Post number 9")
+    assert f' · {posts["Post number 9"]["published_at"]} UTC' in dated and "undated" not in dated
 
 
 class ReasoningOllama(FakeOllama):
@@ -3242,6 +3345,79 @@ def test_export_writes_decided_posts_as_csv_json_and_atom(home):
     assert every.stdout.count("<entry>") == 3
     bad = cli("export", "--since", "yesterday", cwd=home)
     assert bad.returncode == 2 and "--since" in bad.stderr
+
+
+ATOM = "{http://www.w3.org/2005/Atom}"
+VESTI_ATOM = "{urn:vesti}"
+
+
+def atom_entries(text):
+    """{post id: its <entry>} of an Atom document, parsed strictly."""
+    root = ElementTree.fromstring(text.encode("utf-8"))
+    assert root.tag == ATOM + "feed"
+    return {int(e.find(ATOM + "id").text.rsplit(":", 1)[1]): e for e in root.findall(ATOM + "entry")}
+
+
+def crawled_undated_post(web, home, server):
+    """A post of a feed whose entries have no date, crawled, classified and approved."""
+    server.feed("/undated", rss(items(1, host=server.url)))
+    write_sources(home / "sources.yaml", [rss_source("undated", server.url + "/undated")])
+    conn = web.db.conn()
+    vesti.sync_sources(conn, vesti.load_registry(str(home / "sources.yaml")))
+    crawl(web.settings, web.db)
+    conn.execute("UPDATE posts SET classified = 1, direction = 'linux', relevance = 7, interest = 4")
+    post = conn.execute("SELECT id FROM posts").fetchone()[0]
+    web.post(f"/posts/{post}/status", {"token": web.token(), "status": "approved"})
+    return post
+
+
+@both
+def test_exports_give_an_undated_post_no_publication_date(web, home, server):
+    post = crawled_undated_post(web, home, server)
+    decided_at = web.db.conn().execute("SELECT decided_at FROM posts").fetchone()[0]
+    entry = atom_entries(web.get("/approved.atom")[2])[post]
+    assert entry.find(ATOM + "published") is None
+    assert entry.find(ATOM + "updated").text == vesti.iso_time(decided_at)
+    item, = json.loads(web.get("/approved.json")[2])["items"]
+    assert "date_published" not in item and item["date_modified"] == vesti.iso_time(decided_at)
+    exported = cli("export", cwd=home)
+    row, = csv.DictReader(io.StringIO(exported.stdout))
+    assert (row["id"], row["published_at"]) == (str(post), "")
+
+
+@both
+def test_atom_and_json_exports_say_who_decided_and_when(web, home):
+    feedparser = pytest.importorskip("feedparser")
+    conn = web.db.conn()
+    for k in (1, 2, 3):
+        desk_post(conn, lwn(web), k)
+    web.post("/posts/1/status", {"token": web.token(), "status": "approved"})
+    conn.execute("UPDATE posts SET status = 'approved', decided_at = '2026-11-29 10:00:00', "
+                 "decided_by = 'olga' WHERE id = 2")
+    decided = {r["id"]: (r["decided_by"], vesti.iso_time(r["decided_at"]))
+               for r in conn.execute("SELECT * FROM posts WHERE status = 'approved'")}
+    assert decided[1][0] == "admin"
+    web_atom = web.get("/approved.atom")[2]
+    assert not feedparser.parse(web_atom.encode("utf-8")).bozo
+    exports = {"web": (web_atom, web.get("/approved.json")[2]),
+               "cli": (cli("export", "--format", "atom", cwd=home).stdout,
+                       cli("export", "--format", "json", cwd=home).stdout)}
+    for where, (atom, json_feed) in exports.items():
+        entries = atom_entries(atom)
+        assert sorted(entries) == [1, 2], where
+        for post, (editor, when) in decided.items():
+            entry = entries[post]
+            assert entry.find(f"{ATOM}contributor/{ATOM}name").text == editor, where
+            assert entry.find(ATOM + "updated").text == when, where
+            assert (entry.find(VESTI_ATOM + "decided_by").text,
+                    entry.find(VESTI_ATOM + "decided_at").text) == (editor, when), where
+        items = {int(i["id"]): i for i in json.loads(json_feed)["items"]}
+        assert {post: (i["_vesti"]["decided_by"], i["_vesti"]["decided_at"])
+                for post, i in items.items()} == decided, where
+    every = cli("export", "--status", "any", "--format", "atom", cwd=home).stdout
+    undecided = atom_entries(every)[3]
+    assert undecided.find(ATOM + "contributor") is None
+    assert undecided.find(VESTI_ATOM + "decided_by") is None
 
 
 def metric_samples(text):

@@ -765,7 +765,10 @@ CREATE TABLE IF NOT EXISTS posts (
     reason TEXT,
     decided_at TEXT,
     decided_by TEXT,
-    story_id INTEGER
+    story_id INTEGER,
+    -- 1: the entry gave no date (or one far in the future), so published_at
+    -- is the time it was fetched.
+    undated INTEGER NOT NULL DEFAULT 0
 );
 -- The queue: each state has its own small index, so a claim or a completion
 -- touches only the indexes of the states it leaves and enters, and each
@@ -1189,15 +1192,6 @@ class SQLiteDialect:
         pattern = like_pattern(text)
         return "(p.title LIKE ? ESCAPE '\\' OR p.text LIKE ? ESCAPE '\\')", [pattern, pattern]
 
-    def search_source(self, text):
-        """FROM, WHERE, parameters and the id to order by of a search walked
-        newest collected first: FTS5 gives its matches in rowid order, so a
-        common word costs no more than a rare one."""
-        if not self.fts5:
-            return ("posts p", *self.search_filter(text), "p.id")
-        return "posts_fts f JOIN posts p ON p.id = f.rowid", "posts_fts MATCH ?", \
-            [fts_query(text)], "f.rowid"
-
     def search_matches(self, text):
         """A query of the ids of a search's matches, and its parameters: read
         from the search index alone, so a LIMIT stops it early."""
@@ -1260,12 +1254,6 @@ class PostgresDialect(SQLiteDialect):
             return "false", []
         return ("p.id IN (SELECT post_id FROM post_words WHERE words @@ to_tsquery('simple', ?))",
                 [query])
-
-    def search_source(self, text):
-        query = self.tsquery(text)
-        return "post_words f JOIN posts p ON p.id = f.post_id", \
-            "f.words @@ to_tsquery('simple', ?)" if query else "false", \
-            [query] if query else [], "f.post_id"
 
     def search_matches(self, text):
         query = self.tsquery(text)
@@ -2604,7 +2592,7 @@ class Draft:
     title: str
     text: str
     content_type: str
-    published_at: str
+    published_at: str           # None: the entry gave no date (see insert_new_posts)
     url_identifies: bool = True
     text_identifies: bool = True
     article_url: str = None     # a Telegram teaser's link, fetched in phase 3
@@ -2662,13 +2650,13 @@ def insert_new_posts(conn, source_id, direction, drafts, fetched_at=None):
             continue
         conn.execute("""
             INSERT INTO posts (source_id, external_id, url, canonical_url, title, text,
-                               content_type, sha256, fetched_at, published_at,
+                               content_type, sha256, fetched_at, published_at, undated,
                                classified, direction, article_url, edited_at)
-            VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+            VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
         """, (source_id, draft.external_id, draft.url, draft.canonical_url,
               draft.title, draft.text, draft.content_type, sha, fetched_at,
-              draft.published_at or fetched_at, PENDING, direction,
-              draft.article_url, draft.edited_at))
+              draft.published_at or fetched_at, int(draft.published_at is None), PENDING,
+              direction, draft.article_url, draft.edited_at))
         new += 1
     if new:
         conn.execute("UPDATE sources SET post_count = post_count + ? WHERE id = ?",
@@ -3139,8 +3127,10 @@ def set_decision(conn, post_id, decision, editor):
 def set_decisions(conn, post_ids, decision, editor):
     """One decision on many posts at once (on any post of a story, for the
     whole story), and the approved figure of their sources; returns how many
-    of the posts exist."""
-    found, sources, now = 0, set(), utc_text()
+    of the posts exist. An undo (back to new) takes the decision back: nobody
+    decided the post, so nobody is recorded."""
+    found, sources = 0, set()
+    now, editor = (None, None) if decision == "new" else (utc_text(), editor)
     with transaction(conn):
         for post_id in post_ids:
             row = conn.execute("""UPDATE posts SET status = ?, decided_at = ?, decided_by = ?
@@ -3193,8 +3183,8 @@ def decided_posts(conn, status="approved", direction=None, limit=None, since=Non
         "coalesce(p.decided_at, p.published_at) DESC, p.id DESC"
     return conn.execute(f"""
         SELECT p.id, p.title, p.url, p.summary, p.direction, p.relevance, p.interest,
-               p.status, p.published_at, p.decided_at, p.decided_by, p.keywords, p.reason,
-               s.name AS source
+               p.status, p.published_at, p.undated, p.decided_at, p.decided_by, p.keywords,
+               p.reason, s.name AS source
         FROM posts p LEFT JOIN sources s ON s.id = p.source_id
         WHERE {' AND '.join(where)} ORDER BY {order}{"" if limit is None else " LIMIT ?"}""",
                         params if limit is None else [*params, limit]).fetchall()
@@ -4052,18 +4042,18 @@ def entry_text(entry):
     return text, "full" if len(text) >= FULL_TEXT_MIN else "summary"
 
 
-def entry_published(entry, fetched_at):
-    """The entry's date as UTC text; the fetch time when it has none (or one
-    more than a day in the future)."""
+def entry_published(entry):
+    """The entry's date as UTC text; None when it has none (or one more than
+    a day in the future): it is then stored as undated, at its fetch time."""
     # Plain dict lookups: feedparser's own get() warns when it maps one to the other.
     parsed = dict.get(entry, "published_parsed") or dict.get(entry, "updated_parsed")
     if not parsed:
-        return fetched_at
+        return None
     try:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", parsed)
     except (TypeError, ValueError):
-        return fetched_at
-    return fetched_at if stamp > utc_text(time.time() + 86400) else stamp
+        return None
+    return None if stamp > utc_text(time.time() + 86400) else stamp
 
 
 def entry_link(entry, feed_url):
@@ -4473,15 +4463,14 @@ def plain_date(text):
         return None
 
 
-def entry_draft(entry, link, canonical, fetched_at):
+def entry_draft(entry, link, canonical):
     title = readable(entry.get("title"), (entry.get("title_detail") or {}).get("type"))
     text, kind = entry_text(entry)
     return Draft(entry_id(entry, link, title, text), link or None, canonical,
-                 title, text, kind, entry_published(entry, fetched_at))
+                 title, text, kind, entry_published(entry))
 
 
-def parse_feed(body, feed_url, max_entries, keep_fragments=False, content_type=None,
-               fetched_at=None):
+def parse_feed(body, feed_url, max_entries, keep_fragments=False, content_type=None):
     """Drafts from a feed body. Malformed feeds that still yield entries come
     with a warning; a body that yields none is a FeedError."""
     reading = read_feed(body, feed_url, content_type, max_entries)
@@ -4494,8 +4483,7 @@ def parse_feed(body, feed_url, max_entries, keep_fragments=False, content_type=N
     links = [entry_link(e, feed_url) for e in entries]
     canonical = [canonical_urls(link) if link else (None, None) for link in links]
     keep_fragments = keep_fragments or _fragment_sensitive([whole for _, whole in canonical if whole])
-    fetched_at = fetched_at or utc_text()
-    drafts = [entry_draft(e, link, urls[keep_fragments], fetched_at)
+    drafts = [entry_draft(e, link, urls[keep_fragments])
               for e, link, urls in zip(entries, links, canonical)]
     mark_ambiguous(drafts)
     warning = f"malformed feed, {len(drafts)} entries kept: {shorten(str(problem), 200)}" \
@@ -4629,8 +4617,11 @@ def fetch_feed(conn, source, settings, gate):
 
 def keep_fetched(conn, source, fetched):
     """Store a fetch's new posts and the feed's state, in the caller's
-    transaction. Returns how many posts were new."""
-    fetched.new = insert_new_posts(conn, source["id"], source["direction"], fetched.drafts)
+    transaction. Returns how many posts were new. A feed lists its newest
+    entry first: stored last to first, its newest gets the highest id, and
+    the desk, which breaks a tie of times by id, keeps the feed's order
+    among entries of one time (all of a fetch's undated ones)."""
+    fetched.new = insert_new_posts(conn, source["id"], source["direction"], fetched.drafts[::-1])
     save_rss_state(conn, source["id"], **fetched.state)
     return fetched.new
 
@@ -6463,13 +6454,15 @@ STRINGS = {
         "relevance": "relevance", "interest": "interest",
         "keywords": "keywords", "reason": "why", "stored_text": "Stored text",
         "more_sources": ("+{n} source", "+{n} sources"), "every_copy": "every copy",
-        "older": "older →", "first": "← newest", "untitled": "(untitled)",
+        "older": "older →", "first": "← newest", "next": "next →", "to_first": "← first",
+        "untitled": "(untitled)",
         "empty_filtered": "No posts match these filters.",
         "empty_none": "No classified posts yet: they appear here as the workers classify "
                       "the queue.",
         "hidden_low": ("{n} less relevant post is hidden.", "{n} less relevant posts are hidden."),
         "show_all": "Show them",
         "many_matches": ("more than {n} match", "more than {n} matches"), "utc": "UTC",
+        "undated": "undated · fetched",
         "banner_ollama": "Classification is stopped: Ollama has been unreachable since {since} "
                          "UTC ({error}). Posts wait in the queue until it answers; to classify "
                          "by keywords alone, set OLLAMA_URL= (empty).",
@@ -6529,6 +6522,7 @@ STRINGS = {
                          "Отклонить все {n} показанных постов"),
         "relevance": "релевантность", "interest": "интерес", "keywords": "ключевые слова",
         "reason": "почему", "stored_text": "Сохранённый текст", "older": "старше →",
+        "next": "дальше →", "to_first": "← в начало",
         "more_sources": ("ещё {n} источник", "ещё {n} источника", "ещё {n} источников"),
         "every_copy": "все копии",
         "first": "← новые", "untitled": "(без заголовка)",
@@ -6540,6 +6534,7 @@ STRINGS = {
         "show_all": "Показать их",
         "many_matches": ("больше {n} совпадения", "больше {n} совпадений", "больше {n} совпадений"),
         "utc": "UTC",
+        "undated": "без даты · получен",
         "banner_ollama": "Классификация остановлена: Ollama недоступна с {since} UTC ({error}). "
                          "Посты ждут в очереди, пока она не ответит; чтобы классифицировать "
                          "только по ключевым словам, задайте пустой OLLAMA_URL=.",
@@ -6941,19 +6936,18 @@ def story_copies(conn, posts):
 
 
 DESK_COLUMNS = """p.id, p.title, p.url, p.summary, p.direction, p.relevance, p.interest,
-                  p.status, p.published_at, p.content_type, p.keywords, p.reason,
+                  p.status, p.published_at, p.undated, p.content_type, p.keywords, p.reason,
                   substr(p.text, 1, {card_text}) AS text, p.decided_at, p.decided_by,
                   p.story_id, s.name AS source, s.slug AS source_slug""".format(card_text=CARD_TEXT + 1)
 
 
 def desk_posts(conn, desk, limit=PAGE_SIZE + 1):
     """One page of the desk, keyset-paged: the page after `desk.after` in the
-    chosen order. A search walks the search index newest-collected first."""
+    chosen order, with or without a search (a post's id tells when it was
+    collected, not when it was published, so a search is ordered as the rest)."""
     if desk.status == "any" and not desk.q:
         return every_decision(conn, desk, limit)
     where, params = desk_filters(desk)
-    if desk.q and desk.sort == "newest":
-        return search_posts(conn, desk, where, params, limit)
     if desk.q:
         clause, values = conn.dialect.search_filter(desk.q)
         where.append(clause)
@@ -6981,19 +6975,6 @@ def every_decision(conn, desk, limit):
         value = -1 if score is None or post[score] is None else post[score]
         return value, post["published_at"] or "", post["id"]
     return sorted(posts, key=order, reverse=True)[:limit]
-
-
-def search_posts(conn, desk, where, params, limit):
-    """A search, newest collected first (see the dialect's search_source)."""
-    source, clause, values, order = conn.dialect.search_source(desk.q)
-    where, params = [*where, clause], [*params, *values]
-    if desk.after:
-        where.append(f"{order} < ?")
-        params.append(desk.after[2])
-    return conn.execute(f"""
-        SELECT {DESK_COLUMNS} FROM {source} LEFT JOIN sources s ON s.id = p.source_id
-        WHERE {' AND '.join(where)} ORDER BY {order} DESC LIMIT ?""",
-                        [*params, limit]).fetchall()
 
 
 def next_cursor(desk, post):
@@ -7180,7 +7161,15 @@ def story_line(post, copies, page):
 def card_words(lang):
     """The fixed words of a card, escaped, looked up once per language."""
     return {key: said(lang, key) for key in ("untitled", "no_direction", "keywords", "reason",
-                                             "stored_text", "utc", "relevance", "interest")}
+                                             "stored_text", "utc", "relevance", "interest",
+                                             "undated")}
+
+
+def card_time(post, words):
+    """When the post was published; for an undated one, that it has no date
+    and when it was fetched (what its published_at then holds)."""
+    stamp = f'{esc(post["published_at"])} {words["utc"]}'
+    return f'{words["undated"]} {stamp}' if post["undated"] else stamp
 
 
 def card_html(post, page, back, copies=()):
@@ -7200,8 +7189,8 @@ def card_html(post, page, back, copies=()):
     direction = esc(post["direction"]) or words["no_direction"]
     return (f'<article class="post" id="post-{post["id"]}" data-id="{post["id"]}" '
             f'data-status="{esc(post["status"])}"><h2>{link}</h2>'
-            f'<p class="small muted">{esc(post["source"])} · {esc(post["published_at"])} '
-            f'{words["utc"]} · <span class="badge">{direction}</span> '
+            f'<p class="small muted">{esc(post["source"])} · {card_time(post, words)} · '
+            f'<span class="badge">{direction}</span> '
             f'{words["relevance"]} <b>{esc(post["relevance"])}</b> · '
             f'{words["interest"]} <b>{esc(post["interest"])}</b></p>'
             f'<p>{esc(post["summary"])}</p>{story_line(post, copies, page)}{why_html}{stored}'
@@ -7382,11 +7371,13 @@ def desk_page(conn, desk, page, directions, settings, sources=None):
     hidden = (f'<p class="small muted">{page.t("hidden_low", n=counts["hidden"])} '
               f'<a href="{esc(page.link("/", **desk.params(min=0)))}">{page.t("show_all")}</a></p>'
               if counts["hidden"] and desk.min else "")
+    # Only newest first leads to older posts; another order leads to the next ones.
+    first, following = ("first", "older") if desk.sort == "newest" else ("to_first", "next")
     pager = "".join([
-        f'<a href="{esc(page.link("/", **desk.params()))}">{page.t("first")}</a>'
+        f'<a href="{esc(page.link("/", **desk.params()))}">{page.t(first)}</a>'
         if desk.after else "",
         f'<a href="{esc(page.link("/", **desk.params(after=next_cursor(desk, posts[-1]))))}" '
-        f'rel="next">{page.t("older")}</a>' if more else ""])
+        f'rel="next">{page.t(following)}</a>' if more else ""])
     sources = source_options(conn) if sources is None else sources
     filters = filters_html(page, desk, directions, counts, sources, settings.min_relevance)
     body = (f"{banners(conn, settings, page)}{filters}{hidden}{waiting_note(conn, page, settings)}"
@@ -7408,22 +7399,45 @@ def post_link(post):
     return post["url"] if is_web_link(post["url"]) else None
 
 
+def published_date(post):
+    """When the post was published, or None for an undated one: its
+    published_at is then only when it was fetched, which an export does not
+    pass off as a publication date."""
+    return None if post["undated"] else post["published_at"]
+
+
+# Atom has no element for an editor's decision: who decided is the entry's
+# contributor, and both who and when are said in VESTI's own namespace (a
+# reader cannot tell an <updated> that is a decision from one that is not).
+ATOM_VESTI = "urn:vesti"
+
+
+def atom_decision(post):
+    """The elements of an entry that say who decided it and when."""
+    by, at = post["decided_by"], post["decided_at"]
+    return ((f"<contributor><name>{esc(by)}</name></contributor>"
+             f"<vesti:decided_by>{esc(by)}</vesti:decided_by>" if by else "")
+            + (f"<vesti:decided_at>{iso_time(at)}</vesti:decided_at>" if at else ""))
+
+
 def atom_feed(posts, title, self_url=None):
     """Atom 1.0 of decided posts, newest decision first."""
     updated = iso_time(max((p["decided_at"] or p["published_at"] for p in posts), default=None))
     entries = []
     for p in posts:
-        link = post_link(p)
+        link, published = post_link(p), published_date(p)
         entries.append(
             f"<entry><id>urn:vesti:post:{p['id']}</id><title>{esc(p['title'] or '(untitled)')}</title>"
             + (f'<link rel="alternate" href="{esc(link)}"/>' if link else "")
-            + f"<published>{iso_time(p['published_at'])}</published>"
-            f"<updated>{iso_time(p['decided_at'] or p['published_at'])}</updated>"
+            + (f"<published>{iso_time(published)}</published>" if published else "")
+            + f"<updated>{iso_time(p['decided_at'] or p['published_at'])}</updated>"
             f"<author><name>{esc(p['source'] or 'VESTI')}</name></author>"
+            + atom_decision(p)
             + (f'<category term="{esc(p["direction"])}"/>' if p["direction"] else "")
             + f"<summary>{esc(p['summary'] or '')}</summary></entry>")
     self_link = f'<link rel="self" href="{esc(self_url)}"/>' if self_url else ""
-    return ('<?xml version="1.0" encoding="utf-8"?>\n<feed xmlns="http://www.w3.org/2005/Atom">'
+    return ('<?xml version="1.0" encoding="utf-8"?>\n'
+            f'<feed xmlns="http://www.w3.org/2005/Atom" xmlns:vesti="{ATOM_VESTI}">'
             f"<id>urn:vesti:{urllib.parse.quote(title.lower(), safe='')}</id><title>{esc(title)}</title><updated>{updated}</updated>"
             f"{self_link}<generator>VESTI {__version__}</generator>{''.join(entries)}</feed>\n")
 
@@ -7432,14 +7446,16 @@ def json_feed(posts, title, self_url=None):
     """JSON Feed 1.1 of decided posts, newest decision first."""
     items = []
     for p in posts:
+        published = published_date(p)
         item = {"id": str(p["id"]), "title": p["title"] or "(untitled)",
                 "content_text": p["summary"] or p["title"] or "",
-                "date_published": iso_time(p["published_at"]),
+                **({"date_published": iso_time(published)} if published else {}),
                 "date_modified": iso_time(p["decided_at"] or p["published_at"]),
                 "authors": [{"name": p["source"] or "VESTI"}],
                 "tags": [p["direction"]] if p["direction"] else [],
                 "_vesti": {"status": p["status"], "relevance": p["relevance"],
-                           "interest": p["interest"]}}
+                           "interest": p["interest"], "decided_by": p["decided_by"],
+                           "decided_at": p["decided_at"] and iso_time(p["decided_at"])}}
         if post_link(p):
             item["url"] = post_link(p)
         items.append(item)
@@ -7459,7 +7475,7 @@ def csv_export(posts):
     writer = csv.writer(out)
     writer.writerow(EXPORT_FIELDS)
     for p in posts:
-        writer.writerow([p[f] for f in EXPORT_FIELDS])
+        writer.writerow([published_date(p) if f == "published_at" else p[f] for f in EXPORT_FIELDS])
     return out.getvalue()
 
 
