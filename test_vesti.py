@@ -3098,14 +3098,16 @@ def test_an_undo_takes_back_who_decided_and_when(web):
     conn.execute("UPDATE posts SET story_id = 4 WHERE id IN (4, 5)")      # a story of two
     web.post("/posts/1/status", {"token": web.token(), "status": "approved"})
     web.post("/posts/4/status", {"token": web.token(), "status": "approved"})
-    web.post("/posts/status", {"token": web.token(), "ids": "2,3", "status": "rejected"})
+    web.post("/posts/status", {"token": web.token(), "ids": "2,3", "status": "rejected",
+                                     "confirmed": "1"})
     decided = conn.execute("SELECT status, decided_by FROM posts ORDER BY id").fetchall()
     assert [tuple(r) for r in decided] == [("approved", "admin"), ("rejected", "admin"),
                                            ("rejected", "admin"), ("approved", "admin"),
                                            ("approved", "admin")]
     web.post("/posts/1/status", {"token": web.token(), "status": "new"})
     web.post("/posts/4/status", {"token": web.token(), "status": "new"})
-    web.post("/posts/status", {"token": web.token(), "ids": "2,3", "status": "new"})
+    web.post("/posts/status", {"token": web.token(), "ids": "2,3", "status": "new",
+                                     "confirmed": "1"})
     undone = conn.execute("SELECT status, decided_at, decided_by FROM posts").fetchall()
     assert [tuple(r) for r in undone] == [("new", None, None)] * 5
     exported = list(csv.DictReader(io.StringIO(vesti.csv_export(vesti.decided_posts(conn, "any")))))
