@@ -550,7 +550,10 @@ def one_run(label, program, feeds, sources, tmp, served, timeout, floor, delay):
                 break
         poller.close()
         if exited is not None:
-            print(f"    `run` exited {exited} by itself after {now:.1f} s")
+            print(f"    `run` exited {exited} by itself after {now:.1f} s; the end of what it said:")
+            with open(log_path, "rb") as said:
+                for line in said.read().decode("utf-8", "replace").splitlines()[-30:]:
+                    print(f"    | {line}")
             fail(f"{label}: `run` exited {exited} before it was stopped")
         else:
             try:
