@@ -29,6 +29,7 @@ import datetime
 import email.utils
 import functools
 import hashlib
+import heapq
 import hmac
 import html
 import html.entities
@@ -1200,6 +1201,15 @@ class SQLiteDialect:
         clause, values = self.search_filter(text)
         return f"SELECT p.id FROM posts p WHERE {clause}", values
 
+    def matches_below(self, text):
+        """search_matches below an id, newest collected first: the query
+        (the id and a LIMIT to add to its parameters) and its parameters."""
+        if self.fts5:
+            return ("SELECT rowid FROM posts_fts WHERE posts_fts MATCH ? AND rowid < ? "
+                    "ORDER BY rowid DESC LIMIT ?"), [fts_query(text)]
+        clause, values = self.search_filter(text)
+        return f"SELECT p.id FROM posts p WHERE {clause} AND p.id < ? ORDER BY p.id DESC LIMIT ?", values
+
     def clear_search(self, conn):
         if self.fts5:
             conn.execute("INSERT INTO posts_fts (posts_fts) VALUES ('delete-all')")
@@ -1260,6 +1270,13 @@ class PostgresDialect(SQLiteDialect):
         if not query:
             return "SELECT post_id FROM post_words WHERE false", []
         return "SELECT post_id FROM post_words WHERE words @@ to_tsquery('simple', ?)", [query]
+
+    def matches_below(self, text):
+        query = self.tsquery(text)
+        if not query:
+            return "SELECT post_id FROM post_words WHERE false AND post_id < ? LIMIT ?", []
+        return ("SELECT post_id FROM post_words WHERE words @@ to_tsquery('simple', ?) "
+                "AND post_id < ? ORDER BY post_id DESC LIMIT ?"), [query]
 
     def clear_search(self, conn):
         conn.execute("DELETE FROM post_words")
@@ -2655,7 +2672,7 @@ def insert_new_posts(conn, source_id, direction, drafts, fetched_at=None):
             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
         """, (source_id, draft.external_id, draft.url, draft.canonical_url,
               draft.title, draft.text, draft.content_type, sha, fetched_at,
-              draft.published_at or fetched_at, int(draft.published_at is None), PENDING,
+              min(draft.published_at or fetched_at, fetched_at), int(draft.published_at is None), PENDING,
               direction, draft.article_url, draft.edited_at))
         new += 1
     if new:
@@ -5472,11 +5489,19 @@ def classify_text(text, directions, settings, title="", keywords=None, matches=N
     return {**verdict, "keywords": matched_keywords(matches)}
 
 
+# trafilatura shares parsing state between calls: two extractions at once in
+# one process now and then end it with SIGSEGV or SIGABRT (adbar/trafilatura
+# issues 840 and 925). Extraction holds the GIL nearly all along anyway, so
+# one at a time costs the workers next to nothing; the fetches stay parallel.
+EXTRACTING = threading.Lock()
+
+
 def extract_article(html_bytes, url):
     """The article's main text from its page, or None."""
     trafilatura = import_optional("trafilatura", "trafilatura", "full-text extraction")
-    return trafilatura.extract(html_bytes, url=url, include_comments=False,
-                               include_tables=False, favor_precision=True)
+    with EXTRACTING:
+        return trafilatura.extract(html_bytes, url=url, include_comments=False,
+                                   include_tables=False, favor_precision=True)
 
 
 def fetch_full_text(url, summary, settings, gate, home=""):
@@ -6943,11 +6968,12 @@ DESK_COLUMNS = """p.id, p.title, p.url, p.summary, p.direction, p.relevance, p.i
 
 def desk_posts(conn, desk, limit=PAGE_SIZE + 1):
     """One page of the desk, keyset-paged: the page after `desk.after` in the
-    chosen order, with or without a search (a post's id tells when it was
-    collected, not when it was published, so a search is ordered as the rest)."""
+    chosen order, with or without a search."""
     if desk.status == "any" and not desk.q:
         return every_decision(conn, desk, limit)
     where, params = desk_filters(desk)
+    if desk.q and desk.sort == "newest":
+        return search_newest(conn, desk, where, params, limit)
     if desk.q:
         clause, values = conn.dialect.search_filter(desk.q)
         where.append(clause)
@@ -6962,6 +6988,46 @@ def desk_posts(conn, desk, limit=PAGE_SIZE + 1):
     return conn.execute(f"""
         SELECT {DESK_COLUMNS} FROM posts p LEFT JOIN sources s ON s.id = p.source_id
         WHERE {' AND '.join(where)} ORDER BY {order} LIMIT ?""", [*params, limit]).fetchall()
+
+
+# A search under newest first walks its matches newest collected first, a
+# stretch at a time, keeping the best `limit` by date, and stops once no post
+# collected earlier can be newer than the last of them: a post is never dated
+# after it was stored (insert_new_posts), and posts are numbered as they are
+# stored, each within FETCH_ORDER_SLACK seconds of its number's order. So a
+# common word costs about a page, not every post it matches.
+FETCH_ORDER_SLACK = 600
+SEARCH_STRETCH = 64
+MAX_SEARCH_STRETCH = 500        # one `among` clause
+
+
+def search_newest(conn, desk, where, params, limit):
+    """The page of a search under newest first (see FETCH_ORDER_SLACK)."""
+    matches, values = conn.dialect.matches_below(desk.q)
+    if desk.after:
+        where, params = [*where, "(p.published_at, p.id) < (?, ?)"], [*params, *desk.after[1:]]
+    best, below, stretch = [], 2 ** 63 - 1, SEARCH_STRETCH
+    while True:
+        ids = [row[0] for row in conn.execute(matches, [*values, below, stretch])]
+        if not ids:
+            break
+        [(among, chosen)] = conn.dialect.among("p.id", ids)
+        found = conn.execute(f"""
+            SELECT {DESK_COLUMNS} FROM posts p LEFT JOIN sources s ON s.id = p.source_id
+            WHERE {' AND '.join(where)} AND {among}""", [*params, *chosen]).fetchall()
+        best = heapq.nlargest(limit, best + found, key=lambda post: (post["published_at"], post["id"]))
+        if len(ids) < stretch or (len(best) == limit and newer_than_any_below(conn, ids[-1], best[-1])):
+            break
+        below, stretch = ids[-1], min(stretch * 2, MAX_SEARCH_STRETCH)
+    return best
+
+
+def newer_than_any_below(conn, post_id, post):
+    """True when `post` is dated after every post stored before `post_id`
+    could be (see FETCH_ORDER_SLACK)."""
+    row = conn.execute("SELECT fetched_at FROM posts WHERE id = ?", (post_id,)).fetchone()
+    stored = parse_utc(row[0]) if row else None
+    return stored is not None and utc_text(stored + FETCH_ORDER_SLACK) < post["published_at"]
 
 
 def every_decision(conn, desk, limit):
