@@ -3111,19 +3111,24 @@ def test_bulk_decisions_reject_every_card_shown_once_confirmed(web):
     shown = re.search(r'name="ids" value="([^"]+)"', form)[1]
     assert sorted(int(i) for i in shown.split(",")) == ids
     assert page.index('class="actions bulk"') > page.index(f'id="post-{ids[0]}"')  # under the cards
-    # Without JavaScript the button asks first, on a page of its own.
-    status, _, asked = web.post("/posts/status", {"token": web.token(), "ids": shown,
-                                                  "status": "rejected", "back": "/"})
+    # Without JavaScript the page's button asks first, on a page of its own.
+    sent = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', form))
+    assert sent["ask"] == "1"
+    status, _, asked = web.post("/posts/status", {**sent, "status": "rejected"})
     assert status == 200 and "Reject these 5 posts?" in asked
     assert "&lt;b&gt;Bold&lt;/b&gt; news" in asked and "Post 5" in asked and "<b>Bold" not in asked
     fields = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', asked))
-    assert fields == {"token": web.token(), "ids": shown, "status": "rejected", "back": "/",
-                      "confirmed": "1"}
+    assert fields == {"token": web.token(), "ids": shown, "status": "rejected",
+                      "back": sent["back"], "confirmed": "1"}
     assert {r[0] for r in conn.execute("SELECT status FROM posts")} == {"new"}
     status, headers, _ = web.post("/posts/status", fields)
-    assert status == 303 and headers["Location"] == "/"
+    assert status == 303 and headers["Location"] == sent["back"]
     assert {r[0] for r in conn.execute("SELECT status FROM posts")} == {"rejected"}
     assert card_ids(web.get("/")[2]) == []
+    # A script's post (not the page's form) decides at once, as it always did.
+    status, _, _ = web.post("/posts/status", {"token": web.token(), "ids": "3,4", "status": "new"})
+    assert status == 303 and [r[0] for r in conn.execute(
+        "SELECT status FROM posts ORDER BY id")] == ["rejected"] * 2 + ["new"] * 2 + ["rejected"]
     status, _, body = web.post("/posts/status", {"token": web.token(), "ids": "1,2,999",
                                                  "status": "new"},
                                headers={"Accept": "application/json"})
@@ -3140,16 +3145,14 @@ def test_an_undo_takes_back_who_decided_and_when(web):
     conn.execute("UPDATE posts SET story_id = 4 WHERE id IN (4, 5)")      # a story of two
     web.post("/posts/1/status", {"token": web.token(), "status": "approved"})
     web.post("/posts/4/status", {"token": web.token(), "status": "approved"})
-    web.post("/posts/status", {"token": web.token(), "ids": "2,3", "status": "rejected",
-                                     "confirmed": "1"})
+    web.post("/posts/status", {"token": web.token(), "ids": "2,3", "status": "rejected"})
     decided = conn.execute("SELECT status, decided_by FROM posts ORDER BY id").fetchall()
     assert [tuple(r) for r in decided] == [("approved", "admin"), ("rejected", "admin"),
                                            ("rejected", "admin"), ("approved", "admin"),
                                            ("approved", "admin")]
     web.post("/posts/1/status", {"token": web.token(), "status": "new"})
     web.post("/posts/4/status", {"token": web.token(), "status": "new"})
-    web.post("/posts/status", {"token": web.token(), "ids": "2,3", "status": "new",
-                                     "confirmed": "1"})
+    web.post("/posts/status", {"token": web.token(), "ids": "2,3", "status": "new"})
     undone = conn.execute("SELECT status, decided_at, decided_by FROM posts").fetchall()
     assert [tuple(r) for r in undone] == [("new", None, None)] * 5
     exported = list(csv.DictReader(io.StringIO(vesti.csv_export(vesti.decided_posts(conn, "any")))))

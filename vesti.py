@@ -7276,7 +7276,7 @@ def bulk_form(page, posts, back):
     ids, n = ",".join(str(p["id"]) for p in posts), len(posts)
     return (f'<form class="actions bulk" method="post" action="{esc(page.link("/posts/status"))}">'
             f'{form_fields(page.token, back)}<input type="hidden" name="ids" value="{ids}">'
-            f'<span class="ask"><button name="status" value="rejected">'
+            f'<input type="hidden" name="ask" value="1"><span class="ask"><button name="status" value="rejected">'
             f'{page.t("reject_shown", n=n)}</button></span>'
             f'<span class="confirm" hidden>{page.t("bulk_ask.rejected", n=n)} '
             f'<button type="button" class="yes primary">{page.t("yes")}</button> '
@@ -7876,7 +7876,8 @@ class WebApp:
         if not ids or len(ids) > MAX_BULK:
             abort(400, f"ids must name 1 to {MAX_BULK} posts")
         wants_json = "application/json" in request.headers.get("Accept", "")
-        if not wants_json and (form.get("confirmed") or [""])[-1] != "1":
+        # The page's own form asks first; a script's post decides at once.
+        if not wants_json and form.get("ask") and (form.get("confirmed") or [""])[-1] != "1":
             return self.confirm_many(request, query, form, ids, status)
         changed = set_decisions(self.db.conn(), ids, status, self.user)
         if wants_json:
