@@ -2603,18 +2603,43 @@ def test_the_generated_password_stays_the_same_across_restarts(home):
     assert kept.startswith("scrypt:") and password not in kept
 
 
+def test_no_password_is_made_when_the_page_cannot_start(home):
+    write_sources(home / "sources.yaml", [])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = {k: v for k, v in os.environ.items() if k != "VESTI_WEB_PASSWORD"}
+        result = subprocess.run([sys.executable, str(ROOT / "vesti.py"), "serve", "--port",
+                                 str(taken.getsockname()[1])], cwd=home, env=env,
+                                capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "cannot listen" in result.stderr
+    kept = sqlite3.connect(home / "vesti.db").execute(
+        "SELECT value FROM meta WHERE key = 'web_password'").fetchone()
+    assert kept is None         # the next start makes one, and prints it
+
+
 def test_wrong_passwords_from_one_address_are_refused_for_a_while(web, caplog):
     wrong = {"Authorization": "Basic " + base64.b64encode(b"admin:guess").decode()}
     assert web.get("/", auth=False)[0] == 401             # a browser's first ask counts for nothing
     assert [web.get("/", auth=False, headers=wrong)[0] for _ in range(5)] == [401] * 5
-    status, headers, body = web.get("/")                  # even the right password waits now
+    status, headers, body = web.get("/", auth=False, headers=wrong)
     assert status == 429 and 0 < int(headers["Retry-After"]) <= 900
-    assert "Too many wrong passwords" in body and "s3cret" not in body
+    assert "Too many wrong passwords" in body and "guess" not in body
+    assert web.get("/")[0] == 200                         # the right one still gets in
     assert web.get("/healthz", auth=False)[0] == 200
     warnings = [r.getMessage() for r in caplog.records if "wrong passwords" in r.getMessage()]
     assert len(warnings) == 1 and "guess" not in warnings[0]
     web.app.wrong.clock = lambda: time.monotonic() + 901  # a quarter of an hour later
-    assert web.get("/")[0] == 200
+    assert web.get("/", auth=False, headers=wrong)[0] == 401
+
+
+def test_tries_under_way_count_toward_the_limit_and_an_ipv6_client_is_its_64():
+    wrong = vesti.WrongPasswords()
+    assert [wrong.begin("2001:db8::1") for _ in range(5)] == [0] * 5     # five checks at once
+    assert wrong.begin("2001:db8::ffff") > 0                              # the same /64
+    assert wrong.begin("2001:db8:0:1::1") == 0 and wrong.begin("192.0.2.1") == 0
+    assert [wrong.end("2001:db8::1", failed=True) for _ in range(5)] == [False] * 4 + [True]
+    assert wrong.begin("2001:db8::1") > 60
 
 
 def test_unknown_paths_are_404_and_wrong_methods_405(web):

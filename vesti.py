@@ -7660,23 +7660,42 @@ LOGIN_ADDRESSES = 10_000
 
 
 class WrongPasswords:
-    """Wrong passwords per client address, to slow down guessing."""
+    """Wrong passwords per client address (an IPv6 client's whole /64), to
+    slow down guessing. A check under way counts as a try until it is over,
+    so many tries at once cannot slip past the limit."""
 
     def __init__(self, clock=time.monotonic):
         self.clock, self.lock = clock, threading.Lock()
         self.failures = collections.OrderedDict()      # address: deque of times
+        self.trying = collections.Counter()
 
-    def wait(self, address):
-        """Seconds the address must wait before it may try again (0: now)."""
+    @staticmethod
+    def key(address):
+        with contextlib.suppress(ValueError):
+            if ipaddress.ip_address(address).version == 6:
+                return str(ipaddress.ip_network(f"{address}/64", strict=False))
+        return address
+
+    def begin(self, address):
+        """Seconds the address must wait before it may try (0: its try is
+        under way now; end() says how it went)."""
+        address = self.key(address)
         with self.lock:
             times = self.recent(address)
-            if len(times) < LOGIN_FAILURES:
+            if len(times) + self.trying[address] < LOGIN_FAILURES:
+                self.trying[address] += 1
                 return 0
-            return max(1, math.ceil(times[0] + LOGIN_WINDOW - self.clock()))
+            return max(1, math.ceil(times[0] + LOGIN_WINDOW - self.clock())) if times else 1
 
-    def failed(self, address):
-        """Count a wrong password; True when it is the one that reaches the limit."""
+    def end(self, address, failed):
+        """The try is over; True when it is the wrong password that reaches the limit."""
+        address = self.key(address)
         with self.lock:
+            self.trying[address] -= 1
+            if not self.trying[address]:
+                del self.trying[address]
+            if not failed:
+                return False
             times = self.recent(address)
             times.append(self.clock())
             self.failures[address] = times
@@ -7694,6 +7713,19 @@ class WrongPasswords:
 
 # The web application ---------------------------------------------------------
 
+def basic_credentials(header):
+    """(user, password) of a Basic Authorization header, or None."""
+    scheme, _, encoded = (header or "").partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        user, _, password = base64.b64decode(encoded.strip(), validate=True) \
+            .decode("utf-8").partition(":")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return user, password
+
+
 def abort(status, text, headers=None):
     """Reply at once with `status` and a one-line text (bottle's abort)."""
     raise EarlyReply(status, text, headers)
@@ -7709,6 +7741,9 @@ class WebApp:
         self.kept = None if self.password else get_meta(db.conn(), "web_password")[0]
         self.matched = set()        # the sha256 of the kept password, once it was given
         self.wrong = WrongPasswords()
+        # One scrypt check at a time: guesses from many addresses at once cost
+        # one core and 16 MB, not one of each per thread.
+        self.hashing = threading.Lock()
         self._sources = (-math.inf, "")
         # Kept in the database: pages left open across a restart still post.
         self.secret = lasting_secret(db.conn(), "web_secret").encode()
@@ -7736,45 +7771,68 @@ class WebApp:
     def token(self):
         return hmac.new(self.secret, self.user.encode(), hashlib.sha256).hexdigest()
 
-    def authorized(self, header):
-        """Basic auth, compared in constant time."""
-        scheme, _, encoded = (header or "").partition(" ")
-        try:
-            user, _, password = base64.b64decode(encoded.strip(), validate=True) \
-                .decode("utf-8").partition(":")
-        except (ValueError, UnicodeDecodeError):
+    def authorized(self, header, slow=True):
+        """Basic auth, compared in constant time. Without `slow`, a password
+        that would need a scrypt check is taken as wrong (see check_login)."""
+        credentials = basic_credentials(header)
+        if credentials is None:
             return False
+        user, password = credentials
         # Both compared every time (&, not and), so timing tells nothing.
-        return scheme.lower() == "basic" and \
-            hmac.compare_digest(user.encode(), self.user.encode()) & self.right_password(password)
+        return hmac.compare_digest(user.encode(), self.user.encode()) & \
+            self.right_password(password, slow)
 
-    def right_password(self, password):
+    def make_password(self):
+        """With no VESTI_WEB_PASSWORD, the kept password, made now if there
+        is none yet (see generated_web_password): returned when just made."""
+        if self.password is not None:
+            return None
+        made = generated_web_password(self.db.conn())
+        self.kept = get_meta(self.db.conn(), "web_password")[0]
+        return made
+
+    def right_password(self, password, slow=True):
         if self.password is not None:
             return hmac.compare_digest(password.encode(), self.password.encode())
         seen = hashlib.sha256(password.encode()).digest()
         if seen in self.matched:
             return True
-        if self.kept is None or not password_matches(password, self.kept):
+        if not slow or self.kept is None:
             return False
+        with self.hashing:
+            if not password_matches(password, self.kept):
+                return False
         self.matched.add(seen)
         return True
 
     def check_login(self, request):
-        """Basic auth on every path but /healthz; an address that gave
-        LOGIN_FAILURES wrong passwords lately waits (429) before it may try
-        again. A request with no credentials (a browser's first) is no
-        wrong password."""
+        """Basic auth on every path but /healthz. Credentials told right
+        without scrypt (VESTI_WEB_PASSWORD, or the kept password once it was
+        given) always pass; otherwise an address that gave LOGIN_FAILURES
+        wrong passwords lately waits (429) before it may try again. A request
+        with no credentials (a browser's first) is no wrong password."""
+        header = request.headers.get("Authorization")
+        if header is None:
+            self.ask_for_login()
+        if self.authorized(header, slow=False):
+            return
         address = request.client_address[0]
-        wait = self.wrong.wait(address)
+        wait = self.wrong.begin(address)
         if wait:
             abort(429, f"Too many wrong passwords from {address}; try again in "
                        f"{math.ceil(wait / 60)} min", {"Retry-After": str(wait)})
-        header = request.headers.get("Authorization")
-        if self.authorized(header):
-            return
-        if header and self.wrong.failed(address):
-            log.warning("web: %d wrong passwords from %s in %d minutes; its tries are refused "
-                        "for a while", LOGIN_FAILURES, address, LOGIN_WINDOW // 60)
+        right = False
+        try:
+            right = self.password is None and self.authorized(header)
+        finally:
+            if self.wrong.end(address, failed=not right):
+                log.warning("web: %d wrong passwords from %s in %d minutes; its tries are "
+                            "refused for a while", LOGIN_FAILURES, address, LOGIN_WINDOW // 60)
+        if not right:
+            self.ask_for_login()
+
+    @staticmethod
+    def ask_for_login():
         abort(401, "Authentication required",
               {"WWW-Authenticate": 'Basic realm="VESTI", charset="UTF-8"'})
 
@@ -8385,10 +8443,11 @@ def cmd_crawl(args, settings):
 
 
 def start_web(db, settings, registry, host=None, port=None):
-    generated = None if settings.web_password else generated_web_password(db.conn())
-    server = make_web_server(WebApp(db, settings, registry, settings.web_password),
-                             host or settings.web_host,
+    app = WebApp(db, settings, registry, settings.web_password)
+    server = make_web_server(app, host or settings.web_host,
                              settings.web_port if port is None else port)
+    # Made once the page can be served: a port in use makes no password unseen.
+    generated = app.make_password()
     threading.Thread(target=server.serve_forever, name="web", daemon=True).start()
     announce_web(server, settings, generated)
     return server
