@@ -413,6 +413,23 @@ def test_an_older_database_gains_the_missing_columns_and_keeps_its_rows(tmp_path
     assert vesti.queue_sizes(conn)["pending"] == 1
 
 
+def test_an_older_database_dates_no_post_after_its_fetch(tmp_path):
+    """Posts are now stored dated no later than their fetch (a search under
+    newest first counts on it); an older database's are dated so too."""
+    path = tmp_path / "old.db"
+    old = sqlite3.connect(path)
+    old.execute("CREATE TABLE posts (id INTEGER PRIMARY KEY, source_id INTEGER, text TEXT, "
+                "classified INTEGER, fetched_at TEXT, published_at TEXT)")
+    old.executemany("INSERT INTO posts (source_id, text, classified, fetched_at, published_at) "
+                    "VALUES (1, ?, 1, '2026-12-01 10:00:00', ?)",
+                    [("ahead", "2026-12-01 13:00:00"), ("behind", "2026-12-01 09:00:00")])
+    old.commit()
+    old.close()
+    conn = vesti.Database(str(path)).conn()
+    assert [tuple(r) for r in conn.execute("SELECT text, published_at FROM posts ORDER BY id")] \
+        == [("ahead", "2026-12-01 10:00:00"), ("behind", "2026-12-01 09:00:00")]
+
+
 def test_tests_may_insert_rows_naming_only_the_contract_columns(tmp_path):
     conn = vesti.Database(str(tmp_path / "v.db")).conn()
     conn.execute("INSERT INTO sources (slug, name, crawler, url, direction, priority, enabled, "
@@ -3042,6 +3059,8 @@ def test_a_search_of_a_common_word_reads_about_a_page_and_misses_nothing(web, mo
     page = vesti.desk_posts(counting, vesti.DeskQuery(q="kernel"))
     assert [p["id"] for p in page] == card_ids(web.get("/")[2]) + [page[-1]["id"]]
     assert counting.matches_read < 200                   # of the 600 matches
+    monkeypatch.setattr(vesti, "SEARCH_WALK", 100)       # deeper pages sort every match
+    assert walk_desk(web, "/?q=kernel") == walk_desk(web, "/")
 
 
 class CountingConnection:
