@@ -8388,26 +8388,27 @@ def cmd_init(args, settings):
     return 0
 
 
-# The exit code of a command cut short by SIGINT or SIGTERM, as shells expect
-# of a program stopped by Ctrl-C.
-INTERRUPTED = 130
+# A command cut short by a signal exits with 128 + its number, as shells
+# say of a program a signal ended: 130 for Ctrl-C (SIGINT), 143 for SIGTERM.
+INTERRUPTED = 128 + signal.SIGINT
 
 
 def crawl_command(db, settings, crawl):
     """Run crawl(stop) for a command: SIGTERM/SIGINT stop it starting more
     sources; fetches in flight get VESTI_STOP_GRACE seconds, then their runs
-    are closed as interrupted. Exit code INTERRUPTED after a stop."""
+    are closed as interrupted. Exit code 128 + the signal after a stop."""
     stop = threading.Event()
-    with stop_on_signals(stop):
+    with stop_on_signals(stop) as caught:
         finished, _ = run_until_stopped(lambda: crawl(stop), stop, settings.stop_grace)
     if not stop.is_set():
         return 0
+    code = 128 + caught[0] if caught else INTERRUPTED
     if finished:
         print("vesti: interrupted", file=sys.stderr)
-        return INTERRUPTED
+        return code
     count = interrupt_runs(db.conn())
     print(f"vesti: interrupted; {count} unfinished runs recorded as interrupted", file=sys.stderr)
-    leave_now(INTERRUPTED)
+    leave_now(code)
 
 
 def cmd_rss(args, settings):
@@ -8420,13 +8421,17 @@ def cmd_rss(args, settings):
 
 @contextlib.contextmanager
 def stop_on_signals(stop):
-    """SIGTERM and SIGINT set `stop` instead of killing the process."""
-    def handler(*_):
+    """SIGTERM and SIGINT set `stop` instead of killing the process; yields
+    the list of the signals caught."""
+    caught = []
+
+    def handler(signum, _):
+        caught.append(signum)
         stop.set()
         STOPPING.set()
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        yield
+        yield caught
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
