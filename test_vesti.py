@@ -3169,6 +3169,8 @@ def test_bulk_decisions_reject_every_card_shown_once_confirmed(web):
     assert status == 303 and headers["Location"] == sent["back"]
     assert {r[0] for r in conn.execute("SELECT status FROM posts")} == {"rejected"}
     assert card_ids(web.get("/")[2]) == []
+    decided = web.get("/?status=rejected")[2]        # only posts still to decide go at once
+    assert len(card_ids(decided)) == 5 and 'class="actions bulk"' not in decided
     # A script's post (not the page's form) decides at once, as it always did.
     status, _, _ = web.post("/posts/status", {"token": web.token(), "ids": "3,4", "status": "new"})
     assert status == 303 and [r[0] for r in conn.execute(

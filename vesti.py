@@ -1169,6 +1169,9 @@ class SQLiteDialect:
     # statement, under SQLite's one write lock).
     claimable = (f"SELECT id FROM posts INDEXED BY posts_pending WHERE {{pending}} "
                  f"AND (next_attempt_at IS NULL OR next_attempt_at <= ?) ORDER BY id LIMIT ?")
+    claim_window = ("SELECT id, content_type, coalesce(article_url, url) AS link "
+                    "FROM posts INDEXED BY posts_pending WHERE {pending} "
+                    "AND (next_attempt_at IS NULL OR next_attempt_at <= ?) ORDER BY id LIMIT ?")
     refresh_statistics = "PRAGMA optimize"
     shared_writes = False       # one writer at a time
     # Posts looked up by their ids: the filters beside the ids must not lead
@@ -1236,6 +1239,9 @@ class PostgresDialect(SQLiteDialect):
     claimable = (f"SELECT id FROM posts WHERE {{pending}} "
                  f"AND (next_attempt_at IS NULL OR next_attempt_at <= ?) "
                  f"ORDER BY id, classified LIMIT ? FOR UPDATE SKIP LOCKED")
+    claim_window = ("SELECT id, content_type, coalesce(article_url, url) AS link FROM posts "
+                    "WHERE {pending} AND (next_attempt_at IS NULL OR next_attempt_at <= ?) "
+                    "ORDER BY id, classified LIMIT ? FOR UPDATE SKIP LOCKED")
     refresh_statistics = "ANALYZE"
     shared_writes = True        # the workers' batches write at the same time
     posts_by_id = "posts p"
@@ -2346,33 +2352,40 @@ CLAIMED = """id, source_id, url, article_url, title, text, content_type, attempt
              (SELECT url FROM sources WHERE sources.id = posts.source_id) AS source_url"""
 
 
-def claim_posts(conn, limit, now=None, token=None, avoid=()):
+def claim_posts(conn, limit, now=None, token=None, choose=None):
     """Take up to `limit` of the oldest claimable posts, each with a claim
-    token of its own (the claim's token and the post's id). `avoid` is a
-    list of sets of hosts, the longest first: summary-only posts whose
-    article is on a host of the first set are passed over while other
-    posts can be had, then those of the next set; so articles of different
-    hosts are fetched side by side instead of one host's in a row."""
+    token of its own (the claim's token and the post's id). `choose`, when
+    given, picks the ids to take from a window of the oldest claimable
+    posts, CLAIM_LOOKAHEAD more than `limit`: [(id, content_type, the link
+    of its article)] (see pass_over_busy_hosts)."""
     now_text, token = utc_text(now), token or claim_token()
-    hosts, *fewer = avoid or [()]
-    passed_over, patterns = article_hosts_clause(hosts)
-    posts = conn.execute(f"""
+    if choose is not None:
+        window = conn.execute(conn.dialect.claim_window.format(pending=IS_PENDING),
+                              (now_text, limit + CLAIM_LOOKAHEAD)).fetchall()
+        return claim_ids(conn, choose(window)[:limit], now_text, token)
+    return conn.execute(f"""
         UPDATE posts SET classified = {PROCESSING}, claimed_at = ?,
                          claim_token = ? || '-' || id, attempts = attempts + 1
-        WHERE id IN ({conn.dialect.claimable.format(pending=IS_PENDING + passed_over)})
+        WHERE id IN ({conn.dialect.claimable.format(pending=IS_PENDING)})
         RETURNING {CLAIMED}
-    """, (now_text, token, *patterns, now_text, limit)).fetchall()
-    return posts if posts or not hosts else claim_posts(conn, limit, now, token, fewer)
+    """, (now_text, token, now_text, limit)).fetchall()
 
 
-def article_hosts_clause(hosts):
-    """The SQL (to AND with) and parameters that leave out summary-only
-    posts whose article link is on one of `hosts`."""
-    if not hosts:
-        return "", []
-    patterns = [f"%://{like_escaped(host)}{end}%" for host in sorted(hosts) for end in "/:"]
-    links = " OR ".join(["coalesce(article_url, url, '') LIKE ? ESCAPE '\\'"] * len(patterns))
-    return f" AND NOT (coalesce(content_type, '') = 'summary' AND ({links}))", patterns
+# A claim that chooses its posts sees this many more of the oldest claimable ones.
+CLAIM_LOOKAHEAD = 256
+
+
+def claim_ids(conn, ids, now_text, token):
+    """claim_posts for these posts, those still pending; by id."""
+    posts = []
+    for among, values in conn.dialect.among("id", ids):
+        posts += conn.execute(f"""
+            UPDATE posts SET classified = {PROCESSING}, claimed_at = ?,
+                             claim_token = ? || '-' || id, attempts = attempts + 1
+            WHERE {among} AND {IS_PENDING}
+            RETURNING {CLAIMED}
+        """, (now_text, token, *values)).fetchall()
+    return sorted(posts, key=lambda post: post["id"])
 
 
 def claimed_under(conn, token):
@@ -2474,12 +2487,12 @@ TURNS_BEGUN = set()
 
 
 @redoable
-def complete_and_claim(conn, completions, claims, now=None, token=None, avoid=()):
+def complete_and_claim(conn, completions, claims, now=None, token=None, choose=None):
     """In one transaction: complete_posts for the (claimed post, verdict),
     quick posts entered in their stories (settle_stories; where writers work
     side by side, in a short transaction before), LLM calls and stories
-    counted; then claim_posts for `claims` posts (articles on the hosts
-    to `avoid` last, see claim_posts). Returns (whether each verdict was written, the posts
+    counted; then claim_posts for `claims` posts (those `choose` picks,
+    see claim_posts). Returns (whether each verdict was written, the posts
     claimed).
 
     Workers write at the same time where the database lets them (a shared
@@ -2511,7 +2524,7 @@ def complete_and_claim(conn, completions, claims, now=None, token=None, avoid=()
                                                    + bool(verdict.get("llm_saved")))
         posts = claimed_under(conn, token) if claims and redone else []
         if claims > len(posts):
-            posts += claim_posts(conn, claims - len(posts), now, token, avoid)
+            posts += claim_posts(conn, claims - len(posts), now, token, choose)
         if counts:
             upsert_counts(conn, counts)
         count_completions(conn, written)
@@ -5966,10 +5979,12 @@ class WorkerPool:
         if step is not None:
             step(*args)
 
-    def busy_hosts(self):
-        """The article hosts a claim passes over while it can (see claim_posts)."""
+    def choose_claims(self):
+        """How a claim chooses its posts now (see pass_over_busy_hosts), or
+        None to take the oldest: no article host is busy."""
         busy = getattr(self.classify, "busy_hosts", None)
-        return busy() if busy else ()
+        tiers = busy() if busy else ()
+        return functools.partial(pass_over_busy_hosts, tiers) if any(tiers) else None
 
     def holds(self, post):
         """True when the post's slow work keeps the worker waiting (with a
@@ -6012,7 +6027,7 @@ class WorkerPool:
             self.claiming += 1
         try:
             written, posts = complete_and_claim(conn, finished, wanted, token=claim_token(),
-                                                avoid=self.busy_hosts() if wanted else ())
+                                                choose=self.choose_claims() if wanted else None)
         finally:
             with self.lock:
                 self.claiming -= 1
@@ -6046,9 +6061,9 @@ class WorkerPool:
         """Copies this pool put back to wait for their story's verdict are
         claimable as soon as it is there, not STORY_WAIT seconds later;
         looked at every STORY_POLL seconds while some wait."""
+        if not self.copies_waiting() or time.monotonic() < self.next_wake:
+            return
         with self.lock:
-            if not self.story_waits or time.monotonic() < self.next_wake:
-                return
             self.next_wake = time.monotonic() + STORY_POLL
             waiting = list(self.story_waits)
         woken = wake_story_copies(conn, waiting)
@@ -6058,8 +6073,9 @@ class WorkerPool:
 
     def copies_waiting(self):
         """True while a copy this pool put back still waits for its story
-        (at most as long as one LLM call may take): a one-off run finishes
-        them before it exits."""
+        (at most as long as one LLM call may take; one that another process
+        took meanwhile is forgotten then): a one-off run finishes them
+        before it exits."""
         now = time.monotonic()
         with self.lock:
             self.story_waits = {post_id: until for post_id, until in self.story_waits.items()
@@ -6351,6 +6367,19 @@ class Worker:
     def put_down(self):
         finished, self.finished = self.finished, []
         self.pool.put_down(self.conn, finished, self.in_hand)
+
+
+def pass_over_busy_hosts(tiers, window):
+    """The ids of a window of claimable posts (see claim_posts) to claim:
+    teasers whose article host is in the first of `tiers` (sets of hosts)
+    are passed over while other posts can be had, then those of the next;
+    so the workers fetch several hosts' articles side by side."""
+    for hosts in tiers:
+        chosen = [post_id for post_id, kind, link in window
+                  if kind != "summary" or host_of(link or "") not in hosts]
+        if chosen:
+            return chosen
+    return [post_id for post_id, _, _ in window]
 
 
 def warn_short_lease(settings):
@@ -7298,8 +7327,9 @@ def card_html(post, page, back, copies=()):
 
 
 def bulk_form(page, posts, back):
-    """"Reject all shown", under the cards. The script asks in place, then
-    offers an undo; without it the server asks on a page of its own."""
+    """"Reject all shown", under the cards of posts still to decide. The
+    script asks in place, then offers an undo (back to new, as they were);
+    without it the server asks on a page of its own."""
     if not posts:
         return ""
     ids, n = ",".join(str(p["id"]) for p in posts), len(posts)
@@ -7481,7 +7511,8 @@ def desk_page(conn, desk, page, directions, settings, sources=None):
     sources = source_options(conn) if sources is None else sources
     filters = filters_html(page, desk, directions, counts, sources, settings.min_relevance)
     body = (f"{banners(conn, settings, page)}{filters}{hidden}{waiting_note(conn, page, settings)}"
-            f"{cards}{bulk_form(page, posts, here)}<nav class=pages>{pager}</nav>"
+            f"{cards}{bulk_form(page, posts, here) if desk.status == 'new' else ''}"
+            f"<nav class=pages>{pager}</nav>"
             f"{keys_overlay(page)}"
             f'<script type="application/json" id="words">{script_words(page.lang)}</script>'
             f"<script>{DESK_SCRIPT}</script>")
