@@ -3219,6 +3219,12 @@ def test_a_page_left_open_across_a_restart_still_decides(web, home):
     finally:
         restarted.close()
     assert conn.execute("SELECT status FROM posts").fetchone()[0] == "approved"
+    changed = Web(home, password="n3w")     # restarted with another password: old forms refused
+    try:
+        status, _, _ = changed.post(f"/posts/{post}/status", {"token": token_before, "status": "new"})
+        assert status == 403 and changed.token() != token_before
+    finally:
+        changed.close()
 
 
 @both

@@ -7829,7 +7829,11 @@ class WebApp:
         self._sources = (-math.inf, "")
 
     def token(self):
-        return hmac.new(self.secret, self.user.encode(), hashlib.sha256).hexdigest()
+        """The forms' token: the same across restarts (a page left open
+        overnight still posts), another once the password changes."""
+        password = self.password if self.password is not None else self.kept or ""
+        signed = f"{self.user}\0{hashlib.sha256(password.encode()).hexdigest()}"
+        return hmac.new(self.secret, signed.encode(), hashlib.sha256).hexdigest()
 
     def authorized(self, header, slow=True):
         """Basic auth, compared in constant time. Without `slow`, a password
