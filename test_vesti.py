@@ -474,6 +474,27 @@ def test_a_summary_that_several_entries_of_a_feed_share_does_not_merge_them(home
 
 
 @both
+def test_an_entry_holding_a_nul_byte_is_stored_and_its_feed_stays_alive(home, server):
+    """PostgreSQL's text cannot hold U+0000: the byte is left out there, and
+    the feed's other entries, its state and its health are stored as ever."""
+    server.feed("/feed", rss([{"guid": "g1", "link": f"{server.url}/p/1", "title": "Kernel\x00 news",
+                               "text": "The kernel\x00 is out today. " + "More words. " * 6},
+                              {"guid": "g2", "link": f"{server.url}/p/2", "title": "Plain"}]),
+                etag=None, modified=None)
+    s, db = intake(home, [rss_source("nul", server.url + "/feed")], RSS_DEAD_AFTER="2")
+    assert crawl(s, db).new_posts == 2
+    assert crawl(s, db).new_posts == 0                    # fetched again, known: nothing new
+    posts = posts_of(db, "nul")
+    assert sorted(p["title"].replace("\x00", "") for p in posts) == ["Kernel news", "Plain"]
+    kernel = next(p for p in posts if p["title"].startswith("Kernel"))
+    assert kernel["text"].replace("\x00", "").startswith("The kernel is out today.")
+    if BACKEND["db"]:
+        assert "\x00" not in kernel["title"] + kernel["text"]
+    assert (source_row(db, "nul")["status"], source_row(db, "nul")["error_count"]) == ("alive", 0)
+    assert [r["status"] for r in runs_of(db, "nul")] == ["ok", "ok"]
+
+
+@both
 def test_entries_without_a_link_are_told_apart_by_their_id(home, server):
     def item(guid, title):
         return {"guid": guid, "link": "", "title": title,
@@ -2877,6 +2898,20 @@ def test_filters_show_counts_under_the_other_filters(web):
     assert facet(page, "directions", "no direction") == 1 and facet(page, "directions", "Linux") == 0
     conn.execute("UPDATE posts SET status = 'rejected' WHERE id = 6")
     assert facet(web.get("/?direction=space")[2], "statuses", "rejected") == 1
+
+
+@both
+def test_a_nul_byte_in_the_desk_query_is_a_page_not_a_server_error(web):
+    """A query PostgreSQL's text cannot hold is looked for without its NUL."""
+    desk_post(web.db.conn(), lwn(web), 1, title="Kernel news")
+    for query in ("source=lw%00n", "after=5~2026-11-30%00~3", "q=ker%00nel", "q=%00",
+                  "direction=li%00nux", "status=new%00", "min=3%00", "sort=%00", "story=1%00",
+                  "decided=%001", "lang=r%00u", "source=lwn&q=Kernel%00"):
+        status, _, page = web.get(f"/?{query}")
+        assert status in (200, 400) and "Traceback" not in page, (query, status, page[-500:])
+    assert card_ids(web.get("/?source=lwn&q=Kernel%00")[2]) == [1]
+    for path in ("/crawlers?lang=%00", "/approved.atom?direction=%00", "/approved.json?x=%00"):
+        assert web.get(path)[0] == 200, path
 
 
 def searched(conn, word):

@@ -1378,8 +1378,11 @@ def postgres_rows(cursor):
 
 @functools.lru_cache(maxsize=None)
 def postgres_adapters(psycopg):
-    """numeric (what sum() of integers gives) read as int or float, and a
-    bool written as 0 or 1, as SQLite stores them."""
+    """numeric (what sum() of integers gives) read as int or float, a bool
+    written as 0 or 1, as SQLite stores them, and text written without
+    U+0000, which PostgreSQL's text cannot hold: one NUL in a feed's entry
+    or a page's query would otherwise fail the whole statement (a feed on
+    every crawl until it is dead, the page with a 500)."""
     class Number(psycopg.adapt.Loader):
         def load(self, data):
             text = bytes(data).decode()
@@ -1390,7 +1393,11 @@ def postgres_adapters(psycopg):
 
         def dump(self, value):
             return b"1" if value else b"0"
-    return Number, Flag
+
+    class Text(psycopg.types.string.StrDumperUnknown):
+        def dump(self, value):
+            return super().dump(value.replace("\x00", ""))
+    return Number, Flag, Text
 
 
 # SQLSTATE classes of a server or disk in trouble, not of a statement:
@@ -1468,9 +1475,10 @@ class PostgresConnection:
     def connect(self):
         raw = self.psycopg.connect(self.url, autocommit=True, connect_timeout=10,
                                    row_factory=postgres_rows)
-        number, flag = postgres_adapters(self.psycopg)
+        number, flag, text = postgres_adapters(self.psycopg)
         raw.adapters.register_loader("numeric", number)
         raw.adapters.register_dumper(bool, flag)
+        raw.adapters.register_dumper(str, text)
         # A statement waits at most the busy timeout for a row or the write
         # lock another session holds, as SQLite waits for its lock. A commit
         # does not wait for the disk, as SQLite's synchronous=NORMAL does not
