@@ -5403,6 +5403,51 @@ def test_copy_db_moves_everything_to_postgresql_and_back_and_twice_changes_nothi
 
 
 @postgres_only
+@pytest.mark.parametrize("to_postgresql", [True, False], ids=["to-postgresql", "to-sqlite"])
+def test_an_interrupted_copy_db_is_completed_by_running_it_again(home, backend, monkeypatch,
+                                                                 to_postgresql):
+    file_db = str(home / "vesti.db")
+    source_db, target_db = (file_db, backend) if to_postgresql else (backend, file_db)
+    write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss",
+                                                     direction="linux")])
+    _, db = vesti.open_intake(make_settings(home).replace(db=source_db))
+    conn = db.conn()
+    for k in range(1, 11):
+        desk_post(conn, 1, k, title=f"Wombat {k}", relevance=k % 10)
+    vesti.set_decision(conn, 3, "approved", "editor")
+    conn.executemany("INSERT INTO runs (source_id, task, status) VALUES (1, 'rss', ?)",
+                     [("ok",), ("error",), ("ok",)])
+    conn.executemany("INSERT INTO story_keys (key, post_id) VALUES (?, ?)",
+                     [(k * 7, k) for k in range(1, 11)])
+    target = vesti.Database(target_db).conn()
+    monkeypatch.setattr(vesti, "COPY_CHUNK", 4)
+    step = vesti.Progress.step
+    for killed_after in ("posts 4", "posts 10"):          # amid the posts; before the runs
+        def kill(progress, note="", count=1, killed_after=killed_after):
+            step(progress, note, count)
+            if note == killed_after:
+                raise KeyboardInterrupt
+        monkeypatch.setattr(vesti.Progress, "step", kill)
+        with pytest.raises(KeyboardInterrupt):
+            vesti.copy_database(conn, target, quiet=True)
+    monkeypatch.setattr(vesti.Progress, "step", step)
+    counts = vesti.copy_database(conn, target, quiet=True)
+    assert (counts["posts"], counts["runs"], counts["story_keys"]) == (10, 3, 10)
+
+    def rows(c, sql):
+        return [tuple(r) for r in c.execute(sql)]
+    for sql in ("SELECT id, title, status, relevance, published_at FROM posts ORDER BY id",
+                "SELECT id, slug, url FROM sources ORDER BY id",
+                "SELECT id, source_id, status FROM runs ORDER BY id",
+                "SELECT key, post_id FROM story_keys ORDER BY key"):
+        assert rows(target, sql) == rows(conn, sql), sql
+    assert counts_match_posts(target) and \
+        rows(target, "SELECT sum(n) FROM post_counts") == [(10,)]
+    found = vesti.desk_posts(target, vesti.DeskQuery(q="wombat", status="any", min=0))
+    assert [post["id"] for post in found] == list(range(10, 0, -1))
+
+
+@postgres_only
 def test_two_worker_processes_share_the_queue_and_survive_a_kill_9(home, backend):
     fake, workers = FakeOllama(latency=0.1), []
     try:

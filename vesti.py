@@ -3300,24 +3300,32 @@ def copy_table(source, target, table, key, progress):
         progress.step(f"{table} {copied:,}", count=len(rows))
 
 
+def empty_copied_tables(target):
+    """A new database (perhaps synced from sources.yaml by `init`, with ids
+    of its own) emptied, so the copy's ids and slugs cannot clash."""
+    for table, _ in reversed(COPIED_TABLES):
+        target.execute(f"DELETE FROM {table}" + (" WHERE " + " AND ".join(
+            "key NOT LIKE ?" for _ in OWN_META) if table == "meta" else ""),
+            OWN_META if table == "meta" else ())
+
+
 def copy_database(source, target, quiet=False):
     """copy-db: every copied table from `source` into `target` (both
     migrated), then the target's counts and search index made from its
     posts. The target must hold no posts, or be a copy of this source
-    already. Returns {table: rows}."""
+    already, finished or cut short. Returns {table: rows}."""
     origin = lasting_secret(source, "database_id")
     posts = target.execute("SELECT count(*) FROM posts").fetchone()[0]
     if posts and get_meta(target, "copy_of")[0] != origin:
         raise ConfigError(f"copy-db: {target.path} already holds {posts} posts that are not a "
                           f"copy of {source.path}; copy into an empty database")
-    if not posts:
-        # A new database (perhaps synced from sources.yaml by `init`, with
-        # ids of its own): emptied, so the copy's ids and slugs cannot clash.
-        with transaction(target):
-            for table, _ in reversed(COPIED_TABLES):
-                target.execute(f"DELETE FROM {table}" + (" WHERE " + " AND ".join(
-                    "key NOT LIKE ?" for _ in OWN_META) if table == "meta" else ""),
-                    OWN_META if table == "meta" else ())
+    with transaction(target):
+        if not posts:
+            empty_copied_tables(target)
+        # Said before the first row is copied: a copy cut short (killed, the
+        # server gone) is still this source's copy, and running it again
+        # completes it.
+        set_meta(target, "copy_of", origin)
     total = sum(source.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
                 for table, _ in COPIED_TABLES)
     progress = Progress("copy-db", total, quiet=quiet)
@@ -3325,7 +3333,6 @@ def copy_database(source, target, quiet=False):
               for table, key in COPIED_TABLES}
     with transaction(target):
         reindex_posts(target)
-        set_meta(target, "copy_of", origin)
     progress.finish(", ".join(f"{n:,} {table}" for table, n in counts.items()) +
                     f" copied to {target.path}")
     return counts
