@@ -5226,6 +5226,34 @@ def test_an_absurd_setting_stops_the_command_with_one_line_and_exit_2(home, name
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("args,env,named", [
+    (("status",), {"VESTI_DB": ":memory:"}, "VESTI_DB"),
+    (("run", "--workers", "1"), {"VESTI_DB": ":memory:", "VESTI_WEB_PORT": "0"}, "VESTI_DB"),
+    (("status", "--db", ":memory:"), {}, "--db"),
+    (("copy-db", "--to", ":memory:"), {}, "--to"),
+], ids=["status", "run", "--db", "copy-db"])
+def test_an_in_memory_database_is_refused_with_one_line_and_exit_2(home, args, env, named):
+    """Each connection (every thread, the page, the workers) would open
+    another, empty database."""
+    write_sources(home / "sources.yaml", [rss_source("a", "http://x.test/feed")])
+    result = cli(*args, cwd=home, env=env)
+    assert result.returncode == 2, (result.stdout, result.stderr[-2000:])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"vesti: {named}: ") and \
+        ":memory:" in lines[0] and "connection" in lines[0], lines
+    assert "Traceback" not in result.stderr
+
+
+def test_a_nul_byte_in_the_env_file_is_one_line_naming_the_file_and_line(home):
+    write_sources(home / "sources.yaml", [rss_source("a", "http://x.test/feed")])
+    (home / ".env").write_bytes(b"RSS_TIMEOUT=5\nVESTI_DB=ves\x00ti.db\n")
+    result = cli("status", cwd=home)
+    assert result.returncode == 2, (result.stdout, result.stderr[-2000:])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and ".env:2:" in lines[0] and "NUL" in lines[0], lines
+    assert "Traceback" not in result.stderr
+
+
 # Migration: posts claimed before leases existed --------------------------------
 
 def test_posts_left_processing_by_a_database_from_before_leases_are_classified(home):

@@ -112,6 +112,15 @@ def _required(name, raw):
     return raw
 
 
+def _database(name, raw):
+    raw = _required(name, raw)
+    if raw == ":memory:":
+        raise ConfigError(f"{name}: ':memory:' cannot hold the database: each connection of "
+                          f"the process (every thread, the page, the workers) would open "
+                          f"another, empty one; name a file or a postgresql:// URL")
+    return raw
+
+
 def _flag(name, raw):
     value = raw.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -170,7 +179,7 @@ HOUR = 3600
 # (environment name, Settings field, parser, default). Every number has a
 # ceiling: a value past it is a typo, and 1e308 seconds would overflow a clock.
 SETTINGS = [
-    ("VESTI_DB", "db", _required, "vesti.db"),
+    ("VESTI_DB", "db", _database, "vesti.db"),
     ("VESTI_SOURCES", "sources", _required, "sources.yaml"),
     ("RSS_USER_AGENT", "user_agent", _required, DEFAULT_USER_AGENT),
     ("RSS_TIMEOUT", "timeout", _positive(float, HOUR), "20"),
@@ -258,6 +267,9 @@ def read_env_file(path):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
+        if "\x00" in line:
+            raise ConfigError(f"{path}:{number}: a NUL byte, which no setting can hold "
+                              f"(is the file text?)")
         key, sep, value = line.removeprefix("export ").partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"{path}:{number}: expected KEY=VALUE, got {line!r}")
@@ -279,15 +291,19 @@ def warn_unknown_settings(values, where):
 
 
 def load_settings(environ=None, env_file=".env", **overrides):
-    """Settings from the environment, then `.env` (the environment wins)."""
+    """Settings from the environment, then `.env` (the environment wins);
+    `overrides` (the command line's --db and --sources) win over both, and
+    are checked as the settings they replace are."""
     environ = os.environ if environ is None else environ
     from_file = read_env_file(env_file) if env_file else {}
     warn_unknown_settings(from_file, env_file)
     merged = {**from_file, **environ}
     values = {}
     for name, field, parse, default in SETTINGS:
-        values[field] = parse(name, merged.get(name, default))
-    values.update({k: v for k, v in overrides.items() if v is not None})
+        if overrides.get(field) is not None:
+            values[field] = parse(f"--{field}", str(overrides[field]))
+        else:
+            values[field] = parse(name, merged.get(name, default))
     return Settings(**values)
 
 
@@ -8585,7 +8601,7 @@ def cmd_run(args, settings):
 def cmd_copy_db(args, settings):
     """Everything of the database into another one; run again, it brings the
     other one up to date (rows are matched by their keys)."""
-    if args.to == settings.db:
+    if _database("--to", args.to) == settings.db:
         raise ConfigError(f"copy-db: {redacted(args.to)} is the database itself; "
                           f"--to names the other one")
     _, db = open_intake(settings)
