@@ -5254,6 +5254,22 @@ def test_a_nul_byte_in_the_env_file_is_one_line_naming_the_file_and_line(home):
     assert "Traceback" not in result.stderr
 
 
+def test_an_opml_feed_whose_url_does_not_parse_is_skipped_with_a_note(home):
+    write_sources(home / "sources.yaml", [rss_source("a", "http://x.test/feed")])
+    (home / "bad.opml").write_text(
+        '<?xml version="1.0"?><opml version="2.0"><body>'
+        '<outline text="Broken" xmlUrl="http://[::1/x"/>'
+        '<outline text="Good" xmlUrl="https://good.example/feed"/></body></opml>')
+    result = cli("opml-import", "bad.opml", cwd=home)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "1 feeds added" in result.stdout and "1 skipped" in result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "http://[::1/x" in lines[0] and "skipped" in lines[0], lines
+    assert "Traceback" not in result.stderr
+    assert [s.url for s in vesti.load_registry(str(home / "sources.yaml")).sources] == \
+        ["http://x.test/feed", "https://good.example/feed"]
+
+
 # Migration: posts claimed before leases existed --------------------------------
 
 def test_posts_left_processing_by_a_database_from_before_leases_are_classified(home):

@@ -8832,7 +8832,7 @@ def import_opml(registry, path, direction=None, priority=0):
     added, skipped, unmatched = [], 0, {}
     for feed in feeds:
         url = canonical_url(feed.url)
-        if url in known or urllib.parse.urlsplit(feed.url).scheme not in WEB_SCHEMES:
+        if url in known or not usable_feed_url(path, feed):
             skipped += 1
             continue
         known.add(url)
@@ -8843,6 +8843,18 @@ def import_opml(registry, path, direction=None, priority=0):
     if added:
         add_sources(registry, path, added, priority)
     return len(added), skipped, list(unmatched)
+
+
+def usable_feed_url(path, feed):
+    """Whether a feed's URL is one sources.yaml takes; one it would refuse
+    (not http, not a URL at all) is skipped with a note, and the rest of the
+    file imported."""
+    try:
+        check_feed_url(f"{path}: feed {feed.title or feed.url!r}", feed.url)
+    except ConfigError as e:
+        log.warning("%s; skipped", e)
+        return False
+    return True
 
 
 def add_sources(registry, path, feeds, priority):
