@@ -474,6 +474,27 @@ def test_a_summary_that_several_entries_of_a_feed_share_does_not_merge_them(home
 
 
 @both
+def test_an_entry_holding_a_nul_byte_is_stored_and_its_feed_stays_alive(home, server):
+    """PostgreSQL's text cannot hold U+0000: the byte is left out there, and
+    the feed's other entries, its state and its health are stored as ever."""
+    server.feed("/feed", rss([{"guid": "g1", "link": f"{server.url}/p/1", "title": "Kernel\x00 news",
+                               "text": "The kernel\x00 is out today. " + "More words. " * 6},
+                              {"guid": "g2", "link": f"{server.url}/p/2", "title": "Plain"}]),
+                etag=None, modified=None)
+    s, db = intake(home, [rss_source("nul", server.url + "/feed")], RSS_DEAD_AFTER="2")
+    assert crawl(s, db).new_posts == 2
+    assert crawl(s, db).new_posts == 0                    # fetched again, known: nothing new
+    posts = posts_of(db, "nul")
+    assert sorted(p["title"].replace("\x00", "") for p in posts) == ["Kernel news", "Plain"]
+    kernel = next(p for p in posts if p["title"].startswith("Kernel"))
+    assert kernel["text"].replace("\x00", "").startswith("The kernel is out today.")
+    if BACKEND["db"]:
+        assert "\x00" not in kernel["title"] + kernel["text"]
+    assert (source_row(db, "nul")["status"], source_row(db, "nul")["error_count"]) == ("alive", 0)
+    assert [r["status"] for r in runs_of(db, "nul")] == ["ok", "ok"]
+
+
+@both
 def test_entries_without_a_link_are_told_apart_by_their_id(home, server):
     def item(guid, title):
         return {"guid": guid, "link": "", "title": title,
@@ -2879,6 +2900,20 @@ def test_filters_show_counts_under_the_other_filters(web):
     assert facet(web.get("/?direction=space")[2], "statuses", "rejected") == 1
 
 
+@both
+def test_a_nul_byte_in_the_desk_query_is_a_page_not_a_server_error(web):
+    """A query PostgreSQL's text cannot hold is looked for without its NUL."""
+    desk_post(web.db.conn(), lwn(web), 1, title="Kernel news")
+    for query in ("source=lw%00n", "after=5~2026-11-30%00~3", "q=ker%00nel", "q=%00",
+                  "direction=li%00nux", "status=new%00", "min=3%00", "sort=%00", "story=1%00",
+                  "decided=%001", "lang=r%00u", "source=lwn&q=Kernel%00"):
+        status, _, page = web.get(f"/?{query}")
+        assert status in (200, 400) and "Traceback" not in page, (query, status, page[-500:])
+    assert card_ids(web.get("/?source=lwn&q=Kernel%00")[2]) == [1]
+    for path in ("/crawlers?lang=%00", "/approved.atom?direction=%00", "/approved.json?x=%00"):
+        assert web.get(path)[0] == 200, path
+
+
 def searched(conn, word):
     return [r[0] for r in conn.execute(
         "SELECT rowid FROM posts_fts WHERE posts_fts MATCH ? ORDER BY rowid", (word,))]
@@ -5197,6 +5232,50 @@ def test_an_absurd_setting_stops_the_command_with_one_line_and_exit_2(home, name
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("args,env,named", [
+    (("status",), {"VESTI_DB": ":memory:"}, "VESTI_DB"),
+    (("run", "--workers", "1"), {"VESTI_DB": ":memory:", "VESTI_WEB_PORT": "0"}, "VESTI_DB"),
+    (("status", "--db", ":memory:"), {}, "--db"),
+    (("copy-db", "--to", ":memory:"), {}, "--to"),
+], ids=["status", "run", "--db", "copy-db"])
+def test_an_in_memory_database_is_refused_with_one_line_and_exit_2(home, args, env, named):
+    """Each connection (every thread, the page, the workers) would open
+    another, empty database."""
+    write_sources(home / "sources.yaml", [rss_source("a", "http://x.test/feed")])
+    result = cli(*args, cwd=home, env=env)
+    assert result.returncode == 2, (result.stdout, result.stderr[-2000:])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"vesti: {named}: ") and \
+        ":memory:" in lines[0] and "connection" in lines[0], lines
+    assert "Traceback" not in result.stderr
+
+
+def test_a_nul_byte_in_the_env_file_is_one_line_naming_the_file_and_line(home):
+    write_sources(home / "sources.yaml", [rss_source("a", "http://x.test/feed")])
+    (home / ".env").write_bytes(b"RSS_TIMEOUT=5\nVESTI_DB=ves\x00ti.db\n")
+    result = cli("status", cwd=home)
+    assert result.returncode == 2, (result.stdout, result.stderr[-2000:])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and ".env:2:" in lines[0] and "NUL" in lines[0], lines
+    assert "Traceback" not in result.stderr
+
+
+def test_an_opml_feed_whose_url_does_not_parse_is_skipped_with_a_note(home):
+    write_sources(home / "sources.yaml", [rss_source("a", "http://x.test/feed")])
+    (home / "bad.opml").write_text(
+        '<?xml version="1.0"?><opml version="2.0"><body>'
+        '<outline text="Broken" xmlUrl="http://[::1/x"/>'
+        '<outline text="Good" xmlUrl="https://good.example/feed"/></body></opml>')
+    result = cli("opml-import", "bad.opml", cwd=home)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "1 feeds added" in result.stdout and "1 skipped" in result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "http://[::1/x" in lines[0] and "skipped" in lines[0], lines
+    assert "Traceback" not in result.stderr
+    assert [s.url for s in vesti.load_registry(str(home / "sources.yaml")).sources] == \
+        ["http://x.test/feed", "https://good.example/feed"]
+
+
 # Migration: posts claimed before leases existed --------------------------------
 
 def test_posts_left_processing_by_a_database_from_before_leases_are_classified(home):
@@ -5371,6 +5450,51 @@ def test_copy_db_moves_everything_to_postgresql_and_back_and_twice_changes_nothi
     assert other.returncode == 2                         # back.db is a copy of the other one
     assert other.stderr.strip().endswith("holds 8 posts that are not a copy of "
                                          f"{file_db}; copy into an empty database")
+
+
+@postgres_only
+@pytest.mark.parametrize("to_postgresql", [True, False], ids=["to-postgresql", "to-sqlite"])
+def test_an_interrupted_copy_db_is_completed_by_running_it_again(home, backend, monkeypatch,
+                                                                 to_postgresql):
+    file_db = str(home / "vesti.db")
+    source_db, target_db = (file_db, backend) if to_postgresql else (backend, file_db)
+    write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss",
+                                                     direction="linux")])
+    _, db = vesti.open_intake(make_settings(home).replace(db=source_db))
+    conn = db.conn()
+    for k in range(1, 11):
+        desk_post(conn, 1, k, title=f"Wombat {k}", relevance=k % 10)
+    vesti.set_decision(conn, 3, "approved", "editor")
+    conn.executemany("INSERT INTO runs (source_id, task, status) VALUES (1, 'rss', ?)",
+                     [("ok",), ("error",), ("ok",)])
+    conn.executemany("INSERT INTO story_keys (key, post_id) VALUES (?, ?)",
+                     [(k * 7, k) for k in range(1, 11)])
+    target = vesti.Database(target_db).conn()
+    monkeypatch.setattr(vesti, "COPY_CHUNK", 4)
+    step = vesti.Progress.step
+    for killed_after in ("posts 4", "posts 10"):          # amid the posts; before the runs
+        def kill(progress, note="", count=1, killed_after=killed_after):
+            step(progress, note, count)
+            if note == killed_after:
+                raise KeyboardInterrupt
+        monkeypatch.setattr(vesti.Progress, "step", kill)
+        with pytest.raises(KeyboardInterrupt):
+            vesti.copy_database(conn, target, quiet=True)
+    monkeypatch.setattr(vesti.Progress, "step", step)
+    counts = vesti.copy_database(conn, target, quiet=True)
+    assert (counts["posts"], counts["runs"], counts["story_keys"]) == (10, 3, 10)
+
+    def rows(c, sql):
+        return [tuple(r) for r in c.execute(sql)]
+    for sql in ("SELECT id, title, status, relevance, published_at FROM posts ORDER BY id",
+                "SELECT id, slug, url FROM sources ORDER BY id",
+                "SELECT id, source_id, status FROM runs ORDER BY id",
+                "SELECT key, post_id FROM story_keys ORDER BY key"):
+        assert rows(target, sql) == rows(conn, sql), sql
+    assert counts_match_posts(target) and \
+        rows(target, "SELECT sum(n) FROM post_counts") == [(10,)]
+    found = vesti.desk_posts(target, vesti.DeskQuery(q="wombat", status="any", min=0))
+    assert [post["id"] for post in found] == list(range(10, 0, -1))
 
 
 @postgres_only

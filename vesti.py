@@ -112,6 +112,15 @@ def _required(name, raw):
     return raw
 
 
+def _database(name, raw):
+    raw = _required(name, raw)
+    if raw == ":memory:":
+        raise ConfigError(f"{name}: ':memory:' cannot hold the database: each connection of "
+                          f"the process (every thread, the page, the workers) would open "
+                          f"another, empty one; name a file or a postgresql:// URL")
+    return raw
+
+
 def _flag(name, raw):
     value = raw.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -170,7 +179,7 @@ HOUR = 3600
 # (environment name, Settings field, parser, default). Every number has a
 # ceiling: a value past it is a typo, and 1e308 seconds would overflow a clock.
 SETTINGS = [
-    ("VESTI_DB", "db", _required, "vesti.db"),
+    ("VESTI_DB", "db", _database, "vesti.db"),
     ("VESTI_SOURCES", "sources", _required, "sources.yaml"),
     ("RSS_USER_AGENT", "user_agent", _required, DEFAULT_USER_AGENT),
     ("RSS_TIMEOUT", "timeout", _positive(float, HOUR), "20"),
@@ -258,6 +267,9 @@ def read_env_file(path):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
+        if "\x00" in line:
+            raise ConfigError(f"{path}:{number}: a NUL byte, which no setting can hold "
+                              f"(is the file text?)")
         key, sep, value = line.removeprefix("export ").partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"{path}:{number}: expected KEY=VALUE, got {line!r}")
@@ -279,15 +291,19 @@ def warn_unknown_settings(values, where):
 
 
 def load_settings(environ=None, env_file=".env", **overrides):
-    """Settings from the environment, then `.env` (the environment wins)."""
+    """Settings from the environment, then `.env` (the environment wins);
+    `overrides` (the command line's --db and --sources) win over both, and
+    are checked as the settings they replace are."""
     environ = os.environ if environ is None else environ
     from_file = read_env_file(env_file) if env_file else {}
     warn_unknown_settings(from_file, env_file)
     merged = {**from_file, **environ}
     values = {}
     for name, field, parse, default in SETTINGS:
-        values[field] = parse(name, merged.get(name, default))
-    values.update({k: v for k, v in overrides.items() if v is not None})
+        if overrides.get(field) is not None:
+            values[field] = parse(f"--{field}", str(overrides[field]))
+        else:
+            values[field] = parse(name, merged.get(name, default))
     return Settings(**values)
 
 
@@ -1378,8 +1394,11 @@ def postgres_rows(cursor):
 
 @functools.lru_cache(maxsize=None)
 def postgres_adapters(psycopg):
-    """numeric (what sum() of integers gives) read as int or float, and a
-    bool written as 0 or 1, as SQLite stores them."""
+    """numeric (what sum() of integers gives) read as int or float, a bool
+    written as 0 or 1, as SQLite stores them, and text written without
+    U+0000, which PostgreSQL's text cannot hold: one NUL in a feed's entry
+    or a page's query would otherwise fail the whole statement (a feed on
+    every crawl until it is dead, the page with a 500)."""
     class Number(psycopg.adapt.Loader):
         def load(self, data):
             text = bytes(data).decode()
@@ -1390,7 +1409,11 @@ def postgres_adapters(psycopg):
 
         def dump(self, value):
             return b"1" if value else b"0"
-    return Number, Flag
+
+    class Text(psycopg.types.string.StrDumperUnknown):
+        def dump(self, value):
+            return super().dump(value.replace("\x00", ""))
+    return Number, Flag, Text
 
 
 # SQLSTATE classes of a server or disk in trouble, not of a statement:
@@ -1468,9 +1491,10 @@ class PostgresConnection:
     def connect(self):
         raw = self.psycopg.connect(self.url, autocommit=True, connect_timeout=10,
                                    row_factory=postgres_rows)
-        number, flag = postgres_adapters(self.psycopg)
+        number, flag, text = postgres_adapters(self.psycopg)
         raw.adapters.register_loader("numeric", number)
         raw.adapters.register_dumper(bool, flag)
+        raw.adapters.register_dumper(str, text)
         # A statement waits at most the busy timeout for a row or the write
         # lock another session holds, as SQLite waits for its lock. A commit
         # does not wait for the disk, as SQLite's synchronous=NORMAL does not
@@ -3292,24 +3316,32 @@ def copy_table(source, target, table, key, progress):
         progress.step(f"{table} {copied:,}", count=len(rows))
 
 
+def empty_copied_tables(target):
+    """A new database (perhaps synced from sources.yaml by `init`, with ids
+    of its own) emptied, so the copy's ids and slugs cannot clash."""
+    for table, _ in reversed(COPIED_TABLES):
+        target.execute(f"DELETE FROM {table}" + (" WHERE " + " AND ".join(
+            "key NOT LIKE ?" for _ in OWN_META) if table == "meta" else ""),
+            OWN_META if table == "meta" else ())
+
+
 def copy_database(source, target, quiet=False):
     """copy-db: every copied table from `source` into `target` (both
     migrated), then the target's counts and search index made from its
     posts. The target must hold no posts, or be a copy of this source
-    already. Returns {table: rows}."""
+    already, finished or cut short. Returns {table: rows}."""
     origin = lasting_secret(source, "database_id")
     posts = target.execute("SELECT count(*) FROM posts").fetchone()[0]
     if posts and get_meta(target, "copy_of")[0] != origin:
         raise ConfigError(f"copy-db: {target.path} already holds {posts} posts that are not a "
                           f"copy of {source.path}; copy into an empty database")
-    if not posts:
-        # A new database (perhaps synced from sources.yaml by `init`, with
-        # ids of its own): emptied, so the copy's ids and slugs cannot clash.
-        with transaction(target):
-            for table, _ in reversed(COPIED_TABLES):
-                target.execute(f"DELETE FROM {table}" + (" WHERE " + " AND ".join(
-                    "key NOT LIKE ?" for _ in OWN_META) if table == "meta" else ""),
-                    OWN_META if table == "meta" else ())
+    with transaction(target):
+        if not posts:
+            empty_copied_tables(target)
+        # Said before the first row is copied: a copy cut short (killed, the
+        # server gone) is still this source's copy, and running it again
+        # completes it.
+        set_meta(target, "copy_of", origin)
     total = sum(source.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
                 for table, _ in COPIED_TABLES)
     progress = Progress("copy-db", total, quiet=quiet)
@@ -3317,7 +3349,6 @@ def copy_database(source, target, quiet=False):
               for table, key in COPIED_TABLES}
     with transaction(target):
         reindex_posts(target)
-        set_meta(target, "copy_of", origin)
     progress.finish(", ".join(f"{n:,} {table}" for table, n in counts.items()) +
                     f" copied to {target.path}")
     return counts
@@ -8574,7 +8605,7 @@ def cmd_run(args, settings):
 def cmd_copy_db(args, settings):
     """Everything of the database into another one; run again, it brings the
     other one up to date (rows are matched by their keys)."""
-    if args.to == settings.db:
+    if _database("--to", args.to) == settings.db:
         raise ConfigError(f"copy-db: {redacted(args.to)} is the database itself; "
                           f"--to names the other one")
     _, db = open_intake(settings)
@@ -8805,7 +8836,7 @@ def import_opml(registry, path, direction=None, priority=0):
     added, skipped, unmatched = [], 0, {}
     for feed in feeds:
         url = canonical_url(feed.url)
-        if url in known or urllib.parse.urlsplit(feed.url).scheme not in WEB_SCHEMES:
+        if url in known or not usable_feed_url(path, feed):
             skipped += 1
             continue
         known.add(url)
@@ -8816,6 +8847,18 @@ def import_opml(registry, path, direction=None, priority=0):
     if added:
         add_sources(registry, path, added, priority)
     return len(added), skipped, list(unmatched)
+
+
+def usable_feed_url(path, feed):
+    """Whether a feed's URL is one sources.yaml takes; one it would refuse
+    (not http, not a URL at all) is skipped with a note, and the rest of the
+    file imported."""
+    try:
+        check_feed_url(f"{path}: feed {feed.title or feed.url!r}", feed.url)
+    except ConfigError as e:
+        log.warning("%s; skipped", e)
+        return False
+    return True
 
 
 def add_sources(registry, path, feeds, priority):
