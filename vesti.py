@@ -7521,6 +7521,23 @@ def desk_page(conn, desk, page, directions, settings, sources=None):
 
 # Exports ---------------------------------------------------------------------
 
+# What XML 1.0 cannot hold even escaped (outside its Char production): control
+# characters other than tab and line breaks, surrogates, U+FFFE and U+FFFF.
+# One of them in a stranger's title would make a whole feed unreadable to
+# every subscriber, so every XML document VESTI writes drops them.
+NOT_XML_CHARS = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def xml_text(value):
+    """`value` as text an XML document can hold."""
+    return NOT_XML_CHARS.sub("", str(value))
+
+
+def xml_esc(value):
+    """`value` for an element or attribute of XML written by hand."""
+    return "" if value is None else esc(xml_text(value))
+
+
 def iso_time(stamp):
     """'2026-11-30 10:00:00' (UTC) -> '2026-11-30T10:00:00Z'."""
     return (stamp or "1970-01-01 00:00:00").replace(" ", "T") + "Z"
@@ -7546,8 +7563,8 @@ ATOM_VESTI = "urn:vesti"
 def atom_decision(post):
     """The elements of an entry that say who decided it and when."""
     by, at = post["decided_by"], post["decided_at"]
-    return ((f"<contributor><name>{esc(by)}</name></contributor>"
-             f"<vesti:decided_by>{esc(by)}</vesti:decided_by>" if by else "")
+    return ((f"<contributor><name>{xml_esc(by)}</name></contributor>"
+             f"<vesti:decided_by>{xml_esc(by)}</vesti:decided_by>" if by else "")
             + (f"<vesti:decided_at>{iso_time(at)}</vesti:decided_at>" if at else ""))
 
 
@@ -7558,18 +7575,18 @@ def atom_feed(posts, title, self_url=None):
     for p in posts:
         link, published = post_link(p), published_date(p)
         entries.append(
-            f"<entry><id>urn:vesti:post:{p['id']}</id><title>{esc(p['title'] or '(untitled)')}</title>"
-            + (f'<link rel="alternate" href="{esc(link)}"/>' if link else "")
+            f"<entry><id>urn:vesti:post:{p['id']}</id><title>{xml_esc(p['title'] or '(untitled)')}</title>"
+            + (f'<link rel="alternate" href="{xml_esc(link)}"/>' if link else "")
             + (f"<published>{iso_time(published)}</published>" if published else "")
             + f"<updated>{iso_time(p['decided_at'] or p['published_at'])}</updated>"
-            f"<author><name>{esc(p['source'] or 'VESTI')}</name></author>"
+            f"<author><name>{xml_esc(p['source'] or 'VESTI')}</name></author>"
             + atom_decision(p)
-            + (f'<category term="{esc(p["direction"])}"/>' if p["direction"] else "")
-            + f"<summary>{esc(p['summary'] or '')}</summary></entry>")
-    self_link = f'<link rel="self" href="{esc(self_url)}"/>' if self_url else ""
+            + (f'<category term="{xml_esc(p["direction"])}"/>' if p["direction"] else "")
+            + f"<summary>{xml_esc(p['summary'] or '')}</summary></entry>")
+    self_link = f'<link rel="self" href="{xml_esc(self_url)}"/>' if self_url else ""
     return ('<?xml version="1.0" encoding="utf-8"?>\n'
             f'<feed xmlns="http://www.w3.org/2005/Atom" xmlns:vesti="{ATOM_VESTI}">'
-            f"<id>urn:vesti:{urllib.parse.quote(title.lower(), safe='')}</id><title>{esc(title)}</title><updated>{updated}</updated>"
+            f"<id>urn:vesti:{urllib.parse.quote(title.lower(), safe='')}</id><title>{xml_esc(title)}</title><updated>{updated}</updated>"
             f"{self_link}<generator>VESTI {__version__}</generator>{''.join(entries)}</feed>\n")
 
 
@@ -8848,9 +8865,10 @@ def opml_document(sources):
             parent = folders.get(source["direction"])
             if parent is None:
                 parent = folders[source["direction"]] = ElementTree.SubElement(
-                    body, "outline", text=source["direction"], title=source["direction"])
-        ElementTree.SubElement(parent, "outline", type="rss", text=source["name"],
-                               title=source["name"], xmlUrl=source["url"])
+                    body, "outline", text=xml_text(source["direction"]),
+                    title=xml_text(source["direction"]))
+        ElementTree.SubElement(parent, "outline", type="rss", text=xml_text(source["name"]),
+                               title=xml_text(source["name"]), xmlUrl=xml_text(source["url"]))
     ElementTree.indent(root)
     return '<?xml version="1.0" encoding="utf-8"?>\n' + \
         ElementTree.tostring(root, encoding="unicode") + "\n"
