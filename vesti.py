@@ -7618,12 +7618,25 @@ EXPORT_FIELDS = ("id", "status", "decided_at", "decided_by", "direction", "relev
                  "reason")
 
 
+# A cell starting with one of these is a formula to a spreadsheet (Excel,
+# LibreOffice), which runs it when the export is opened. As OWASP advises
+# against CSV injection, such a cell starts with a ' instead, and every cell
+# is quoted, so that a ; (the separator in many locales) starts no cell.
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def spreadsheet_cell(value):
+    """A CSV cell's value, never read as a formula."""
+    return "'" + value if isinstance(value, str) and value.startswith(FORMULA_STARTS) else value
+
+
 def csv_export(posts):
     out = io.StringIO()
-    writer = csv.writer(out)
+    writer = csv.writer(out, quoting=csv.QUOTE_ALL)
     writer.writerow(EXPORT_FIELDS)
     for p in posts:
-        writer.writerow([published_date(p) if f == "published_at" else p[f] for f in EXPORT_FIELDS])
+        writer.writerow([spreadsheet_cell(published_date(p) if f == "published_at" else p[f])
+                         for f in EXPORT_FIELDS])
     return out.getvalue()
 
 
