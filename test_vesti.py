@@ -3879,7 +3879,7 @@ def test_discover_finds_a_sites_feeds_and_writes_their_entries(home, server):
     write_sources(home / "sources.yaml", [rss_source("kernel-news", "https://example.org/rss")])
     result = cli("discover", server.url + "/", cwd=home, env=FAST)
     assert result.returncode == 0, result.stderr
-    assert f"# Kernel News: {server.url}/news/rss" in result.stdout
+    assert f'# "Kernel News": "{server.url}/news/rss"' in result.stdout
     assert "missing.atom" not in result.stdout                 # named, but not a feed
     entry = yaml.safe_load(result.stdout)
     assert entry[0]["slug"] == "kernel-news-2" and entry[0]["url"] == server.url + "/news/rss"
@@ -3913,7 +3913,7 @@ def test_discover_says_why_the_feeds_it_found_could_not_be_read(home, server, in
     assert internal.requests == [] and result.stdout == ""
     allowed = cli("discover", server.url + "/", cwd=home,
                   env={**FAST, "VESTI_ALLOW_PRIVATE_NETWORKS": "1"})
-    assert allowed.returncode == 0 and f"# Internal News: {internal.url}/feed" in allowed.stdout
+    assert allowed.returncode == 0 and f'# "Internal News": "{internal.url}/feed"' in allowed.stdout
     for named, what in [(server.url + "/gone.rss", "HTTP 404"),
                         ("http://127.0.0.1:9/feed", "connection refused")]:
         site_naming(server, named)
@@ -3933,10 +3933,31 @@ def test_discover_marks_the_feeds_that_are_already_sources(home, server):
                   [rss_source("kernel", server.url.upper() + "/news/rss?utm_source=vesti")])
     result = cli("discover", server.url + "/", cwd=home, env=FAST)
     assert result.returncode == 0, result.stderr
-    assert f"# Kernel News: {server.url}/news/rss (already a source: kernel)" in result.stdout
+    assert f'# "Kernel News": "{server.url}/news/rss" (already a source: kernel)' in result.stdout
     entries = yaml.safe_load(result.stdout)
     assert [entry["url"] for entry in entries] == [server.url + "/blog/rss"]
     assert entries[0]["slug"] != "kernel"
+
+
+# A feed title that, printed as it is, would write sources.yaml entries of its
+# own: line breaks YAML knows (\n, U+2028, NEL) and entries after them.
+YAML_TITLE = ("Evil\n  - slug: injected\n    crawler: rss\n    url: http://evil.example/x\n"
+              "\u2028  - slug: injected-too\u0085    crawler: rss\u2029    url: http://evil.example/y")
+
+
+def test_discover_prints_a_feed_title_as_one_quoted_line_of_yaml(home, server):
+    server.feed("/evil.rss", rss(items(1, host=server.url), title=html.escape(YAML_TITLE)))
+    server.feed("/known.rss", rss(items(1, host=server.url),
+                                  title=html.escape(YAML_TITLE.replace("injected", "known"))))
+    site_naming(server, "/evil.rss", "/known.rss")
+    write_sources(home / "sources.yaml", [rss_source("known", server.url + "/known.rss")])
+    result = cli("discover", server.url + "/", cwd=home, env=FAST)
+    assert result.returncode == 0, result.stderr
+    pasted = home / "sources.yaml"
+    pasted.write_text(pasted.read_text(encoding="utf-8") + result.stdout, encoding="utf-8")
+    registry = vesti.load_registry(str(pasted))
+    assert [s.url for s in registry.sources] == [server.url + "/known.rss", server.url + "/evil.rss"]
+    assert registry.sources[1].name.startswith("Evil")
 
 
 def test_reset_dead_command_does_what_the_button_does(home):

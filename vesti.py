@@ -8777,8 +8777,17 @@ def slug_for(title, url, taken):
     return slug
 
 
+# Characters JSON leaves as they are but YAML does not: line breaks (NEL,
+# U+2028, U+2029) that would end a comment or fold a value, and characters a
+# YAML file may not hold at all (DEL, C1 controls, surrogates, U+FEFF, U+FFFE,
+# U+FFFF). Written as \u escapes, which YAML's double quotes read back.
+YAML_UNSAFE = re.compile("[\x7f-\x9f\u2028\u2029\ud800-\udfff\ufeff\ufffe\uffff]")
+
+
 def yaml_text(value):
-    return json.dumps(value, ensure_ascii=False)
+    """`value` as one line of YAML: a double-quoted (JSON) string, so that a
+    stranger's feed title can only ever be that string."""
+    return YAML_UNSAFE.sub(lambda ch: f"\\u{ord(ch[0]):04x}", json.dumps(value, ensure_ascii=False))
 
 
 def source_entries(feeds, indent, priority):
@@ -8788,7 +8797,7 @@ def source_entries(feeds, indent, priority):
         lines += [f"{indent}- slug: {slug}", f"{indent}  name: {yaml_text(title or slug)}",
                   f"{indent}  crawler: rss", f"{indent}  url: {yaml_text(url)}"]
         if direction:
-            lines.append(f"{indent}  direction: {direction}")
+            lines.append(f"{indent}  direction: {yaml_text(direction)}")
         lines += [f"{indent}  priority: {priority}", ""]
     return lines
 
@@ -9031,10 +9040,10 @@ def print_discovered(feeds, registry):
     for title, feed, asked in feeds:
         slug = known.get(canonical_url(feed)) or known.get(canonical_url(asked))
         if slug:
-            print(f"# {title}: {feed} (already a source: {slug})\n")
+            print(f"# {yaml_text(title)}: {yaml_text(feed)} (already a source: {slug})\n")
             continue
         entry = (slug_for(title, feed, taken), title, feed, None)
-        print(f"# {title}: {feed}")
+        print(f"# {yaml_text(title)}: {yaml_text(feed)}")
         print("\n".join(source_entries([entry], "  ", 1)))
 
 
