@@ -3960,6 +3960,32 @@ def test_discover_prints_a_feed_title_as_one_quoted_line_of_yaml(home, server):
     assert registry.sources[1].name.startswith("Evil")
 
 
+def test_discover_checks_at_most_twenty_of_a_pages_feed_links(home, server, monkeypatch):
+    links = "".join(f'<link rel="alternate" type="application/rss+xml" href="/f{k}">'
+                    for k in range(10_000))
+    page = f"<html><head>{links}</head><body>{'<p>Some text.</p>' * 200_000}</body></html>"
+    server.status("/", 200, {"Content-Type": "text/html"}, page.encode())
+    server.feed("/f3", rss(items(1, host=server.url), title="Third"))
+    read = []                                           # the bytes each feedparser run reads
+    feedparser_run = vesti.run_feedparser
+    monkeypatch.setattr(vesti, "run_feedparser",
+                        lambda body, *args: read.append(len(body)) or feedparser_run(body, *args))
+    found = vesti.discover_feeds(server.url + "/", make_settings(home))
+    assert len(server.requests) == 1 + 20
+    assert [feed for _, feed, _ in found.feeds] == [server.url + "/f3"]
+    assert len(page) > 3_000_000 and max(read) <= 1_000_000
+    write_sources(home / "sources.yaml", [])
+    result = cli("discover", server.url + "/", cwd=home, env=FAST)
+    assert result.returncode == 0, result.stderr
+    assert "# … and 9,980 more links not checked" in result.stdout
+    assert vesti.load_registry(str(home / "sources.yaml")) and yaml.safe_load(result.stdout)
+    server.routes.pop("/f3")
+    result = cli("discover", server.url + "/", cwd=home, env=FAST)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert "and 9,980 more links not checked" in result.stderr
+    assert len(server.requests) == 3 * (1 + 20)
+
+
 def test_reset_dead_command_does_what_the_button_does(home):
     write_sources(home / "sources.yaml", [rss_source("a", "http://127.0.0.1:9/a")])
     cli("init", cwd=home)

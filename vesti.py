@@ -8923,6 +8923,14 @@ FEED_TYPES = ("application/rss+xml", "application/atom+xml", "application/rdf+xm
 # Where sites usually keep their feed, tried when the page names none.
 COMMON_FEED_PATHS = ("/feed", "/rss", "/atom.xml", "/rss.xml", "/feed.xml", "/index.xml",
                      "/feeds/posts/default")
+# A page may name thousands of feeds, each fetched at the host's pace: only
+# the first of them are checked. Its links are looked for in its first
+# megabyte, and whether a response is a feed is told from its head (a feed
+# says its title and first entry there; feedparser spends seconds on every
+# megabyte of a page that is none).
+MAX_DISCOVER_CANDIDATES = 20
+DISCOVER_PAGE_BYTES = 1_000_000
+FEED_HEAD_BYTES = 65536
 
 
 class _AlternateLinks(html.parser.HTMLParser):
@@ -8951,7 +8959,7 @@ def feed_title(response):
             return None
         is_feed = isinstance(data, dict) and "jsonfeed.org" in str(data.get("version", ""))
         return (str(data.get("title") or "") or response.url) if is_feed else None
-    parsed = run_feedparser(response.body, response.url, kind or None)
+    parsed = run_feedparser(response.body[:FEED_HEAD_BYTES], response.url, kind or None)
     if not parsed.get("version") or not (parsed.get("entries") or parsed.feed.get("title")):
         return None
     return dict.get(parsed.feed, "title") or response.url
@@ -8960,9 +8968,14 @@ def feed_title(response):
 @dataclasses.dataclass
 class Discovery:
     """What discover found at a site: its feeds [(title, feed URL, URL
-    asked)], and the candidates it could not read [(URL, FetchError)]."""
+    asked)], the candidates it could not read [(URL, FetchError)], and how
+    many more it did not check."""
     feeds: list = dataclasses.field(default_factory=list)
     unread: list = dataclasses.field(default_factory=list)
+    unchecked: int = 0
+
+    def unchecked_note(self):
+        return f"… and {self.unchecked:,} more links not checked" if self.unchecked else ""
 
 
 def discover_feeds(url, settings):
@@ -8975,7 +8988,7 @@ def discover_feeds(url, settings):
     if title is not None:
         return Discovery([(title, page.url, url)])
     links = _AlternateLinks()
-    links.feed(page.body[:2_000_000].decode("utf-8", "replace"))
+    links.feed(page.body[:DISCOVER_PAGE_BYTES].decode("utf-8", "replace"))
     named = [urllib.parse.urljoin(page.url, href) for _, href in links.found]
     if named:
         return read_candidates(named, url, settings, gate, guessed=False)
@@ -8986,11 +8999,11 @@ def discover_feeds(url, settings):
 def read_candidates(candidates, site, settings, gate, guessed):
     """A Discovery of the URLs that may be feeds. A guessed path that is not
     there is no news; a named feed that cannot be read, or any fetch that
-    failed, is said."""
-    found = Discovery()
-    for candidate in dict.fromkeys(candidates):
-        if urllib.parse.urlsplit(candidate).scheme not in WEB_SCHEMES:
-            continue
+    failed, is said. Only the first MAX_DISCOVER_CANDIDATES are fetched."""
+    candidates = [c for c in dict.fromkeys(candidates)
+                  if urllib.parse.urlsplit(c).scheme in WEB_SCHEMES]
+    found = Discovery(unchecked=max(0, len(candidates) - MAX_DISCOVER_CANDIDATES))
+    for candidate in candidates[:MAX_DISCOVER_CANDIDATES]:
         try:
             response = http_get(candidate, settings, None, gate, home=site)
         except FetchError as e:
@@ -9006,15 +9019,17 @@ def read_candidates(candidates, site, settings, gate, guessed):
     return found
 
 
-def no_feed_read(url, unread):
+def no_feed_read(url, found):
     """Why discover lists no feed, in one line: a refusal first (it names
-    the setting that allows it), else the first failure."""
-    if not unread:
-        return f"no feed found at {url}"
-    candidate, error = next(((c, e) for c, e in unread if isinstance(e, RefusedDestination)),
-                            unread[0])
-    more = f" (and {len(unread) - 1} more not read)" if len(unread) > 1 else ""
-    return f"no feed read at {url}: {candidate}: {error}{more}"
+    the setting that allows it), else the first failure; and what it did
+    not check."""
+    unchecked = f"; {found.unchecked_note()}" if found.unchecked else ""
+    if not found.unread:
+        return f"no feed found at {url}{unchecked}"
+    candidate, error = next(((c, e) for c, e in found.unread
+                             if isinstance(e, RefusedDestination)), found.unread[0])
+    more = f" (and {len(found.unread) - 1} more not read)" if len(found.unread) > 1 else ""
+    return f"no feed read at {url}: {candidate}: {error}{more}{unchecked}"
 
 
 def cmd_discover(args, settings):
@@ -9027,9 +9042,11 @@ def cmd_discover(args, settings):
         print(f"vesti: discover: {url}: {e}", file=sys.stderr)
         return 1
     if not found.feeds:
-        print(f"vesti: discover: {no_feed_read(url, found.unread)}", file=sys.stderr)
+        print(f"vesti: discover: {no_feed_read(url, found)}", file=sys.stderr)
         return 1
     print_discovered(found.feeds, registry)
+    if found.unchecked:
+        print(f"# {found.unchecked_note()}")
     return 0
 
 
