@@ -3986,6 +3986,22 @@ def test_discover_checks_at_most_twenty_of_a_pages_feed_links(home, server, monk
     assert len(server.requests) == 3 * (1 + 20)
 
 
+def test_opml_import_keeps_the_line_endings_and_bom_of_sources_yaml(home):
+    text = ("sources:\n  - slug: lwn\n    crawler: rss\n    url: https://lwn.net/headlines/rss\n"
+            "\ndirections:\n  linux:\n    title: Linux\n    keywords: [linux]\n")
+    before = b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode("utf-8")
+    (home / "sources.yaml").write_bytes(before)
+    result = cli("opml-import", str(OPML / "feedly.opml"), cwd=home)
+    assert result.returncode == 0, result.stderr
+    after = (home / "sources.yaml").read_bytes()
+    assert after.startswith(before[:before.index(b"\r\n\r\ndirections")])
+    assert after.startswith(b"\xef\xbb\xbf") and after.count(b"\n") == after.count(b"\r\n")
+    registry = vesti.load_registry(str(home / "sources.yaml"))
+    assert [s.slug for s in registry.sources] == \
+        ["lwn", "phoronix", "opennet-novosti", "nasa-breaking-news"]
+    assert list(registry.directions) == ["linux"]
+
+
 def test_reset_dead_command_does_what_the_button_does(home):
     write_sources(home / "sources.yaml", [rss_source("a", "http://127.0.0.1:9/a")])
     cli("init", cwd=home)

@@ -8853,14 +8853,35 @@ def import_opml(registry, path, direction=None, priority=0):
     return len(added), skipped, list(unmatched)
 
 
+@dataclasses.dataclass
+class TextFile:
+    """A text file's text (each line ending in a line feed) and how it is
+    written: UTF-8 with a BOM or without, lines ending in CR LF or in LF."""
+    text: str
+    encoding: str
+    newline: str
+
+
+def read_text_file(path):
+    """The file as a TextFile, written back with the line ending most of its
+    lines have."""
+    with open(path, "rb") as f:
+        data = f.read()
+    encoding = "utf-8-sig" if data.startswith(codecs.BOM_UTF8) else "utf-8"
+    text = data.decode(encoding)
+    newline = "\r\n" if 2 * text.count("\r\n") > text.count("\n") else "\n"
+    return TextFile(text.replace("\r\n", "\n"), encoding, newline)
+
+
 def add_sources(registry, path, feeds, priority):
-    """Append feeds to sources.yaml, only if the file still loads after."""
-    with open(registry.path, encoding="utf-8") as f:
-        text = f.read()
-    item = re.search(r"^( *)- slug:", text, re.MULTILINE)
-    updated = append_sources(text, source_entries(feeds, item[1] if item else "  ", priority))
+    """Append feeds to sources.yaml, only if the file still loads after;
+    its encoding and line endings stay as they were."""
+    original = read_text_file(registry.path)
+    item = re.search(r"^( *)- slug:", original.text, re.MULTILINE)
+    updated = append_sources(original.text,
+                             source_entries(feeds, item[1] if item else "  ", priority))
     scratch = f"{registry.path}.importing"
-    with open(scratch, "w", encoding="utf-8") as f:
+    with open(scratch, "w", encoding=original.encoding, newline=original.newline) as f:
         f.write(updated)
     try:
         load_registry(scratch)
