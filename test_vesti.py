@@ -4002,6 +4002,22 @@ def test_opml_import_keeps_the_line_endings_and_bom_of_sources_yaml(home):
     assert list(registry.directions) == ["linux"]
 
 
+class CountingSet(set):
+    """A set that counts the look-ups made in it."""
+    checks = 0
+
+    def __contains__(self, item):
+        self.checks += 1
+        return super().__contains__(item)
+
+
+def test_many_feeds_of_one_title_get_their_slugs_without_trying_every_number_before():
+    taken = CountingSet({"news"})
+    slugs = [vesti.slug_for("News", f"https://site{k}.example/rss", taken) for k in range(2000)]
+    assert slugs[:3] == ["news-2", "news-3", "news-4"] and len(set(slugs)) == 2000
+    assert taken.checks < 2000 * 30             # one per feed before it would be 2,000,000
+
+
 def test_reset_dead_command_does_what_the_button_does(home):
     write_sources(home / "sources.yaml", [rss_source("a", "http://127.0.0.1:9/a")])
     cli("init", cwd=home)

@@ -8770,11 +8770,23 @@ def slug_for(title, url, taken):
     """A slug from the feed's title (or, when that gives nothing, its
     site's host), unique among `taken`."""
     base = slug_words(title) or slug_words(site_name(url)) or "feed"
-    slug, n = base, 2
-    while slug in taken:
-        slug, n = f"{base}-{n}", n + 1
+    slug = f"{base}-{free_number(base, taken)}" if base in taken else base
     taken.add(slug)
     return slug
+
+
+def free_number(base, taken):
+    """A number n from 2 on with base-n not taken: the first after a run of
+    taken ones, found in steps that double and then halve, so that each of
+    20,000 feeds of one title costs some 30 look-ups, not one per feed before
+    it (an OPML file of them took 45 s)."""
+    low, high = 1, 2            # base-low is taken (1 stands for base itself)
+    while f"{base}-{high}" in taken:
+        low, high = high, 2 * high
+    while high - low > 1:       # base-low taken, base-high free
+        middle = (low + high) // 2
+        low, high = (middle, high) if f"{base}-{middle}" in taken else (low, middle)
+    return high
 
 
 # Characters JSON leaves as they are but YAML does not: line breaks (NEL,
