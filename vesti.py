@@ -7552,6 +7552,23 @@ def desk_page(conn, desk, page, directions, settings, sources=None):
 
 # Exports ---------------------------------------------------------------------
 
+# What XML 1.0 cannot hold even escaped (outside its Char production): control
+# characters other than tab and line breaks, surrogates, U+FFFE and U+FFFF.
+# One of them in a stranger's title would make a whole feed unreadable to
+# every subscriber, so every XML document VESTI writes drops them.
+NOT_XML_CHARS = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def xml_text(value):
+    """`value` as text an XML document can hold."""
+    return NOT_XML_CHARS.sub("", str(value))
+
+
+def xml_esc(value):
+    """`value` for an element or attribute of XML written by hand."""
+    return "" if value is None else esc(xml_text(value))
+
+
 def iso_time(stamp):
     """'2026-11-30 10:00:00' (UTC) -> '2026-11-30T10:00:00Z'."""
     return (stamp or "1970-01-01 00:00:00").replace(" ", "T") + "Z"
@@ -7577,8 +7594,8 @@ ATOM_VESTI = "urn:vesti"
 def atom_decision(post):
     """The elements of an entry that say who decided it and when."""
     by, at = post["decided_by"], post["decided_at"]
-    return ((f"<contributor><name>{esc(by)}</name></contributor>"
-             f"<vesti:decided_by>{esc(by)}</vesti:decided_by>" if by else "")
+    return ((f"<contributor><name>{xml_esc(by)}</name></contributor>"
+             f"<vesti:decided_by>{xml_esc(by)}</vesti:decided_by>" if by else "")
             + (f"<vesti:decided_at>{iso_time(at)}</vesti:decided_at>" if at else ""))
 
 
@@ -7589,18 +7606,18 @@ def atom_feed(posts, title, self_url=None):
     for p in posts:
         link, published = post_link(p), published_date(p)
         entries.append(
-            f"<entry><id>urn:vesti:post:{p['id']}</id><title>{esc(p['title'] or '(untitled)')}</title>"
-            + (f'<link rel="alternate" href="{esc(link)}"/>' if link else "")
+            f"<entry><id>urn:vesti:post:{p['id']}</id><title>{xml_esc(p['title'] or '(untitled)')}</title>"
+            + (f'<link rel="alternate" href="{xml_esc(link)}"/>' if link else "")
             + (f"<published>{iso_time(published)}</published>" if published else "")
             + f"<updated>{iso_time(p['decided_at'] or p['published_at'])}</updated>"
-            f"<author><name>{esc(p['source'] or 'VESTI')}</name></author>"
+            f"<author><name>{xml_esc(p['source'] or 'VESTI')}</name></author>"
             + atom_decision(p)
-            + (f'<category term="{esc(p["direction"])}"/>' if p["direction"] else "")
-            + f"<summary>{esc(p['summary'] or '')}</summary></entry>")
-    self_link = f'<link rel="self" href="{esc(self_url)}"/>' if self_url else ""
+            + (f'<category term="{xml_esc(p["direction"])}"/>' if p["direction"] else "")
+            + f"<summary>{xml_esc(p['summary'] or '')}</summary></entry>")
+    self_link = f'<link rel="self" href="{xml_esc(self_url)}"/>' if self_url else ""
     return ('<?xml version="1.0" encoding="utf-8"?>\n'
             f'<feed xmlns="http://www.w3.org/2005/Atom" xmlns:vesti="{ATOM_VESTI}">'
-            f"<id>urn:vesti:{urllib.parse.quote(title.lower(), safe='')}</id><title>{esc(title)}</title><updated>{updated}</updated>"
+            f"<id>urn:vesti:{urllib.parse.quote(title.lower(), safe='')}</id><title>{xml_esc(title)}</title><updated>{updated}</updated>"
             f"{self_link}<generator>VESTI {__version__}</generator>{''.join(entries)}</feed>\n")
 
 
@@ -7632,12 +7649,25 @@ EXPORT_FIELDS = ("id", "status", "decided_at", "decided_by", "direction", "relev
                  "reason")
 
 
+# A cell starting with one of these is a formula to a spreadsheet (Excel,
+# LibreOffice), which runs it when the export is opened. As OWASP advises
+# against CSV injection, such a cell starts with a ' instead, and every cell
+# is quoted, so that a ; (the separator in many locales) starts no cell.
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def spreadsheet_cell(value):
+    """A CSV cell's value, never read as a formula."""
+    return "'" + value if isinstance(value, str) and value.startswith(FORMULA_STARTS) else value
+
+
 def csv_export(posts):
     out = io.StringIO()
-    writer = csv.writer(out)
+    writer = csv.writer(out, quoting=csv.QUOTE_ALL)
     writer.writerow(EXPORT_FIELDS)
     for p in posts:
-        writer.writerow([published_date(p) if f == "published_at" else p[f] for f in EXPORT_FIELDS])
+        writer.writerow([spreadsheet_cell(published_date(p) if f == "published_at" else p[f])
+                         for f in EXPORT_FIELDS])
     return out.getvalue()
 
 
@@ -8775,15 +8805,36 @@ def slug_for(title, url, taken):
     """A slug from the feed's title (or, when that gives nothing, its
     site's host), unique among `taken`."""
     base = slug_words(title) or slug_words(site_name(url)) or "feed"
-    slug, n = base, 2
-    while slug in taken:
-        slug, n = f"{base}-{n}", n + 1
+    slug = f"{base}-{free_number(base, taken)}" if base in taken else base
     taken.add(slug)
     return slug
 
 
+def free_number(base, taken):
+    """A number n from 2 on with base-n not taken: the first after a run of
+    taken ones, found in steps that double and then halve, so that each of
+    20,000 feeds of one title costs some 30 look-ups, not one per feed before
+    it (an OPML file of them took 45 s)."""
+    low, high = 1, 2            # base-low is taken (1 stands for base itself)
+    while f"{base}-{high}" in taken:
+        low, high = high, 2 * high
+    while high - low > 1:       # base-low taken, base-high free
+        middle = (low + high) // 2
+        low, high = (middle, high) if f"{base}-{middle}" in taken else (low, middle)
+    return high
+
+
+# Characters JSON leaves as they are but YAML does not: line breaks (NEL,
+# U+2028, U+2029) that would end a comment or fold a value, and characters a
+# YAML file may not hold at all (DEL, C1 controls, surrogates, U+FEFF, U+FFFE,
+# U+FFFF). Written as \u escapes, which YAML's double quotes read back.
+YAML_UNSAFE = re.compile("[\x7f-\x9f\u2028\u2029\ud800-\udfff\ufeff\ufffe\uffff]")
+
+
 def yaml_text(value):
-    return json.dumps(value, ensure_ascii=False)
+    """`value` as one line of YAML: a double-quoted (JSON) string, so that a
+    stranger's feed title can only ever be that string."""
+    return YAML_UNSAFE.sub(lambda ch: f"\\u{ord(ch[0]):04x}", json.dumps(value, ensure_ascii=False))
 
 
 def source_entries(feeds, indent, priority):
@@ -8793,7 +8844,7 @@ def source_entries(feeds, indent, priority):
         lines += [f"{indent}- slug: {slug}", f"{indent}  name: {yaml_text(title or slug)}",
                   f"{indent}  crawler: rss", f"{indent}  url: {yaml_text(url)}"]
         if direction:
-            lines.append(f"{indent}  direction: {direction}")
+            lines.append(f"{indent}  direction: {yaml_text(direction)}")
         lines += [f"{indent}  priority: {priority}", ""]
     return lines
 
@@ -8861,14 +8912,35 @@ def usable_feed_url(path, feed):
     return True
 
 
+@dataclasses.dataclass
+class TextFile:
+    """A text file's text (each line ending in a line feed) and how it is
+    written: UTF-8 with a BOM or without, lines ending in CR LF or in LF."""
+    text: str
+    encoding: str
+    newline: str
+
+
+def read_text_file(path):
+    """The file as a TextFile, written back with the line ending most of its
+    lines have."""
+    with open(path, "rb") as f:
+        data = f.read()
+    encoding = "utf-8-sig" if data.startswith(codecs.BOM_UTF8) else "utf-8"
+    text = data.decode(encoding)
+    newline = "\r\n" if 2 * text.count("\r\n") > text.count("\n") else "\n"
+    return TextFile(text.replace("\r\n", "\n"), encoding, newline)
+
+
 def add_sources(registry, path, feeds, priority):
-    """Append feeds to sources.yaml, only if the file still loads after."""
-    with open(registry.path, encoding="utf-8") as f:
-        text = f.read()
-    item = re.search(r"^( *)- slug:", text, re.MULTILINE)
-    updated = append_sources(text, source_entries(feeds, item[1] if item else "  ", priority))
+    """Append feeds to sources.yaml, only if the file still loads after;
+    its encoding and line endings stay as they were."""
+    original = read_text_file(registry.path)
+    item = re.search(r"^( *)- slug:", original.text, re.MULTILINE)
+    updated = append_sources(original.text,
+                             source_entries(feeds, item[1] if item else "  ", priority))
     scratch = f"{registry.path}.importing"
-    with open(scratch, "w", encoding="utf-8") as f:
+    with open(scratch, "w", encoding=original.encoding, newline=original.newline) as f:
         f.write(updated)
     try:
         load_registry(scratch)
@@ -8895,9 +8967,10 @@ def opml_document(sources):
             parent = folders.get(source["direction"])
             if parent is None:
                 parent = folders[source["direction"]] = ElementTree.SubElement(
-                    body, "outline", text=source["direction"], title=source["direction"])
-        ElementTree.SubElement(parent, "outline", type="rss", text=source["name"],
-                               title=source["name"], xmlUrl=source["url"])
+                    body, "outline", text=xml_text(source["direction"]),
+                    title=xml_text(source["direction"]))
+        ElementTree.SubElement(parent, "outline", type="rss", text=xml_text(source["name"]),
+                               title=xml_text(source["name"]), xmlUrl=xml_text(source["url"]))
     ElementTree.indent(root)
     return '<?xml version="1.0" encoding="utf-8"?>\n' + \
         ElementTree.tostring(root, encoding="unicode") + "\n"
@@ -8930,6 +9003,14 @@ FEED_TYPES = ("application/rss+xml", "application/atom+xml", "application/rdf+xm
 # Where sites usually keep their feed, tried when the page names none.
 COMMON_FEED_PATHS = ("/feed", "/rss", "/atom.xml", "/rss.xml", "/feed.xml", "/index.xml",
                      "/feeds/posts/default")
+# A page may name thousands of feeds, each fetched at the host's pace: only
+# the first of them are checked. Its links are looked for in its first
+# megabyte, and whether a response is a feed is told from its head (a feed
+# says its title and first entry there; feedparser spends seconds on every
+# megabyte of a page that is none).
+MAX_DISCOVER_CANDIDATES = 20
+DISCOVER_PAGE_BYTES = 1_000_000
+FEED_HEAD_BYTES = 65536
 
 
 class _AlternateLinks(html.parser.HTMLParser):
@@ -8958,7 +9039,7 @@ def feed_title(response):
             return None
         is_feed = isinstance(data, dict) and "jsonfeed.org" in str(data.get("version", ""))
         return (str(data.get("title") or "") or response.url) if is_feed else None
-    parsed = run_feedparser(response.body, response.url, kind or None)
+    parsed = run_feedparser(response.body[:FEED_HEAD_BYTES], response.url, kind or None)
     if not parsed.get("version") or not (parsed.get("entries") or parsed.feed.get("title")):
         return None
     return dict.get(parsed.feed, "title") or response.url
@@ -8967,9 +9048,14 @@ def feed_title(response):
 @dataclasses.dataclass
 class Discovery:
     """What discover found at a site: its feeds [(title, feed URL, URL
-    asked)], and the candidates it could not read [(URL, FetchError)]."""
+    asked)], the candidates it could not read [(URL, FetchError)], and how
+    many more it did not check."""
     feeds: list = dataclasses.field(default_factory=list)
     unread: list = dataclasses.field(default_factory=list)
+    unchecked: int = 0
+
+    def unchecked_note(self):
+        return f"… and {self.unchecked:,} more links not checked" if self.unchecked else ""
 
 
 def discover_feeds(url, settings):
@@ -8982,7 +9068,7 @@ def discover_feeds(url, settings):
     if title is not None:
         return Discovery([(title, page.url, url)])
     links = _AlternateLinks()
-    links.feed(page.body[:2_000_000].decode("utf-8", "replace"))
+    links.feed(page.body[:DISCOVER_PAGE_BYTES].decode("utf-8", "replace"))
     named = [urllib.parse.urljoin(page.url, href) for _, href in links.found]
     if named:
         return read_candidates(named, url, settings, gate, guessed=False)
@@ -8993,11 +9079,11 @@ def discover_feeds(url, settings):
 def read_candidates(candidates, site, settings, gate, guessed):
     """A Discovery of the URLs that may be feeds. A guessed path that is not
     there is no news; a named feed that cannot be read, or any fetch that
-    failed, is said."""
-    found = Discovery()
-    for candidate in dict.fromkeys(candidates):
-        if urllib.parse.urlsplit(candidate).scheme not in WEB_SCHEMES:
-            continue
+    failed, is said. Only the first MAX_DISCOVER_CANDIDATES are fetched."""
+    candidates = [c for c in dict.fromkeys(candidates)
+                  if urllib.parse.urlsplit(c).scheme in WEB_SCHEMES]
+    found = Discovery(unchecked=max(0, len(candidates) - MAX_DISCOVER_CANDIDATES))
+    for candidate in candidates[:MAX_DISCOVER_CANDIDATES]:
         try:
             response = http_get(candidate, settings, None, gate, home=site)
         except FetchError as e:
@@ -9013,15 +9099,17 @@ def read_candidates(candidates, site, settings, gate, guessed):
     return found
 
 
-def no_feed_read(url, unread):
+def no_feed_read(url, found):
     """Why discover lists no feed, in one line: a refusal first (it names
-    the setting that allows it), else the first failure."""
-    if not unread:
-        return f"no feed found at {url}"
-    candidate, error = next(((c, e) for c, e in unread if isinstance(e, RefusedDestination)),
-                            unread[0])
-    more = f" (and {len(unread) - 1} more not read)" if len(unread) > 1 else ""
-    return f"no feed read at {url}: {candidate}: {error}{more}"
+    the setting that allows it), else the first failure; and what it did
+    not check."""
+    unchecked = f"; {found.unchecked_note()}" if found.unchecked else ""
+    if not found.unread:
+        return f"no feed found at {url}{unchecked}"
+    candidate, error = next(((c, e) for c, e in found.unread
+                             if isinstance(e, RefusedDestination)), found.unread[0])
+    more = f" (and {len(found.unread) - 1} more not read)" if len(found.unread) > 1 else ""
+    return f"no feed read at {url}: {candidate}: {error}{more}{unchecked}"
 
 
 def cmd_discover(args, settings):
@@ -9034,9 +9122,11 @@ def cmd_discover(args, settings):
         print(f"vesti: discover: {url}: {e}", file=sys.stderr)
         return 1
     if not found.feeds:
-        print(f"vesti: discover: {no_feed_read(url, found.unread)}", file=sys.stderr)
+        print(f"vesti: discover: {no_feed_read(url, found)}", file=sys.stderr)
         return 1
     print_discovered(found.feeds, registry)
+    if found.unchecked:
+        print(f"# {found.unchecked_note()}")
     return 0
 
 
@@ -9047,10 +9137,10 @@ def print_discovered(feeds, registry):
     for title, feed, asked in feeds:
         slug = known.get(canonical_url(feed)) or known.get(canonical_url(asked))
         if slug:
-            print(f"# {title}: {feed} (already a source: {slug})\n")
+            print(f"# {yaml_text(title)}: {yaml_text(feed)} (already a source: {slug})\n")
             continue
         entry = (slug_for(title, feed, taken), title, feed, None)
-        print(f"# {title}: {feed}")
+        print(f"# {yaml_text(title)}: {yaml_text(feed)}")
         print("\n".join(source_entries([entry], "  ", 1)))
 
 
