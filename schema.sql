@@ -61,6 +61,9 @@ CREATE TABLE IF NOT EXISTS posts (
     -- teaser's link, see words_sha256): an edit is told apart from the
     -- article fetched in place of a teaser.
     words_sha256 TEXT,
+    -- The verdicts of its earlier words (JSON, {words_sha256: verdict}, the
+    -- last few): an edit back to them is not classified again.
+    verdicts TEXT,
     -- The decision an edit of its words took back, who made it and when, and
     -- the title and text it was made on: the desk shows the post as edited
     -- after that decision until it is decided again.

@@ -2453,6 +2453,27 @@ def test_an_approved_post_edited_into_other_words_goes_back_to_the_desk_marked(h
 
 
 @both
+def test_edits_back_to_words_already_classified_reuse_their_verdict(home, ollama):
+    s, db = tg_intake(home, OLLAMA_URL=ollama.url)
+    registry = vesti.Registry("x", DIRECTIONS, ())
+    first = "Kernel 7.1 brings new drivers and a faster scheduler for every laptop."
+    second = "Kernel 7.1 brings new drivers, a faster scheduler and longer battery life."
+    posted = recent(60)
+    fake = FakeTelegram([tg.Message(id=1, peer_id=tg.PeerChannel(1001), date=posted,
+                                    message=first)])
+    crawl_tg(s, db, fake)
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    for minute in range(1, 7):                    # six edits: second, first, second, …
+        fake.history = [tg_edited(1, second if minute % 2 else first, posted, minute)]
+        crawl_tg(s, db, fake)
+        vesti.run_workers(db, s, registry, workers=1, quiet=True)
+        post = posts_of(db, "chan")[0]
+        assert post["classified"] == 1 and post["summary"] == f"Summary: {post['text']}"
+    assert ollama.titles() == [first, second]
+    assert posts_of(db, "chan")[0]["text"] == first
+
+
+@both
 def test_an_edited_teaser_classified_on_its_article_keeps_its_decision(home, server):
     page = CORPUS / "html" / "bbc.com.52241221.html"
     server.routes["/story"] = lambda request: (200, {"Content-Type": "text/html"},

@@ -774,6 +774,9 @@ CREATE TABLE IF NOT EXISTS posts (
     -- teaser's link, see words_sha256): an edit is told apart from the
     -- article fetched in place of a teaser.
     words_sha256 TEXT,
+    -- The verdicts of its earlier words (JSON, {words_sha256: verdict}, the
+    -- last few): an edit back to them is not classified again.
+    verdicts TEXT,
     -- The decision an edit of its words took back, who made it and when, and
     -- the title and text it was made on: the desk shows the post as edited
     -- after that decision until it is decided again.
@@ -2987,7 +2990,7 @@ def update_edited_posts(conn, source_id, drafts):
 
 # What an edit needs of the post it changes.
 EDITED = f"""id, title, text, content_type, article_url, classified, status, decided_at,
-             decided_by, story_id, words_sha256"""
+             decided_by, story_id, words_sha256, verdicts, {", ".join(VERDICT_FIELDS)}"""
 
 
 def update_edited_post(conn, source_id, draft):
@@ -3002,7 +3005,7 @@ def update_edited_post(conn, source_id, draft):
     words = draft.words_sha256 or words_sha256(draft.text, draft.article_url)
     before = row["words_sha256"] or words_sha256(row["text"], row["article_url"])
     if words != before:
-        return reword_post(conn, row, draft, words)
+        return reword_post(conn, row, draft, before, words)
     if row["content_type"] == "full" or normalize_text(row["text"]) == normalize_text(draft.text):
         return 0
     store_edit(conn, row["id"], edited_text(draft, words))
@@ -3021,13 +3024,26 @@ def store_edit(conn, post_id, changes):
                  f"WHERE id = :id", {**changes, "id": post_id})
 
 
-def reword_post(conn, row, draft, words):
-    """An edit in other `words`: the post leaves its story, goes back to the
-    queue, and loses its decision, kept beside it until the next one:
-    nothing is approved in words nobody decided on. Returns 1."""
+# Verdicts kept of a post's earlier words.
+VERDICTS_KEPT = 8
+
+
+def reword_post(conn, row, draft, before, words):
+    """An edit from words `before` to other `words`: the post leaves its
+    story, takes back the verdict of these words when they were classified
+    before (or goes back to the queue), and loses its decision, kept beside
+    it until the next one: nothing is approved in words nobody decided on.
+    Only a classified post takes a verdict back: one still in the queue is
+    classified anyway, and a completion outside the workers is counted only
+    where its count rows are ready. Returns 1."""
+    verdicts = remembered_verdicts(row, before)
+    restored = verdicts.get(words) if row["classified"] == DONE else None
     changes = {**edited_text(draft, words),
-               "story_id": None if row["story_id"] is None else row["id"]}
-    if row["classified"] in (DONE, FAILED):
+               "story_id": None if row["story_id"] is None else row["id"],
+               "verdicts": json.dumps(verdicts) if verdicts else None}
+    if restored:
+        changes.update(restored)
+    elif row["classified"] in (DONE, FAILED):
         changes.update(classified=PENDING, attempts=0, next_attempt_at=None)
     if row["status"] != "new":
         changes.update(status="new", decided_at=None, decided_by=None,
@@ -3037,6 +3053,16 @@ def reword_post(conn, row, draft, words):
     leave_story(conn, row)
     store_edit(conn, row["id"], changes)
     return 1
+
+
+def remembered_verdicts(row, before):
+    """The post's verdicts of earlier words, and its own of the words
+    `before` when it is classified: the newest VERDICTS_KEPT."""
+    verdicts = json.loads(row["verdicts"] or "{}")
+    if row["classified"] == DONE:
+        verdicts.pop(before, None)
+        verdicts[before] = {key: row[key] for key in VERDICT_FIELDS}
+    return dict(list(verdicts.items())[-VERDICTS_KEPT:])
 
 
 def leave_story(conn, post):
