@@ -56,7 +56,22 @@ CREATE TABLE IF NOT EXISTS posts (
     story_id INTEGER,
     -- 1: the entry gave no date (or one far in the future), so published_at
     -- is the time it was fetched.
-    undated INTEGER NOT NULL DEFAULT 0
+    undated INTEGER NOT NULL DEFAULT 0,
+    -- What a Telegram post said as the channel last gave it (its words and a
+    -- teaser's link, see words_sha256): an edit is told apart from the
+    -- article fetched in place of a teaser.
+    words_sha256 TEXT,
+    -- The verdicts of its earlier words (JSON, {words_sha256: verdict}, the
+    -- last few): an edit back to them is not classified again.
+    verdicts TEXT,
+    -- The decision an edit of its words took back, who made it and when, and
+    -- the title and text it was made on: the desk shows the post as edited
+    -- after that decision until it is decided again.
+    old_decision TEXT,
+    old_decided_at TEXT,
+    old_decided_by TEXT,
+    old_title TEXT,
+    old_text TEXT
 );
 -- The queue: each state has its own small index, so a claim or a completion
 -- touches only the indexes of the states it leaves and enters, and each

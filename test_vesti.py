@@ -2418,6 +2418,133 @@ def test_edits_after_the_edit_window_are_not_read_again(home):
     assert "many new drivers" in posts_of(db, "chan")[0]["text"]
 
 
+def tg_edited(id, text, posted, minutes):
+    """Message `id` as Telegram gives it once edited `minutes` after `posted`."""
+    return tg.Message(id=id, peer_id=tg.PeerChannel(1001), date=posted, message=text,
+                      edit_date=posted + datetime.timedelta(minutes=minutes))
+
+
+HARMLESS = "Linux 7.1 is out: a faster scheduler and new drivers for older laptops."
+SPAM = "Linux users: cheap pills and casino bonuses at https://spam.example, order today!"
+
+
+def card_of(page, post_id):
+    return re.search(rf'<article class="post" id="post-{post_id}".*?</article>', page, re.S)[0]
+
+
+@both
+def test_an_approved_post_edited_into_other_words_goes_back_to_the_desk_marked(home):
+    write_sources(home / "sources.yaml", [{"slug": "chan", "crawler": "telegram",
+                                           "url": "https://t.me/linuxnews", "direction": "linux"}])
+    web = Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret"))
+    s, db = web.settings, web.db
+    try:
+        posted = recent(60)
+        fake = FakeTelegram([tg.Message(id=1, peer_id=tg.PeerChannel(1001), date=posted,
+                                        message=HARMLESS)])
+        crawl_tg(s, db, fake)
+        vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
+        web.post("/posts/1/status", {"token": web.token(), "status": "approved"})
+
+        def approved():
+            return [item["title"] for item in json.loads(web.get("/approved.json")[2])["items"]]
+        assert approved() == [HARMLESS]
+        fake.history = [tg_edited(1, HARMLESS.replace(" ", "  ") + "\n", posted, 5)]
+        crawl_tg(s, db, fake)                     # spacing only: nothing to decide again
+        assert approved() == [HARMLESS] and posts_of(db, "chan")[0]["classified"] == 1
+        fake.history = [tg_edited(1, SPAM, posted, 10)]
+        crawl_tg(s, db, fake)
+        assert approved() == []
+        post = posts_of(db, "chan")[0]
+        assert (post["status"], post["decided_by"], post["decided_at"]) == ("new", None, None)
+        vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
+        assert approved() == []
+        card = card_of(web.get("/")[2], 1)
+        assert "Edited after your decision (approved by admin," in card
+        before, now = re.search(r'<div class="before">(.*?)</div><div class="now">(.*?)</div>',
+                                card, re.S).groups()
+        assert html.escape(HARMLESS) in before and html.escape(SPAM) in now
+        assert "Изменён после вашего решения (одобрено, admin," in card_of(web.get("/?lang=ru")[2], 1)
+        web.post("/posts/1/status", {"token": web.token(), "status": "rejected"})
+        card = card_of(web.get("/?status=rejected")[2], 1)
+        assert "Edited after your decision" not in card and 'class="before"' not in card
+        assert approved() == [] and counts_match_posts(db.conn())
+    finally:
+        web.close()
+
+
+@both
+def test_edits_back_to_words_already_classified_reuse_their_verdict(home, ollama):
+    s, db = tg_intake(home, OLLAMA_URL=ollama.url)
+    registry = vesti.Registry("x", DIRECTIONS, ())
+    first = "Kernel 7.1 brings new drivers and a faster scheduler for every laptop."
+    second = "Kernel 7.1 brings new drivers, a faster scheduler and longer battery life."
+    posted = recent(60)
+    fake = FakeTelegram([tg.Message(id=1, peer_id=tg.PeerChannel(1001), date=posted,
+                                    message=first)])
+    crawl_tg(s, db, fake)
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    for minute in range(1, 7):                    # six edits: second, first, second, …
+        fake.history = [tg_edited(1, second if minute % 2 else first, posted, minute)]
+        crawl_tg(s, db, fake)
+        vesti.run_workers(db, s, registry, workers=1, quiet=True)
+        post = posts_of(db, "chan")[0]
+        assert post["classified"] == 1 and post["summary"] == f"Summary: {post['text']}"
+    assert ollama.titles() == [first, second]
+    assert posts_of(db, "chan")[0]["text"] == first
+
+
+@both
+def test_an_edited_teaser_classified_on_its_article_keeps_its_decision(home, server):
+    page = CORPUS / "html" / "bbc.com.52241221.html"
+    server.routes["/story"] = lambda request: (200, {"Content-Type": "text/html"},
+                                               page.read_bytes())
+    s, db = tg_intake(home, VESTI_ALLOW_PRIVATE_NETWORKS=1)
+    link = server.url + "/story"
+    preview = tg.MessageMediaWebPage(webpage=tg.WebPage(
+        id=1, url=link, display_url=link, hash=0, title="New York from above",
+        description="Drone footage of an empty city"))
+    posted = recent(60)
+    fake = FakeTelegram([tg.Message(id=1, peer_id=tg.PeerChannel(1001), date=posted,
+                                    message=f"Look: {link}", media=preview)])
+    crawl_tg(s, db, fake)
+    fake.history[0].edit_date = posted + datetime.timedelta(minutes=2)   # a fixed typo, say
+    health = {"health": vesti.Direction("health", "Health", ("coronavirus", "outbreak"))}
+    vesti.run_workers(db, s, vesti.Registry("x", health, ()), workers=1, quiet=True)
+    post = posts_of(db, "chan")[0]
+    assert (post["classified"], post["content_type"]) == (1, "full")
+    vesti.set_decision(db.conn(), post["id"], "approved", "admin")
+    crawl_tg(s, db, fake)            # read again (edited lately): its words are the same
+    post = posts_of(db, "chan")[0]
+    assert (post["status"], post["classified"], post["content_type"]) == ("approved", 1, "full")
+    assert "New York" in post["text"] and len(post["text"]) > 1000
+    assert len(server.sent("/story")) == 1
+
+
+@both
+def test_a_decided_teaser_whose_hidden_link_is_edited_goes_back_to_the_desk(home):
+    s, db = tg_intake(home)
+    posted = recent(60)
+
+    def teaser(link, minutes=None):
+        words = "Read the whole story here"
+        return tg.Message(id=1, peer_id=tg.PeerChannel(1001), date=posted, message=words,
+                          entities=[tg.MessageEntityTextUrl(offset=0, length=len(words), url=link)],
+                          edit_date=minutes and posted + datetime.timedelta(minutes=minutes))
+    fake = FakeTelegram([teaser("https://news.example/budget")])
+    crawl_tg(s, db, fake)
+    db.conn().execute("UPDATE posts SET classified = 1, relevance = 7")
+    vesti.set_decision(db.conn(), 1, "approved", "admin")
+    fake.history = [teaser("https://news.example/budget", 3)]
+    crawl_tg(s, db, fake)                          # read again, nothing changed
+    assert posts_of(db, "chan")[0]["status"] == "approved"
+    fake.history = [teaser("https://casino.example/bonus", 5)]
+    crawl_tg(s, db, fake)
+    post = posts_of(db, "chan")[0]
+    assert (post["status"], post["old_decision"], post["classified"]) == ("new", "approved", 0)
+    assert post["article_url"] == "https://casino.example/bonus"
+
+
 def test_a_channel_link_that_names_no_channel_is_a_recorded_error(home):
     s, db = tg_intake(home)
     db.conn().execute("UPDATE sources SET url = 'https://example.com/x'")
@@ -4267,6 +4394,23 @@ def test_the_desk_from_the_keyboard_decides_in_place(web, browser):
     assert browser.evaluate(f"document.getElementById('post-{ids[-32]}').dataset.status") == "new"
     assert conn.execute("SELECT status FROM posts WHERE id = ?", (ids[-32],)).fetchone()[0] \
         == "new"
+
+
+def test_a_decision_in_place_takes_the_edited_after_decision_mark_away(web, browser):
+    conn = web.db.conn()
+    post = desk_post(conn, lwn(web), 1, title="Cheap pills for Linux users")
+    conn.execute("""UPDATE posts SET old_decision = 'approved', old_decided_by = 'admin',
+                    old_decided_at = '2026-11-30 10:00:00', old_title = 'Kernel 7.1 is out',
+                    old_text = 'Kernel 7.1 is out with a faster scheduler.' WHERE id = ?""", (post,))
+    browser.open(web.origin + "/", {"Authorization": web.auth})
+    mark = "document.querySelectorAll('#post-%d p.edited').length" % post
+    assert browser.evaluate(mark) == 1
+    press(browser, "j")
+    press(browser, "r")
+    assert wait_until(browser, f"document.getElementById('post-{post}').dataset.busy === '0'")
+    assert browser.evaluate(mark) == 0
+    assert conn.execute("SELECT status, old_decision FROM posts WHERE id = ?",
+                        (post,)).fetchone()[:] == ("rejected", None)
     press(browser, "?")
     assert browser.evaluate("!document.getElementById('keys').hidden")
     assert visible(browser, ".keys-hint") and visible(browser, "form.filters")   # a wide screen
@@ -5971,6 +6115,55 @@ def test_a_sources_list_shows_its_copies_and_a_copy_decides_its_story(home):
         assert counts_match_posts(conn)
         approved = dict(conn.execute("SELECT slug, approved FROM sources"))
         assert approved == {"wire": 1, "daily": 1, "radio": 0} and "The Daily" in crawlers
+    finally:
+        web.close()
+
+
+@both
+def test_a_post_edited_out_of_an_approved_story_leaves_it_and_the_story_keeps_its_words(home):
+    channels = {"wirechan": STORY, "dailychan": "From our correspondent: " + STORY,
+                "radiochan": STORY[:300] + "\n\nИсточник: @citywire"}
+    write_sources(home / "sources.yaml", [{"slug": name[:-4], "crawler": "telegram",
+                                           "url": f"@{name}", "priority": k}
+                                          for k, name in enumerate(channels)])
+    text = (home / "sources.yaml").read_text().replace("keywords: [", "keywords: [budget, ")
+    (home / "sources.yaml").write_text(text)
+    web = Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret"))
+    s, db, conn = web.settings, web.db, web.db.conn()
+    try:
+        posted = recent(60)
+        fake = FakeTelegram(channels={name: [tg.Message(id=1, peer_id=tg.PeerChannel(1001),
+                                                        date=posted, message=message)]
+                                      for name, message in channels.items()})
+        crawl_tg(s, db, fake)
+        vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
+        lead, copy, other = [r[0] for r in conn.execute("SELECT id FROM posts ORDER BY id")]
+        assert {r[0] for r in conn.execute("SELECT story_id FROM posts")} == {lead}
+        web.post(f"/posts/{lead}/status", {"token": web.token(), "status": "approved"})
+
+        def approved():
+            return [item["url"] for item in json.loads(web.get("/approved.json")[2])["items"]]
+        assert approved() == ["https://t.me/wirechan/1"]
+        # Other words in the same story: a card of its own all the same, to decide again.
+        fake.channels["radiochan"] = [tg_edited(1, channels["radiochan"] + ", обновлено",
+                                                posted, 5)]
+        crawl_tg(s, db, fake)
+        vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
+        story = card_of(web.get("/?status=approved")[2], lead)
+        assert "+1 source:" in story and "radio" not in story
+        assert approved() == ["https://t.me/wirechan/1"]
+        assert "Edited after your decision" in card_of(web.get("/")[2], other)
+        spam = "Budget tip: cheap pills and casino bonuses at https://spam.example, order today!"
+        fake.channels["wirechan"] = [tg_edited(1, spam, posted, 6)]
+        crawl_tg(s, db, fake)
+        vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
+        assert approved() == ["https://t.me/dailychan/1"]     # the copy's own words
+        assert tuple(conn.execute("SELECT status, story_id FROM posts WHERE id = ?",
+                                  (copy,)).fetchone()) == ("approved", copy)
+        page = web.get("/")[2]
+        assert {lead, other} <= set(card_ids(page)) and "+1 source" not in page
+        assert "Edited after your decision" in card_of(page, lead)
+        assert counts_match_posts(conn)
     finally:
         web.close()
 

@@ -785,7 +785,22 @@ CREATE TABLE IF NOT EXISTS posts (
     story_id INTEGER,
     -- 1: the entry gave no date (or one far in the future), so published_at
     -- is the time it was fetched.
-    undated INTEGER NOT NULL DEFAULT 0
+    undated INTEGER NOT NULL DEFAULT 0,
+    -- What a Telegram post said as the channel last gave it (its words and a
+    -- teaser's link, see words_sha256): an edit is told apart from the
+    -- article fetched in place of a teaser.
+    words_sha256 TEXT,
+    -- The verdicts of its earlier words (JSON, {words_sha256: verdict}, the
+    -- last few): an edit back to them is not classified again.
+    verdicts TEXT,
+    -- The decision an edit of its words took back, who made it and when, and
+    -- the title and text it was made on: the desk shows the post as edited
+    -- after that decision until it is decided again.
+    old_decision TEXT,
+    old_decided_at TEXT,
+    old_decided_by TEXT,
+    old_title TEXT,
+    old_text TEXT
 );
 -- The queue: each state has its own small index, so a claim or a completion
 -- touches only the indexes of the states it leaves and enters, and each
@@ -2373,6 +2388,7 @@ def claim_post(conn, now=None):
 
 # What a worker gets of a post it claims.
 CLAIMED = """id, source_id, url, article_url, title, text, content_type, attempts, claim_token,
+             old_decision,
              (SELECT url FROM sources WHERE sources.id = posts.source_id) AS source_url"""
 
 
@@ -2669,6 +2685,7 @@ class Draft:
     text_identifies: bool = True
     article_url: str = None     # a Telegram teaser's link, fetched in phase 3
     edited_at: str = None
+    words_sha256: str = None    # what a Telegram message says (see words_sha256)
 
 
 def is_stored(conn, source_id, draft, sha):
@@ -2723,12 +2740,12 @@ def insert_new_posts(conn, source_id, direction, drafts, fetched_at=None):
         conn.execute("""
             INSERT INTO posts (source_id, external_id, url, canonical_url, title, text,
                                content_type, sha256, fetched_at, published_at, undated,
-                               classified, direction, article_url, edited_at)
-            VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                               classified, direction, article_url, edited_at, words_sha256)
+            VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
         """, (source_id, draft.external_id, draft.url, draft.canonical_url,
               draft.title, draft.text, draft.content_type, sha, fetched_at,
               min(draft.published_at or fetched_at, fetched_at), int(draft.published_at is None), PENDING,
-              direction, draft.article_url, draft.edited_at))
+              direction, draft.article_url, draft.edited_at, draft.words_sha256))
         new += 1
     if new:
         conn.execute("UPDATE sources SET post_count = post_count + ? WHERE id = ?",
@@ -2979,6 +2996,13 @@ def meaningful_words(text):
     return re.findall(r"\w+", (text or "").casefold())
 
 
+def words_sha256(text, link=None):
+    """sha256 of what a message says: its words (a comma or spacing changes
+    nothing) and the link of a teaser, which is classified on its article."""
+    said = " ".join(meaningful_words(text)) + (f"\n{link}" if link else "")
+    return hashlib.sha256(said.encode("utf-8")).hexdigest()
+
+
 @redoable
 def update_edited_posts(conn, source_id, drafts):
     """update_edited_post for each draft, in one transaction (on PostgreSQL
@@ -2988,25 +3012,99 @@ def update_edited_posts(conn, source_id, drafts):
         return sum(update_edited_post(conn, source_id, draft) for draft in drafts)
 
 
+# What an edit needs of the post it changes.
+EDITED = f"""id, title, text, content_type, article_url, classified, status, decided_at,
+             decided_by, story_id, words_sha256, verdicts, {", ".join(VERDICT_FIELDS)}"""
+
+
 def update_edited_post(conn, source_id, draft):
-    """Store an edited message's new text. A classified post goes back to the
-    queue only when its words changed (not for a fixed comma or spacing).
-    Returns 1 when the text changed."""
-    row = conn.execute("SELECT id, text, classified FROM posts WHERE source_id = ? AND "
-                       "external_id = ?", (source_id, draft.external_id)).fetchone()
-    if row is None or normalize_text(row["text"]) == normalize_text(draft.text):
+    """Store an edited message's new text. Other words (not a fixed comma or
+    spacing) make it a new post to classify and to decide (see reword_post);
+    the same words in other punctuation are stored as they are, except over
+    a teaser's article. Returns 1 when the text changed."""
+    row = conn.execute(f"SELECT {EDITED} FROM posts WHERE source_id = ? AND external_id = ?",
+                       (source_id, draft.external_id)).fetchone()
+    if row is None:
         return 0
-    requeue = meaningful_words(row["text"]) != meaningful_words(draft.text) and \
-        row["classified"] in (DONE, FAILED)
-    conn.execute(f"""UPDATE posts SET text = ?, title = ?, sha256 = ?, edited_at = ?,
-                         content_type = ?, article_url = ?,
-                         classified = CASE WHEN ? = 1 THEN {PENDING} ELSE classified END,
-                         attempts = CASE WHEN ? = 1 THEN 0 ELSE attempts END,
-                         next_attempt_at = CASE WHEN ? = 1 THEN NULL ELSE next_attempt_at END
-                     WHERE id = ?""",
-                 (draft.text, draft.title, text_sha256(draft.text), draft.edited_at,
-                  draft.content_type, draft.article_url, requeue, requeue, requeue, row["id"]))
+    words = draft.words_sha256 or words_sha256(draft.text, draft.article_url)
+    before = row["words_sha256"] or words_sha256(row["text"], row["article_url"])
+    if words != before:
+        return reword_post(conn, row, draft, before, words)
+    if row["content_type"] == "full" or normalize_text(row["text"]) == normalize_text(draft.text):
+        return 0
+    store_edit(conn, row["id"], edited_text(draft, words))
     return 1
+
+
+def edited_text(draft, words):
+    """The columns an edit sets, whatever it changed."""
+    return {"text": draft.text, "title": draft.title, "sha256": text_sha256(draft.text),
+            "edited_at": draft.edited_at, "content_type": draft.content_type,
+            "article_url": draft.article_url, "words_sha256": words}
+
+
+def store_edit(conn, post_id, changes):
+    conn.execute(f"UPDATE posts SET {', '.join(f'{column} = :{column}' for column in changes)} "
+                 f"WHERE id = :id", {**changes, "id": post_id})
+
+
+# Verdicts kept of a post's earlier words.
+VERDICTS_KEPT = 8
+
+
+def reword_post(conn, row, draft, before, words):
+    """An edit from words `before` to other `words`: the post leaves its
+    story, takes back the verdict of these words when they were classified
+    before (or goes back to the queue), and loses its decision, kept beside
+    it until the next one: nothing is approved in words nobody decided on.
+    Only a classified post takes a verdict back: one still in the queue is
+    classified anyway, and a completion outside the workers is counted only
+    where its count rows are ready. Returns 1."""
+    verdicts = remembered_verdicts(row, before)
+    restored = verdicts.get(words) if row["classified"] == DONE else None
+    changes = {**edited_text(draft, words),
+               "story_id": None if row["story_id"] is None else row["id"],
+               "verdicts": json.dumps(verdicts) if verdicts else None}
+    if restored:
+        changes.update(restored)
+    elif row["classified"] in (DONE, FAILED):
+        changes.update(classified=PENDING, attempts=0, next_attempt_at=None)
+    if row["status"] != "new":
+        changes.update(status="new", decided_at=None, decided_by=None,
+                       old_decision=row["status"], old_decided_at=row["decided_at"],
+                       old_decided_by=row["decided_by"], old_title=row["title"],
+                       old_text=row["text"])
+    leave_story(conn, row)
+    store_edit(conn, row["id"], changes)
+    return 1
+
+
+def remembered_verdicts(row, before):
+    """The post's verdicts of earlier words, and its own of the words
+    `before` when it is classified: the newest VERDICTS_KEPT."""
+    verdicts = json.loads(row["verdicts"] or "{}")
+    if row["classified"] == DONE:
+        verdicts.pop(before, None)
+        verdicts[before] = {key: row[key] for key in VERDICT_FIELDS}
+    return dict(list(verdicts.items())[-VERDICTS_KEPT:])
+
+
+def leave_story(conn, post):
+    """A post whose words changed leaves its story, which was found on its
+    old words. Where it led one, its copies follow the oldest classified of
+    them and keep the decision made on them, as their words are those it was
+    made on: the story's card, the verdict later copies take and the
+    approved feeds go on with a copy's words, never with the edited post's.
+    The edited post is a card of its own (Classifier.prepare keeps it out of
+    every story until it is decided again), so it cannot slip back under an
+    approved story's card either."""
+    if post["story_id"] != post["id"]:
+        return
+    heir = conn.execute(f"""SELECT id FROM posts WHERE {copies_of()}
+                            ORDER BY CASE WHEN classified = {DONE} THEN 0 ELSE 1 END, id
+                            LIMIT 1""", (post["id"],)).fetchone()
+    if heir is not None:
+        conn.execute(f"UPDATE posts SET story_id = ? WHERE {copies_of()}", (heir[0], post["id"]))
 
 
 def defer_telegram(conn, seconds, now=None):
@@ -3195,6 +3293,12 @@ def set_decision(conn, post_id, decision, editor):
     return set_decisions(conn, [post_id], decision, editor)
 
 
+# A decision, or an undo, is made on the post as it reads now: the mark of
+# an edit after the decision before goes (see reword_post).
+DECIDED_AGAIN = """old_decision = NULL, old_decided_at = NULL, old_decided_by = NULL,
+                   old_title = NULL, old_text = NULL"""
+
+
 @redoable
 def set_decisions(conn, post_ids, decision, editor):
     """One decision on many posts at once (on any post of a story, for the
@@ -3205,8 +3309,9 @@ def set_decisions(conn, post_ids, decision, editor):
     now, editor = (None, None) if decision == "new" else (utc_text(), editor)
     with transaction(conn):
         for post_id in post_ids:
-            row = conn.execute("""UPDATE posts SET status = ?, decided_at = ?, decided_by = ?
-                                  WHERE id = ? RETURNING source_id, story_id""",
+            row = conn.execute(f"""UPDATE posts SET status = ?, decided_at = ?, decided_by = ?,
+                                       {DECIDED_AGAIN}
+                                   WHERE id = ? RETURNING source_id, story_id""",
                                (decision, now, editor, post_id)).fetchone()
             if row is None:
                 continue
@@ -3215,7 +3320,7 @@ def set_decisions(conn, post_ids, decision, editor):
             story = row["story_id"]
             if story is not None:
                 sources.update(r[0] for r in conn.execute(
-                    f"""UPDATE posts SET status = ?, decided_at = ?, decided_by = ?
+                    f"""UPDATE posts SET status = ?, decided_at = ?, decided_by = ?, {DECIDED_AGAIN}
                         WHERE ({copies_of()} OR id = ?) AND id != ? RETURNING source_id""",
                     (decision, now, editor, story, story, post_id)))
         conn.executemany("""UPDATE sources SET approved = (SELECT coalesce(sum(n), 0)
@@ -5012,7 +5117,8 @@ def message_draft(channel, group):
     published = telegram_time(first.date)
     edited = max((m.edit_date for m in group if getattr(m, "edit_date", None)), default=None)
     return Draft(str(first.id), url, url, title, text, kind, published,
-                 article_url=article_url, edited_at=telegram_time(edited))
+                 article_url=article_url, edited_at=telegram_time(edited),
+                 words_sha256=words_sha256(text, article_url))
 
 
 def telegram_time(moment):
@@ -5794,8 +5900,10 @@ class Classifier:
         matches = keywords.matches(f"{post['title']}\n{text}")
         extra = {"text": full_text}
         # No story for a post that is not relevant (no LLM call to save, no
-        # card on the desk to merge), nor with stories off.
-        if matches and self.db is not None and self.settings.story_hours:
+        # card on the desk to merge), nor with stories off, nor for one
+        # edited after a decision: it is a card of its own until decided again.
+        if matches and self.db is not None and self.settings.story_hours and \
+                not post["old_decision"]:
             story = StoryEntry(post["id"], post["title"], text, self.keys_of(post, full_text, asked),
                                story_since(self.settings.story_hours))
             if not self.settings.ollama_url:
@@ -6517,6 +6625,9 @@ input,select{font:inherit;padding:.3em .4em;border:1px solid var(--line);border-
 .post h2{font-size:1.05em;margin:0 0 .3em}.post h2 a{color:var(--fg)}
 .post p{margin:.3em 0}.post form{display:flex;gap:.5em;align-items:center}
 .post details{margin:.3em 0}.post .text{white-space:pre-wrap;font-size:.9em;max-height:24em;overflow:auto}
+.post p.edited{color:var(--warn);font-weight:600}
+.versions{display:grid;grid-template-columns:1fr 1fr;gap:1em}
+.versions>div{white-space:pre-wrap;font-size:.9em;max-height:24em;overflow:auto}
 .badge{display:inline-block;padding:0 .5em;border-radius:10px;background:#eef2ff;font-size:.8em}
 nav.pages{margin:1em 0;display:flex;gap:1em}
 .bulk [hidden]{display:none}.bulk .unsaved{color:var(--bad);font-weight:600}
@@ -6527,7 +6638,7 @@ details.filters>summary{cursor:pointer;font-weight:600;margin-bottom:.5em}
 #keys{position:fixed;right:1em;bottom:1em;background:#fff;border:1px solid var(--line);border-radius:8px;padding:.8em 1.2em;box-shadow:0 4px 16px #0002}
 #keys[hidden]{display:none}#keys kbd{display:inline-block;min-width:1.4em;font-weight:600}
 @media (max-width:600px){
- main{padding:.6em}.card b{font-size:1.4em}
+ main{padding:.6em}.card b{font-size:1.4em}.versions{grid-template-columns:1fr}
  .table{border:0;background:none}
  table.sources,table.sources tbody{display:block;width:100%}
  table.sources thead{display:none}
@@ -6609,6 +6720,9 @@ STRINGS = {
         "col.relevant": "relevant", "col.approved": "approved",
         "silent_for": "no new post for {d}",
         "failing": "failing",
+        "edited": "Edited after your decision ({decision} by {who}, {when} UTC): decide again.",
+        "edit_texts": "Before and after the edit", "before_edit": "Before the edit",
+        "after_edit": "Now",
     },
     "ru": {
         "desk": "Отбор", "crawlers": "Источники", "pending": "в очереди",
@@ -6685,6 +6799,8 @@ STRINGS = {
         "col.relevant": "релевантных", "col.approved": "одобрено",
         "silent_for": "нет новых постов {d}",
         "failing": "сбоит",
+        "edited": "Изменён после вашего решения ({decision}, {who}, {when} UTC): решите снова.",
+        "edit_texts": "До и после правки", "before_edit": "До правки", "after_edit": "Сейчас",
     },
 }
 LANGUAGES = tuple(STRINGS)
@@ -7041,7 +7157,9 @@ def story_copies(conn, posts):
 DESK_COLUMNS = """p.id, p.title, p.url, p.summary, p.direction, p.relevance, p.interest,
                   p.status, p.published_at, p.undated, p.content_type, p.keywords, p.reason,
                   substr(p.text, 1, {card_text}) AS text, p.decided_at, p.decided_by,
-                  p.story_id, s.name AS source, s.slug AS source_slug""".format(card_text=CARD_TEXT + 1)
+                  p.story_id, s.name AS source, s.slug AS source_slug, p.old_decision,
+                  p.old_decided_at, p.old_decided_by, p.old_title,
+                  substr(p.old_text, 1, {card_text}) AS old_text""".format(card_text=CARD_TEXT + 1)
 
 
 def desk_posts(conn, desk, limit=PAGE_SIZE + 1):
@@ -7322,7 +7440,8 @@ def card_words(lang):
     """The fixed words of a card, escaped, looked up once per language."""
     return {key: said(lang, key) for key in ("untitled", "no_direction", "keywords", "reason",
                                              "stored_text", "utc", "relevance", "interest",
-                                             "undated")}
+                                             "undated", "edit_texts", "before_edit",
+                                             "after_edit")}
 
 
 def card_time(post, words):
@@ -7330,6 +7449,27 @@ def card_time(post, words):
     and when it was fetched (what its published_at then holds)."""
     stamp = f'{esc(post["published_at"])} {words["utc"]}'
     return f'{words["undated"]} {stamp}' if post["undated"] else stamp
+
+
+def edited_mark(post, page):
+    """What an edit of its words after a decision took back (see reword_post)."""
+    if not post["old_decision"]:
+        return ""
+    decision = page.strings.get(f'status.{post["old_decision"]}', post["old_decision"])
+    said_then = page.t("edited", decision=decision, who=post["old_decided_by"] or "—",
+                       when=post["old_decided_at"] or "—")
+    return f'<p class="edited">{said_then}</p>'
+
+
+def edited_texts(post, words, text):
+    """The title and text a decision was made on, beside the post's now."""
+    def version(kind, label, title, body):
+        return (f'<div class="{kind}"><span class="small muted">{words[label]}</span>\n'
+                f'<b>{esc(title)}</b>\n{esc(body)}</div>')
+    return (f'<details class="edit"><summary class="small">{words["edit_texts"]}</summary>'
+            f'<div class="versions">'
+            f'{version("before", "before_edit", post["old_title"], shorten(post["old_text"], CARD_TEXT))}'
+            f'{version("now", "after_edit", post["title"], text)}</div></details>')
 
 
 def card_html(post, page, back, copies=()):
@@ -7344,15 +7484,18 @@ def card_html(post, page, back, copies=()):
         why.append(f'{words["reason"]}: {esc(post["reason"])}')
     why_html = f'<p class="why small muted">{" · ".join(why)}</p>' if why else ""
     text = shorten(post["text"], CARD_TEXT)
-    stored = (f'<details><summary class="small">{words["stored_text"]}</summary>'
-              f'<div class="text">{esc(text)}</div></details>' if text else "")
+    if post["old_decision"]:
+        stored = edited_texts(post, words, text)
+    else:
+        stored = (f'<details><summary class="small">{words["stored_text"]}</summary>'
+                  f'<div class="text">{esc(text)}</div></details>' if text else "")
     direction = esc(post["direction"]) or words["no_direction"]
     return (f'<article class="post" id="post-{post["id"]}" data-id="{post["id"]}" '
             f'data-status="{esc(post["status"])}"><h2>{link}</h2>'
             f'<p class="small muted">{esc(post["source"])} · {card_time(post, words)} · '
             f'<span class="badge">{direction}</span> '
             f'{words["relevance"]} <b>{esc(post["relevance"])}</b> · '
-            f'{words["interest"]} <b>{esc(post["interest"])}</b></p>'
+            f'{words["interest"]} <b>{esc(post["interest"])}</b></p>{edited_mark(post, page)}'
             f'<p>{esc(post["summary"])}</p>{story_line(post, copies, page)}{why_html}{stored}'
             f'{decision_form(post, page, back)}</article>')
 
@@ -7409,6 +7552,8 @@ function focus(i){if(!cards.length)return;cur=Math.max(0,Math.min(i,cards.length
 function show(card,status){card.dataset.status=status;
  card.querySelector('.state').textContent=words.status[status];
  [].forEach.call(card.querySelectorAll('form.decide button'),function(b){b.disabled=b.value===status});}
+/* A decision saved is made on the post as it reads now: no longer edited after one. */
+function saved(card,status){card.saved=status;var mark=card.querySelector('p.edited');if(mark)mark.remove();}
 function note(card,text){var p=card.querySelector('.unsaved');
  if(!p&&text){p=document.createElement('p');p.className='unsaved';p.setAttribute('role','alert');
   card.querySelector('form.decide').before(p);}
@@ -7432,7 +7577,7 @@ function decide(card,status,move){
  show(card,status);note(card,'');card.dataset.busy=(+card.dataset.busy||0)+1;
  /* One card's decisions reach the server in the order they were made. */
  card.chain=(card.chain||Promise.resolve()).then(function(){return send(card,status)})
- .then(function(j){card.saved=j.status;if(+card.dataset.busy===1){show(card,j.status);note(card,'')}},
+ .then(function(j){saved(card,j.status);if(+card.dataset.busy===1){show(card,j.status);note(card,'')}},
   function(why){if(+card.dataset.busy===1)show(card,card.saved);
    note(card,fill(words.not_saved,{why:String(why),retry:words.retry[status]}));
    focus(cards.indexOf(card));})
@@ -7447,7 +7592,7 @@ function bulkNote(text){var p=bulk.querySelector('.unsaved');p.textContent=text;
 function bulkFailed(why){bulkNote(fill(words.not_saved,{why:String(why),retry:words.retry.bulk}))}
 function bulkSend(shown,status){return post(bulk.action,{token:bulk.token.value,status:status,
  confirmed:'1',ids:shown.map(function(c){return c.dataset.id}).join(',')})}
-function settle(shown,status){shown.forEach(function(c){c.saved=status;show(c,status);note(c,'')})}
+function settle(shown,status){shown.forEach(function(c){saved(c,status);show(c,status);note(c,'')})}
 function rejectShown(){
  var shown=bulk.ids.value.split(',').map(function(id){return document.getElementById('post-'+id)})
   .filter(Boolean),before=shown.map(function(c){return c.dataset.status});
