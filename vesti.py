@@ -7791,6 +7791,14 @@ def abort(status, text, headers=None):
     raise EarlyReply(status, text, headers)
 
 
+def readable_body_length(headers):
+    """The Content-Length of a request body the page reads, or None for one
+    it refuses unread (not a number, or over MAX_REQUEST_BODY)."""
+    length = headers.get("Content-Length", "0")
+    return int(length) if length.isascii() and length.isdigit() and \
+        int(length) <= MAX_REQUEST_BODY else None
+
+
 class WebApp:
     """Routes, Basic auth and cross-site protection for the VESTI page."""
 
@@ -7927,10 +7935,10 @@ class WebApp:
         abort(405, "Method not allowed", {"Allow": allowed})
 
     def read_form(self, request):
-        length = request.headers.get("Content-Length", "0")
-        if not length.isdigit() or int(length) > MAX_REQUEST_BODY:
+        length = readable_body_length(request.headers)
+        if length is None:
             abort(413, "Request body too large")
-        body = request.rfile.read(int(length)).decode("utf-8", "replace")
+        body = request.rfile.read(length).decode("utf-8", "replace")
         return urllib.parse.parse_qs(body)
 
     def check_forgery(self, request, form):
