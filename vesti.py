@@ -8228,10 +8228,12 @@ class DroppedRequests:
 
 class WebWorkers:
     """At most `size` threads answering whole requests, started as they are
-    needed and kept; requests beyond them wait their turn."""
+    needed and kept; requests beyond them wait their turn. A thread counts
+    as free before `answered` gives the connection back, so the next
+    request on it finds it free instead of starting another."""
 
-    def __init__(self, size, answer):
-        self.size, self.answer = size, answer
+    def __init__(self, size, answer, answered):
+        self.size, self.answer, self.answered = size, answer, answered
         self.jobs = queue.SimpleQueue()
         self.idle = threading.Semaphore(0)
         self.threads = []
@@ -8245,8 +8247,9 @@ class WebWorkers:
 
     def work(self):
         while (job := self.jobs.get()) is not None:
-            self.answer(job)
+            kept_open = self.answer(job)
             self.idle.release()
+            self.answered(job, kept_open)
 
     def stop(self):
         for _ in self.threads:
@@ -8373,7 +8376,7 @@ class WebServer(http.server.HTTPServer):
         self.waiting = WaitingConnections()
         self.answering = 0                       # connections the workers have
         self.returned = queue.SimpleQueue()      # (connection, kept open) from the workers
-        self.workers = WebWorkers(self.max_threads, self.answer)
+        self.workers = WebWorkers(self.max_threads, self.answer, self.give_back)
         self.dropped = DroppedRequests(self.max_per_client, self.max_connections)
         self.stopping, self.stopped, self.closed = (threading.Event() for _ in range(3))
         self.wake_reader, self.wake_writer = socket.socketpair()
@@ -8508,14 +8511,18 @@ class WebServer(http.server.HTTPServer):
         self.workers.give(conn)
 
     def answer(self, conn):
-        """On a worker thread: answer the request, then give the connection back."""
-        keep = False
+        """On a worker thread: answer the request; whether the connection stays open."""
         try:
-            keep = not self.RequestHandlerClass(conn, conn.address, self).close_connection
+            return not self.RequestHandlerClass(conn, conn.address, self).close_connection
         except OSError as e:
             log.debug("web: %s: %s", conn.address[0], e)
         except Exception:
             log.exception("web: answering %s failed", conn.address[0])
+        return False
+
+    def give_back(self, conn, keep):
+        """On a worker thread: the connection back to the front (to be read
+        or closed there)."""
         if self.closed.is_set():
             return self.shutdown_request(conn.sock)
         self.returned.put((conn, keep))
