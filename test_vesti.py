@@ -5390,6 +5390,149 @@ def test_a_client_that_drips_its_request_is_dropped_while_others_are_served(web,
     assert answered[0] == 200 and json.loads(answered[2])["pending"] == 0
 
 
+class SlowClients:
+    """`count` connections to the page from the loopback addresses `hosts`,
+    each sending one byte of an endless header every `every` seconds and
+    connecting again as soon as the server drops it, all from one thread."""
+
+    REQUEST = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
+
+    def __init__(self, port, hosts, count, every):
+        self.port, self.every = port, every
+        self.hosts = [hosts[i % len(hosts)] for i in range(count)]
+        self.connections = 0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.attack, daemon=True)
+        self.thread.start()
+
+    def connect(self, host):
+        sock = socket.socket()
+        sock.setblocking(False)                 # a full backlog holds no other client
+        try:
+            sock.bind((host, 0))
+        except OSError:
+            sock.close()
+            return None
+        sock.connect_ex(("127.0.0.1", self.port))
+        self.connections += 1
+        return sock
+
+    def attack(self):
+        socks, sent = [None] * len(self.hosts), [0] * len(self.hosts)
+        # The first connections are spread over a second, as clients' are.
+        due = [time.monotonic() + i / len(socks) for i in range(len(socks))]
+        next_byte = time.monotonic()
+        while not self.stopped.is_set():
+            waits = [next_byte] + [d for s, d in zip(socks, due) if s is None]
+            dropped = select.select([s for s in socks if s is not None], [], [],
+                                    max(0, min(waits) - time.monotonic()))[0]
+            for i, sock in enumerate(socks):
+                if sock is not None and sock in dropped:     # closed or answered: again
+                    sock.close()
+                    socks[i], sent[i], due[i] = None, 0, 0
+                if socks[i] is None and due[i] <= time.monotonic():
+                    socks[i] = self.connect(self.hosts[i])
+            if time.monotonic() >= next_byte:
+                next_byte += self.every
+                for i, sock in enumerate(socks):
+                    with contextlib.suppress(OSError, AttributeError):
+                        sock.send(self.REQUEST[sent[i]:sent[i] + 1] or b"z")
+                        sent[i] += 1
+        for sock in socks:
+            if sock is not None:
+                sock.close()
+
+    def close(self):
+        self.stopped.set()
+        self.thread.join(10)
+
+
+def test_slow_clients_that_reconnect_leave_the_page_to_its_editors(web, monkeypatch, caplog):
+    """80 clients from two addresses drip their headers and reconnect as
+    soon as they are dropped; an editor's requests meanwhile are answered,
+    and the log names each of those addresses a few times, not once a
+    connection."""
+    monkeypatch.setattr(vesti.WebHandler, "request_deadline", 2)
+    answered, failed = [], []
+    with caplog.at_level(logging.WARNING, logger="vesti"):
+        attack = SlowClients(web.port, ["127.0.0.2", "127.0.0.3"], count=80, every=0.5)
+        try:
+            ends = time.monotonic() + 4
+            while time.monotonic() < ends:
+                started = time.monotonic()
+                try:
+                    status, _, body = web.get("/api/queue")
+                except OSError as e:
+                    failed.append(repr(e))
+                    continue
+                if status == 200 and time.monotonic() - started < 5:
+                    answered.append(json.loads(body)["pending"])
+                else:
+                    failed.append(status)
+        finally:
+            attack.close()
+    assert len(answered) >= 0.9 * (len(answered) + len(failed)) and len(answered) >= 20, \
+        (len(answered), failed[:5])
+    assert attack.connections > 120                        # they were dropped and came back
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    for host in ("127.0.0.2", "127.0.0.3"):
+        told = [w for w in warnings if host in w]
+        assert 1 <= len(told) <= 3, told[:5]
+    assert not [w for w in warnings if "127.0.0.1" in w]
+
+
+def test_connections_kept_open_after_a_page_hold_no_thread(web):
+    """Browsers keep their connections open after a page: a hundred of them
+    left idle, from four addresses, neither take a thread each nor keep the
+    next editor out."""
+    threads = threading.active_count()
+    kept = []
+    try:
+        for i in range(100):
+            conn = http.client.HTTPConnection("127.0.0.1", web.port, timeout=10,
+                                              source_address=(f"127.0.0.{2 + i % 4}", 0))
+            kept.append(conn)
+            conn.request("GET", "/healthz")
+            response = conn.getresponse()
+            assert (response.status, response.read(), response.will_close) == (200, b"ok\n", False)
+        assert web.get("/api/queue")[0] == 200
+        assert threading.active_count() - threads < 10
+    finally:
+        for conn in kept:
+            conn.close()
+
+
+def test_a_request_head_over_64_kib_is_refused_and_others_are_served(web):
+    filler = b"".join(b"X-Filler-%d: %s\r\n" % (i, b"y" * 1000) for i in range(70))
+    with socket.create_connection(("127.0.0.1", web.port), timeout=10) as raw:
+        raw.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+                    + filler + b"\r\n")
+        answer = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := raw.recv(65536):
+                answer += chunk
+    assert answer.startswith(b"HTTP/1.1 431 ")
+    assert web.get("/healthz", auth=False)[0] == 200
+
+
+def test_requests_dropped_are_told_once_a_minute_per_client(caplog):
+    now = 0.0
+    dropped = vesti.DroppedRequests(32, 512, clock=lambda: now)
+    with caplog.at_level(logging.WARNING, logger="vesti"):
+        for _ in range(500):                                # 50 s of reconnecting
+            dropped.count("127.0.0.9", "slow")
+            now += 0.1
+        dropped.count("127.0.0.8", "crowded")
+        dropped.tell_due()
+        now = 61.0
+        dropped.tell_due()
+        dropped.tell_due()
+    assert [r.getMessage() for r in caplog.records] == [
+        "web: 127.0.0.9 sent 1 request too slowly; dropped",
+        "web: 127.0.0.8 had more than 32 requests coming at once; 1 dropped, the oldest first",
+        "web: 127.0.0.9 sent 499 requests too slowly; dropped"]
+
+
 def test_a_page_keeps_its_connection_open_and_an_idle_or_refused_one_is_closed(web, monkeypatch,
                                                                             caplog):
     """Pages come one after the other on one connection (a browser's

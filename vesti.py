@@ -27,6 +27,7 @@ import csv
 import dataclasses
 import datetime
 import email.utils
+import errno
 import functools
 import hashlib
 import heapq
@@ -47,6 +48,7 @@ import os
 import queue
 import re
 import secrets
+import selectors
 import signal
 import socket
 import sqlite3
@@ -7997,6 +7999,14 @@ def abort(status, text, headers=None):
     raise EarlyReply(status, text, headers)
 
 
+def readable_body_length(headers):
+    """The Content-Length of a request body the page reads, or None for one
+    it refuses unread (not a number, or over MAX_REQUEST_BODY)."""
+    length = headers.get("Content-Length", "0")
+    return int(length) if length.isascii() and length.isdigit() and \
+        int(length) <= MAX_REQUEST_BODY else None
+
+
 class WebApp:
     """Routes, Basic auth and cross-site protection for the VESTI page."""
 
@@ -8137,10 +8147,10 @@ class WebApp:
         abort(405, "Method not allowed", {"Allow": allowed})
 
     def read_form(self, request):
-        length = request.headers.get("Content-Length", "0")
-        if not length.isdigit() or int(length) > MAX_REQUEST_BODY:
+        length = readable_body_length(request.headers)
+        if length is None:
             abort(413, "Request body too large")
-        body = request.rfile.read(int(length)).decode("utf-8", "replace")
+        body = request.rfile.read(length).decode("utf-8", "replace")
         return urllib.parse.parse_qs(body)
 
     def check_forgery(self, request, form):
@@ -8264,6 +8274,198 @@ class WebApp:
         request.reply(200, "text/plain", b"ok\n")
 
 
+# The web server --------------------------------------------------------------
+#
+# One thread (the front) accepts connections and reads each request whole,
+# without a thread per connection; a pool of threads answers whole requests
+# only. A client that drips its request, or many of them reconnecting as soon
+# as they are dropped, then costs a socket and a few bytes, never a thread
+# the editors' requests wait for.
+
+# A request's head (request line and headers) may take this many bytes, the
+# longest line http.server reads.
+MAX_REQUEST_HEAD = 65536
+# The end of a request's head: an empty line (http.server takes LF for CRLF).
+HEAD_END = re.compile(rb"\n\r?\n")
+HEAD_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\n"
+                  b"Content-Type: text/plain\r\nContent-Length: 23\r\n\r\nRequest head too large\n")
+# accept() failing for want of a file: the oldest unfinished request makes
+# room, or accepting pauses this many seconds.
+OUT_OF_FILES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+ACCEPT_PAUSE = 0.1
+# The log tells of one client address's dropped requests at most once in
+# this many seconds.
+DROPS_TOLD_EVERY = 60
+
+
+def body_to_read(head):
+    """Bytes of body to wait for after a request's head: its Content-Length
+    when the page would read it (a larger one is refused unread)."""
+    _, _, lines = bytes(head).partition(b"\n")
+    try:
+        headers = http.client.parse_headers(io.BytesIO(lines))
+    except http.client.HTTPException:
+        return 0            # http.server refuses it again, with its reason
+    return readable_body_length(headers) or 0
+
+
+def connection_limit():
+    """Connections the front holds at most: a few thousand, and no more than
+    half the files this process may open (the rest are the answered
+    connections, the database and the crawls')."""
+    try:
+        import resource
+        files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError):
+        return 512
+    return 4096 if files == resource.RLIM_INFINITY else max(64, min(4096, files // 2))
+
+
+class WebConnection:
+    """A client's connection as the front holds it: what it sent of its next
+    request, and by when that request must be whole."""
+
+    def __init__(self, sock, address):
+        self.sock, self.address = sock, address
+        # Counted per client: an IPv6 client is its whole /64.
+        self.client = WrongPasswords.key(address[0])
+        self.received = bytearray()
+        self.scanned, self.head_end, self.body = 0, None, 0
+        self.deadline = math.inf
+        self.taken = b""            # the request a worker answers
+
+    def request_size(self):
+        """Bytes of the next request (head and body), once its head is in."""
+        if self.head_end is None:
+            found = HEAD_END.search(self.received, max(0, self.scanned - 2))
+            self.scanned = len(self.received)
+            if found is None:
+                return None
+            self.head_end = found.end()
+            self.body = body_to_read(self.received[:self.head_end])
+        return self.head_end + self.body
+
+    def head_too_large(self):
+        return (self.head_end or len(self.received)) > MAX_REQUEST_HEAD
+
+    def take_request(self):
+        """The next request once it is whole (the bytes after it stay for
+        the one after), else None."""
+        size = self.request_size()
+        if size is None or len(self.received) < size:
+            return None
+        request = bytes(self.received[:size])
+        del self.received[:size]
+        self.scanned, self.head_end, self.body = 0, None, 0
+        return request
+
+
+class WaitingConnections:
+    """The connections the front waits on for a whole request, oldest first
+    (the first to pass their deadline), in all and per client."""
+
+    def __init__(self):
+        self.all = collections.OrderedDict()
+        self.of_client = {}
+
+    def __len__(self):
+        return len(self.all)
+
+    def __iter__(self):
+        return iter(self.all)
+
+    def __contains__(self, conn):
+        return conn in self.all
+
+    def add(self, conn):
+        self.all[conn] = None
+        self.of_client.setdefault(conn.client, collections.OrderedDict())[conn] = None
+
+    def remove(self, conn):
+        del self.all[conn]
+        mine = self.of_client[conn.client]
+        del mine[conn]
+        if not mine:
+            del self.of_client[conn.client]
+
+    def count(self, client):
+        return len(self.of_client.get(client, ()))
+
+    def oldest(self, client=None):
+        return next(iter(self.all if client is None else self.of_client.get(client, ())), None)
+
+
+class DroppedRequests:
+    """Requests the front dropped, told in the log once per client and
+    reason at most every DROPS_TOLD_EVERY seconds: a client that comes back
+    as soon as it is dropped makes a line a minute, not one a connection."""
+
+    TOLD = {"slow": "web: {client} sent {n} request{s} too slowly; dropped",
+            "crowded": "web: {client} had more than {per_client} requests coming at once; "
+                       "{n} dropped, the oldest first",
+            "full": "web: {connections} connections at once; {n} unfinished request{s} of "
+                    "{client} dropped, the oldest first",
+            "no_files": "web: no file left for another connection ({n} time{s}); "
+                        "accepting paused a moment"}
+
+    def __init__(self, per_client, connections, clock=time.monotonic):
+        self.limits = {"per_client": per_client, "connections": connections}
+        self.clock = clock
+        self.pending = collections.Counter()     # (client, reason): requests not told yet
+        self.told = {}                           # (client, reason): when last told
+
+    def count(self, client, reason):
+        self.pending[client, reason] += 1
+        if self.clock() - self.told.get((client, reason), -math.inf) >= DROPS_TOLD_EVERY:
+            self.tell(client, reason)
+
+    def tell_due(self):
+        """Tell what waited for its minute; forget clients told long ago."""
+        now = self.clock()
+        for key, when in list(self.told.items()):
+            if now - when >= DROPS_TOLD_EVERY:
+                if key in self.pending:
+                    self.tell(*key)
+                else:
+                    del self.told[key]
+
+    def tell(self, client, reason):
+        n = self.pending.pop((client, reason))
+        self.told[client, reason] = self.clock()
+        log.warning(self.TOLD[reason].format(client=client, n=n, s="" if n == 1 else "s",
+                                             **self.limits))
+
+
+class WebWorkers:
+    """At most `size` threads answering whole requests, started as they are
+    needed and kept; requests beyond them wait their turn. A thread counts
+    as free before `answered` gives the connection back, so the next
+    request on it finds it free instead of starting another."""
+
+    def __init__(self, size, answer, answered):
+        self.size, self.answer, self.answered = size, answer, answered
+        self.jobs = queue.SimpleQueue()
+        self.idle = threading.Semaphore(0)
+        self.threads = []
+
+    def give(self, job):
+        self.jobs.put(job)
+        if not self.idle.acquire(blocking=False) and len(self.threads) < self.size:
+            thread = threading.Thread(target=self.work, name="web", daemon=True)
+            self.threads.append(thread)
+            thread.start()
+
+    def work(self):
+        while (job := self.jobs.get()) is not None:
+            kept_open = self.answer(job)
+            self.idle.release()
+            self.answered(job, kept_open)
+
+    def stop(self):
+        for _ in self.threads:
+            self.jobs.put(None)
+
+
 # Control characters of a request line (C0, DEL, C1) are written to the log
 # escaped, and so is the backslash, so an escape cannot be forged.
 LOG_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(32), *range(127, 160)]}
@@ -8271,43 +8473,36 @@ LOG_ESCAPES[ord("\\")] = "\\\\"
 
 
 class WebHandler(http.server.BaseHTTPRequestHandler):
+    """One whole request (`request`: the WebConnection the front read it
+    from) answered on a worker thread."""
     server_version = f"VESTI/{__version__}"
     access_log = logging.getLogger("vesti.access")
     # The whole request (line, headers, body) must arrive within this many
     # seconds, however slowly it trickles in; a slower client is dropped.
     request_deadline = 10
+    # Each write of the answer waits at most this long for the client.
     timeout = request_deadline
     # A connection is kept open after a page (HTTP/1.1), for the next request
     # to arrive, whole, within request_deadline; it is closed after anything
-    # else (an error, a refusal, a form posted), so only a client that gets
-    # pages holds a thread, and never for long.
+    # else (an error, a refusal, a form posted).
     protocol_version = "HTTP/1.1"
-    # An answer's headers and body are two writes: with Nagle's algorithm on
-    # a kept-open connection, a short body would wait for the client's
-    # delayed acknowledgement (40 ms).
+    # An answer's headers and a long body are several writes: with Nagle's
+    # algorithm on a kept-open connection, the last would wait for the
+    # client's delayed acknowledgement (40 ms).
     disable_nagle_algorithm = True
 
     def setup(self):
-        super().setup()
-        self.reader = _DeadlineReader(self.connection, 0, self.timeout)
-        self.rfile = io.BufferedReader(self.reader)
-        self.answered = 0
+        self.connection = self.request.sock
+        self.connection.settimeout(self.timeout)
+        if self.disable_nagle_algorithm:
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+        self.rfile = io.BytesIO(self.request.taken)
+        self.wfile = self.connection.makefile("wb")
 
-    def handle_one_request(self):
-        self.reader.deadline = time.monotonic() + self.request_deadline
-        if self.answered and not self.next_request_comes():
-            self.close_connection = True
-            return
-        super().handle_one_request()
-        self.answered += 1
-
-    def next_request_comes(self):
-        """On a kept-open connection: whether another request begins before
-        the deadline (the connection is closed quietly if not)."""
-        try:
-            return bool(self.rfile.peek(1))
-        except (TimeoutError, OSError):
-            return False
+    def handle(self):
+        """One request: the front reads the next one, if the connection stays open."""
+        self.close_connection = True
+        self.handle_one_request()
 
     def do_GET(self):
         self.guard("GET")
@@ -8338,7 +8533,7 @@ class WebHandler(http.server.BaseHTTPRequestHandler):
             log.debug("web: %s %s: the client went away", method, self.path)
         except TimeoutError:
             self.close_connection = True
-            log.info("web: %s sent its request too slowly; dropped", self.address_string())
+            log.info("web: %s took its answer too slowly; dropped", self.address_string())
         except StorageError as e:
             log.error("web: %s", e)
             with contextlib.suppress(OSError):
@@ -8372,29 +8567,216 @@ class WebHandler(http.server.BaseHTTPRequestHandler):
                              (format % args).translate(LOG_ESCAPES))
 
 
-class WebServer(http.server.ThreadingHTTPServer):
-    """ThreadingHTTPServer with a cap on the threads: past it, new
-    connections are closed at once instead of piling up."""
-    daemon_threads = True
+class WebServer(http.server.HTTPServer):
+    """The front: accepts connections and reads each request whole on one
+    thread (serve_forever's), then hands it to WebWorkers; a connection kept
+    open comes back to it between requests. It holds at most
+    `max_connections`, and at most `max_per_client` still sending a
+    request per client address: past either, the oldest unfinished one is
+    dropped."""
     max_threads = 64
+    max_per_client = 32
+    # Connections the kernel keeps waiting for accept() (socketserver's 5
+    # turns away a burst of clients).
+    request_queue_size = 128
+
+    def __init__(self, address, handler):
+        # Before the socket is bound: a port in use closes the server at once.
+        self.max_connections = connection_limit()
+        self.waiting = WaitingConnections()
+        self.answering = 0                       # connections the workers have
+        self.returned = queue.SimpleQueue()      # (connection, kept open) from the workers
+        self.workers = WebWorkers(self.max_threads, self.answer, self.give_back)
+        self.dropped = DroppedRequests(self.max_per_client, self.max_connections)
+        self.stopping, self.stopped, self.closed = (threading.Event() for _ in range(3))
+        self.wake_reader, self.wake_writer = socket.socketpair()
+        self.wake_reader.setblocking(False)
+        self.wake_writer.setblocking(False)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.wake_reader, selectors.EVENT_READ, self.take_back)
+        self.next_tell, self.accepting_again = 0.0, math.inf
+        super().__init__(address, handler)
 
     def server_activate(self):
         super().server_activate()
-        self.slots = threading.BoundedSemaphore(self.max_threads)
+        self.socket.setblocking(False)
+        self.selector.register(self.socket, selectors.EVENT_READ, self.accept_clients)
 
-    def process_request(self, request, client_address):
-        if not self.slots.acquire(blocking=False):
-            log.warning("web: %d requests at once; refusing %s", self.max_threads,
-                        client_address[0])
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request, client_address):
+    def serve_forever(self, poll_interval=0.5):
+        self.stopped.clear()
         try:
-            super().process_request_thread(request, client_address)
+            while not self.stopping.is_set():
+                for key, _ in self.selector.select(self.next_wait(poll_interval)):
+                    key.data()
+                self.drop_late()
+                self.tell_drops()
+                self.resume_accepting()
         finally:
-            self.slots.release()
+            self.stopping.clear()
+            self.stopped.set()
+
+    def shutdown(self):
+        """Stop serve_forever and wait until it has."""
+        self.stopping.set()
+        self.wake()
+        self.stopped.wait()
+
+    def server_close(self):
+        self.closed.set()
+        super().server_close()
+        for conn in list(self.waiting):
+            self.close(conn)
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self.shutdown_request(self.returned.get_nowait()[0].sock)
+        self.workers.stop()
+        self.selector.close()
+        self.wake_reader.close()
+        self.wake_writer.close()
+
+    def next_wait(self, poll_interval):
+        oldest = self.waiting.oldest()
+        until = min(oldest.deadline if oldest else math.inf, self.accepting_again)
+        return max(0.0, min(poll_interval, until - time.monotonic()))
+
+    def wake(self):
+        with contextlib.suppress(OSError):         # full: it is being woken already
+            self.wake_writer.send(b"\0")
+
+    def accept_clients(self):
+        for _ in range(self.request_queue_size):
+            try:
+                sock, address = self.socket.accept()
+            except BlockingIOError:
+                return
+            except OSError as e:
+                if e.errno in OUT_OF_FILES:
+                    return self.make_room()
+                continue                # a client that left before it was accepted
+            self.welcome(WebConnection(sock, address))
+
+    def make_room(self):
+        """No file left for a connection: the oldest unfinished request makes
+        room, or, with none, accepting waits a moment (the listening socket
+        stays ready, and would be asked again at once)."""
+        oldest = self.waiting.oldest()
+        if oldest is not None:
+            return self.drop(oldest, "full")
+        self.dropped.count("", "no_files")
+        self.selector.unregister(self.socket)
+        self.accepting_again = time.monotonic() + ACCEPT_PAUSE
+
+    def resume_accepting(self):
+        if self.accepting_again <= time.monotonic():
+            self.accepting_again = math.inf
+            self.selector.register(self.socket, selectors.EVENT_READ, self.accept_clients)
+
+    def welcome(self, conn):
+        if len(self.waiting) + self.answering >= self.max_connections:
+            oldest = self.waiting.oldest()
+            if oldest is None:
+                return self.shutdown_request(conn.sock)
+            self.drop(oldest, "full")
+        if self.waiting.count(conn.client) >= self.max_per_client:
+            self.drop(self.waiting.oldest(conn.client), "crowded")
+        conn.sock.setblocking(False)
+        self.wait_for_request(conn)
+
+    def wait_for_request(self, conn):
+        conn.deadline = time.monotonic() + self.RequestHandlerClass.request_deadline
+        self.waiting.add(conn)
+        self.selector.register(conn.sock, selectors.EVENT_READ, functools.partial(self.read, conn))
+        self.look_for_request(conn)
+
+    def read(self, conn):
+        try:
+            data = conn.sock.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:                               # the client went away
+            return self.close(conn)
+        conn.received += data
+        self.look_for_request(conn)
+
+    def look_for_request(self, conn):
+        if not conn.received:
+            return
+        conn.request_size()
+        if conn.head_too_large():
+            with contextlib.suppress(OSError):
+                conn.sock.send(HEAD_TOO_LARGE)
+            self.RequestHandlerClass.access_log.info(
+                "%s sent a request head over %d bytes; refused", conn.address[0], MAX_REQUEST_HEAD)
+            return self.close(conn)
+        request = conn.take_request()
+        if request is not None:
+            self.hand_over(conn, request)
+
+    def hand_over(self, conn, request):
+        self.stop_waiting(conn)
+        conn.taken = request
+        self.answering += 1
+        self.workers.give(conn)
+
+    def answer(self, conn):
+        """On a worker thread: answer the request; whether the connection stays open."""
+        try:
+            return not self.RequestHandlerClass(conn, conn.address, self).close_connection
+        except OSError as e:
+            log.debug("web: %s: %s", conn.address[0], e)
+        except Exception:
+            log.exception("web: answering %s failed", conn.address[0])
+        return False
+
+    def give_back(self, conn, keep):
+        """On a worker thread: the connection back to the front (to be read
+        or closed there)."""
+        if self.closed.is_set():
+            return self.shutdown_request(conn.sock)
+        self.returned.put((conn, keep))
+        self.wake()
+
+    def take_back(self):
+        with contextlib.suppress(OSError):
+            while self.wake_reader.recv(4096):
+                pass
+        with contextlib.suppress(queue.Empty):
+            while True:
+                conn, keep = self.returned.get_nowait()
+                self.answering -= 1
+                if keep:
+                    conn.sock.setblocking(False)
+                    self.wait_for_request(conn)
+                else:
+                    self.shutdown_request(conn.sock)
+
+    def drop_late(self):
+        """Drop the connections whose request is not whole by its deadline
+        (quietly one that sent nothing: a kept-open connection left idle)."""
+        now = time.monotonic()
+        while (oldest := self.waiting.oldest()) is not None and oldest.deadline <= now:
+            self.drop(oldest, "slow")
+
+    def drop(self, conn, reason):
+        if conn.received:
+            self.dropped.count(conn.client, reason)
+        self.close(conn)
+
+    def close(self, conn):
+        if conn in self.waiting:
+            self.stop_waiting(conn)
+        self.shutdown_request(conn.sock)
+
+    def stop_waiting(self, conn):
+        self.waiting.remove(conn)
+        self.selector.unregister(conn.sock)
+
+    def tell_drops(self):
+        if time.monotonic() >= self.next_tell:
+            self.next_tell = time.monotonic() + 1
+            self.dropped.tell_due()
 
 
 def make_web_server(app, host, port):
