@@ -902,14 +902,16 @@ def restore_posts(db, rows):
         conn.execute("COMMIT")
 
 
-def web_token(db):
-    """WebApp.token() of a server on `db`: hmac-sha256 of the web user with
-    the secret it keeps in the meta table."""
+def web_token(db, password=PASSWORD):
+    """WebApp.token() of a server on `db` with `password`: hmac-sha256, with
+    the secret it keeps in the meta table, of the web user and the sha256 of
+    the password (the token changes with the password)."""
     with contextlib.closing(sqlite3.connect(db)) as conn:
         row = conn.execute("SELECT value FROM meta WHERE key = 'web_secret'").fetchone()
     if not row:
         return None
-    return hmac.new(row[0].encode(), USER.encode(), hashlib.sha256).hexdigest()
+    signed = f"{USER}\0{hashlib.sha256(password.encode()).hexdigest()}"
+    return hmac.new(row[0].encode(), signed.encode(), hashlib.sha256).hexdigest()
 
 
 def measure(send, check, warmup, requests):
