@@ -5820,6 +5820,56 @@ def test_a_teaser_whose_article_another_feed_carries_joins_that_story(home, serv
         (rows[full]["relevance"], rows[full]["summary"])
 
 
+def database_work(conn, call):
+    """What `call` costs the database, in a unit that grows with the rows it
+    reads: SQLite's virtual machine steps (in hundreds); PostgreSQL's rows
+    of story_keys its statements read, as EXPLAIN ANALYZE counts them."""
+    if conn.dialect is vesti.SQLITE:
+        steps = [0]
+        conn.set_progress_handler(lambda: steps.__setitem__(0, steps[0] + 1), 100)
+        try:
+            call()
+        finally:
+            conn.set_progress_handler(None, 0)
+        return steps[0]
+    statements, execute = [], conn.execute
+    conn.execute = lambda sql, parameters=(): statements.append((sql, parameters)) or \
+        execute(sql, parameters)
+    try:
+        call()
+    finally:
+        del conn.execute
+
+    def rows_read(node):
+        own = node["Actual Rows"] * node["Actual Loops"] if node.get("Relation Name") == "story_keys" else 0
+        return own + sum(map(rows_read, node.get("Plans", ())))
+    return sum(rows_read(execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", parameters).fetchone()[0][0]["Plan"])
+               for sql, parameters in statements if "story_keys" in sql)
+
+
+@both
+def test_a_key_thousands_of_posts_share_costs_a_look_up_no_more_than_a_rare_one(home):
+    """A flood of near-identical posts: a look-up reads the newest few posts
+    of each of its keys, however many share it, and a copy still finds its
+    story."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    lead = add_copy(conn, "wire", "Budget", STORY, "2026-12-01 08:00:00")
+    keys = vesti.story_keys(vesti.story_words("Budget", STORY))
+    work = {}
+    for flood in (50, 2000):
+        for n in range(len(work) and 50, flood):
+            copy = conn.execute("INSERT INTO posts (source_id, title, text, story_id, classified) "
+                                "VALUES (3, 'Budget', ?, ?, 1)", (f"{STORY} Flooded.", lead)).lastrowid
+            conn.dialect.store_story_keys(conn, [(key, copy) for key in keys])
+        post = add_copy(conn, "daily", "Budget", STORY + " Copied.", f"2026-12-01 09:{len(work)}0:00")
+        entry = vesti.StoryEntry(post, "Budget", STORY + " Copied.", keys, vesti.story_since(72))
+        found = {}
+        work[flood] = database_work(conn, lambda: found.update(vesti.find_stories(conn, [entry])))
+        assert found == {post: lead}
+    assert work[2000] < 1.5 * work[50], work
+
+
 # Story keys in a helper process ------------------------------------------------
 
 def told_twice(conn, stories):

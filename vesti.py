@@ -2110,16 +2110,22 @@ StoryEntry = collections.namedtuple("StoryEntry", "post_id title text keys since
 
 def newest_with_keys(conn, keys):
     """{key: ids of the newest posts with it, newest first}, a few more than
-    STORY_CANDIDATES: a key hundreds of posts share (a story reposted
-    everywhere, a template) costs no more than a rare one."""
+    STORY_CANDIDATES: a key thousands of posts share (a story reposted
+    everywhere, a flood of near-identical posts) costs no more than a rare
+    one, as each key's newest are sought in the index from its
+    (STORY_CANDIDATES + 1)th newest, not counted out of all its posts."""
     found = collections.defaultdict(list)
-    for among, values in conn.dialect.among("key", sorted(set(keys))):
+    keys = sorted(set(keys))
+    for first in range(0, len(keys), 500):
+        chunk = keys[first:first + 500]
+        # VALUES names its column column1 in both dialects.
         rows = conn.execute(f"""
-            SELECT key, post_id FROM (
-                SELECT key, post_id,
-                       row_number() OVER (PARTITION BY key ORDER BY post_id DESC) AS n
-                FROM story_keys WHERE {among}) newest
-            WHERE n <= {STORY_CANDIDATES + 1} ORDER BY key, post_id DESC""", values)
+            SELECT s.key, s.post_id
+            FROM (VALUES {", ".join(["(CAST(? AS BIGINT))"] * len(chunk))}) AS wanted
+            JOIN story_keys s ON s.key = wanted.column1 AND s.post_id >= coalesce(
+                (SELECT f.post_id FROM story_keys f WHERE f.key = wanted.column1
+                 ORDER BY f.post_id DESC LIMIT 1 OFFSET {STORY_CANDIDATES}), 0)
+            ORDER BY s.key, s.post_id DESC""", chunk)
         for key, post_id in rows.fetchall():
             found[key].append(post_id)
     return found
