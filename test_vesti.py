@@ -5820,6 +5820,39 @@ def test_a_teaser_whose_article_another_feed_carries_joins_that_story(home, serv
         (rows[full]["relevance"], rows[full]["summary"])
 
 
+@both
+def test_a_story_of_many_copies_names_ten_of_them_and_counts_the_rest(home):
+    """A card names the first ten other posts of its story and counts the
+    rest; its "every copy" page pages as the desk does."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    first = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
+    copies = [add_copy(conn, ("daily", "radio")[n % 2], "Budget", "Repost: " + STORY,
+                       f"2026-12-01 09:{n:02}:00") for n in range(60)]
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    assert {row[0] for row in conn.execute("SELECT story_id FROM posts")} == {first}
+    web = Web(home, settings=s.replace(web_password="s3cret"))
+    try:
+        line = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0")[2], re.S)[1]
+        assert line.startswith("+60 sources: ") and " and 50 more · " in line, line[-300:]
+        named = re.findall(r'<a href="(http[^"]*)"', line)
+        assert named == [f"http://{('daily', 'radio')[n % 2]}.example/2026-12-01 09:{n:02}:00"
+                         for n in range(10)]
+        russian = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0&lang=ru")[2], re.S)[1]
+        assert russian.startswith("ещё 60 источников: ") and " и ещё 50 · " in russian, russian[-300:]
+        # A copy's card, in its source's list, names the story's first post first.
+        card = re.search(rf'id="post-{copies[1]}".*?</article>', web.get("/?min=0&source=radio")[2], re.S)[0]
+        assert "+60 sources: " in card and " and 50 more" in card
+        assert card.index("wire.example") < card.index("daily.example")
+        every = html.unescape(re.search(r'href="(/\?[^"]*story=\d+[^"]*)"', line)[1])
+        story = web.get(every)[2]
+        assert len(card_ids(story)) == vesti.PAGE_SIZE
+        older = html.unescape(re.search(r'href="([^"]*)" rel="next"', story)[1])
+        assert sorted(card_ids(story) + card_ids(web.get(older)[2])) == [first, *copies]
+    finally:
+        web.close()
+
+
 def database_work(conn, call):
     """What `call` costs the database, in a unit that grows with the rows it
     reads: SQLite's virtual machine steps (in hundreds); PostgreSQL's rows

@@ -6532,6 +6532,7 @@ STRINGS = {
         "relevance": "relevance", "interest": "interest",
         "keywords": "keywords", "reason": "why", "stored_text": "Stored text",
         "more_sources": ("+{n} source", "+{n} sources"), "every_copy": "every copy",
+        "more_copies": ("and {n} more", "and {n} more"),
         "older": "older →", "first": "← newest", "next": "next →", "to_first": "← first",
         "untitled": "(untitled)",
         "empty_filtered": "No posts match these filters.",
@@ -6602,7 +6603,7 @@ STRINGS = {
         "reason": "почему", "stored_text": "Сохранённый текст", "older": "старше →",
         "next": "дальше →", "to_first": "← в начало",
         "more_sources": ("ещё {n} источник", "ещё {n} источника", "ещё {n} источников"),
-        "every_copy": "все копии",
+        "every_copy": "все копии", "more_copies": ("и ещё {n}", "и ещё {n}", "и ещё {n}"),
         "first": "← новые", "untitled": "(без заголовка)",
         "empty_filtered": "Под эти фильтры ничего не подходит.",
         "empty_none": "Классифицированных постов пока нет: они появятся здесь, когда воркеры "
@@ -6995,22 +6996,55 @@ def desk_filters(desk):
     return where, params
 
 
+# A card names this many of its story's other posts and counts the rest: a
+# story thousands of posts joined costs its card what a story of two does.
+STORY_NAMED = 10
+# A card's story line: the other posts it names (rows of id, url, source) and
+# how many other posts its story has.
+StoryLine = collections.namedtuple("StoryLine", "named count")
+
 
 def story_copies(conn, posts):
-    """{card's post id: the other posts of its story (id, url, source),
-    earliest first} for the cards of a page."""
-    stories = {post["story_id"] for post in posts if post["story_id"] is not None}
-    members = {}
-    if stories:
-        marks = ", ".join("?" * len(stories))
-        for row in conn.execute(f"""
-                SELECT coalesce(p.story_id, p.id) AS story_id, p.id, p.url, s.name AS source
-                FROM posts p LEFT JOIN sources s ON s.id = p.source_id
-                WHERE (p.story_id IN ({marks}) AND p.story_id != p.id) OR p.id IN ({marks})
-                ORDER BY p.published_at, p.id""", [*sorted(stories), *sorted(stories)]):
-            members.setdefault(row["story_id"], []).append(row)
-    return {post["id"]: [c for c in members.get(post["story_id"], ()) if c["id"] != post["id"]]
-            for post in posts}
+    """{card's post id: its StoryLine} for the cards of a page: the story's
+    first post, then its copies in the order they came."""
+    stories = sorted({post["story_id"] for post in posts if post["story_id"] is not None})
+    members = {row["id"]: [row] for row in story_leads(conn, stories)}
+    for row in first_copies(conn, stories):
+        members.setdefault(row["story_id"], []).append(row)
+    lines = {}
+    for post in posts:
+        story = members.get(post["story_id"], ())
+        others = [member for member in story if member["id"] != post["id"]]
+        if others:
+            count = story[0]["posts"] - 1 if story[0]["id"] == post["story_id"] else len(others)
+            lines[post["id"]] = StoryLine(others[:STORY_NAMED], count)
+    return lines
+
+
+def story_leads(conn, stories):
+    """The first posts of these stories (id, url, source), each with how many
+    posts its story has (counted in the copies' index)."""
+    if not stories:
+        return []
+    return conn.execute(f"""
+        SELECT p.id, p.url, s.name AS source,
+               (SELECT count(*) FROM posts c WHERE c.story_id = p.id AND c.story_id != c.id) + 1
+                   AS posts
+        FROM posts p LEFT JOIN sources s ON s.id = p.source_id
+        WHERE p.id IN ({", ".join("?" * len(stories))})""", stories).fetchall()
+
+
+def first_copies(conn, stories):
+    """The first STORY_NAMED + 1 copies of each of these stories (story_id,
+    id, url, source), in the order they came: read along the copies' index,
+    however many there are."""
+    if not stories:
+        return []
+    return conn.execute(" UNION ALL ".join(f"""
+        SELECT * FROM (SELECT p.story_id, p.id, p.url, s.name AS source
+                       FROM posts p LEFT JOIN sources s ON s.id = p.source_id
+                       WHERE {copies_of("p.")} ORDER BY p.id LIMIT {STORY_NAMED + 1}) AS story{n}"""
+                                             for n in range(len(stories))), stories).fetchall()
 
 
 DESK_COLUMNS = """p.id, p.title, p.url, p.summary, p.direction, p.relevance, p.interest,
@@ -7278,17 +7312,19 @@ def decision_buttons(lang, status):
     return f'{buttons}<span class="badge state">{said(lang, "status." + status)}</span>'
 
 
-def story_line(post, copies, page):
-    """'+N sources: A, B, C · every copy' under a story's card."""
-    if not copies:
+def story_line(post, story, page):
+    """'+N sources: A, B, C and M more · every copy' under a story's card."""
+    if not story:
         return ""
     def name(copy):
         return copy["source"] or urllib.parse.urlsplit(copy["url"] or "").hostname or f'#{copy["id"]}'
     links = ", ".join(
         f'<a href="{esc(c["url"])}" rel="noopener noreferrer" target="_blank">{esc(name(c))}</a>'
-        if is_web_link(c["url"]) else esc(name(c)) for c in copies)
+        if is_web_link(c["url"]) else esc(name(c)) for c in story.named)
+    unnamed = story.count - len(story.named)
+    more = f' {page.t("more_copies", n=unnamed)}' if unnamed > 0 else ""
     every = page.link("/", story=post["story_id"], status="any", min=0)
-    return (f'<p class="small story">{page.t("more_sources", n=len(copies))}: {links} · '
+    return (f'<p class="small story">{page.t("more_sources", n=story.count)}: {links}{more} · '
             f'<a href="{esc(every)}">{page.t("every_copy")}</a></p>')
 
 
@@ -7307,7 +7343,7 @@ def card_time(post, words):
     return f'{words["undated"]} {stamp}' if post["undated"] else stamp
 
 
-def card_html(post, page, back, copies=()):
+def card_html(post, page, back, story=None):
     words = card_words(page.lang)
     title = esc(post["title"]) or words["untitled"]
     link = (f'<a href="{esc(post["url"])}" rel="noopener noreferrer" target="_blank">{title}</a>'
@@ -7328,7 +7364,7 @@ def card_html(post, page, back, copies=()):
             f'<span class="badge">{direction}</span> '
             f'{words["relevance"]} <b>{esc(post["relevance"])}</b> · '
             f'{words["interest"]} <b>{esc(post["interest"])}</b></p>'
-            f'<p>{esc(post["summary"])}</p>{story_line(post, copies, page)}{why_html}{stored}'
+            f'<p>{esc(post["summary"])}</p>{story_line(post, story, page)}{why_html}{stored}'
             f'{decision_form(post, page, back)}</article>')
 
 
@@ -7498,8 +7534,8 @@ def desk_page(conn, desk, page, directions, settings, sources=None):
     counts = desk_counts(conn, desk)
     here = page.link("/", **desk.params(after="~".join(
         "" if v is None else str(v) for v in desk.after) if desk.after else None))
-    copies = {} if desk.story else story_copies(conn, posts)
-    cards = "".join(card_html(p, page, here, copies.get(p["id"], ())) for p in posts)
+    stories = {} if desk.story else story_copies(conn, posts)
+    cards = "".join(card_html(p, page, here, stories.get(p["id"])) for p in posts)
     if not cards:
         empty = "empty_filtered" if desk.direction or desk.q or desk.source or \
             desk.status != "new" or counts["hidden"] else "empty_none"
