@@ -5606,7 +5606,9 @@ def test_stories_on_the_labelled_set_keep_precision_and_recall(tmp_path):
     assert sum(same for _, same, _, _ in pairs) > 200 and sum(not s for _, s, _, _ in pairs) > 200
     precision, recall, by_kind = story_set.measure(pairs, str(tmp_path / "stories.db"))
     assert precision >= 0.99, by_kind            # reached: 1.0
-    assert recall >= 0.95, by_kind               # reached: 0.955
+    # Reached: 0.952; a changed sentence that brings a link of its own (a
+    # video's) is classified on its own (see vesti.adds_to).
+    assert recall >= 0.95, by_kind
 
 
 STORY = ("The city council approved the new budget for public transport on Tuesday evening "
@@ -5818,6 +5820,52 @@ def test_a_teaser_whose_article_another_feed_carries_joins_that_story(home, serv
     assert rows[teaser]["story_id"] == full
     assert (rows[teaser]["relevance"], rows[teaser]["summary"]) == \
         (rows[full]["relevance"], rows[full]["summary"])
+
+
+# A copy's own words: as many sentences again as the story's (an advert).
+ADVERT = (" Our partners also want you to know that the best mortgage rates in town are "
+          "waiting at the agency on the main square, where friendly advisers will help you "
+          "choose a plan and sign the papers in one visit, with no fees this month only.")
+
+
+@both
+@pytest.mark.parametrize("asked", ["llm", "keywords"])
+def test_a_copy_that_adds_a_link_or_sentences_is_classified_on_its_own(home, asked):
+    """A copy with a link of its own or much text of its own is no copy: it
+    is classified on its own words and is a card of its own, which deciding
+    the story leaves alone. Wrappers, a link to the story's own site and a
+    Telegram repost's source link still join."""
+    fake = FakeOllama()
+    try:
+        s, db, registry = story_home(home, fake.url if asked == "llm" else "")
+        conn = db.conn()
+        first = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
+        joining = [add_copy(conn, slug, "Budget", text, f"2026-12-01 08:{n}0:00") for n, (slug, text) in
+                   enumerate([("daily", f"From our correspondent: {STORY} Read more on our site."),
+                              ("radio", f"{STORY[:300]} Full story: https://wire.example/budget"),
+                              ("daily", f"{STORY}\n\nИсточник: @citywire https://t.me/citywire/4821")], 1)]
+        own = [add_copy(conn, slug, title, text, f"2026-12-01 09:{n}0:00") for n, (slug, title, text) in
+               enumerate([("daily", "Budget news", f"{STORY} Cheap loans: https://loans.example/offer"),
+                          ("radio", "Budget and mortgages", STORY + ADVERT)])]
+        vesti.run_workers(db, s, registry, workers=1, quiet=True)
+        stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+        assert [stories[post] for post in [first, *joining, *own]] == [first] * 4 + own
+        if asked == "llm":
+            assert sorted(fake.titles()) == ["Budget and mortgages", "Budget news",
+                                             "Council approves transport budget"]
+        web = Web(home, settings=s.replace(web_password="s3cret"))
+        try:
+            page = web.get("/?min=0")[2]
+            assert card_ids(page) == [*reversed(own), first]
+            assert "+3 sources" in re.search(rf'id="post-{first}".*?</article>', page, re.S)[0]
+            web.post(f"/posts/{first}/status", {"status": "approved", "token": web.token()})
+            assert dict(conn.execute("SELECT id, status FROM posts")) == \
+                {**{post: "approved" for post in [first, *joining]}, **{post: "new" for post in own}}
+            assert counts_match_posts(conn)
+        finally:
+            web.close()
+    finally:
+        fake.close()
 
 
 @both
