@@ -5868,6 +5868,74 @@ def test_a_copy_that_adds_a_link_or_sentences_is_classified_on_its_own(home, ask
         fake.close()
 
 
+def read_for_a_month(conn, *slugs):
+    """Sources with a month of history: an established source's first post
+    was fetched weeks ago (the others of story_home are new)."""
+    month_ago = vesti.utc_text(time.time() - 30 * 86400)
+    for slug in slugs:
+        old = add_copy(conn, slug, "Weather", "Sunny and dry all day.", "2026-11-01 08:00:00")
+        conn.execute("UPDATE posts SET fetched_at = ? WHERE id = ?", (month_ago, old))
+
+
+@both
+@pytest.mark.parametrize("asked", ["llm", "keywords"])
+def test_a_story_is_led_by_its_copy_from_an_established_source(home, asked):
+    """A story a new source told first is led by the copy of a source read
+    for weeks, while nobody has decided it: its card and the approved feed
+    show the established source's post. A decided story keeps its card."""
+    fake = FakeOllama()
+    try:
+        s, db, registry = story_home(home, fake.url if asked == "llm" else "")
+        conn = db.conn()
+        read_for_a_month(conn, "wire", "radio")
+        first = add_copy(conn, "daily", "Budget approved", STORY, "2026-12-01 08:00:00")
+        decided = add_copy(conn, "daily", "Comet this weekend", OTHER, "2026-12-01 08:10:00")
+        vesti.run_workers(db, s, registry, workers=1, quiet=True)
+        vesti.set_decisions(conn, [decided], "rejected", "editor")
+        copy = add_copy(conn, "wire", "Council approves transport budget",
+                        "Our correspondent: " + STORY, "2026-12-01 08:30:00")
+        later = add_copy(conn, "radio", "Comet", "Repost: " + OTHER, "2026-12-01 08:40:00")
+        vesti.run_workers(db, s, registry, workers=1, quiet=True)
+        stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+        assert [stories[post] for post in (first, copy, decided, later)] == \
+            [copy, copy, decided, decided]
+        if asked == "llm":
+            assert sorted(fake.titles()) == ["Budget approved", "Comet this weekend"]
+        assert vesti.story_figures(conn)["joined"] == 2 and counts_match_posts(conn)
+        web = Web(home, settings=s.replace(web_password="s3cret"))
+        try:
+            page = web.get("/?min=0")[2]
+            assert copy in card_ids(page) and first not in card_ids(page)
+            card = re.search(rf'id="post-{copy}".*?</article>', page, re.S)[0]
+            assert "+1 source:" in card and "The Daily" in card
+            web.post(f"/posts/{copy}/status", {"status": "approved", "token": web.token()})
+            feed = json.loads(web.get("/approved.json")[2])
+            assert [item["title"] for item in feed["items"]] == ["Council approves transport budget"]
+        finally:
+            web.close()
+    finally:
+        fake.close()
+
+
+@both
+def test_an_established_sources_post_does_not_join_a_new_sources_post_that_adds_to_it(home):
+    """A new source's post with a link of its own around the story (told
+    before the established source's) is not a story the established post
+    joins, takes the verdict of or is decided with."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    read_for_a_month(conn, "wire")
+    advert = add_copy(conn, "daily", "Budget news", f"{STORY} Cheap loans: https://loans.example/offer",
+                      "2026-12-01 08:00:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    told = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:30:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    assert (stories[advert], stories[told]) == (advert, told)
+    vesti.set_decisions(conn, [advert], "rejected", "editor")
+    assert conn.execute("SELECT status FROM posts WHERE id = ?", (told,)).fetchone()[0] == "new"
+
+
 @both
 def test_a_story_of_many_copies_names_ten_of_them_and_counts_the_rest(home):
     """A card names the first ten other posts of its story and counts the

@@ -2152,6 +2152,25 @@ def insert_rows(conn, into, rows, conflict=""):
 StoryEntry = collections.namedtuple("StoryEntry", "post_id title text keys since")
 
 
+# A story's first post is its card on the desk and what the approved feeds
+# export: there the copy of an established source stands rather than a new
+# source's (a site that copies the news first, with its own address on it).
+# A source is established once its first post was fetched ESTABLISHED_AFTER
+# ago. Its first post is the one dated earliest (one index seek): no post is
+# dated after its fetch, so a source seems as new as it is, or newer, never
+# older. The lead changes while nobody has decided the story: a decided card
+# stays as the editor decided it.
+ESTABLISHED_AFTER = 7 * 86400
+SOURCE_SINCE = """(SELECT f.fetched_at FROM posts f WHERE f.source_id = p.source_id
+                   AND f.published_at IS NOT NULL ORDER BY f.published_at LIMIT 1)"""
+
+
+def is_new_source(since, now=None):
+    """True for a source whose first post (SOURCE_SINCE) is recent, or unknown."""
+    return since is None or since > utc_text((time.time() if now is None else now)
+                                             - ESTABLISHED_AFTER)
+
+
 def newest_with_keys(conn, keys):
     """{key: ids of the newest posts with it, newest first}, a few more than
     STORY_CANDIDATES: a key thousands of posts share (a story reposted
@@ -2211,9 +2230,10 @@ def candidate_posts(conn, ids):
 
 def story_posts(conn, ids):
     found = {}
-    for among, values in conn.dialect.among("id", sorted(ids)):
+    for among, values in conn.dialect.among("p.id", sorted(ids)):
         found.update((row["id"], row) for row in conn.execute(
-            f"SELECT id, fetched_at, story_id, title, text, url FROM posts WHERE {among}",
+            f"""SELECT p.id, p.fetched_at, p.story_id, p.title, p.text, p.url,
+                       {SOURCE_SINCE} AS source_since FROM posts p WHERE {among}""",
             values).fetchall())
     return found
 
@@ -2222,13 +2242,15 @@ def find_stories(conn, entries):
     """{post id: its story (the story's first post's id), or None} for
     entries looked up together, in order: one may find the story of one
     before it. Candidates are checked exactly, oldest first, among the posts
-    fetched since the entry's `since`; a story the entry adds to (adds_to)
-    is not its story. An entry's own text stands for its stored text (which
-    an article fetched for it may have replaced). Words are worked out for
-    the posts checked, and only once."""
+    fetched since the entry's `since`; a story the entry adds to (adds_to),
+    or whose first post, from a new source, adds to the entry, is not its
+    story. An entry's own text stands for its stored text (which an article
+    fetched for it may have replaced). Words are worked out for the posts
+    checked, and only once."""
     candidates = story_candidates(newest_with_keys(conn, [k for e in entries for k in e.keys]),
                                   entries)
-    rows = candidate_posts(conn, {i for ids in candidates.values() for i in ids})
+    rows = candidate_posts(conn, {i for ids in candidates.values() for i in ids}
+                           | {post_id for post_id, ids in candidates.items() if ids})
     texts = {entry.post_id: (entry.title, entry.text) for entry in entries}
     words = {}
 
@@ -2242,8 +2264,13 @@ def find_stories(conn, entries):
 
     def adds_to_story(entry, story, candidate):
         lead = story if story in rows else candidate
-        return adds_to(words_of(entry.post_id), entry.text, words_of(lead), told(lead)[1],
-                       rows[lead]["url"])
+        mine, theirs = (words_of(entry.post_id), entry.text), (words_of(lead), told(lead)[1])
+        if adds_to(*mine, *theirs, rows[lead]["url"]):
+            return True
+        # A new source's first post is trusted no more than a copy: a post it
+        # adds to does not join its story (nor lead it, see lead_after).
+        return is_new_source(rows[lead]["source_since"]) and \
+            adds_to(*theirs, *mine, rows[entry.post_id]["url"] if entry.post_id in rows else "")
 
     stories = {}
     for entry in entries:
@@ -2319,29 +2346,59 @@ def settle_stories(conn, completions):
     verdicts are written, in the same transaction, and take their story's
     verdict when there is one (not a story led by a post of this batch:
     its verdict is not written yet). Returns the completions with each
-    post's story."""
+    post's story, and whether it joined one."""
     stories = enter_stories(conn, [verdict["story_entry"] for _, verdict in completions
                                    if "story_entry" in verdict], written=False)
-    settled = []
-    for post, verdict in completions:
+    found = {}
+    for post, _ in completions:
         story = stories.get(post["id"])
-        found = None
-        if story not in (None, post["id"]):
-            with contextlib.suppress(StoryPending):
-                found = story_verdict(conn, story)
-                if found is None:
-                    take_over_story(conn, story, post["id"])
-                    stories.update({p: post["id"] for p, s in stories.items() if s == story})
-                    story = post["id"]
-        settled.append((post, verdict if story is None else
-                        {**verdict, **(found or {}), "story": story}))
-    return settled
+        if story in (None, post["id"]):
+            continue
+        with contextlib.suppress(StoryPending):
+            found[post["id"]] = story_verdict(conn, story)
+            lead = lead_after(conn, story, post["id"], found[post["id"]])
+            # The posts of this batch in that story are in the lead's.
+            stories.update({p: lead for p, s in stories.items() if s == story})
+    return [(post, verdict if post["id"] not in stories else
+             {**verdict, **(found.get(post["id"]) or {}), "story": stories[post["id"]],
+              "joined": stories[post["id"]] != post["id"] or found.get(post["id"]) is not None})
+            for post, verdict in completions]
+
+
+def leads_instead(lead, copy, now=None):
+    """True when a copy should lead its story rather than its first post
+    (rows of status and source_since): an established source's copy of an
+    undecided story a new source told first."""
+    return lead["status"] == "new" and is_new_source(lead["source_since"], now) and \
+        not is_new_source(copy["source_since"], now)
+
+
+def lead_after(conn, story, post_id, verdict):
+    """The first post of a story from now on, as a copy that joined it sees
+    it (with the story's `verdict`, None when it has none): the copy, when
+    the story's first post failed or is gone (or its copies would stay
+    behind a card that is not there) or when leads_instead; else the same."""
+    if verdict is not None:
+        rows = {row["id"]: row for row in conn.execute(
+            f"SELECT p.id, p.status, {SOURCE_SINCE} AS source_since FROM posts p "
+            f"WHERE p.id IN (?, ?)", (story, post_id))}
+        if story not in rows or post_id not in rows or not leads_instead(rows[story], rows[post_id]):
+            return story
+    take_over_story(conn, story, post_id)
+    return post_id
+
+
+@redoable
+def lead_now(conn, story, post_id, verdict):
+    """lead_after in a transaction of its own, one at a time with the
+    entries of stories (see enter_now)."""
+    with transaction(conn, shared=True, stories=True):
+        return lead_after(conn, story, post_id, verdict)
 
 
 def take_over_story(conn, story, post_id):
-    """A story whose first post failed or is gone is led by this post from
-    now on (or its copies would stay behind a card that is not there). One
-    statement: in the caller's transaction, or a transaction of its own."""
+    """The copies of a story and its first post are this post's from now on.
+    One statement: in the caller's transaction, or a transaction of its own."""
     conn.execute(f"UPDATE posts SET story_id = ? WHERE {copies_of()} OR id IN (?, ?)",
                  (post_id, story, story, post_id))
 
@@ -2586,7 +2643,7 @@ def complete_and_claim(conn, completions, claims, now=None, token=None, choose=N
                                   if "llm_seconds" in verdict])
         written = complete_posts(conn, completions)
         for (post, verdict), row in zip(completions, written):
-            if row and verdict.get("story") not in (None, post["id"]):
+            if row and verdict.get("joined"):
                 counts[("stories_joined", "")] = counts.get(("stories_joined", ""), 0) + 1
                 counts[("llm_calls_saved", "")] = (counts.get(("llm_calls_saved", ""), 0)
                                                    + bool(verdict.get("llm_saved")))
@@ -5911,10 +5968,10 @@ class Classifier:
         except StoryPending as e:
             e.text = full_text          # kept, so the article is not fetched again
             raise
+        lead = lead_now(conn, joined, post["id"], found)
         if found is None:
-            take_over_story(conn, joined, post["id"])
             return None
-        return {**found, "text": full_text, "story": joined, "llm_saved": True}
+        return {**found, "text": full_text, "story": lead, "joined": True, "llm_saved": True}
 
     def quick(self, post):
         """True when the post's verdict needs no network: no article to
