@@ -5839,14 +5839,17 @@ def test_a_copy_that_adds_a_link_or_sentences_is_classified_on_its_own(home, ask
     try:
         s, db, registry = story_home(home, fake.url if asked == "llm" else "")
         conn = db.conn()
-        first = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
-        joining = [add_copy(conn, slug, "Budget", text, f"2026-12-01 08:{n}0:00") for n, (slug, text) in
-                   enumerate([("daily", f"From our correspondent: {STORY} Read more on our site."),
-                              ("radio", f"{STORY[:300]} Full story: https://wire.example/budget"),
-                              ("daily", f"{STORY}\n\nИсточник: @citywire https://t.me/citywire/4821")], 1)]
-        own = [add_copy(conn, slug, title, text, f"2026-12-01 09:{n}0:00") for n, (slug, title, text) in
-               enumerate([("daily", "Budget news", f"{STORY} Cheap loans: https://loans.example/offer"),
-                          ("radio", "Budget and mortgages", STORY + ADVERT)])]
+        first = add_copy(conn, "wire", "Council approves transport budget", STORY,
+                         "2026-12-01 08:00:00")
+        joining = [add_copy(conn, slug, "Budget", text, f"2026-12-01 08:{n}0:00")
+                   for n, (slug, text) in enumerate([
+                       ("daily", f"From our correspondent: {STORY} Read more on our site."),
+                       ("radio", f"{STORY[:300]} Full story: https://wire.example/budget"),
+                       ("daily", f"{STORY}\n\nИсточник: @citywire https://t.me/citywire/4821")], 1)]
+        own = [add_copy(conn, slug, title, text, f"2026-12-01 09:{n}0:00")
+               for n, (slug, title, text) in enumerate([
+                   ("daily", "Budget news", f"{STORY} Cheap loans: https://loans.example/offer"),
+                   ("radio", "Budget and mortgages", STORY + ADVERT)])]
         vesti.run_workers(db, s, registry, workers=1, quiet=True)
         stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
         assert [stories[post] for post in [first, *joining, *own]] == [first] * 4 + own
@@ -5925,8 +5928,8 @@ def test_an_established_sources_post_does_not_join_a_new_sources_post_that_adds_
     s, db, registry = story_home(home, "")
     conn = db.conn()
     read_for_a_month(conn, "wire")
-    advert = add_copy(conn, "daily", "Budget news", f"{STORY} Cheap loans: https://loans.example/offer",
-                      "2026-12-01 08:00:00")
+    advert = add_copy(conn, "daily", "Budget news",
+                      f"{STORY} Cheap loans: https://loans.example/offer", "2026-12-01 08:00:00")
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
     told = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:30:00")
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
@@ -5954,10 +5957,13 @@ def test_a_story_of_many_copies_names_ten_of_them_and_counts_the_rest(home):
         named = re.findall(r'<a href="(http[^"]*)"', line)
         assert named == [f"http://{('daily', 'radio')[n % 2]}.example/2026-12-01 09:{n:02}:00"
                          for n in range(10)]
-        russian = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0&lang=ru")[2], re.S)[1]
-        assert russian.startswith("ещё 60 источников: ") and " и ещё 50 · " in russian, russian[-300:]
+        russian = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0&lang=ru")[2],
+                            re.S)[1]
+        assert russian.startswith("ещё 60 источников: ") and " и ещё 50 · " in russian, \
+            russian[-300:]
         # A copy's card, in its source's list, names the story's first post first.
-        card = re.search(rf'id="post-{copies[1]}".*?</article>', web.get("/?min=0&source=radio")[2], re.S)[0]
+        radio = web.get("/?min=0&source=radio")[2]
+        card = re.search(rf'id="post-{copies[1]}".*?</article>', radio, re.S)[0]
         assert "+60 sources: " in card and " and 50 more" in card
         assert card.index("wire.example") < card.index("daily.example")
         every = html.unescape(re.search(r'href="(/\?[^"]*story=\d+[^"]*)"', line)[1])
@@ -5990,10 +5996,14 @@ def database_work(conn, call):
         del conn.execute
 
     def rows_read(node):
-        own = node["Actual Rows"] * node["Actual Loops"] if node.get("Relation Name") == "story_keys" else 0
+        own = node["Actual Rows"] * node["Actual Loops"] \
+            if node.get("Relation Name") == "story_keys" else 0
         return own + sum(map(rows_read, node.get("Plans", ())))
-    return sum(rows_read(execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", parameters).fetchone()[0][0]["Plan"])
-               for sql, parameters in statements if "story_keys" in sql)
+
+    def plan(sql, parameters):
+        return execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", parameters).fetchone()[0][0]["Plan"]
+    return sum(rows_read(plan(sql, parameters)) for sql, parameters in statements
+               if "story_keys" in sql)
 
 
 @both
