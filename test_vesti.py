@@ -6154,7 +6154,9 @@ def test_stories_on_the_labelled_set_keep_precision_and_recall(tmp_path):
     assert sum(same for _, same, _, _ in pairs) > 200 and sum(not s for _, s, _, _ in pairs) > 200
     precision, recall, by_kind = story_set.measure(pairs, str(tmp_path / "stories.db"))
     assert precision >= 0.99, by_kind            # reached: 1.0
-    assert recall >= 0.95, by_kind               # reached: 0.955
+    # Reached: 0.952; a changed sentence that brings a link of its own (a
+    # video's) is classified on its own (see vesti.adds_to).
+    assert recall >= 0.95, by_kind
 
 
 STORY = ("The city council approved the new budget for public transport on Tuesday evening "
@@ -6415,6 +6417,213 @@ def test_a_teaser_whose_article_another_feed_carries_joins_that_story(home, serv
     assert rows[teaser]["story_id"] == full
     assert (rows[teaser]["relevance"], rows[teaser]["summary"]) == \
         (rows[full]["relevance"], rows[full]["summary"])
+
+
+# A copy's own words: as many sentences again as the story's (an advert).
+ADVERT = (" Our partners also want you to know that the best mortgage rates in town are "
+          "waiting at the agency on the main square, where friendly advisers will help you "
+          "choose a plan and sign the papers in one visit, with no fees this month only.")
+
+
+@both
+@pytest.mark.parametrize("asked", ["llm", "keywords"])
+def test_a_copy_that_adds_a_link_or_sentences_is_classified_on_its_own(home, asked):
+    """A copy with a link of its own or much text of its own is no copy: it
+    is classified on its own words and is a card of its own, which deciding
+    the story leaves alone. Wrappers, a link to the story's own site and a
+    Telegram repost's source link still join."""
+    fake = FakeOllama()
+    try:
+        s, db, registry = story_home(home, fake.url if asked == "llm" else "")
+        conn = db.conn()
+        first = add_copy(conn, "wire", "Council approves transport budget", STORY,
+                         "2026-12-01 08:00:00")
+        joining = [add_copy(conn, slug, "Budget", text, f"2026-12-01 08:{n}0:00")
+                   for n, (slug, text) in enumerate([
+                       ("daily", f"From our correspondent: {STORY} Read more on our site."),
+                       ("radio", f"{STORY[:300]} Full story: https://wire.example/budget"),
+                       ("daily", f"{STORY}\n\nИсточник: @citywire https://t.me/citywire/4821")], 1)]
+        own = [add_copy(conn, slug, title, text, f"2026-12-01 09:{n}0:00")
+               for n, (slug, title, text) in enumerate([
+                   ("daily", "Budget news", f"{STORY} Cheap loans: https://loans.example/offer"),
+                   ("radio", "Budget and mortgages", STORY + ADVERT)])]
+        vesti.run_workers(db, s, registry, workers=1, quiet=True)
+        stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+        assert [stories[post] for post in [first, *joining, *own]] == [first] * 4 + own
+        if asked == "llm":
+            assert sorted(fake.titles()) == ["Budget and mortgages", "Budget news",
+                                             "Council approves transport budget"]
+        web = Web(home, settings=s.replace(web_password="s3cret"))
+        try:
+            page = web.get("/?min=0")[2]
+            assert card_ids(page) == [*reversed(own), first]
+            assert "+3 sources" in re.search(rf'id="post-{first}".*?</article>', page, re.S)[0]
+            web.post(f"/posts/{first}/status", {"status": "approved", "token": web.token()})
+            assert dict(conn.execute("SELECT id, status FROM posts")) == \
+                {**{post: "approved" for post in [first, *joining]}, **{post: "new" for post in own}}
+            assert counts_match_posts(conn)
+        finally:
+            web.close()
+    finally:
+        fake.close()
+
+
+def read_for_a_month(conn, *slugs):
+    """Sources with a month of history: an established source's first post
+    was fetched weeks ago (the others of story_home are new)."""
+    month_ago = vesti.utc_text(time.time() - 30 * 86400)
+    for slug in slugs:
+        old = add_copy(conn, slug, "Weather", "Sunny and dry all day.", "2026-11-01 08:00:00")
+        conn.execute("UPDATE posts SET fetched_at = ? WHERE id = ?", (month_ago, old))
+
+
+@both
+@pytest.mark.parametrize("asked", ["llm", "keywords"])
+def test_a_story_is_led_by_its_copy_from_an_established_source(home, asked):
+    """A story a new source told first is led by the copy of a source read
+    for weeks, while nobody has decided it: its card and the approved feed
+    show the established source's post. A decided story keeps its card."""
+    fake = FakeOllama()
+    try:
+        s, db, registry = story_home(home, fake.url if asked == "llm" else "")
+        conn = db.conn()
+        read_for_a_month(conn, "wire", "radio")
+        first = add_copy(conn, "daily", "Budget approved", STORY, "2026-12-01 08:00:00")
+        decided = add_copy(conn, "daily", "Comet this weekend", OTHER, "2026-12-01 08:10:00")
+        vesti.run_workers(db, s, registry, workers=1, quiet=True)
+        vesti.set_decisions(conn, [decided], "rejected", "editor")
+        copy = add_copy(conn, "wire", "Council approves transport budget",
+                        "Our correspondent: " + STORY, "2026-12-01 08:30:00")
+        later = add_copy(conn, "radio", "Comet", "Repost: " + OTHER, "2026-12-01 08:40:00")
+        vesti.run_workers(db, s, registry, workers=1, quiet=True)
+        stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+        assert [stories[post] for post in (first, copy, decided, later)] == \
+            [copy, copy, decided, decided]
+        if asked == "llm":
+            assert sorted(fake.titles()) == ["Budget approved", "Comet this weekend"]
+        assert vesti.story_figures(conn)["joined"] == 2 and counts_match_posts(conn)
+        web = Web(home, settings=s.replace(web_password="s3cret"))
+        try:
+            page = web.get("/?min=0")[2]
+            assert copy in card_ids(page) and first not in card_ids(page)
+            card = re.search(rf'id="post-{copy}".*?</article>', page, re.S)[0]
+            assert "+1 source:" in card and "The Daily" in card
+            web.post(f"/posts/{copy}/status", {"status": "approved", "token": web.token()})
+            feed = json.loads(web.get("/approved.json")[2])
+            assert [item["title"] for item in feed["items"]] == ["Council approves transport budget"]
+        finally:
+            web.close()
+    finally:
+        fake.close()
+
+
+@both
+def test_an_established_sources_post_does_not_join_a_new_sources_post_that_adds_to_it(home):
+    """A new source's post with a link of its own around the story (told
+    before the established source's) is not a story the established post
+    joins, takes the verdict of or is decided with."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    read_for_a_month(conn, "wire")
+    advert = add_copy(conn, "daily", "Budget news",
+                      f"{STORY} Cheap loans: https://loans.example/offer", "2026-12-01 08:00:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    told = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:30:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    assert (stories[advert], stories[told]) == (advert, told)
+    vesti.set_decisions(conn, [advert], "rejected", "editor")
+    assert conn.execute("SELECT status FROM posts WHERE id = ?", (told,)).fetchone()[0] == "new"
+
+
+@both
+def test_a_story_of_many_copies_names_ten_of_them_and_counts_the_rest(home):
+    """A card names the first ten other posts of its story and counts the
+    rest; its "every copy" page pages as the desk does."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    first = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
+    copies = [add_copy(conn, ("daily", "radio")[n % 2], "Budget", "Repost: " + STORY,
+                       f"2026-12-01 09:{n:02}:00") for n in range(60)]
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    assert {row[0] for row in conn.execute("SELECT story_id FROM posts")} == {first}
+    web = Web(home, settings=s.replace(web_password="s3cret"))
+    try:
+        line = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0")[2], re.S)[1]
+        assert line.startswith("+60 sources: ") and " and 50 more · " in line, line[-300:]
+        named = re.findall(r'<a href="(http[^"]*)"', line)
+        assert named == [f"http://{('daily', 'radio')[n % 2]}.example/2026-12-01 09:{n:02}:00"
+                         for n in range(10)]
+        russian = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0&lang=ru")[2],
+                            re.S)[1]
+        assert russian.startswith("ещё 60 источников: ") and " и ещё 50 · " in russian, \
+            russian[-300:]
+        # A copy's card, in its source's list, names the story's first post first.
+        radio = web.get("/?min=0&source=radio")[2]
+        card = re.search(rf'id="post-{copies[1]}".*?</article>', radio, re.S)[0]
+        assert "+60 sources: " in card and " and 50 more" in card
+        assert card.index("wire.example") < card.index("daily.example")
+        every = html.unescape(re.search(r'href="(/\?[^"]*story=\d+[^"]*)"', line)[1])
+        story = web.get(every)[2]
+        assert len(card_ids(story)) == vesti.PAGE_SIZE
+        older = html.unescape(re.search(r'href="([^"]*)" rel="next"', story)[1])
+        assert sorted(card_ids(story) + card_ids(web.get(older)[2])) == [first, *copies]
+    finally:
+        web.close()
+
+
+def database_work(conn, call):
+    """What `call` costs the database, in a unit that grows with the rows it
+    reads: SQLite's virtual machine steps (in hundreds); PostgreSQL's rows
+    of story_keys its statements read, as EXPLAIN ANALYZE counts them."""
+    if conn.dialect is vesti.SQLITE:
+        steps = [0]
+        conn.set_progress_handler(lambda: steps.__setitem__(0, steps[0] + 1), 100)
+        try:
+            call()
+        finally:
+            conn.set_progress_handler(None, 0)
+        return steps[0]
+    statements, execute = [], conn.execute
+    conn.execute = lambda sql, parameters=(): statements.append((sql, parameters)) or \
+        execute(sql, parameters)
+    try:
+        call()
+    finally:
+        del conn.execute
+
+    def rows_read(node):
+        own = node["Actual Rows"] * node["Actual Loops"] \
+            if node.get("Relation Name") == "story_keys" else 0
+        return own + sum(map(rows_read, node.get("Plans", ())))
+
+    def plan(sql, parameters):
+        return execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", parameters).fetchone()[0][0]["Plan"]
+    return sum(rows_read(plan(sql, parameters)) for sql, parameters in statements
+               if "story_keys" in sql)
+
+
+@both
+def test_a_key_thousands_of_posts_share_costs_a_look_up_no_more_than_a_rare_one(home):
+    """A flood of near-identical posts: a look-up reads the newest few posts
+    of each of its keys, however many share it, and a copy still finds its
+    story."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    lead = add_copy(conn, "wire", "Budget", STORY, "2026-12-01 08:00:00")
+    keys = vesti.story_keys(vesti.story_words("Budget", STORY))
+    work = {}
+    for flood in (50, 2000):
+        for n in range(len(work) and 50, flood):
+            copy = conn.execute("INSERT INTO posts (source_id, title, text, story_id, classified) "
+                                "VALUES (3, 'Budget', ?, ?, 1)", (f"{STORY} Flooded.", lead)).lastrowid
+            conn.dialect.store_story_keys(conn, [(key, copy) for key in keys])
+        post = add_copy(conn, "daily", "Budget", STORY + " Copied.", f"2026-12-01 09:{len(work)}0:00")
+        entry = vesti.StoryEntry(post, "Budget", STORY + " Copied.", keys, vesti.story_since(72))
+        found = {}
+        work[flood] = database_work(conn, lambda: found.update(vesti.find_stories(conn, [entry])))
+        assert found == {post: lead}
+    assert work[2000] < 1.5 * work[50], work
 
 
 # Story keys in a helper process ------------------------------------------------

@@ -724,6 +724,50 @@ def same_story(words, other_words):
     return len(a) <= TEASER_SHARE * len(b) and shared / len(a) >= SAME_LEAD
 
 
+# A copy takes its story's verdict unseen, is shown under its card and is
+# decided with it: it is taken on trust for what the story's first post says,
+# and for no more. A copy that adds a link to another site (an advert around a
+# copied post), or much text of its own, is no copy: it is classified on its
+# own words and is a card of its own, which deciding the story leaves alone.
+# "Much": more than ADDED_SHARE of its shingles are not the first post's. On
+# the labelled set a changed sentence adds up to 0.44 of a copy's shingles,
+# boilerplate around it 0.1; all of a post's words and as many again, 0.5. A
+# teaser is all a story's first post may say of it: when that post ends cut
+# short ("…"), a copy goes on where it stops (its article), adding nothing.
+ADDED_SHARE = 0.45
+STORY_LINK = re.compile(r"https?://[^\s<>\"']+|www\.[^\s<>\"']+")
+# A repost's source line ("Источник: @channel https://t.me/channel/4821") says
+# where it comes from, as its @handle does: a link to a Telegram post adds nothing.
+TELEGRAM_POST = re.compile(r"(?:https?://)?(?:www\.)?(?:t|telegram)\.me/\w+/\d+/?$")
+CUT_SHORT = re.compile(r"(?:…|\.\.\.|\[…\]|\[\.\.\.\])\s*$")
+
+
+def adds_to(words, text, lead_words, lead_text, lead_url):
+    """True when a copy (its story words and text) carries what its story's
+    first post (its words, text and address) does not: a link to a site
+    other than the first post's own and those it links to, or more than
+    ADDED_SHARE of its shingles."""
+    if CUT_SHORT.search(lead_text or ""):
+        return False
+    if link_hosts(text) - link_hosts(lead_text) - {link_host(lead_url or "")}:
+        return True
+    own = shingles(words)
+    return len(own - shingles(lead_words)) > ADDED_SHARE * len(own)
+
+
+def link_hosts(text):
+    """The sites a text links to (www. left out), but for links to Telegram posts."""
+    return {link_host(link) for link in STORY_LINK.findall(text or "")
+            if not TELEGRAM_POST.match(link)}
+
+
+def link_host(link):
+    with contextlib.suppress(ValueError):
+        host = urllib.parse.urlsplit(link if "://" in link else f"http://{link}").hostname or ""
+        return host.removeprefix("www.").rstrip(".")
+    return ""
+
+
 ###############################################################################
 # Storage #####################################################################
 ###############################################################################
@@ -2149,18 +2193,43 @@ def insert_rows(conn, into, rows, conflict=""):
 StoryEntry = collections.namedtuple("StoryEntry", "post_id title text keys since")
 
 
+# A story's first post is its card on the desk and what the approved feeds
+# export: there the copy of an established source stands rather than a new
+# source's (a site that copies the news first, with its own address on it).
+# A source is established once its first post was fetched ESTABLISHED_AFTER
+# ago. Its first post is the one dated earliest (one index seek): no post is
+# dated after its fetch, so a source seems as new as it is, or newer, never
+# older. The lead changes while nobody has decided the story: a decided card
+# stays as the editor decided it.
+ESTABLISHED_AFTER = 7 * 86400
+SOURCE_SINCE = """(SELECT f.fetched_at FROM posts f WHERE f.source_id = p.source_id
+                   AND f.published_at IS NOT NULL ORDER BY f.published_at LIMIT 1)"""
+
+
+def is_new_source(since, now=None):
+    """True for a source whose first post (SOURCE_SINCE) is recent, or unknown."""
+    return since is None or since > utc_text((time.time() if now is None else now)
+                                             - ESTABLISHED_AFTER)
+
+
 def newest_with_keys(conn, keys):
     """{key: ids of the newest posts with it, newest first}, a few more than
-    STORY_CANDIDATES: a key hundreds of posts share (a story reposted
-    everywhere, a template) costs no more than a rare one."""
+    STORY_CANDIDATES: a key thousands of posts share (a story reposted
+    everywhere, a flood of near-identical posts) costs no more than a rare
+    one, as each key's newest are sought in the index from its
+    (STORY_CANDIDATES + 1)th newest, not counted out of all its posts."""
     found = collections.defaultdict(list)
-    for among, values in conn.dialect.among("key", sorted(set(keys))):
+    keys = sorted(set(keys))
+    for first in range(0, len(keys), 500):
+        chunk = keys[first:first + 500]
+        # VALUES names its column column1 in both dialects.
         rows = conn.execute(f"""
-            SELECT key, post_id FROM (
-                SELECT key, post_id,
-                       row_number() OVER (PARTITION BY key ORDER BY post_id DESC) AS n
-                FROM story_keys WHERE {among}) newest
-            WHERE n <= {STORY_CANDIDATES + 1} ORDER BY key, post_id DESC""", values)
+            SELECT s.key, s.post_id
+            FROM (VALUES {", ".join(["(CAST(? AS BIGINT))"] * len(chunk))}) AS wanted
+            JOIN story_keys s ON s.key = wanted.column1 AND s.post_id >= coalesce(
+                (SELECT f.post_id FROM story_keys f WHERE f.key = wanted.column1
+                 ORDER BY f.post_id DESC LIMIT 1 OFFSET {STORY_CANDIDATES}), 0)
+            ORDER BY s.key, s.post_id DESC""", chunk)
         for key, post_id in rows.fetchall():
             found[key].append(post_id)
     return found
@@ -2192,11 +2261,20 @@ def story_candidates(stored, entries):
 
 
 def candidate_posts(conn, ids):
-    """{id: the row} of the posts a look-up checks."""
+    """{id: the row} of the posts a look-up checks, and of the first posts
+    of their stories (what a copy is checked against, see adds_to)."""
+    found = story_posts(conn, ids)
+    found.update(story_posts(conn, {row["story_id"] for row in found.values()}
+                             - found.keys() - {None}))
+    return found
+
+
+def story_posts(conn, ids):
     found = {}
-    for among, values in conn.dialect.among("id", sorted(ids)):
+    for among, values in conn.dialect.among("p.id", sorted(ids)):
         found.update((row["id"], row) for row in conn.execute(
-            f"SELECT id, fetched_at, story_id, title, text FROM posts WHERE {among}",
+            f"""SELECT p.id, p.fetched_at, p.story_id, p.title, p.text, p.url,
+                       {SOURCE_SINCE} AS source_since FROM posts p WHERE {among}""",
             values).fetchall())
     return found
 
@@ -2205,30 +2283,47 @@ def find_stories(conn, entries):
     """{post id: its story (the story's first post's id), or None} for
     entries looked up together, in order: one may find the story of one
     before it. Candidates are checked exactly, oldest first, among the posts
-    fetched since the entry's `since`; an entry's own text stands for its
-    stored text (which an article fetched for it may have replaced). Words
-    are worked out for the posts checked, and only once."""
+    fetched since the entry's `since`; a story the entry adds to (adds_to),
+    or whose first post, from a new source, adds to the entry, is not its
+    story. An entry's own text stands for its stored text (which an article
+    fetched for it may have replaced). Words are worked out for the posts
+    checked, and only once."""
     candidates = story_candidates(newest_with_keys(conn, [k for e in entries for k in e.keys]),
                                   entries)
-    rows = candidate_posts(conn, {i for ids in candidates.values() for i in ids})
+    rows = candidate_posts(conn, {i for ids in candidates.values() for i in ids}
+                           | {post_id for post_id, ids in candidates.items() if ids})
     texts = {entry.post_id: (entry.title, entry.text) for entry in entries}
     words = {}
 
-    def words_of(post_id, row):
+    def told(post_id):
+        return texts.get(post_id) or (rows[post_id]["title"], rows[post_id]["text"])
+
+    def words_of(post_id):
         if post_id not in words:
-            words[post_id] = story_words(*(texts.get(post_id) or (row["title"], row["text"])))
+            words[post_id] = story_words(*told(post_id))
         return words[post_id]
+
+    def adds_to_story(entry, story, candidate):
+        lead = story if story in rows else candidate
+        mine, theirs = (words_of(entry.post_id), entry.text), (words_of(lead), told(lead)[1])
+        if adds_to(*mine, *theirs, rows[lead]["url"]):
+            return True
+        # A new source's first post is trusted no more than a copy: a post it
+        # adds to does not join its story (nor lead it, see lead_after).
+        return is_new_source(rows[lead]["source_since"]) and \
+            adds_to(*theirs, *mine, rows[entry.post_id]["url"] if entry.post_id in rows else "")
 
     stories = {}
     for entry in entries:
         stories[entry.post_id] = None
         for candidate in candidates[entry.post_id]:
             row = rows.get(candidate)
-            if row is None or row["fetched_at"] < entry.since:
+            if row is None or row["fetched_at"] < entry.since or \
+                    not same_story(words_of(entry.post_id), words_of(candidate)):
                 continue
-            if same_story(words_of(entry.post_id, None), words_of(candidate, row)):
-                earlier = stories[candidate] if candidate in stories else row["story_id"]
-                stories[entry.post_id] = earlier or candidate
+            story = (stories[candidate] if candidate in stories else row["story_id"]) or candidate
+            if not adds_to_story(entry, story, candidate):
+                stories[entry.post_id] = story
                 break
     return stories
 
@@ -2292,29 +2387,59 @@ def settle_stories(conn, completions):
     verdicts are written, in the same transaction, and take their story's
     verdict when there is one (not a story led by a post of this batch:
     its verdict is not written yet). Returns the completions with each
-    post's story."""
+    post's story, and whether it joined one."""
     stories = enter_stories(conn, [verdict["story_entry"] for _, verdict in completions
                                    if "story_entry" in verdict], written=False)
-    settled = []
-    for post, verdict in completions:
+    found = {}
+    for post, _ in completions:
         story = stories.get(post["id"])
-        found = None
-        if story not in (None, post["id"]):
-            with contextlib.suppress(StoryPending):
-                found = story_verdict(conn, story)
-                if found is None:
-                    take_over_story(conn, story, post["id"])
-                    stories.update({p: post["id"] for p, s in stories.items() if s == story})
-                    story = post["id"]
-        settled.append((post, verdict if story is None else
-                        {**verdict, **(found or {}), "story": story}))
-    return settled
+        if story in (None, post["id"]):
+            continue
+        with contextlib.suppress(StoryPending):
+            found[post["id"]] = story_verdict(conn, story)
+            lead = lead_after(conn, story, post["id"], found[post["id"]])
+            # The posts of this batch in that story are in the lead's.
+            stories.update({p: lead for p, s in stories.items() if s == story})
+    return [(post, verdict if post["id"] not in stories else
+             {**verdict, **(found.get(post["id"]) or {}), "story": stories[post["id"]],
+              "joined": stories[post["id"]] != post["id"] or found.get(post["id"]) is not None})
+            for post, verdict in completions]
+
+
+def leads_instead(lead, copy, now=None):
+    """True when a copy should lead its story rather than its first post
+    (rows of status and source_since): an established source's copy of an
+    undecided story a new source told first."""
+    return lead["status"] == "new" and is_new_source(lead["source_since"], now) and \
+        not is_new_source(copy["source_since"], now)
+
+
+def lead_after(conn, story, post_id, verdict):
+    """The first post of a story from now on, as a copy that joined it sees
+    it (with the story's `verdict`, None when it has none): the copy, when
+    the story's first post failed or is gone (or its copies would stay
+    behind a card that is not there) or when leads_instead; else the same."""
+    if verdict is not None:
+        rows = {row["id"]: row for row in conn.execute(
+            f"SELECT p.id, p.status, {SOURCE_SINCE} AS source_since FROM posts p "
+            f"WHERE p.id IN (?, ?)", (story, post_id))}
+        if story not in rows or post_id not in rows or not leads_instead(rows[story], rows[post_id]):
+            return story
+    take_over_story(conn, story, post_id)
+    return post_id
+
+
+@redoable
+def lead_now(conn, story, post_id, verdict):
+    """lead_after in a transaction of its own, one at a time with the
+    entries of stories (see enter_now)."""
+    with transaction(conn, shared=True, stories=True):
+        return lead_after(conn, story, post_id, verdict)
 
 
 def take_over_story(conn, story, post_id):
-    """A story whose first post failed or is gone is led by this post from
-    now on (or its copies would stay behind a card that is not there). One
-    statement: in the caller's transaction, or a transaction of its own."""
+    """The copies of a story and its first post are this post's from now on.
+    One statement: in the caller's transaction, or a transaction of its own."""
     conn.execute(f"UPDATE posts SET story_id = ? WHERE {copies_of()} OR id IN (?, ?)",
                  (post_id, story, story, post_id))
 
@@ -2560,7 +2685,7 @@ def complete_and_claim(conn, completions, claims, now=None, token=None, choose=N
                                   if "llm_seconds" in verdict])
         written = complete_posts(conn, completions)
         for (post, verdict), row in zip(completions, written):
-            if row and verdict.get("story") not in (None, post["id"]):
+            if row and verdict.get("joined"):
                 counts[("stories_joined", "")] = counts.get(("stories_joined", ""), 0) + 1
                 counts[("llm_calls_saved", "")] = (counts.get(("llm_calls_saved", ""), 0)
                                                    + bool(verdict.get("llm_saved")))
@@ -5984,10 +6109,10 @@ class Classifier:
         except StoryPending as e:
             e.text = full_text          # kept, so the article is not fetched again
             raise
+        lead = lead_now(conn, joined, post["id"], found)
         if found is None:
-            take_over_story(conn, joined, post["id"])
             return None
-        return {**found, "text": full_text, "story": joined, "llm_saved": True}
+        return {**found, "text": full_text, "story": lead, "joined": True, "llm_saved": True}
 
     def quick(self, post):
         """True when the post's verdict needs no network: no article to
@@ -6670,6 +6795,7 @@ STRINGS = {
         "relevance": "relevance", "interest": "interest",
         "keywords": "keywords", "reason": "why", "stored_text": "Stored text",
         "more_sources": ("+{n} source", "+{n} sources"), "every_copy": "every copy",
+        "more_copies": ("and {n} more", "and {n} more"),
         "older": "older →", "first": "← newest", "next": "next →", "to_first": "← first",
         "untitled": "(untitled)",
         "empty_filtered": "No posts match these filters.",
@@ -6743,7 +6869,7 @@ STRINGS = {
         "reason": "почему", "stored_text": "Сохранённый текст", "older": "старше →",
         "next": "дальше →", "to_first": "← в начало",
         "more_sources": ("ещё {n} источник", "ещё {n} источника", "ещё {n} источников"),
-        "every_copy": "все копии",
+        "every_copy": "все копии", "more_copies": ("и ещё {n}", "и ещё {n}", "и ещё {n}"),
         "first": "← новые", "untitled": "(без заголовка)",
         "empty_filtered": "Под эти фильтры ничего не подходит.",
         "empty_none": "Классифицированных постов пока нет: они появятся здесь, когда воркеры "
@@ -7138,22 +7264,55 @@ def desk_filters(desk):
     return where, params
 
 
+# A card names this many of its story's other posts and counts the rest: a
+# story thousands of posts joined costs its card what a story of two does.
+STORY_NAMED = 10
+# A card's story line: the other posts it names (rows of id, url, source) and
+# how many other posts its story has.
+StoryLine = collections.namedtuple("StoryLine", "named count")
+
 
 def story_copies(conn, posts):
-    """{card's post id: the other posts of its story (id, url, source),
-    earliest first} for the cards of a page."""
-    stories = {post["story_id"] for post in posts if post["story_id"] is not None}
-    members = {}
-    if stories:
-        marks = ", ".join("?" * len(stories))
-        for row in conn.execute(f"""
-                SELECT coalesce(p.story_id, p.id) AS story_id, p.id, p.url, s.name AS source
-                FROM posts p LEFT JOIN sources s ON s.id = p.source_id
-                WHERE (p.story_id IN ({marks}) AND p.story_id != p.id) OR p.id IN ({marks})
-                ORDER BY p.published_at, p.id""", [*sorted(stories), *sorted(stories)]):
-            members.setdefault(row["story_id"], []).append(row)
-    return {post["id"]: [c for c in members.get(post["story_id"], ()) if c["id"] != post["id"]]
-            for post in posts}
+    """{card's post id: its StoryLine} for the cards of a page: the story's
+    first post, then its copies in the order they came."""
+    stories = sorted({post["story_id"] for post in posts if post["story_id"] is not None})
+    members = {row["id"]: [row] for row in story_leads(conn, stories)}
+    for row in first_copies(conn, stories):
+        members.setdefault(row["story_id"], []).append(row)
+    lines = {}
+    for post in posts:
+        story = members.get(post["story_id"], ())
+        others = [member for member in story if member["id"] != post["id"]]
+        if others:
+            count = story[0]["posts"] - 1 if story[0]["id"] == post["story_id"] else len(others)
+            lines[post["id"]] = StoryLine(others[:STORY_NAMED], count)
+    return lines
+
+
+def story_leads(conn, stories):
+    """The first posts of these stories (id, url, source), each with how many
+    posts its story has (counted in the copies' index)."""
+    if not stories:
+        return []
+    return conn.execute(f"""
+        SELECT p.id, p.url, s.name AS source,
+               (SELECT count(*) FROM posts c WHERE c.story_id = p.id AND c.story_id != c.id) + 1
+                   AS posts
+        FROM posts p LEFT JOIN sources s ON s.id = p.source_id
+        WHERE p.id IN ({", ".join("?" * len(stories))})""", stories).fetchall()
+
+
+def first_copies(conn, stories):
+    """The first STORY_NAMED + 1 copies of each of these stories (story_id,
+    id, url, source), in the order they came: read along the copies' index,
+    however many there are."""
+    if not stories:
+        return []
+    return conn.execute(" UNION ALL ".join(f"""
+        SELECT * FROM (SELECT p.story_id, p.id, p.url, s.name AS source
+                       FROM posts p LEFT JOIN sources s ON s.id = p.source_id
+                       WHERE {copies_of("p.")} ORDER BY p.id LIMIT {STORY_NAMED + 1}) AS story{n}"""
+                                             for n in range(len(stories))), stories).fetchall()
 
 
 DESK_COLUMNS = """p.id, p.title, p.url, p.summary, p.direction, p.relevance, p.interest,
@@ -7423,17 +7582,19 @@ def decision_buttons(lang, status):
     return f'{buttons}<span class="badge state">{said(lang, "status." + status)}</span>'
 
 
-def story_line(post, copies, page):
-    """'+N sources: A, B, C · every copy' under a story's card."""
-    if not copies:
+def story_line(post, story, page):
+    """'+N sources: A, B, C and M more · every copy' under a story's card."""
+    if not story:
         return ""
     def name(copy):
         return copy["source"] or urllib.parse.urlsplit(copy["url"] or "").hostname or f'#{copy["id"]}'
     links = ", ".join(
         f'<a href="{esc(c["url"])}" rel="noopener noreferrer" target="_blank">{esc(name(c))}</a>'
-        if is_web_link(c["url"]) else esc(name(c)) for c in copies)
+        if is_web_link(c["url"]) else esc(name(c)) for c in story.named)
+    unnamed = story.count - len(story.named)
+    more = f' {page.t("more_copies", n=unnamed)}' if unnamed > 0 else ""
     every = page.link("/", story=post["story_id"], status="any", min=0)
-    return (f'<p class="small story">{page.t("more_sources", n=len(copies))}: {links} · '
+    return (f'<p class="small story">{page.t("more_sources", n=story.count)}: {links}{more} · '
             f'<a href="{esc(every)}">{page.t("every_copy")}</a></p>')
 
 
@@ -7474,7 +7635,7 @@ def edited_texts(post, words, text):
             f'{version("now", "after_edit", post["title"], text)}</div></details>')
 
 
-def card_html(post, page, back, copies=()):
+def card_html(post, page, back, story=None):
     words = card_words(page.lang)
     title = esc(post["title"]) or words["untitled"]
     link = (f'<a href="{esc(post["url"])}" rel="noopener noreferrer" target="_blank">{title}</a>'
@@ -7498,7 +7659,7 @@ def card_html(post, page, back, copies=()):
             f'<span class="badge">{direction}</span> '
             f'{words["relevance"]} <b>{esc(post["relevance"])}</b> · '
             f'{words["interest"]} <b>{esc(post["interest"])}</b></p>{edited_mark(post, page)}'
-            f'<p>{esc(post["summary"])}</p>{story_line(post, copies, page)}{why_html}{stored}'
+            f'<p>{esc(post["summary"])}</p>{story_line(post, story, page)}{why_html}{stored}'
             f'{decision_form(post, page, back)}</article>')
 
 
@@ -7670,8 +7831,8 @@ def desk_page(conn, desk, page, directions, settings, sources=None):
     counts = desk_counts(conn, desk)
     here = page.link("/", **desk.params(after="~".join(
         "" if v is None else str(v) for v in desk.after) if desk.after else None))
-    copies = {} if desk.story else story_copies(conn, posts)
-    cards = "".join(card_html(p, page, here, copies.get(p["id"], ())) for p in posts)
+    stories = {} if desk.story else story_copies(conn, posts)
+    cards = "".join(card_html(p, page, here, stories.get(p["id"])) for p in posts)
     if not cards:
         empty = "empty_filtered" if desk.direction or desk.q or desk.source or \
             desk.status != "new" or counts["hidden"] else "empty_none"
