@@ -3994,6 +3994,19 @@ def test_opml_folders_named_like_directions_put_their_feeds_there(home):
     assert {s.direction for s in registry.sources if s.slug != "lwn-net"} == {"space"}
 
 
+def test_a_folders_name_cannot_drive_the_terminal(home):
+    """U+009B (CSI) is allowed in XML and starts a terminal's control
+    sequence on many terminals: said escaped, as in the log."""
+    (home / "sources.yaml").write_text(EDITOR_DIRECTIONS, encoding="utf-8")
+    (home / "evil.opml").write_text(
+        '<opml version="2.0"><body><outline text="News\u009b2J\u009b31m">'
+        '<outline type="rss" text="Feed" xmlUrl="https://feed.example/rss"/>'
+        '</outline></body></opml>', encoding="utf-8")
+    result = cli("opml-import", "evil.opml", cwd=home)
+    assert result.returncode == 0, result.stderr
+    assert "\u009b" not in result.stdout and "News\\x9b2J\\x9b31m" in result.stdout
+
+
 def test_a_broken_opml_file_changes_nothing(home):
     write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss")])
     before = (home / "sources.yaml").read_bytes()

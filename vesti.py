@@ -9664,6 +9664,13 @@ def opml_document(sources):
         ElementTree.tostring(root, encoding="unicode") + "\n"
 
 
+def terminal_text(text):
+    """A stranger's words (a folder's name, a page's link) said on the
+    terminal: control characters escaped, as in the log, so they cannot
+    move the cursor, recolour the screen or forge a line."""
+    return str(text).translate(LOG_ESCAPES)
+
+
 def cmd_opml_import(args, settings):
     registry = load_registry(settings.sources)
     check_direction(registry, args.direction)
@@ -9671,7 +9678,8 @@ def cmd_opml_import(args, settings):
     print(f"opml-import: {added} feeds added to {registry.path}, {skipped} skipped "
           f"(already there or not http)")
     if unmatched:
-        print(f"opml-import: folders matching no direction: {', '.join(unmatched)}; "
+        print(f"opml-import: folders matching no direction: "
+              f"{terminal_text(', '.join(unmatched))}; "
               f"their feeds were added without a direction")
     open_intake(settings)
     return 0
@@ -9807,10 +9815,10 @@ def cmd_discover(args, settings):
     try:
         found = discover_feeds(url, settings)
     except FetchError as e:
-        print(f"vesti: discover: {url}: {e}", file=sys.stderr)
+        print(f"vesti: discover: {terminal_text(f'{url}: {e}')}", file=sys.stderr)
         return 1
     if not found.feeds:
-        print(f"vesti: discover: {no_feed_read(url, found)}", file=sys.stderr)
+        print(f"vesti: discover: {terminal_text(no_feed_read(url, found))}", file=sys.stderr)
         return 1
     print_discovered(found.feeds, registry)
     if found.unchecked:
