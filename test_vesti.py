@@ -5515,17 +5515,57 @@ def test_connections_kept_open_after_a_page_hold_no_thread(web):
             conn.close()
 
 
-def test_a_request_head_over_64_kib_is_refused_and_others_are_served(web):
-    filler = b"".join(b"X-Filler-%d: %s\r\n" % (i, b"y" * 1000) for i in range(70))
-    with socket.create_connection(("127.0.0.1", web.port), timeout=10) as raw:
-        raw.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
-                    + filler + b"\r\n")
+def raw_answer(port, request):
+    """What the page answers to `request`, sent as it is, until it closes
+    the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        raw.sendall(request)
         answer = b""
         with contextlib.suppress(ConnectionResetError):
             while chunk := raw.recv(65536):
                 answer += chunk
+    return answer
+
+
+def test_a_request_head_over_64_kib_is_refused_and_others_are_served(web):
+    filler = b"".join(b"X-Filler-%d: %s\r\n" % (i, b"y" * 1000) for i in range(70))
+    answer = raw_answer(web.port, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                  b"Connection: close\r\n" + filler + b"\r\n")
     assert answer.startswith(b"HTTP/1.1 431 ")
     assert web.get("/healthz", auth=False)[0] == 200
+
+
+def test_a_body_length_of_thousands_of_digits_is_refused_and_the_page_goes_on(web):
+    """Python refuses to make a number of over 4,300 digits: such a
+    Content-Length, read before the password is checked, is refused as too
+    large, and the page stays up for everyone."""
+    answer = raw_answer(web.port, b"POST /crawlers/reset HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                  b"Authorization: " + web.auth.encode() + b"\r\n"
+                                  b"Content-Length: " + b"9" * 5000 + b"\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 413 ")
+    assert web.get("/healthz", auth=False)[0] == 200
+    assert web.get("/")[0] == 200
+
+
+def test_a_failure_reading_one_request_closes_that_connection_only(web, monkeypatch, caplog):
+    """No thread to be had for one request (or any slip of the thread that
+    reads them all) costs that request: its connection is closed, the log
+    has the traceback once, and the page goes on."""
+    give = web.server.workers.give
+
+    def no_thread(conn):
+        monkeypatch.setattr(web.server.workers, "give", give)
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(web.server.workers, "give", no_thread)
+    with caplog.at_level(logging.ERROR, logger="vesti"):
+        answer = raw_answer(web.port, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert answer == b""
+    assert web.get("/healthz", auth=False)[0] == 200
+    assert web.get("/")[0] == 200
+    failures = [r for r in caplog.records if r.exc_info]
+    assert len(failures) == 1 and "127.0.0.1" in failures[0].getMessage()
+    assert "can't start new thread" in caplog.text
 
 
 def test_requests_dropped_are_told_once_a_minute_per_client(caplog):

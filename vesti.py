@@ -8164,8 +8164,14 @@ def readable_body_length(headers):
     """The Content-Length of a request body the page reads, or None for one
     it refuses unread (not a number, or over MAX_REQUEST_BODY)."""
     length = headers.get("Content-Length", "0")
-    return int(length) if length.isascii() and length.isdigit() and \
-        int(length) <= MAX_REQUEST_BODY else None
+    if not (length.isascii() and length.isdigit()):
+        return None
+    # Its digits are counted before they make a number: Python refuses a
+    # number of over 4,300 digits, which a client may well send.
+    digits = length.lstrip("0") or "0"
+    if len(digits) > len(str(MAX_REQUEST_BODY)) or int(digits) > MAX_REQUEST_BODY:
+        return None
+    return int(digits)
 
 
 class WebApp:
@@ -8610,11 +8616,12 @@ class WebWorkers:
         self.threads = []
 
     def give(self, job):
-        self.jobs.put(job)
+        """Raises, the job not given, when a thread it needs cannot start."""
         if not self.idle.acquire(blocking=False) and len(self.threads) < self.size:
             thread = threading.Thread(target=self.work, name="web", daemon=True)
-            self.threads.append(thread)
             thread.start()
+            self.threads.append(thread)
+        self.jobs.put(job)
 
     def work(self):
         while (job := self.jobs.get()) is not None:
@@ -8814,7 +8821,7 @@ class WebServer(http.server.HTTPServer):
                 if e.errno in OUT_OF_FILES:
                     return self.make_room()
                 continue                # a client that left before it was accepted
-            self.welcome(WebConnection(sock, address))
+            self.guarded(self.welcome, WebConnection(sock, address))
 
     def make_room(self):
         """No file left for a connection: the oldest unfinished request makes
@@ -8840,14 +8847,33 @@ class WebServer(http.server.HTTPServer):
             self.drop(oldest, "full")
         if self.waiting.count(conn.client) >= self.max_per_client:
             self.drop(self.waiting.oldest(conn.client), "crowded")
-        conn.sock.setblocking(False)
         self.wait_for_request(conn)
 
     def wait_for_request(self, conn):
+        conn.sock.setblocking(False)
         conn.deadline = time.monotonic() + self.RequestHandlerClass.request_deadline
         self.waiting.add(conn)
-        self.selector.register(conn.sock, selectors.EVENT_READ, functools.partial(self.read, conn))
+        self.selector.register(conn.sock, selectors.EVENT_READ,
+                               functools.partial(self.guarded, self.read, conn))
         self.look_for_request(conn)
+
+    def guarded(self, step, conn):
+        """step(conn) on the front. Its failure (a bug, no thread left to
+        start) closes that connection, not the front every client needs."""
+        try:
+            step(conn)
+        except Exception:
+            log.exception("web: reading the request of %s failed; its connection closed",
+                          conn.address[0])
+            self.abandon(conn)
+
+    def abandon(self, conn):
+        """Close a connection wherever the front had got to with it."""
+        if conn in self.waiting:
+            self.waiting.remove(conn)
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(conn.sock)
+        self.shutdown_request(conn.sock)
 
     def read(self, conn):
         try:
@@ -8878,8 +8904,8 @@ class WebServer(http.server.HTTPServer):
     def hand_over(self, conn, request):
         self.stop_waiting(conn)
         conn.taken = request
-        self.answering += 1
         self.workers.give(conn)
+        self.answering += 1
 
     def answer(self, conn):
         """On a worker thread: answer the request; whether the connection stays open."""
@@ -8908,8 +8934,7 @@ class WebServer(http.server.HTTPServer):
                 conn, keep = self.returned.get_nowait()
                 self.answering -= 1
                 if keep:
-                    conn.sock.setblocking(False)
-                    self.wait_for_request(conn)
+                    self.guarded(self.wait_for_request, conn)
                 else:
                     self.shutdown_request(conn.sock)
 
