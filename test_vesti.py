@@ -5535,6 +5535,23 @@ def test_a_request_head_over_64_kib_is_refused_and_others_are_served(web):
     assert web.get("/healthz", auth=False)[0] == 200
 
 
+def test_a_head_too_large_is_refused_having_received_no_more_than_the_longest(web,
+                                                                             monkeypatch):
+    """A client sending an 80 KB head in one go: the server takes one byte
+    past the longest head it answers, not what the client sent, to refuse it."""
+    held = []
+
+    class Watched(vesti.WebConnection):
+        def request_size(self):
+            held.append(len(self.received))
+            return super().request_size()
+
+    monkeypatch.setattr(vesti, "WebConnection", Watched)
+    answer = raw_answer(web.port, b"GET / HTTP/1.1\r\nX-Big: " + b"y" * 80000)
+    assert answer.startswith(b"HTTP/1.1 431 ")
+    assert max(held) == vesti.MAX_REQUEST_HEAD + 1
+
+
 def test_a_body_length_of_thousands_of_digits_is_refused_and_the_page_goes_on(web):
     """Python refuses to make a number of over 4,300 digits: such a
     Content-Length, read before the password is checked, is refused as too
@@ -5566,6 +5583,49 @@ def test_a_failure_reading_one_request_closes_that_connection_only(web, monkeypa
     failures = [r for r in caplog.records if r.exc_info]
     assert len(failures) == 1 and "127.0.0.1" in failures[0].getMessage()
     assert "can't start new thread" in caplog.text
+
+
+def closed_by_the_server(socks, count, within=30):
+    """Waits until the server has closed `count` of `socks`; how many it has."""
+    open_, closed = list(socks), 0
+    give_up = time.monotonic() + within
+    while closed < count and open_ and time.monotonic() < give_up:
+        for sock in select.select(open_, [], [], max(0, give_up - time.monotonic()))[0]:
+            with contextlib.suppress(ConnectionResetError):
+                if sock.recv(65536):
+                    continue
+            open_.remove(sock)
+            closed += 1
+    return closed
+
+
+def test_requests_coming_in_hold_no_more_memory_than_the_servers_budget(home, monkeypatch,
+                                                                        caplog):
+    """Clients from a few addresses each send most of a 64 KiB request head
+    and no more: past the bytes the server may hold for requests coming in,
+    their oldest are dropped (and told in the log), and an editor is served."""
+    budget = 1024 * 1024
+    monkeypatch.setattr(vesti.WebServer, "max_buffered", budget)
+    monkeypatch.setattr(vesti.WebHandler, "request_deadline", 60)
+    head = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"y" * 60000
+    web, clients = Web(home), []
+    try:
+        with caplog.at_level(logging.WARNING, logger="vesti"):
+            for i in range(40):
+                address = (f"127.0.0.{2 + i % 4}", 0)
+                clients.append(socket.create_connection(("127.0.0.1", web.port), timeout=10,
+                                                        source_address=address))
+                clients[-1].sendall(head)
+            too_many = 40 - budget // len(head)
+            assert closed_by_the_server(clients, too_many) >= too_many
+            assert web.server.waiting.buffered <= budget
+            assert web.get("/")[0] == 200
+        told = [r.getMessage() for r in caplog.records if "1 MiB" in r.getMessage()]
+        assert told and all("dropped" in line for line in told), told
+    finally:
+        for sock in clients:
+            sock.close()
+        web.close()
 
 
 def test_requests_dropped_are_told_once_a_minute_per_client(caplog):

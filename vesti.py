@@ -8515,6 +8515,12 @@ class WebConnection:
     def head_too_large(self):
         return (self.head_end or len(self.received)) > MAX_REQUEST_HEAD
 
+    def room(self):
+        """Bytes to receive at most: the rest of the request once its head
+        is in, else one past the longest head (enough to refuse it)."""
+        size = self.request_size()
+        return (MAX_REQUEST_HEAD + 1 if size is None else size) - len(self.received)
+
     def take_request(self):
         """The next request once it is whole (the bytes after it stay for
         the one after), else None."""
@@ -8529,11 +8535,13 @@ class WebConnection:
 
 class WaitingConnections:
     """The connections the front waits on for a whole request, oldest first
-    (the first to pass their deadline), in all and per client."""
+    (the first to pass their deadline), in all and per client, and the bytes
+    of their requests it holds."""
 
     def __init__(self):
-        self.all = collections.OrderedDict()
+        self.all = collections.OrderedDict()     # connection: its bytes in `buffered`
         self.of_client = {}
+        self.buffered = 0
 
     def __len__(self):
         return len(self.all)
@@ -8545,11 +8553,17 @@ class WaitingConnections:
         return conn in self.all
 
     def add(self, conn):
-        self.all[conn] = None
+        self.all[conn] = 0
+        self.recount(conn)
         self.of_client.setdefault(conn.client, collections.OrderedDict())[conn] = None
 
+    def recount(self, conn):
+        """`conn` received more of its request."""
+        self.buffered += len(conn.received) - self.all[conn]
+        self.all[conn] = len(conn.received)
+
     def remove(self, conn):
-        del self.all[conn]
+        self.buffered -= self.all.pop(conn)
         mine = self.of_client[conn.client]
         del mine[conn]
         if not mine:
@@ -8560,6 +8574,10 @@ class WaitingConnections:
 
     def oldest(self, client=None):
         return next(iter(self.all if client is None else self.of_client.get(client, ())), None)
+
+    def oldest_holding(self):
+        """The oldest that sent part of a request (an idle one holds nothing)."""
+        return next((conn for conn, held in self.all.items() if held), None)
 
 
 class DroppedRequests:
@@ -8573,10 +8591,13 @@ class DroppedRequests:
             "full": "web: {connections} connections at once; {n} unfinished request{s} of "
                     "{client} dropped, the oldest first",
             "no_files": "web: no file left for another connection ({n} time{s}); "
-                        "accepting paused a moment"}
+                        "accepting paused a moment",
+            "heavy": "web: requests coming in held over {buffered_mib} MiB; {n} unfinished "
+                     "request{s} of {client} dropped, the oldest first"}
 
-    def __init__(self, per_client, connections, clock=time.monotonic):
-        self.limits = {"per_client": per_client, "connections": connections}
+    def __init__(self, per_client, connections, buffered=0, clock=time.monotonic):
+        self.limits = {"per_client": per_client, "connections": connections,
+                       "buffered_mib": buffered // 2**20}
         self.clock = clock
         self.pending = collections.Counter()     # (client, reason): requests not told yet
         self.told = {}                           # (client, reason): when last told
@@ -8739,11 +8760,15 @@ class WebServer(http.server.HTTPServer):
     """The front: accepts connections and reads each request whole on one
     thread (serve_forever's), then hands it to WebWorkers; a connection kept
     open comes back to it between requests. It holds at most
-    `max_connections`, and at most `max_per_client` still sending a
-    request per client address: past either, the oldest unfinished one is
-    dropped."""
+    `max_connections`, at most `max_per_client` still sending a request per
+    client address, and at most `max_buffered` bytes of the requests coming
+    in: past any, the oldest unfinished one is dropped."""
     max_threads = 64
     max_per_client = 32
+    # Bytes of requests coming in the front holds at most (a connection may
+    # hold a 64 KiB head and a 64 KiB body): past them, the oldest
+    # unfinished request is dropped.
+    max_buffered = 32 * 2**20
     # Connections the kernel keeps waiting for accept() (socketserver's 5
     # turns away a burst of clients).
     request_queue_size = 128
@@ -8755,7 +8780,8 @@ class WebServer(http.server.HTTPServer):
         self.answering = 0                       # connections the workers have
         self.returned = queue.SimpleQueue()      # (connection, kept open) from the workers
         self.workers = WebWorkers(self.max_threads, self.answer, self.give_back)
-        self.dropped = DroppedRequests(self.max_per_client, self.max_connections)
+        self.dropped = DroppedRequests(self.max_per_client, self.max_connections,
+                                       self.max_buffered)
         self.stopping, self.stopped, self.closed = (threading.Event() for _ in range(3))
         self.wake_reader, self.wake_writer = socket.socketpair()
         self.wake_reader.setblocking(False)
@@ -8856,6 +8882,7 @@ class WebServer(http.server.HTTPServer):
         self.selector.register(conn.sock, selectors.EVENT_READ,
                                functools.partial(self.guarded, self.read, conn))
         self.look_for_request(conn)
+        self.keep_within_budget()
 
     def guarded(self, step, conn):
         """step(conn) on the front. Its failure (a bug, no thread left to
@@ -8877,7 +8904,7 @@ class WebServer(http.server.HTTPServer):
 
     def read(self, conn):
         try:
-            data = conn.sock.recv(65536)
+            data = conn.sock.recv(conn.room())
         except BlockingIOError:
             return
         except OSError:
@@ -8885,7 +8912,9 @@ class WebServer(http.server.HTTPServer):
         if not data:                               # the client went away
             return self.close(conn)
         conn.received += data
+        self.waiting.recount(conn)
         self.look_for_request(conn)
+        self.keep_within_budget()
 
     def look_for_request(self, conn):
         if not conn.received:
@@ -8944,6 +8973,10 @@ class WebServer(http.server.HTTPServer):
         now = time.monotonic()
         while (oldest := self.waiting.oldest()) is not None and oldest.deadline <= now:
             self.drop(oldest, "slow")
+
+    def keep_within_budget(self):
+        while self.waiting.buffered > self.max_buffered:
+            self.drop(self.waiting.oldest_holding(), "heavy")
 
     def drop(self, conn, reason):
         if conn.received:
