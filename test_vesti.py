@@ -22,6 +22,7 @@ import collections
 import logging
 import os
 import pathlib
+import queue
 import random
 import re
 import resource
@@ -5688,6 +5689,28 @@ def test_a_page_keeps_its_connection_open_and_an_idle_or_refused_one_is_closed(w
             assert conn.sock is None or conn.sock.recv(1) == b""
         finally:
             conn.close()
+
+
+def test_a_connection_answered_as_the_server_closes_is_closed_too(web):
+    """The server closing just as a page's answering thread gives the
+    connection back: it is closed all the same, not left open until the
+    process ends."""
+
+    class ClosingMeanwhile(queue.SimpleQueue):
+        def put(self, item, block=True, timeout=None):
+            web.server.shutdown()
+            web.server.server_close()
+            super().put(item)
+
+    web.server.returned = ClosingMeanwhile()
+    conn = http.client.HTTPConnection("127.0.0.1", web.port, timeout=10)
+    try:
+        conn.request("GET", "/healthz")
+        response = conn.getresponse()
+        assert (response.status, response.read(), response.will_close) == (200, b"ok\n", False)
+        assert conn.sock.recv(1) == b""
+    finally:
+        conn.close()
 
 
 def test_control_characters_of_a_request_line_are_escaped_in_the_access_log(web, caplog):

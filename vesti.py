@@ -8820,9 +8820,7 @@ class WebServer(http.server.HTTPServer):
         super().server_close()
         for conn in list(self.waiting):
             self.close(conn)
-        with contextlib.suppress(queue.Empty):
-            while True:
-                self.shutdown_request(self.returned.get_nowait()[0].sock)
+        self.close_returned()
         self.workers.stop()
         self.selector.close()
         self.wake_reader.close()
@@ -8948,11 +8946,19 @@ class WebServer(http.server.HTTPServer):
 
     def give_back(self, conn, keep):
         """On a worker thread: the connection back to the front (to be read
-        or closed there)."""
-        if self.closed.is_set():
-            return self.shutdown_request(conn.sock)
+        or closed there). It is put back before `closed` is looked at, as
+        server_close sets `closed` before it closes what was put back: one
+        of the two closes it, whichever comes second."""
         self.returned.put((conn, keep))
-        self.wake()
+        if self.closed.is_set():
+            self.close_returned()
+        else:
+            self.wake()
+
+    def close_returned(self):
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self.shutdown_request(self.returned.get_nowait()[0].sock)
 
     def take_back(self):
         with contextlib.suppress(OSError):
