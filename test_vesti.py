@@ -2545,6 +2545,39 @@ def test_a_decided_teaser_whose_hidden_link_is_edited_goes_back_to_the_desk(home
     assert post["article_url"] == "https://casino.example/bonus"
 
 
+@both
+def test_an_edit_while_a_worker_classifies_the_post_sends_it_back_to_the_queue(home):
+    """The worker's verdict (and article) on the words before is not
+    written; copies that joined the post while it was asked about go on
+    under the oldest of them."""
+    s, db = tg_intake(home)
+    conn, posted = db.conn(), recent(60)
+    fake = FakeTelegram([tg.Message(id=k, peer_id=tg.PeerChannel(1001), date=posted,
+                                    message=f"{HARMLESS} ({k})") for k in (1, 2, 3)])
+    crawl_tg(s, db, fake)
+    [claimed] = vesti.claim_posts(conn, 1)
+    lead, *copies = [post["id"] for post in posts_of(db, "chan")]
+    assert claimed["id"] == lead
+    # Copies join a story as its first post is asked about; its own story_id
+    # is written with its verdict.
+    conn.execute(f"UPDATE posts SET story_id = {lead} WHERE id IN ({copies[0]}, {copies[1]})")
+    spam = "Linux users: cheap pills and casino bonuses, order today!"
+    fake.history = [tg_edited(1, spam, posted, 5), *fake.history[1:]]
+    crawl_tg(s, db, fake)
+    verdict = {"direction": "linux", "relevance": 9, "interest": 6,
+               "summary": "Linux 7.1 is out", "text": "The article on Linux 7.1 " * 50}
+    written, _ = vesti.complete_and_claim(conn, [(claimed, verdict)], 0)
+    assert written == [None]
+    post = posts_of(db, "chan")[0]
+    assert (post["classified"], post["claim_token"], post["attempts"], post["next_attempt_at"],
+            post["relevance"], post["summary"]) == (0, None, 0, None, None, None)
+    assert (post["text"], post["content_type"]) == (spam, "text")
+    assert [p["story_id"] for p in posts_of(db, "chan")] == [None, copies[0], copies[0]]
+    vesti.run_workers(db, s, vesti.Registry("x", DIRECTIONS, ()), workers=1, quiet=True)
+    post = posts_of(db, "chan")[0]
+    assert (post["classified"], post["text"], post["attempts"]) == (1, spam, 1)
+
+
 def test_a_channel_link_that_names_no_channel_is_a_recorded_error(home):
     s, db = tg_intake(home)
     db.conn().execute("UPDATE sources SET url = 'https://example.com/x'")

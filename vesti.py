@@ -2787,6 +2787,17 @@ def release_claims(conn, pattern):
         WHERE classified = {PROCESSING} AND claim_token LIKE ?""", (pattern,)).rowcount
 
 
+def take_claim_back(conn, post_id):
+    """A claimed post whose words changed goes back to the queue at once, its
+    attempt uncounted: its worker's verdict, on the words before, is then
+    not written (a completion needs the claim) and the post is classified
+    on its new words."""
+    conn.execute(f"""
+        UPDATE posts SET classified = {PENDING}, claim_token = NULL, next_attempt_at = NULL,
+               {ATTEMPT_UNCOUNTED}
+        WHERE id = ? AND classified = {PROCESSING}""", (post_id,))
+
+
 def give_back_posts(conn, tokens):
     """Put claimed posts back to pending, their attempt uncounted: a worker
     hands back what it claimed but will not classify."""
@@ -3186,7 +3197,9 @@ def reword_post(conn, row, draft, before, words):
     it until the next one: nothing is approved in words nobody decided on.
     Only a classified post takes a verdict back: one still in the queue is
     classified anyway, and a completion outside the workers is counted only
-    where its count rows are ready. Returns 1."""
+    where its count rows are ready. One a worker is classifying is taken
+    back from it (take_claim_back): its verdict is on the words before.
+    Returns 1."""
     verdicts = remembered_verdicts(row, before)
     restored = verdicts.get(words) if row["classified"] == DONE else None
     changes = {**edited_text(draft, words),
@@ -3203,6 +3216,8 @@ def reword_post(conn, row, draft, before, words):
                        old_text=row["text"])
     leave_story(conn, row)
     store_edit(conn, row["id"], changes)
+    if row["classified"] == PROCESSING:
+        take_claim_back(conn, row["id"])
     return 1
 
 
@@ -3224,8 +3239,9 @@ def leave_story(conn, post):
     approved feeds go on with a copy's words, never with the edited post's.
     The edited post is a card of its own (Classifier.prepare keeps it out of
     every story until it is decided again), so it cannot slip back under an
-    approved story's card either."""
-    if post["story_id"] != post["id"]:
+    approved story's card either. A first post still being classified has
+    no story_id yet (its verdict writes it), but may have copies already."""
+    if post["story_id"] not in (None, post["id"]):
         return
     heir = conn.execute(f"""SELECT id FROM posts WHERE {copies_of()}
                             ORDER BY CASE WHEN classified = {DONE} THEN 0 ELSE 1 END, id
