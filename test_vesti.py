@@ -2578,6 +2578,35 @@ def test_an_edit_while_a_worker_classifies_the_post_sends_it_back_to_the_queue(h
     assert (post["classified"], post["text"], post["attempts"]) == (1, spam, 1)
 
 
+@both
+def test_a_teaser_stored_before_its_words_were_kept_keeps_its_decision_when_read_again(home):
+    s, db = tg_intake(home)
+    posted = recent(60)
+    words = "Read the whole story here"
+
+    def teaser(minutes, link="https://news.example/budget"):
+        return tg.Message(id=1, peer_id=tg.PeerChannel(1001), date=posted, message=words,
+                          entities=[tg.MessageEntityTextUrl(offset=0, length=len(words), url=link)],
+                          edit_date=posted + datetime.timedelta(minutes=minutes))
+    fake = FakeTelegram([teaser(1)])
+    crawl_tg(s, db, fake)
+    article = "The city's budget for next year doubles what it spends on schools. " * 30
+    # As a database from before the words were kept has it: classified on its article.
+    db.conn().execute("UPDATE posts SET classified = 1, relevance = 7, content_type = 'full', "
+                      "text = ?, words_sha256 = NULL", (article,))
+    vesti.set_decision(db.conn(), 1, "approved", "admin")
+    for minutes in (2, 3):            # the first crawls after the upgrade: the same message
+        fake.history = [teaser(minutes)]
+        crawl_tg(s, db, fake)
+        post = posts_of(db, "chan")[0]
+        assert (post["status"], post["old_decision"], post["classified"], post["content_type"],
+                post["text"]) == ("approved", None, 1, "full", article)
+    fake.history = [teaser(5, "https://casino.example/bonus")]
+    crawl_tg(s, db, fake)
+    post = posts_of(db, "chan")[0]
+    assert (post["status"], post["old_decision"], post["classified"]) == ("new", "approved", 0)
+
+
 def test_a_channel_link_that_names_no_channel_is_a_recorded_error(home):
     s, db = tg_intake(home)
     db.conn().execute("UPDATE sources SET url = 'https://example.com/x'")

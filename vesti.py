@@ -3165,6 +3165,9 @@ def update_edited_post(conn, source_id, draft):
     if row is None:
         return 0
     words = draft.words_sha256 or words_sha256(draft.text, draft.article_url)
+    if words_lost_to_article(row, draft):
+        store_edit(conn, row["id"], {"words_sha256": words})
+        return 0
     before = row["words_sha256"] or words_sha256(row["text"], row["article_url"])
     if words != before:
         return reword_post(conn, row, draft, before, words)
@@ -3172,6 +3175,15 @@ def update_edited_post(conn, source_id, draft):
         return 0
     store_edit(conn, row["id"], edited_text(draft, words))
     return 1
+
+
+def words_lost_to_article(row, draft):
+    """A teaser stored before its words were kept (words_sha256 NULL) whose
+    article was fetched: its text is the article, not the message, so only
+    its link can tell an edit. The message's words as read now are kept,
+    for its next edit to be told apart."""
+    return row["words_sha256"] is None and row["content_type"] == "full" and \
+        row["article_url"] is not None and row["article_url"] == draft.article_url
 
 
 def edited_text(draft, words):
