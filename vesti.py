@@ -6228,7 +6228,7 @@ class WorkerStats:
                            self.failed - earlier.failed, self.lost - earlier.lost)
 
     def line(self):
-        lost = f", {self.lost} taken back by the lease" if self.lost else ""
+        lost = f", {self.lost} taken back by the lease or an edit" if self.lost else ""
         return (f"{self.processed} processed ({self.done} done, {self.returned} returned "
                 f"to the queue, {self.failed} failed{lost})")
 
@@ -6463,8 +6463,8 @@ class WorkerPool:
                     delete_meta(conn, "ollama_down")
                     log.warning("Ollama answers again")
         log.info("post %s: %s, relevance %s, interest %s%s", post["id"],
-                 verdict["direction"] or "no direction", verdict["relevance"],
-                 verdict["interest"], "" if written else " (taken back by the lease; not written)")
+                 verdict["direction"] or "no direction", verdict["relevance"], verdict["interest"],
+                 "" if written else " (taken back by the lease or an edit; not written)")
         with self.lock:
             self.connection_failures = 0
             self.story_waits.pop(post["id"], None)
