@@ -2546,6 +2546,68 @@ def test_a_decided_teaser_whose_hidden_link_is_edited_goes_back_to_the_desk(home
     assert post["article_url"] == "https://casino.example/bonus"
 
 
+@both
+def test_an_edit_while_a_worker_classifies_the_post_sends_it_back_to_the_queue(home):
+    """The worker's verdict (and article) on the words before is not
+    written; copies that joined the post while it was asked about go on
+    under the oldest of them."""
+    s, db = tg_intake(home)
+    conn, posted = db.conn(), recent(60)
+    fake = FakeTelegram([tg.Message(id=k, peer_id=tg.PeerChannel(1001), date=posted,
+                                    message=f"{HARMLESS} ({k})") for k in (1, 2, 3)])
+    crawl_tg(s, db, fake)
+    [claimed] = vesti.claim_posts(conn, 1)
+    lead, *copies = [post["id"] for post in posts_of(db, "chan")]
+    assert claimed["id"] == lead
+    # Copies join a story as its first post is asked about; its own story_id
+    # is written with its verdict.
+    conn.execute(f"UPDATE posts SET story_id = {lead} WHERE id IN ({copies[0]}, {copies[1]})")
+    spam = "Linux users: cheap pills and casino bonuses, order today!"
+    fake.history = [tg_edited(1, spam, posted, 5), *fake.history[1:]]
+    crawl_tg(s, db, fake)
+    verdict = {"direction": "linux", "relevance": 9, "interest": 6,
+               "summary": "Linux 7.1 is out", "text": "The article on Linux 7.1 " * 50}
+    written, _ = vesti.complete_and_claim(conn, [(claimed, verdict)], 0)
+    assert written == [None]
+    post = posts_of(db, "chan")[0]
+    assert (post["classified"], post["claim_token"], post["attempts"], post["next_attempt_at"],
+            post["relevance"], post["summary"]) == (0, None, 0, None, None, None)
+    assert (post["text"], post["content_type"]) == (spam, "text")
+    assert [p["story_id"] for p in posts_of(db, "chan")] == [None, copies[0], copies[0]]
+    vesti.run_workers(db, s, vesti.Registry("x", DIRECTIONS, ()), workers=1, quiet=True)
+    post = posts_of(db, "chan")[0]
+    assert (post["classified"], post["text"], post["attempts"]) == (1, spam, 1)
+
+
+@both
+def test_a_teaser_stored_before_its_words_were_kept_keeps_its_decision_when_read_again(home):
+    s, db = tg_intake(home)
+    posted = recent(60)
+    words = "Read the whole story here"
+
+    def teaser(minutes, link="https://news.example/budget"):
+        return tg.Message(id=1, peer_id=tg.PeerChannel(1001), date=posted, message=words,
+                          entities=[tg.MessageEntityTextUrl(offset=0, length=len(words), url=link)],
+                          edit_date=posted + datetime.timedelta(minutes=minutes))
+    fake = FakeTelegram([teaser(1)])
+    crawl_tg(s, db, fake)
+    article = "The city's budget for next year doubles what it spends on schools. " * 30
+    # As a database from before the words were kept has it: classified on its article.
+    db.conn().execute("UPDATE posts SET classified = 1, relevance = 7, content_type = 'full', "
+                      "text = ?, words_sha256 = NULL", (article,))
+    vesti.set_decision(db.conn(), 1, "approved", "admin")
+    for minutes in (2, 3):            # the first crawls after the upgrade: the same message
+        fake.history = [teaser(minutes)]
+        crawl_tg(s, db, fake)
+        post = posts_of(db, "chan")[0]
+        assert (post["status"], post["old_decision"], post["classified"], post["content_type"],
+                post["text"]) == ("approved", None, 1, "full", article)
+    fake.history = [teaser(5, "https://casino.example/bonus")]
+    crawl_tg(s, db, fake)
+    post = posts_of(db, "chan")[0]
+    assert (post["status"], post["old_decision"], post["classified"]) == ("new", "approved", 0)
+
+
 def test_a_channel_link_that_names_no_channel_is_a_recorded_error(home):
     s, db = tg_intake(home)
     db.conn().execute("UPDATE sources SET url = 'https://example.com/x'")
@@ -3326,7 +3388,7 @@ def test_bulk_decisions_reject_every_card_shown_once_confirmed(web):
     assert "&lt;b&gt;Bold&lt;/b&gt; news" in asked and "Post 5" in asked and "<b>Bold" not in asked
     fields = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', asked))
     assert fields == {"token": web.token(), "ids": shown, "status": "rejected",
-                      "back": sent["back"], "confirmed": "1"}
+                      "back": sent["back"], "wording": sent["wording"], "confirmed": "1"}
     assert {r[0] for r in conn.execute("SELECT status FROM posts")} == {"new"}
     status, headers, _ = web.post("/posts/status", fields)
     assert status == 303 and headers["Location"] == sent["back"]
@@ -3388,6 +3450,64 @@ def test_a_page_left_open_across_a_restart_still_decides(web, home):
         assert status == 403 and changed.token() != token_before
     finally:
         changed.close()
+
+
+def hidden_fields(form):
+    return {name: html.unescape(value) for name, value in
+            re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', form)}
+
+
+CHANGED = "this post changed since your page was loaded; reload to see it"
+
+
+@both
+def test_a_desk_loaded_before_an_edit_does_not_decide_the_edited_words(home):
+    write_sources(home / "sources.yaml", [{"slug": "chan", "crawler": "telegram",
+                                           "url": "https://t.me/linuxnews", "direction": "linux"}])
+    web = Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret"))
+    s, db = web.settings, web.db
+    try:
+        posted = recent(60)
+        other = "Linux 7.1 ships a new file system for older laptops, tested for a year."
+        fake = FakeTelegram([tg.Message(id=k, peer_id=tg.PeerChannel(1001), date=posted,
+                                        message=text) for k, text in ((1, HARMLESS), (2, other))])
+        crawl_tg(s, db, fake)
+        vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
+        page = web.get("/")[2]                          # the desk, left open overnight
+        card, bulk = hidden_fields(card_of(page, 1)), hidden_fields(
+            re.search(r'<form class="actions bulk".*?</form>', page, re.S)[0])
+        fake.history = [tg_edited(1, SPAM, posted, 10), fake.history[1]]
+        crawl_tg(s, db, fake)
+        vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
+        assert SPAM in card_of(web.get("/")[2], 1)      # on the desk again, in its new words
+
+        def statuses():
+            return [p["status"] for p in posts_of(db, "chan")]
+        status, _, body = web.post("/posts/1/status", {**card, "status": "approved"})
+        assert (status, body.strip()) == (409, CHANGED)
+        status, _, body = web.post("/posts/1/status", {**card, "status": "approved"},
+                                   headers={"Accept": "application/json"})
+        assert (status, body.strip()) == (409, CHANGED)
+        status, _, asked = web.post("/posts/status", {**bulk, "status": "rejected"})
+        assert status == 200 and "Reject these 2 posts?" in asked
+        status, _, body = web.post("/posts/status", hidden_fields(asked))
+        assert (status, body.strip()) == (409, CHANGED.replace("this post", "post 1"))
+        status, _, body = web.post("/posts/status", {**bulk, "status": "rejected",
+                                                     "confirmed": "1"},
+                                   headers={"Accept": "application/json"})
+        assert status == 409 and statuses() == ["new", "new"]
+        assert json.loads(web.get("/approved.json")[2])["items"] == []
+        page = web.get("/")[2]                          # reloaded: the words it shows now
+        status, _, _ = web.post("/posts/1/status", {**hidden_fields(card_of(page, 1)),
+                                                    "status": "approved"})
+        assert status == 303 and statuses() == ["approved", "new"]
+        bulk = hidden_fields(re.search(r'<form class="actions bulk".*?</form>', page, re.S)[0])
+        status, _, _ = web.post("/posts/status", {**bulk, "status": "rejected", "confirmed": "1"})
+        assert status == 303 and statuses() == ["rejected", "rejected"]
+        # A script's decision names no words: decided as before.
+        assert web.post("/posts/1/status", {"token": web.token(), "status": "new"})[0] == 303
+    finally:
+        web.close()
 
 
 @both
@@ -4469,6 +4589,30 @@ def test_a_decision_that_did_not_save_looks_unsaved_and_saves_when_tried_again(w
     assert (shown["status"], shown["badge"], shown["note"]) == ("approved", "approved", "")
     assert conn.execute("SELECT status FROM posts WHERE id = ?", (post,)).fetchone()[0] == \
         "approved"
+
+
+def test_a_card_edited_since_the_page_was_loaded_is_not_decided_in_place(web, browser):
+    conn = web.db.conn()
+    ids = [desk_post(conn, lwn(web), k) for k in range(1, 4)]
+    browser.open(web.origin + "/", {"Authorization": web.auth})
+    conn.execute("UPDATE posts SET text = 'Cheap pills for Linux users' WHERE id = ?", (ids[0],))
+    browser.evaluate(f"document.querySelector('#post-{ids[0]} button.approved').click()")
+    shown = decision_shown(browser, ids[0])
+    assert (shown["status"], shown["badge"]) == ("new", "to decide")
+    assert shown["note"].startswith(f"Not saved: the server answered 409 ({CHANGED}).")
+    browser.evaluate("document.querySelector('form.bulk button[value=rejected]').click()")
+    browser.evaluate("document.querySelector('form.bulk .yes').click()")
+    assert wait_until(browser, "!document.querySelector('form.bulk .unsaved').hidden")
+    assert f"409 (post {ids[0]} changed since your page was loaded" in \
+        browser.evaluate("document.querySelector('form.bulk .unsaved').textContent")
+    assert {r[0] for r in conn.execute("SELECT status FROM posts")} == {"new"}
+    browser.evaluate(f"document.querySelector('#post-{ids[1]} button.approved').click()")
+    assert decision_shown(browser, ids[1])["status"] == "approved"    # its words are as shown
+    browser.open(web.origin + "/", {"Authorization": web.auth})
+    browser.evaluate(f"document.querySelector('#post-{ids[0]} button.rejected').click()")
+    assert decision_shown(browser, ids[0])["status"] == "rejected"
+    assert conn.execute("SELECT status FROM posts WHERE id = ?", (ids[0],)).fetchone()[0] == \
+        "rejected"
 
 
 def visible(browser, selector):

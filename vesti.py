@@ -411,6 +411,15 @@ class TransactionUndone(VestiError):
         self.episode = episode
 
 
+class Reworded(VestiError):
+    """A decision names words its post no longer has: the post was edited
+    after the page that showed them was loaded (see wording)."""
+
+    def __init__(self, post_id):
+        super().__init__(f"post {post_id} changed since the decision's page was loaded")
+        self.post_id = post_id
+
+
 class EarlyReply(Exception):
     """A web handler's early answer (an error status, a redirect): raised by
     abort() and turned into the reply, so a handler never replies and then
@@ -2787,6 +2796,17 @@ def release_claims(conn, pattern):
         WHERE classified = {PROCESSING} AND claim_token LIKE ?""", (pattern,)).rowcount
 
 
+def take_claim_back(conn, post_id):
+    """A claimed post whose words changed goes back to the queue at once, its
+    attempt uncounted: its worker's verdict, on the words before, is then
+    not written (a completion needs the claim) and the post is classified
+    on its new words."""
+    conn.execute(f"""
+        UPDATE posts SET classified = {PENDING}, claim_token = NULL, next_attempt_at = NULL,
+               {ATTEMPT_UNCOUNTED}
+        WHERE id = ? AND classified = {PROCESSING}""", (post_id,))
+
+
 def give_back_posts(conn, tokens):
     """Put claimed posts back to pending, their attempt uncounted: a worker
     hands back what it claimed but will not classify."""
@@ -3154,6 +3174,9 @@ def update_edited_post(conn, source_id, draft):
     if row is None:
         return 0
     words = draft.words_sha256 or words_sha256(draft.text, draft.article_url)
+    if words_lost_to_article(row, draft):
+        store_edit(conn, row["id"], {"words_sha256": words})
+        return 0
     before = row["words_sha256"] or words_sha256(row["text"], row["article_url"])
     if words != before:
         return reword_post(conn, row, draft, before, words)
@@ -3161,6 +3184,15 @@ def update_edited_post(conn, source_id, draft):
         return 0
     store_edit(conn, row["id"], edited_text(draft, words))
     return 1
+
+
+def words_lost_to_article(row, draft):
+    """A teaser stored before its words were kept (words_sha256 NULL) whose
+    article was fetched: its text is the article, not the message, so only
+    its link can tell an edit. The message's words as read now are kept,
+    for its next edit to be told apart."""
+    return row["words_sha256"] is None and row["content_type"] == "full" and \
+        row["article_url"] is not None and row["article_url"] == draft.article_url
 
 
 def edited_text(draft, words):
@@ -3186,7 +3218,9 @@ def reword_post(conn, row, draft, before, words):
     it until the next one: nothing is approved in words nobody decided on.
     Only a classified post takes a verdict back: one still in the queue is
     classified anyway, and a completion outside the workers is counted only
-    where its count rows are ready. Returns 1."""
+    where its count rows are ready. One a worker is classifying is taken
+    back from it (take_claim_back): its verdict is on the words before.
+    Returns 1."""
     verdicts = remembered_verdicts(row, before)
     restored = verdicts.get(words) if row["classified"] == DONE else None
     changes = {**edited_text(draft, words),
@@ -3203,6 +3237,8 @@ def reword_post(conn, row, draft, before, words):
                        old_text=row["text"])
     leave_story(conn, row)
     store_edit(conn, row["id"], changes)
+    if row["classified"] == PROCESSING:
+        take_claim_back(conn, row["id"])
     return 1
 
 
@@ -3224,8 +3260,9 @@ def leave_story(conn, post):
     approved feeds go on with a copy's words, never with the edited post's.
     The edited post is a card of its own (Classifier.prepare keeps it out of
     every story until it is decided again), so it cannot slip back under an
-    approved story's card either."""
-    if post["story_id"] != post["id"]:
+    approved story's card either. A first post still being classified has
+    no story_id yet (its verdict writes it), but may have copies already."""
+    if post["story_id"] not in (None, post["id"]):
         return
     heir = conn.execute(f"""SELECT id FROM posts WHERE {copies_of()}
                             ORDER BY CASE WHEN classified = {DONE} THEN 0 ELSE 1 END, id
@@ -3420,6 +3457,34 @@ def set_decision(conn, post_id, decision, editor):
     return set_decisions(conn, [post_id], decision, editor)
 
 
+# A decision from a page names the words its card showed (wording), so that
+# a post edited since the page was loaded is not decided on words nobody saw:
+# a Telegram message's words (words_sha256), else the post's title and as
+# much of its text as a card shows. Every card carries it: it is short, as
+# content_digest's.
+WORDED_TEXT = 6000
+WORDING_CHARS = 16
+
+
+def wording(post):
+    """What a card's decision names of the words it shows (a row of title,
+    words_sha256 and text, the text cut to WORDED_TEXT or longer)."""
+    said = post["words_sha256"] or \
+        content_digest(post["title"], (post["text"] or "")[:WORDED_TEXT])
+    return said[:WORDING_CHARS]
+
+
+def check_wordings(conn, seen):
+    """Reworded for a post whose words are no longer those `seen` names
+    ({post id: wording}); an unknown post is left to the decision."""
+    for among, values in conn.dialect.among("id", sorted(seen)):
+        for row in conn.execute(f"""SELECT id, title, words_sha256,
+                                           substr(text, 1, {WORDED_TEXT}) AS text
+                                    FROM posts WHERE {among}""", values):
+            if wording(row) != seen[row["id"]]:
+                raise Reworded(row["id"])
+
+
 # A decision, or an undo, is made on the post as it reads now: the mark of
 # an edit after the decision before goes (see reword_post).
 DECIDED_AGAIN = """old_decision = NULL, old_decided_at = NULL, old_decided_by = NULL,
@@ -3427,14 +3492,17 @@ DECIDED_AGAIN = """old_decision = NULL, old_decided_at = NULL, old_decided_by = 
 
 
 @redoable
-def set_decisions(conn, post_ids, decision, editor):
+def set_decisions(conn, post_ids, decision, editor, seen=None):
     """One decision on many posts at once (on any post of a story, for the
     whole story), and the approved figure of their sources; returns how many
     of the posts exist. An undo (back to new) takes the decision back: nobody
-    decided the post, so nobody is recorded."""
+    decided the post, so nobody is recorded. Where `seen` names the words a
+    page showed of a post ({post id: wording}), none is decided unless each
+    still reads so (Reworded)."""
     found, sources = 0, set()
     now, editor = (None, None) if decision == "new" else (utc_text(), editor)
     with transaction(conn):
+        check_wordings(conn, seen or {})
         for post_id in post_ids:
             row = conn.execute(f"""UPDATE posts SET status = ?, decided_at = ?, decided_by = ?,
                                        {DECIDED_AGAIN}
@@ -6160,7 +6228,7 @@ class WorkerStats:
                            self.failed - earlier.failed, self.lost - earlier.lost)
 
     def line(self):
-        lost = f", {self.lost} taken back by the lease" if self.lost else ""
+        lost = f", {self.lost} taken back by the lease or an edit" if self.lost else ""
         return (f"{self.processed} processed ({self.done} done, {self.returned} returned "
                 f"to the queue, {self.failed} failed{lost})")
 
@@ -6395,8 +6463,8 @@ class WorkerPool:
                     delete_meta(conn, "ollama_down")
                     log.warning("Ollama answers again")
         log.info("post %s: %s, relevance %s, interest %s%s", post["id"],
-                 verdict["direction"] or "no direction", verdict["relevance"],
-                 verdict["interest"], "" if written else " (taken back by the lease; not written)")
+                 verdict["direction"] or "no direction", verdict["relevance"], verdict["interest"],
+                 "" if written else " (taken back by the lease or an edit; not written)")
         with self.lock:
             self.connection_failures = 0
             self.story_waits.pop(post["id"], None)
@@ -6706,13 +6774,16 @@ WORKER_SILENT_AFTER = 120
 SEARCH_COUNT_CAP = 2000
 # The desk counts the posts still to classify up to this many ("10000+").
 WAITING_COUNT_CAP = 10000
-# The stored text behind a card's disclosure is cut to this many characters.
-CARD_TEXT = 6000
+# The stored text behind a card's disclosure is cut to this many characters,
+# those whose words its decision names (see wording).
+CARD_TEXT = WORDED_TEXT
 FEED_POSTS = 100
 # How long the desk's list of sources may be reused before it is read again.
 SOURCES_FRESH = 60
 # Where a form may send the browser back to: a path on this site, nothing else.
 LOCAL_PATH = re.compile(r"/(?![/\\])[A-Za-z0-9\-._~/?=&%+]*")
+# A post's id as a form names it.
+POST_ID = re.compile(r"[1-9][0-9]{0,17}")
 
 STYLE = """
 :root{--fg:#1d2330;--muted:#667085;--line:#e4e7ec;--bg:#f7f8fa;--ok:#127a3d;--bad:#b42318;--warn:#b54708;--accent:#2554c7}
@@ -7319,6 +7390,7 @@ DESK_COLUMNS = """p.id, p.title, p.url, p.summary, p.direction, p.relevance, p.i
                   p.status, p.published_at, p.undated, p.content_type, p.keywords, p.reason,
                   substr(p.text, 1, {card_text}) AS text, p.decided_at, p.decided_by,
                   p.story_id, s.name AS source, s.slug AS source_slug, p.old_decision,
+                  p.words_sha256,
                   p.old_decided_at, p.old_decided_by, p.old_title,
                   substr(p.old_text, 1, {card_text}) AS old_text""".format(card_text=CARD_TEXT + 1)
 
@@ -7562,7 +7634,9 @@ def is_web_link(url):
 
 def decision_form(post, page, back):
     return (f'<form class="decide" method="post" action="/posts/{post["id"]}/status">'
-            f'{form_fields(page.token, back)}{decision_buttons(page.lang, post["status"])}</form>')
+            f'{form_fields(page.token, back)}'
+            f'<input type="hidden" name="wording" value="{esc(wording(post))}">'
+            f'{decision_buttons(page.lang, post["status"])}</form>')
 
 
 @functools.lru_cache(maxsize=64)
@@ -7670,8 +7744,10 @@ def bulk_form(page, posts, back):
     if not posts:
         return ""
     ids, n = ",".join(str(p["id"]) for p in posts), len(posts)
+    words = ",".join(f'{p["id"]}:{wording(p)}' for p in posts)
     return (f'<form class="actions bulk" method="post" action="{esc(page.link("/posts/status"))}">'
             f'{form_fields(page.token, back)}<input type="hidden" name="ids" value="{ids}">'
+            f'<input type="hidden" name="wording" value="{esc(words)}">'
             f'<input type="hidden" name="ask" value="1"><span class="ask"><button name="status" value="rejected">'
             f'{page.t("reject_shown", n=n)}</button></span>'
             f'<span class="confirm" hidden>{page.t("bulk_ask.rejected", n=n)} '
@@ -7730,8 +7806,9 @@ function post(action,fields){
  .then(function(r){if(r.ok)return r.json();
   return r.text().catch(function(){return ''}).then(function(t){
    throw fill(words.answered,{status:r.status,answer:t.trim().split('\n')[0].slice(0,200)})})});}
+/* A decision names the words the card shows: a post edited since is refused (409). */
 function send(card,status){var form=card.querySelector('form.decide');
- return post(form.action,{token:form.token.value,status:status});}
+ return post(form.action,{token:form.token.value,status:status,wording:form.wording.value});}
 /* A decision is shown at once; one that did not save shows the decision
    saved before it, says why, and keeps the card in focus to try again. */
 function decide(card,status,move){
@@ -7754,7 +7831,8 @@ function bulkStep(step){['ask','confirm','done'].forEach(function(s){
 function bulkNote(text){var p=bulk.querySelector('.unsaved');p.textContent=text;p.hidden=!text}
 function bulkFailed(why){bulkNote(fill(words.not_saved,{why:String(why),retry:words.retry.bulk}))}
 function bulkSend(shown,status){return post(bulk.action,{token:bulk.token.value,status:status,
- confirmed:'1',ids:shown.map(function(c){return c.dataset.id}).join(',')})}
+ confirmed:'1',ids:shown.map(function(c){return c.dataset.id}).join(','),
+ wording:bulk.wording.value})}
 function settle(shown,status){shown.forEach(function(c){saved(c,status);show(c,status);note(c,'')})}
 function rejectShown(){
  var shown=bulk.ids.value.split(',').map(function(id){return document.getElementById('post-'+id)})
@@ -8174,6 +8252,14 @@ def readable_body_length(headers):
     return int(digits)
 
 
+def named_wordings(form, ids):
+    """{post id: wording} of these posts, as a page's form names the words
+    it showed of them ("id:wording,…", see wording); none from a script."""
+    named = (part.strip().partition(":") for value in form.get("wording", [])
+             for part in value.split(","))
+    return {int(i): words for i, _, words in named if POST_ID.fullmatch(i) and int(i) in ids}
+
+
 class WebApp:
     """Routes, Basic auth and cross-site protection for the VESTI page."""
 
@@ -8367,7 +8453,8 @@ class WebApp:
     def decide(self, request, query, form, post_id):
         self.check_forgery(request, form)
         status = self.decision(form)
-        if not set_decision(self.db.conn(), int(post_id), status, self.user):
+        seen = (form.get("wording") or [""])[-1]
+        if not self.decide_posts([int(post_id)], status, {int(post_id): seen} if seen else None):
             abort(404, "No such post")
         if "application/json" in request.headers.get("Accept", ""):
             return self.json(request, {"id": int(post_id), "status": status})
@@ -8377,14 +8464,14 @@ class WebApp:
         self.check_forgery(request, form)
         status = self.decision(form)
         ids = [int(i) for value in form.get("ids", []) for i in value.split(",")
-               if re.fullmatch(r"[1-9][0-9]{0,17}", i.strip())]
+               if POST_ID.fullmatch(i.strip())]
         if not ids or len(ids) > MAX_BULK:
             abort(400, f"ids must name 1 to {MAX_BULK} posts")
         wants_json = "application/json" in request.headers.get("Accept", "")
         # The page's own form asks first; a script's post decides at once.
         if not wants_json and form.get("ask") and (form.get("confirmed") or [""])[-1] != "1":
             return self.confirm_many(request, query, form, ids, status)
-        changed = set_decisions(self.db.conn(), ids, status, self.user)
+        changed = self.decide_posts(ids, status, named_wordings(form, ids))
         if wants_json:
             return self.json(request, {"ids": ids, "status": status, "changed": changed})
         self.back(request, form)
@@ -8394,10 +8481,20 @@ class WebApp:
         script asks in place and sends it confirmed)."""
         back = (form.get("back") or ["/"])[-1]
         fields = (("token", self.token()), ("ids", ",".join(map(str, ids))), ("status", status),
-                  ("back", back))
+                  ("back", back), *(("wording", words) for words in form.get("wording", [])))
         self.html(request, bulk_confirmation(self.page(request, query),
                                              titled_posts(self.db.conn(), ids), status, fields,
                                              back if LOCAL_PATH.fullmatch(back) else "/"))
+
+    def decide_posts(self, ids, status, seen):
+        """set_decisions by the signed-in editor, refused (409, nothing
+        decided) when a post changed since the page naming its words was
+        loaded."""
+        try:
+            return set_decisions(self.db.conn(), ids, status, self.user, seen)
+        except Reworded as e:
+            post = "this post" if len(ids) == 1 else f"post {e.post_id}"
+            abort(409, f"{post} changed since your page was loaded; reload to see it")
 
     def back(self, request, form, post_id=None):
         """To the page the form came from; after one post's decision, to its
