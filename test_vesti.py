@@ -4599,11 +4599,12 @@ def test_a_card_edited_since_the_page_was_loaded_is_not_decided_in_place(web, br
     browser.evaluate(f"document.querySelector('#post-{ids[0]} button.approved').click()")
     shown = decision_shown(browser, ids[0])
     assert (shown["status"], shown["badge"]) == ("new", "to decide")
-    assert shown["note"].startswith(f"Not saved: the server answered 409 ({CHANGED}).")
+    assert shown["note"] == ("Not saved: the post changed since this page was loaded; reload it "
+                             "to see the post. Press a to try again.")
     browser.evaluate("document.querySelector('form.bulk button[value=rejected]').click()")
     browser.evaluate("document.querySelector('form.bulk .yes').click()")
     assert wait_until(browser, "!document.querySelector('form.bulk .unsaved').hidden")
-    assert f"409 (post {ids[0]} changed since your page was loaded" in \
+    assert "the post changed since this page was loaded" in \
         browser.evaluate("document.querySelector('form.bulk .unsaved').textContent")
     assert {r[0] for r in conn.execute("SELECT status FROM posts")} == {"new"}
     browser.evaluate(f"document.querySelector('#post-{ids[1]} button.approved').click()")

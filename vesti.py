@@ -6902,6 +6902,7 @@ STRINGS = {
         "not_saved": "Not saved: {why}. {retry}",
         "unreachable": "the server could not be reached",
         "answered": "the server answered {status} ({answer})",
+        "changed": "the post changed since this page was loaded; reload it to see the post",
         "retry.approved": "Press a to try again.", "retry.rejected": "Press r to try again.",
         "retry.new": "Press Undo to try again.", "retry.bulk": "Press the button to try again.",
         "bulk_ask.rejected": ("Reject this {n} post?", "Reject these {n} posts?"),
@@ -6977,6 +6978,7 @@ STRINGS = {
         "not_saved": "Не сохранено: {why}. {retry}",
         "unreachable": "не удалось связаться с сервером",
         "answered": "сервер ответил {status} ({answer})",
+        "changed": "пост изменился после загрузки страницы; обновите её, чтобы его увидеть",
         "retry.approved": "Нажмите a, чтобы попробовать ещё раз.",
         "retry.rejected": "Нажмите r, чтобы попробовать ещё раз.",
         "retry.new": "Нажмите «Вернуть», чтобы попробовать ещё раз.",
@@ -7804,6 +7806,7 @@ function post(action,fields){
   headers:{'Accept':'application/json','Content-Type':'application/x-www-form-urlencoded'}})
  .catch(function(){throw words.unreachable})
  .then(function(r){if(r.ok)return r.json();
+  if(r.status===409)throw words.changed;
   return r.text().catch(function(){return ''}).then(function(t){
    throw fill(words.answered,{status:r.status,answer:t.trim().split('\n')[0].slice(0,200)})})});}
 /* A decision names the words the card shows: a post edited since is refused (409). */
@@ -7880,7 +7883,7 @@ def script_words(lang):
     strings = STRINGS[lang]
     words = {"status": {s: strings[f"status.{s}"] for s in DECISIONS},
              "retry": {s: strings[f"retry.{s}"] for s in (*DECISIONS, "bulk")},
-             **{key: strings[key] for key in ("not_saved", "unreachable", "answered")}}
+             **{key: strings[key] for key in ("not_saved", "unreachable", "answered", "changed")}}
     return json.dumps(words, ensure_ascii=False).replace("<", "\\u003c")
 
 
