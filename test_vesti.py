@@ -6550,6 +6550,115 @@ def test_an_established_sources_post_does_not_join_a_new_sources_post_that_adds_
 
 
 @both
+@pytest.mark.parametrize("second", ["established", "new"])
+def test_a_story_taken_over_while_a_copy_joins_it_stays_one_card(home, ollama, monkeypatch,
+                                                                  second):
+    """Two copies of a new source's story classified at once: the second
+    copy enters the story and takes it over (an established source) after
+    the first entered it and before the first takes the story's verdict.
+    The story is one card all the same, every copy under it, decided as one."""
+    s, db, registry = story_home(home, ollama.url)
+    conn = db.conn()
+    read_for_a_month(conn, "radio", *(["wire"] if second == "established" else []))
+    first = add_copy(conn, "daily", "Budget approved", STORY, "2026-12-01 08:00:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    copies = [add_copy(conn, slug, "Budget", f"{prefix}: {STORY}", f"2026-12-01 08:{n}0:00")
+              for n, (slug, prefix) in enumerate((("wire", "Our correspondent"),
+                                                  ("radio", "Repost")), 1)]
+    vesti.catch_up_index(conn)                                  # as a worker does
+    early, late = sorted(vesti.claim_posts(conn, 2), key=lambda post: post["id"])
+    classify, verdicts = vesti.Classifier(registry, s, db=db), {}
+    lead_now = vesti.lead_now
+
+    def late_copy_first(conn, story, post_id, verdict):
+        if post_id == early["id"] and late["id"] not in verdicts:
+            verdicts[late["id"]] = classify.prepare(late)
+        return lead_now(conn, story, post_id, verdict)
+    monkeypatch.setattr(vesti, "lead_now", late_copy_first)
+    verdicts[early["id"]] = classify.prepare(early)
+    vesti.complete_and_claim(conn, [(post, verdicts[post["id"]]) for post in (early, late)], 0)
+    assert len(ollama.titles()) == 1                            # the first post's
+    lead = copies[1]                                            # the radio's, read for a month
+    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    assert [stories[post] for post in (first, *copies)] == [lead] * 3
+    assert sorted(r[0] for r in conn.execute(f"SELECT id FROM posts WHERE {vesti.copies_of()}",
+                                             (lead,))) == [first, copies[0]]
+    assert counts_match_posts(conn)
+    web = Web(home, settings=s.replace(web_password="s3cret"))
+    try:
+        page = web.get("/?min=0")[2]
+        assert set(card_ids(page)) & {first, *copies} == {lead}
+        assert "+2 sources" in card_of(page, lead)
+        web.post(f"/posts/{lead}/status", {"status": "approved", "token": web.token()})
+        assert {r[0] for r in conn.execute("SELECT status FROM posts WHERE id IN (?, ?, ?)",
+                                           (first, *copies))} == {"approved"}
+        assert counts_match_posts(conn)
+    finally:
+        web.close()
+
+
+@both
+def test_a_copy_joining_a_story_whose_first_post_is_edited_meanwhile_goes_on_with_it(
+        home, ollama, monkeypatch):
+    """The story's first post is edited (out of its story, see leave_story)
+    after a copy entered the story and before the copy takes its verdict:
+    the copy goes on with the story, under its other copy's card, not under
+    the edited post."""
+    s, db, registry = story_home(home, ollama.url)
+    conn = db.conn()
+    first = add_copy(conn, "wire", "Budget approved", STORY, "2026-12-01 08:00:00")
+    older = add_copy(conn, "daily", "Budget", f"Repost: {STORY}", "2026-12-01 08:10:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    vesti.set_decisions(conn, [first], "approved", "editor")
+    copy = add_copy(conn, "radio", "Budget", f"Our correspondent: {STORY}", "2026-12-01 08:20:00")
+    vesti.catch_up_index(conn)                                  # as a worker does
+    post, = vesti.claim_posts(conn, 1)
+    lead_now = vesti.lead_now
+
+    def edited_meanwhile(conn, story, post_id, verdict):
+        row = conn.execute("SELECT * FROM posts WHERE id = ?", (first,)).fetchone()
+        vesti.leave_story(conn, row)
+        conn.execute("""UPDATE posts SET status = 'new', old_decision = status, text = ?,
+                        story_id = id WHERE id = ?""", ("Budget tip: casino bonuses!", first))
+        return lead_now(conn, story, post_id, verdict)
+    monkeypatch.setattr(vesti, "lead_now", edited_meanwhile)
+    vesti.complete_and_claim(conn, [(post, vesti.Classifier(registry, s, db=db).prepare(post))], 0)
+    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    assert [stories[p] for p in (first, older, copy)] == [first, older, older]
+    assert counts_match_posts(conn)
+
+
+@both
+def test_a_post_edited_after_its_decision_stays_its_card_when_a_copy_joins_it(home):
+    """A post edited after a decision is on the desk to be decided again,
+    marked: an established source's copy joining its story does not take
+    it over, which would hide it under that copy's card."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    read_for_a_month(conn, "wire")
+    edited = add_copy(conn, "daily", "Budget approved", STORY, "2026-12-01 08:00:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    vesti.set_decisions(conn, [edited], "approved", "editor")
+    # As an edit in other words leaves it (see reword_post), classified again.
+    conn.execute("""UPDATE posts SET status = 'new', old_decision = status, old_decided_at =
+                    decided_at, old_decided_by = decided_by, old_title = title, old_text = text,
+                    decided_at = NULL, decided_by = NULL, text = ?, story_id = id
+                    WHERE id = ?""", (STORY + " Updated.", edited))
+    copy = add_copy(conn, "wire", "Council approves transport budget",
+                    f"Our correspondent: {STORY} Updated.", "2026-12-01 08:30:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    assert (stories[edited], stories[copy]) == (edited, edited)
+    web = Web(home, settings=s.replace(web_password="s3cret"))
+    try:
+        card = card_of(web.get("/?min=0")[2], edited)
+        assert "Edited after your decision" in card and "+1 source" in card
+        assert counts_match_posts(conn)
+    finally:
+        web.close()
+
+
+@both
 def test_a_story_of_many_copies_names_ten_of_them_and_counts_the_rest(home):
     """A card names the first ten other posts of its story and counts the
     rest; its "every copy" page pages as the desk does."""

@@ -2333,19 +2333,20 @@ def story_since(hours, now=None):
     return utc_text((time.time() if now is None else now) - hours * 3600)
 
 
-def enter_stories(conn, entries, written=True):
+def enter_stories(conn, entries):
     """In the caller's transaction: each entry's story (found, or its own),
     its keys kept for the posts to come; returns {post id: story}. A post
-    that led a story and now joins another takes its copies along. Unless
-    `written`, a post's own story is left for its verdict to write
-    (complete_post); a post that starts its story is written as such with
-    its verdict (until then its NULL story_id says the same)."""
+    that led a story and now joins another takes its copies along. A copy
+    is written into its story at once, so that it moves with the story
+    (take_over_story, leave_story) until its verdict is written; a post
+    that starts its story is written as such with its verdict (until then
+    its NULL story_id says the same)."""
     stories = {post_id: found or post_id
                for post_id, found in find_stories(conn, entries).items()}
     for post_id, story in stories.items():
         if story != post_id:
             conn.execute(f"UPDATE posts SET story_id = ? WHERE {copies_of()} OR id = ?",
-                         (story, post_id, post_id if written else None))
+                         (story, post_id, post_id))
     # In key order: each index page the keys land on is visited once.
     conn.dialect.store_story_keys(conn, [(key, entry.post_id) for entry in entries
                                          for key in entry.keys])
@@ -2386,10 +2387,11 @@ def settle_stories(conn, completions):
     """Quick posts (no LLM call to save) enter their stories as their
     verdicts are written, in the same transaction, and take their story's
     verdict when there is one (not a story led by a post of this batch:
-    its verdict is not written yet). Returns the completions with each
-    post's story, and whether it joined one."""
+    its verdict is not written yet). Returns the completions with the
+    story of each post that leads one (a copy's is written already, see
+    enter_stories), and whether it joined one."""
     stories = enter_stories(conn, [verdict["story_entry"] for _, verdict in completions
-                                   if "story_entry" in verdict], written=False)
+                                   if "story_entry" in verdict])
     found = {}
     for post, _ in completions:
         story = stories.get(post["id"])
@@ -2401,17 +2403,20 @@ def settle_stories(conn, completions):
             # The posts of this batch in that story are in the lead's.
             stories.update({p: lead for p, s in stories.items() if s == story})
     return [(post, verdict if post["id"] not in stories else
-             {**verdict, **(found.get(post["id"]) or {}), "story": stories[post["id"]],
+             {**verdict, **(found.get(post["id"]) or {}),
+              **({"story": post["id"]} if stories[post["id"]] == post["id"] else {}),
               "joined": stories[post["id"]] != post["id"] or found.get(post["id"]) is not None})
             for post, verdict in completions]
 
 
 def leads_instead(lead, copy, now=None):
     """True when a copy should lead its story rather than its first post
-    (rows of status and source_since): an established source's copy of an
-    undecided story a new source told first."""
-    return lead["status"] == "new" and is_new_source(lead["source_since"], now) and \
-        not is_new_source(copy["source_since"], now)
+    (rows of status, old_decision and source_since): an established
+    source's copy of an undecided story a new source told first. A post
+    edited after its decision is not taken over: it would be hidden under
+    the copy's card instead of being decided again."""
+    return lead["status"] == "new" and lead["old_decision"] is None and \
+        is_new_source(lead["source_since"], now) and not is_new_source(copy["source_since"], now)
 
 
 def lead_after(conn, story, post_id, verdict):
@@ -2421,7 +2426,7 @@ def lead_after(conn, story, post_id, verdict):
     behind a card that is not there) or when leads_instead; else the same."""
     if verdict is not None:
         rows = {row["id"]: row for row in conn.execute(
-            f"SELECT p.id, p.status, {SOURCE_SINCE} AS source_since FROM posts p "
+            f"SELECT p.id, p.status, p.old_decision, {SOURCE_SINCE} AS source_since FROM posts p "
             f"WHERE p.id IN (?, ?)", (story, post_id))}
         if story not in rows or post_id not in rows or not leads_instead(rows[story], rows[post_id]):
             return story
@@ -2432,9 +2437,22 @@ def lead_after(conn, story, post_id, verdict):
 @redoable
 def lead_now(conn, story, post_id, verdict):
     """lead_after in a transaction of its own, one at a time with the
-    entries of stories (see enter_now)."""
+    entries of stories (see enter_now), for a copy that entered `story` and
+    read its `verdict` in transactions before. The story may have moved on
+    since (another copy took it over, an edit took its lead out of it): it
+    is the one the copy's row names now, as a copy moves with its story
+    (enter_stories). One moved on from a lead without a verdict is waited
+    for (StoryPending): its new lead is a copy classified on its own."""
     with transaction(conn, shared=True, stories=True):
-        return lead_after(conn, story, post_id, verdict)
+        row = conn.execute("SELECT story_id FROM posts WHERE id = ?", (post_id,)).fetchone()
+        if row is None:                 # gone meanwhile: it leads nothing
+            return story
+        now = story if row[0] is None else row[0]
+        if now == post_id:              # an edit made it its story's lead
+            return post_id
+        if now != story and verdict is None:
+            raise StoryPending(now)
+        return lead_after(conn, now, post_id, verdict)
 
 
 def take_over_story(conn, story, post_id):
@@ -6106,13 +6124,15 @@ class Classifier:
             return None
         try:
             found = story_verdict(conn, joined)
+            lead_now(conn, joined, post["id"], found)
         except StoryPending as e:
             e.text = full_text          # kept, so the article is not fetched again
             raise
-        lead = lead_now(conn, joined, post["id"], found)
         if found is None:
             return None
-        return {**found, "text": full_text, "story": lead, "joined": True, "llm_saved": True}
+        # No story to write with it: the copy's row names the story's lead
+        # (see enter_stories), whoever leads it by then.
+        return {**found, "text": full_text, "joined": True, "llm_saved": True}
 
     def quick(self, post):
         """True when the post's verdict needs no network: no article to
