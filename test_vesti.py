@@ -6481,6 +6481,38 @@ def test_a_copy_that_adds_a_link_or_sentences_is_classified_on_its_own(home, ask
         fake.close()
 
 
+@both
+def test_a_copy_of_a_cut_short_post_or_a_telegram_post_with_a_link_of_its_own_stands_alone(home):
+    """A first post cut short ("…") lets its article go on where it stops,
+    and a repost links to the channel it names as its source, or to the
+    story's own: a copy that adds a link to another site, or to another
+    channel's post, is classified on its own all the same."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    teaser = add_copy(conn, "wire", "Budget", STORY[:180] + "…", "2026-12-01 08:00:00")
+    told = add_copy(conn, "wire", "Comet this weekend", OTHER, "2026-12-01 08:01:00")
+    conn.execute("UPDATE posts SET url = 'https://t.me/skywire/7' WHERE id = ?", (told,))
+    joining = {teaser: [add_copy(conn, "daily", "Budget", STORY, "2026-12-01 08:10:00")],
+               told: [add_copy(conn, slug, "Comet", text, f"2026-12-01 08:{n}0:00")
+                      for n, (slug, text) in enumerate([
+                          ("daily", f"{OTHER}\n\nhttps://t.me/skywire/7"),
+                          ("radio", f"{OTHER}\n\nИсточник: @skynews https://t.me/skynews/12")], 2)]}
+    own = [add_copy(conn, slug, "Budget or comet", text, f"2026-12-01 09:{n}0:00")
+           for n, (slug, text) in enumerate([
+               ("radio", f"{STORY[:180]}… Cheap loans: https://loans.example/offer"),
+               ("daily", f"{OTHER}\n\nПодписывайтесь: @casino https://t.me/casino/77"),
+               ("radio", f"{OTHER}\n\nИсточник: @skynews https://t.me/bonus/5")])]
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    assert {post: stories[post] for post in [teaser, told, *own]} == \
+        {post: post for post in [teaser, told, *own]}
+    assert {post: stories[post] for story, posts in joining.items() for post in posts} == \
+        {post: story for story, posts in joining.items() for post in posts}
+    vesti.set_decisions(conn, [teaser, told], "approved", "editor")
+    statuses = dict(conn.execute("SELECT id, status FROM posts"))
+    assert [statuses[post] for post in own] == ["new"] * len(own)
+
+
 def read_for_a_month(conn, *slugs):
     """Sources with a month of history: an established source's first post
     was fetched weeks ago (the others of story_home are new)."""

@@ -733,32 +733,43 @@ def same_story(words, other_words):
 # the labelled set a changed sentence adds up to 0.44 of a copy's shingles,
 # boilerplate around it 0.1; all of a post's words and as many again, 0.5. A
 # teaser is all a story's first post may say of it: when that post ends cut
-# short ("…"), a copy goes on where it stops (its article), adding nothing.
+# short ("…"), a copy may go on where it stops (its article, links and all);
+# but the teaser with a link of its own is an advert all the same.
 ADDED_SHARE = 0.45
 STORY_LINK = re.compile(r"https?://[^\s<>\"']+|www\.[^\s<>\"']+")
-# A repost's source line ("Источник: @channel https://t.me/channel/4821") says
-# where it comes from, as its @handle does: a link to a Telegram post adds nothing.
-TELEGRAM_POST = re.compile(r"(?:https?://)?(?:www\.)?(?:t|telegram)\.me/\w+/\d+/?$")
+# Each Telegram channel is a site of its own (t.me/<channel>). A repost's
+# source line ("Источник: @channel https://t.me/channel/4821", "via @channel")
+# names the channel it comes from: a link to that channel adds nothing.
+TELEGRAM_CHANNEL = re.compile(r"(?:https?://)?(?:www\.)?(?:t|telegram)\.me/(?:s/)?(\w+)", re.I)
+SOURCE_NAMED = re.compile(r"(?<!\w)(?:источник|source|via)\s*[:—-]?\s*"
+                          r"(?:@|(?:https?://)?(?:www\.)?(?:t|telegram)\.me/(?:s/)?)(\w+)", re.I)
 CUT_SHORT = re.compile(r"(?:…|\.\.\.|\[…\]|\[\.\.\.\])\s*$")
 
 
 def adds_to(words, text, lead_words, lead_text, lead_url):
     """True when a copy (its story words and text) carries what its story's
     first post (its words, text and address) does not: a link to a site
-    other than the first post's own and those it links to, or more than
-    ADDED_SHARE of its shingles."""
-    if CUT_SHORT.search(lead_text or ""):
-        return False
-    if link_hosts(text) - link_hosts(lead_text) - {link_host(lead_url or "")}:
-        return True
+    other than the first post's own, those it links to and the channel the
+    copy names as its source, or more than ADDED_SHARE of its shingles; of
+    a first post cut short, a link of its own without that much text."""
+    named = {f"t.me/{channel.lower()}" for channel in SOURCE_NAMED.findall(text or "")}
+    linked = bool(link_sites(text) - link_sites(lead_text) - {link_site(lead_url or "")} - named)
     own = shingles(words)
-    return len(own - shingles(lead_words)) > ADDED_SHARE * len(own)
+    goes_on = len(own - shingles(lead_words)) > ADDED_SHARE * len(own)
+    if CUT_SHORT.search(lead_text or ""):
+        return linked and not goes_on
+    return linked or goes_on
 
 
-def link_hosts(text):
-    """The sites a text links to (www. left out), but for links to Telegram posts."""
-    return {link_host(link) for link in STORY_LINK.findall(text or "")
-            if not TELEGRAM_POST.match(link)}
+def link_sites(text):
+    """The sites a text links to (see link_site)."""
+    return {link_site(link) for link in STORY_LINK.findall(text or "")}
+
+
+def link_site(link):
+    """A link's host (www. left out), or t.me/<channel> for a Telegram channel's."""
+    channel = TELEGRAM_CHANNEL.match(link)
+    return f"t.me/{channel[1].lower()}" if channel else link_host(link)
 
 
 def link_host(link):
