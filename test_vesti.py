@@ -3539,8 +3539,8 @@ def test_counts_on_the_pages_take_the_plural_form_of_their_number(web):
         22: "22 менее релевантных поста скрыты.", 25: "25 менее релевантных постов скрыто.",
         101: "101 менее релевантный пост скрыт.", 111: "111 менее релевантных постов скрыто."}
     english = vesti.Page("en", "t", {})
-    assert english.t("more_sources", n=1) == "+1 source" and \
-        english.t("more_sources", n=3) == "+3 sources"
+    assert english.t("more_sources", n=1, count="1") == "+1 source" and \
+        english.t("more_sources", n=1000, count="1000+") == "+1000+ sources"
     assert english.t("reject_shown", n=1) == "Reject the 1 post shown"
     assert english.t("banner_no_worker", n=1, when="yet").startswith("1 post waits and")
 
@@ -6726,10 +6726,10 @@ def test_a_story_of_many_copies_names_ten_of_them_and_counts_the_rest(home):
         web.close()
 
 
-def database_work(conn, call):
+def database_work(conn, call, table="story_keys"):
     """What `call` costs the database, in a unit that grows with the rows it
     reads: SQLite's virtual machine steps (in hundreds); PostgreSQL's rows
-    of story_keys its statements read, as EXPLAIN ANALYZE counts them."""
+    of `table` its statements read, as EXPLAIN ANALYZE counts them."""
     if conn.dialect is vesti.SQLITE:
         steps = [0]
         conn.set_progress_handler(lambda: steps.__setitem__(0, steps[0] + 1), 100)
@@ -6748,13 +6748,13 @@ def database_work(conn, call):
 
     def rows_read(node):
         own = node["Actual Rows"] * node["Actual Loops"] \
-            if node.get("Relation Name") == "story_keys" else 0
+            if node.get("Relation Name") == table else 0
         return own + sum(map(rows_read, node.get("Plans", ())))
 
     def plan(sql, parameters):
         return execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", parameters).fetchone()[0][0]["Plan"]
     return sum(rows_read(plan(sql, parameters)) for sql, parameters in statements
-               if "story_keys" in sql)
+               if table in sql)
 
 
 @both
@@ -6778,6 +6778,40 @@ def test_a_key_thousands_of_posts_share_costs_a_look_up_no_more_than_a_rare_one(
         work[flood] = database_work(conn, lambda: found.update(vesti.find_stories(conn, [entry])))
         assert found == {post: lead}
     assert work[2000] < 1.5 * work[50], work
+
+
+@both
+def test_a_story_of_thousands_of_copies_costs_its_card_what_one_of_a_thousand_does(home):
+    """A card counts its story's copies up to a thousand ("+1000+ sources"):
+    past that, more copies cost its card nothing more."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    lead = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
+    conn.execute("UPDATE posts SET classified = 1, direction = 'linux', relevance = 8, "
+                 "story_id = id WHERE id = ?", (lead,))
+    work = {}
+    for copies in (1000, 4000):
+        vesti.insert_rows(conn, "posts (source_id, title, text, url, story_id, classified)",
+                          [(2 + n % 2, "Budget", "Repost", f"http://daily.example/{n}", lead, 0)
+                           for n in range(len(work) and 1000, copies)])
+        if conn.dialect is vesti.POSTGRES:
+            conn.execute("ANALYZE posts")           # as autovacuum does: plans from real figures
+        card = conn.execute("SELECT id, story_id FROM posts WHERE id = ?", (lead,)).fetchall()
+        lines = {}
+        work[copies] = database_work(conn, lambda: lines.update(vesti.story_copies(conn, card)),
+                                     "posts")
+        assert len(lines[lead].named) == vesti.STORY_NAMED
+    assert work[4000] < 1.5 * work[1000], work
+    web = Web(home, settings=s.replace(web_password="s3cret"))
+    try:
+        line = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0")[2], re.S)[1]
+        assert line.startswith("+1000+ sources: ") and " and 990+ more · " in line, line[-300:]
+        russian = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0&lang=ru")[2],
+                            re.S)[1]
+        assert russian.startswith("ещё 1000+ источников: ") and " и ещё 990+ · " in russian, \
+            russian[-300:]
+    finally:
+        web.close()
 
 
 # Story keys in a helper process ------------------------------------------------

@@ -986,9 +986,11 @@ CREATE TABLE IF NOT EXISTS story_keys (
     post_id INTEGER NOT NULL,
     PRIMARY KEY (key, post_id)
 ) WITHOUT ROWID;
--- A story's copies (its first post is found by its id): every query of them
--- says `story_id != id`, or the index could not be used for it.
-CREATE INDEX IF NOT EXISTS posts_story ON posts(story_id) WHERE story_id IS NOT NULL AND story_id != id;
+-- A story's copies (its first post is found by its id) in the order they
+-- came: a card reads its first few and counts a capped number of them along
+-- the index, however many there are. Every query of them says
+-- `story_id != id`, or the index could not be used for it.
+CREATE INDEX IF NOT EXISTS posts_story ON posts(story_id, id) WHERE story_id IS NOT NULL AND story_id != id;
 -- Runs still marked running: a stopped or killed crawl leaves them behind.
 CREATE INDEX IF NOT EXISTS runs_running ON runs(pid) WHERE status = 'running';
 """
@@ -6825,8 +6827,8 @@ STRINGS = {
         "reject_shown": ("Reject the {n} post shown", "Reject all {n} shown"),
         "relevance": "relevance", "interest": "interest",
         "keywords": "keywords", "reason": "why", "stored_text": "Stored text",
-        "more_sources": ("+{n} source", "+{n} sources"), "every_copy": "every copy",
-        "more_copies": ("and {n} more", "and {n} more"),
+        "more_sources": ("+{count} source", "+{count} sources"), "every_copy": "every copy",
+        "more_copies": ("and {count} more", "and {count} more"),
         "older": "older →", "first": "← newest", "next": "next →", "to_first": "← first",
         "untitled": "(untitled)",
         "empty_filtered": "No posts match these filters.",
@@ -6899,8 +6901,10 @@ STRINGS = {
         "relevance": "релевантность", "interest": "интерес", "keywords": "ключевые слова",
         "reason": "почему", "stored_text": "Сохранённый текст", "older": "старше →",
         "next": "дальше →", "to_first": "← в начало",
-        "more_sources": ("ещё {n} источник", "ещё {n} источника", "ещё {n} источников"),
-        "every_copy": "все копии", "more_copies": ("и ещё {n}", "и ещё {n}", "и ещё {n}"),
+        "more_sources": ("ещё {count} источник", "ещё {count} источника",
+                         "ещё {count} источников"),
+        "every_copy": "все копии",
+        "more_copies": ("и ещё {count}", "и ещё {count}", "и ещё {count}"),
         "first": "← новые", "untitled": "(без заголовка)",
         "empty_filtered": "Под эти фильтры ничего не подходит.",
         "empty_none": "Классифицированных постов пока нет: они появятся здесь, когда воркеры "
@@ -7295,11 +7299,13 @@ def desk_filters(desk):
     return where, params
 
 
-# A card names this many of its story's other posts and counts the rest: a
-# story thousands of posts joined costs its card what a story of two does.
+# A card names this many of its story's other posts and counts the rest up
+# to STORY_COUNTED ("+1000+ sources"): a story thousands of posts joined costs
+# its card what a story of a thousand does.
 STORY_NAMED = 10
+STORY_COUNTED = 1000
 # A card's story line: the other posts it names (rows of id, url, source) and
-# how many other posts its story has.
+# how many other posts its story has (STORY_COUNTED: at least that many).
 StoryLine = collections.namedtuple("StoryLine", "named count")
 
 
@@ -7315,20 +7321,21 @@ def story_copies(conn, posts):
         story = members.get(post["story_id"], ())
         others = [member for member in story if member["id"] != post["id"]]
         if others:
-            count = story[0]["posts"] - 1 if story[0]["id"] == post["story_id"] else len(others)
+            count = story[0]["copies"] if story[0]["id"] == post["story_id"] else len(others)
             lines[post["id"]] = StoryLine(others[:STORY_NAMED], count)
     return lines
 
 
 def story_leads(conn, stories):
     """The first posts of these stories (id, url, source), each with how many
-    posts its story has (counted in the copies' index)."""
+    copies its story has, up to STORY_COUNTED (counted in the copies' index)."""
     if not stories:
         return []
     return conn.execute(f"""
         SELECT p.id, p.url, s.name AS source,
-               (SELECT count(*) FROM posts c WHERE c.story_id = p.id AND c.story_id != c.id) + 1
-                   AS posts
+               (SELECT count(*) FROM (SELECT 1 FROM posts c WHERE c.story_id = p.id
+                                      AND c.story_id != c.id ORDER BY c.id
+                                      LIMIT {STORY_COUNTED}) AS c) AS copies
         FROM posts p LEFT JOIN sources s ON s.id = p.source_id
         WHERE p.id IN ({", ".join("?" * len(stories))})""", stories).fetchall()
 
@@ -7622,11 +7629,15 @@ def story_line(post, story, page):
     links = ", ".join(
         f'<a href="{esc(c["url"])}" rel="noopener noreferrer" target="_blank">{esc(name(c))}</a>'
         if is_web_link(c["url"]) else esc(name(c)) for c in story.named)
+    capped = story.count >= STORY_COUNTED       # counted no further (see story_leads)
+
+    def counted(n):
+        return {"n": n, "count": f"{n}+" if capped else str(n)}
     unnamed = story.count - len(story.named)
-    more = f' {page.t("more_copies", n=unnamed)}' if unnamed > 0 else ""
+    more = f' {page.t("more_copies", **counted(unnamed))}' if unnamed > 0 else ""
     every = page.link("/", story=post["story_id"], status="any", min=0)
-    return (f'<p class="small story">{page.t("more_sources", n=story.count)}: {links}{more} · '
-            f'<a href="{esc(every)}">{page.t("every_copy")}</a></p>')
+    return (f'<p class="small story">{page.t("more_sources", **counted(story.count))}: {links}'
+            f'{more} · <a href="{esc(every)}">{page.t("every_copy")}</a></p>')
 
 
 @functools.lru_cache(maxsize=8)
