@@ -200,8 +200,10 @@ CREATE TABLE IF NOT EXISTS story_keys (
     post_id INTEGER NOT NULL,
     PRIMARY KEY (key, post_id)
 ) WITHOUT ROWID;
--- A story's copies (its first post is found by its id): every query of them
--- says `story_id != id`, or the index could not be used for it.
-CREATE INDEX IF NOT EXISTS posts_story ON posts(story_id) WHERE story_id IS NOT NULL AND story_id != id;
+-- A story's copies (its first post is found by its id) in the order they
+-- came: a card reads its first few and counts a capped number of them along
+-- the index, however many there are. Every query of them says
+-- `story_id != id`, or the index could not be used for it.
+CREATE INDEX IF NOT EXISTS posts_story ON posts(story_id, id) WHERE story_id IS NOT NULL AND story_id != id;
 -- Runs still marked running: a stopped or killed crawl leaves them behind.
 CREATE INDEX IF NOT EXISTS runs_running ON runs(pid) WHERE status = 'running';

@@ -3660,8 +3660,8 @@ def test_counts_on_the_pages_take_the_plural_form_of_their_number(web):
         22: "22 менее релевантных поста скрыты.", 25: "25 менее релевантных постов скрыто.",
         101: "101 менее релевантный пост скрыт.", 111: "111 менее релевантных постов скрыто."}
     english = vesti.Page("en", "t", {})
-    assert english.t("more_sources", n=1) == "+1 source" and \
-        english.t("more_sources", n=3) == "+3 sources"
+    assert english.t("more_sources", n=1, count="1") == "+1 source" and \
+        english.t("more_sources", n=1000, count="1000+") == "+1000+ sources"
     assert english.t("reject_shown", n=1) == "Reject the 1 post shown"
     assert english.t("banner_no_worker", n=1, when="yet").startswith("1 post waits and")
 
@@ -6749,6 +6749,38 @@ def test_a_copy_that_adds_a_link_or_sentences_is_classified_on_its_own(home, ask
         fake.close()
 
 
+@both
+def test_a_copy_of_a_cut_short_post_or_a_telegram_post_with_a_link_of_its_own_stands_alone(home):
+    """A first post cut short ("…") lets its article go on where it stops,
+    and a repost links to the channel it names as its source, or to the
+    story's own: a copy that adds a link to another site, or to another
+    channel's post, is classified on its own all the same."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    teaser = add_copy(conn, "wire", "Budget", STORY[:180] + "…", "2026-12-01 08:00:00")
+    told = add_copy(conn, "wire", "Comet this weekend", OTHER, "2026-12-01 08:01:00")
+    conn.execute("UPDATE posts SET url = 'https://t.me/skywire/7' WHERE id = ?", (told,))
+    joining = {teaser: [add_copy(conn, "daily", "Budget", STORY, "2026-12-01 08:10:00")],
+               told: [add_copy(conn, slug, "Comet", text, f"2026-12-01 08:{n}0:00")
+                      for n, (slug, text) in enumerate([
+                          ("daily", f"{OTHER}\n\nhttps://t.me/skywire/7"),
+                          ("radio", f"{OTHER}\n\nИсточник: @skynews https://t.me/skynews/12")], 2)]}
+    own = [add_copy(conn, slug, "Budget or comet", text, f"2026-12-01 09:{n}0:00")
+           for n, (slug, text) in enumerate([
+               ("radio", f"{STORY[:180]}… Cheap loans: https://loans.example/offer"),
+               ("daily", f"{OTHER}\n\nПодписывайтесь: @casino https://t.me/casino/77"),
+               ("radio", f"{OTHER}\n\nИсточник: @skynews https://t.me/bonus/5")])]
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    assert {post: stories[post] for post in [teaser, told, *own]} == \
+        {post: post for post in [teaser, told, *own]}
+    assert {post: stories[post] for story, posts in joining.items() for post in posts} == \
+        {post: story for story, posts in joining.items() for post in posts}
+    vesti.set_decisions(conn, [teaser, told], "approved", "editor")
+    statuses = dict(conn.execute("SELECT id, status FROM posts"))
+    assert [statuses[post] for post in own] == ["new"] * len(own)
+
+
 def read_for_a_month(conn, *slugs):
     """Sources with a month of history: an established source's first post
     was fetched weeks ago (the others of story_home are new)."""
@@ -6818,6 +6850,115 @@ def test_an_established_sources_post_does_not_join_a_new_sources_post_that_adds_
 
 
 @both
+@pytest.mark.parametrize("second", ["established", "new"])
+def test_a_story_taken_over_while_a_copy_joins_it_stays_one_card(home, ollama, monkeypatch,
+                                                                  second):
+    """Two copies of a new source's story classified at once: the second
+    copy enters the story and takes it over (an established source) after
+    the first entered it and before the first takes the story's verdict.
+    The story is one card all the same, every copy under it, decided as one."""
+    s, db, registry = story_home(home, ollama.url)
+    conn = db.conn()
+    read_for_a_month(conn, "radio", *(["wire"] if second == "established" else []))
+    first = add_copy(conn, "daily", "Budget approved", STORY, "2026-12-01 08:00:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    copies = [add_copy(conn, slug, "Budget", f"{prefix}: {STORY}", f"2026-12-01 08:{n}0:00")
+              for n, (slug, prefix) in enumerate((("wire", "Our correspondent"),
+                                                  ("radio", "Repost")), 1)]
+    vesti.catch_up_index(conn)                                  # as a worker does
+    early, late = sorted(vesti.claim_posts(conn, 2), key=lambda post: post["id"])
+    classify, verdicts = vesti.Classifier(registry, s, db=db), {}
+    lead_now = vesti.lead_now
+
+    def late_copy_first(conn, story, post_id, verdict):
+        if post_id == early["id"] and late["id"] not in verdicts:
+            verdicts[late["id"]] = classify.prepare(late)
+        return lead_now(conn, story, post_id, verdict)
+    monkeypatch.setattr(vesti, "lead_now", late_copy_first)
+    verdicts[early["id"]] = classify.prepare(early)
+    vesti.complete_and_claim(conn, [(post, verdicts[post["id"]]) for post in (early, late)], 0)
+    assert len(ollama.titles()) == 1                            # the first post's
+    lead = copies[1]                                            # the radio's, read for a month
+    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    assert [stories[post] for post in (first, *copies)] == [lead] * 3
+    assert sorted(r[0] for r in conn.execute(f"SELECT id FROM posts WHERE {vesti.copies_of()}",
+                                             (lead,))) == [first, copies[0]]
+    assert counts_match_posts(conn)
+    web = Web(home, settings=s.replace(web_password="s3cret"))
+    try:
+        page = web.get("/?min=0")[2]
+        assert set(card_ids(page)) & {first, *copies} == {lead}
+        assert "+2 sources" in card_of(page, lead)
+        web.post(f"/posts/{lead}/status", {"status": "approved", "token": web.token()})
+        assert {r[0] for r in conn.execute("SELECT status FROM posts WHERE id IN (?, ?, ?)",
+                                           (first, *copies))} == {"approved"}
+        assert counts_match_posts(conn)
+    finally:
+        web.close()
+
+
+@both
+def test_a_copy_joining_a_story_whose_first_post_is_edited_meanwhile_goes_on_with_it(
+        home, ollama, monkeypatch):
+    """The story's first post is edited (out of its story, see leave_story)
+    after a copy entered the story and before the copy takes its verdict:
+    the copy goes on with the story, under its other copy's card, not under
+    the edited post."""
+    s, db, registry = story_home(home, ollama.url)
+    conn = db.conn()
+    first = add_copy(conn, "wire", "Budget approved", STORY, "2026-12-01 08:00:00")
+    older = add_copy(conn, "daily", "Budget", f"Repost: {STORY}", "2026-12-01 08:10:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    vesti.set_decisions(conn, [first], "approved", "editor")
+    copy = add_copy(conn, "radio", "Budget", f"Our correspondent: {STORY}", "2026-12-01 08:20:00")
+    vesti.catch_up_index(conn)                                  # as a worker does
+    post, = vesti.claim_posts(conn, 1)
+    lead_now = vesti.lead_now
+
+    def edited_meanwhile(conn, story, post_id, verdict):
+        row = conn.execute("SELECT * FROM posts WHERE id = ?", (first,)).fetchone()
+        vesti.leave_story(conn, row)
+        conn.execute("""UPDATE posts SET status = 'new', old_decision = status, text = ?,
+                        story_id = id WHERE id = ?""", ("Budget tip: casino bonuses!", first))
+        return lead_now(conn, story, post_id, verdict)
+    monkeypatch.setattr(vesti, "lead_now", edited_meanwhile)
+    vesti.complete_and_claim(conn, [(post, vesti.Classifier(registry, s, db=db).prepare(post))], 0)
+    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    assert [stories[p] for p in (first, older, copy)] == [first, older, older]
+    assert counts_match_posts(conn)
+
+
+@both
+def test_a_post_edited_after_its_decision_stays_its_card_when_a_copy_joins_it(home):
+    """A post edited after a decision is on the desk to be decided again,
+    marked: an established source's copy joining its story does not take
+    it over, which would hide it under that copy's card."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    read_for_a_month(conn, "wire")
+    edited = add_copy(conn, "daily", "Budget approved", STORY, "2026-12-01 08:00:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    vesti.set_decisions(conn, [edited], "approved", "editor")
+    # As an edit in other words leaves it (see reword_post), classified again.
+    conn.execute("""UPDATE posts SET status = 'new', old_decision = status, old_decided_at =
+                    decided_at, old_decided_by = decided_by, old_title = title, old_text = text,
+                    decided_at = NULL, decided_by = NULL, text = ?, story_id = id
+                    WHERE id = ?""", (STORY + " Updated.", edited))
+    copy = add_copy(conn, "wire", "Council approves transport budget",
+                    f"Our correspondent: {STORY} Updated.", "2026-12-01 08:30:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    assert (stories[edited], stories[copy]) == (edited, edited)
+    web = Web(home, settings=s.replace(web_password="s3cret"))
+    try:
+        card = card_of(web.get("/?min=0")[2], edited)
+        assert "Edited after your decision" in card and "+1 source" in card
+        assert counts_match_posts(conn)
+    finally:
+        web.close()
+
+
+@both
 def test_a_story_of_many_copies_names_ten_of_them_and_counts_the_rest(home):
     """A card names the first ten other posts of its story and counts the
     rest; its "every copy" page pages as the desk does."""
@@ -6853,10 +6994,10 @@ def test_a_story_of_many_copies_names_ten_of_them_and_counts_the_rest(home):
         web.close()
 
 
-def database_work(conn, call):
+def database_work(conn, call, table="story_keys"):
     """What `call` costs the database, in a unit that grows with the rows it
     reads: SQLite's virtual machine steps (in hundreds); PostgreSQL's rows
-    of story_keys its statements read, as EXPLAIN ANALYZE counts them."""
+    of `table` its statements read, as EXPLAIN ANALYZE counts them."""
     if conn.dialect is vesti.SQLITE:
         steps = [0]
         conn.set_progress_handler(lambda: steps.__setitem__(0, steps[0] + 1), 100)
@@ -6875,13 +7016,13 @@ def database_work(conn, call):
 
     def rows_read(node):
         own = node["Actual Rows"] * node["Actual Loops"] \
-            if node.get("Relation Name") == "story_keys" else 0
+            if node.get("Relation Name") == table else 0
         return own + sum(map(rows_read, node.get("Plans", ())))
 
     def plan(sql, parameters):
         return execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", parameters).fetchone()[0][0]["Plan"]
     return sum(rows_read(plan(sql, parameters)) for sql, parameters in statements
-               if "story_keys" in sql)
+               if table in sql)
 
 
 @both
@@ -6905,6 +7046,40 @@ def test_a_key_thousands_of_posts_share_costs_a_look_up_no_more_than_a_rare_one(
         work[flood] = database_work(conn, lambda: found.update(vesti.find_stories(conn, [entry])))
         assert found == {post: lead}
     assert work[2000] < 1.5 * work[50], work
+
+
+@both
+def test_a_story_of_thousands_of_copies_costs_its_card_what_one_of_a_thousand_does(home):
+    """A card counts its story's copies up to a thousand ("+1000+ sources"):
+    past that, more copies cost its card nothing more."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    lead = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
+    conn.execute("UPDATE posts SET classified = 1, direction = 'linux', relevance = 8, "
+                 "story_id = id WHERE id = ?", (lead,))
+    work = {}
+    for copies in (1000, 4000):
+        vesti.insert_rows(conn, "posts (source_id, title, text, url, story_id, classified)",
+                          [(2 + n % 2, "Budget", "Repost", f"http://daily.example/{n}", lead, 0)
+                           for n in range(len(work) and 1000, copies)])
+        if conn.dialect is vesti.POSTGRES:
+            conn.execute("ANALYZE posts")           # as autovacuum does: plans from real figures
+        card = conn.execute("SELECT id, story_id FROM posts WHERE id = ?", (lead,)).fetchall()
+        lines = {}
+        work[copies] = database_work(conn, lambda: lines.update(vesti.story_copies(conn, card)),
+                                     "posts")
+        assert len(lines[lead].named) == vesti.STORY_NAMED
+    assert work[4000] < 1.5 * work[1000], work
+    web = Web(home, settings=s.replace(web_password="s3cret"))
+    try:
+        line = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0")[2], re.S)[1]
+        assert line.startswith("+1000+ sources: ") and " and 990+ more · " in line, line[-300:]
+        russian = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0&lang=ru")[2],
+                            re.S)[1]
+        assert russian.startswith("ещё 1000+ источников: ") and " и ещё 990+ · " in russian, \
+            russian[-300:]
+    finally:
+        web.close()
 
 
 # Story keys in a helper process ------------------------------------------------

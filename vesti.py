@@ -742,32 +742,43 @@ def same_story(words, other_words):
 # the labelled set a changed sentence adds up to 0.44 of a copy's shingles,
 # boilerplate around it 0.1; all of a post's words and as many again, 0.5. A
 # teaser is all a story's first post may say of it: when that post ends cut
-# short ("…"), a copy goes on where it stops (its article), adding nothing.
+# short ("…"), a copy may go on where it stops (its article, links and all);
+# but the teaser with a link of its own is an advert all the same.
 ADDED_SHARE = 0.45
 STORY_LINK = re.compile(r"https?://[^\s<>\"']+|www\.[^\s<>\"']+")
-# A repost's source line ("Источник: @channel https://t.me/channel/4821") says
-# where it comes from, as its @handle does: a link to a Telegram post adds nothing.
-TELEGRAM_POST = re.compile(r"(?:https?://)?(?:www\.)?(?:t|telegram)\.me/\w+/\d+/?$")
+# Each Telegram channel is a site of its own (t.me/<channel>). A repost's
+# source line ("Источник: @channel https://t.me/channel/4821", "via @channel")
+# names the channel it comes from: a link to that channel adds nothing.
+TELEGRAM_CHANNEL = re.compile(r"(?:https?://)?(?:www\.)?(?:t|telegram)\.me/(?:s/)?(\w+)", re.I)
+SOURCE_NAMED = re.compile(r"(?<!\w)(?:источник|source|via)\s*[:—-]?\s*"
+                          r"(?:@|(?:https?://)?(?:www\.)?(?:t|telegram)\.me/(?:s/)?)(\w+)", re.I)
 CUT_SHORT = re.compile(r"(?:…|\.\.\.|\[…\]|\[\.\.\.\])\s*$")
 
 
 def adds_to(words, text, lead_words, lead_text, lead_url):
     """True when a copy (its story words and text) carries what its story's
     first post (its words, text and address) does not: a link to a site
-    other than the first post's own and those it links to, or more than
-    ADDED_SHARE of its shingles."""
-    if CUT_SHORT.search(lead_text or ""):
-        return False
-    if link_hosts(text) - link_hosts(lead_text) - {link_host(lead_url or "")}:
-        return True
+    other than the first post's own, those it links to and the channel the
+    copy names as its source, or more than ADDED_SHARE of its shingles; of
+    a first post cut short, a link of its own without that much text."""
+    named = {f"t.me/{channel.lower()}" for channel in SOURCE_NAMED.findall(text or "")}
+    linked = bool(link_sites(text) - link_sites(lead_text) - {link_site(lead_url or "")} - named)
     own = shingles(words)
-    return len(own - shingles(lead_words)) > ADDED_SHARE * len(own)
+    goes_on = len(own - shingles(lead_words)) > ADDED_SHARE * len(own)
+    if CUT_SHORT.search(lead_text or ""):
+        return linked and not goes_on
+    return linked or goes_on
 
 
-def link_hosts(text):
-    """The sites a text links to (www. left out), but for links to Telegram posts."""
-    return {link_host(link) for link in STORY_LINK.findall(text or "")
-            if not TELEGRAM_POST.match(link)}
+def link_sites(text):
+    """The sites a text links to (see link_site)."""
+    return {link_site(link) for link in STORY_LINK.findall(text or "")}
+
+
+def link_site(link):
+    """A link's host (www. left out), or t.me/<channel> for a Telegram channel's."""
+    channel = TELEGRAM_CHANNEL.match(link)
+    return f"t.me/{channel[1].lower()}" if channel else link_host(link)
 
 
 def link_host(link):
@@ -984,9 +995,11 @@ CREATE TABLE IF NOT EXISTS story_keys (
     post_id INTEGER NOT NULL,
     PRIMARY KEY (key, post_id)
 ) WITHOUT ROWID;
--- A story's copies (its first post is found by its id): every query of them
--- says `story_id != id`, or the index could not be used for it.
-CREATE INDEX IF NOT EXISTS posts_story ON posts(story_id) WHERE story_id IS NOT NULL AND story_id != id;
+-- A story's copies (its first post is found by its id) in the order they
+-- came: a card reads its first few and counts a capped number of them along
+-- the index, however many there are. Every query of them says
+-- `story_id != id`, or the index could not be used for it.
+CREATE INDEX IF NOT EXISTS posts_story ON posts(story_id, id) WHERE story_id IS NOT NULL AND story_id != id;
 -- Runs still marked running: a stopped or killed crawl leaves them behind.
 CREATE INDEX IF NOT EXISTS runs_running ON runs(pid) WHERE status = 'running';
 """
@@ -2342,19 +2355,20 @@ def story_since(hours, now=None):
     return utc_text((time.time() if now is None else now) - hours * 3600)
 
 
-def enter_stories(conn, entries, written=True):
+def enter_stories(conn, entries):
     """In the caller's transaction: each entry's story (found, or its own),
     its keys kept for the posts to come; returns {post id: story}. A post
-    that led a story and now joins another takes its copies along. Unless
-    `written`, a post's own story is left for its verdict to write
-    (complete_post); a post that starts its story is written as such with
-    its verdict (until then its NULL story_id says the same)."""
+    that led a story and now joins another takes its copies along. A copy
+    is written into its story at once, so that it moves with the story
+    (take_over_story, leave_story) until its verdict is written; a post
+    that starts its story is written as such with its verdict (until then
+    its NULL story_id says the same)."""
     stories = {post_id: found or post_id
                for post_id, found in find_stories(conn, entries).items()}
     for post_id, story in stories.items():
         if story != post_id:
             conn.execute(f"UPDATE posts SET story_id = ? WHERE {copies_of()} OR id = ?",
-                         (story, post_id, post_id if written else None))
+                         (story, post_id, post_id))
     # In key order: each index page the keys land on is visited once.
     conn.dialect.store_story_keys(conn, [(key, entry.post_id) for entry in entries
                                          for key in entry.keys])
@@ -2395,10 +2409,11 @@ def settle_stories(conn, completions):
     """Quick posts (no LLM call to save) enter their stories as their
     verdicts are written, in the same transaction, and take their story's
     verdict when there is one (not a story led by a post of this batch:
-    its verdict is not written yet). Returns the completions with each
-    post's story, and whether it joined one."""
+    its verdict is not written yet). Returns the completions with the
+    story of each post that leads one (a copy's is written already, see
+    enter_stories), and whether it joined one."""
     stories = enter_stories(conn, [verdict["story_entry"] for _, verdict in completions
-                                   if "story_entry" in verdict], written=False)
+                                   if "story_entry" in verdict])
     found = {}
     for post, _ in completions:
         story = stories.get(post["id"])
@@ -2410,17 +2425,20 @@ def settle_stories(conn, completions):
             # The posts of this batch in that story are in the lead's.
             stories.update({p: lead for p, s in stories.items() if s == story})
     return [(post, verdict if post["id"] not in stories else
-             {**verdict, **(found.get(post["id"]) or {}), "story": stories[post["id"]],
+             {**verdict, **(found.get(post["id"]) or {}),
+              **({"story": post["id"]} if stories[post["id"]] == post["id"] else {}),
               "joined": stories[post["id"]] != post["id"] or found.get(post["id"]) is not None})
             for post, verdict in completions]
 
 
 def leads_instead(lead, copy, now=None):
     """True when a copy should lead its story rather than its first post
-    (rows of status and source_since): an established source's copy of an
-    undecided story a new source told first."""
-    return lead["status"] == "new" and is_new_source(lead["source_since"], now) and \
-        not is_new_source(copy["source_since"], now)
+    (rows of status, old_decision and source_since): an established
+    source's copy of an undecided story a new source told first. A post
+    edited after its decision is not taken over: it would be hidden under
+    the copy's card instead of being decided again."""
+    return lead["status"] == "new" and lead["old_decision"] is None and \
+        is_new_source(lead["source_since"], now) and not is_new_source(copy["source_since"], now)
 
 
 def lead_after(conn, story, post_id, verdict):
@@ -2430,7 +2448,7 @@ def lead_after(conn, story, post_id, verdict):
     behind a card that is not there) or when leads_instead; else the same."""
     if verdict is not None:
         rows = {row["id"]: row for row in conn.execute(
-            f"SELECT p.id, p.status, {SOURCE_SINCE} AS source_since FROM posts p "
+            f"SELECT p.id, p.status, p.old_decision, {SOURCE_SINCE} AS source_since FROM posts p "
             f"WHERE p.id IN (?, ?)", (story, post_id))}
         if story not in rows or post_id not in rows or not leads_instead(rows[story], rows[post_id]):
             return story
@@ -2441,9 +2459,22 @@ def lead_after(conn, story, post_id, verdict):
 @redoable
 def lead_now(conn, story, post_id, verdict):
     """lead_after in a transaction of its own, one at a time with the
-    entries of stories (see enter_now)."""
+    entries of stories (see enter_now), for a copy that entered `story` and
+    read its `verdict` in transactions before. The story may have moved on
+    since (another copy took it over, an edit took its lead out of it): it
+    is the one the copy's row names now, as a copy moves with its story
+    (enter_stories). One moved on from a lead without a verdict is waited
+    for (StoryPending): its new lead is a copy classified on its own."""
     with transaction(conn, shared=True, stories=True):
-        return lead_after(conn, story, post_id, verdict)
+        row = conn.execute("SELECT story_id FROM posts WHERE id = ?", (post_id,)).fetchone()
+        if row is None:                 # gone meanwhile: it leads nothing
+            return story
+        now = story if row[0] is None else row[0]
+        if now == post_id:              # an edit made it its story's lead
+            return post_id
+        if now != story and verdict is None:
+            raise StoryPending(now)
+        return lead_after(conn, now, post_id, verdict)
 
 
 def take_over_story(conn, story, post_id):
@@ -6174,13 +6205,15 @@ class Classifier:
             return None
         try:
             found = story_verdict(conn, joined)
+            lead_now(conn, joined, post["id"], found)
         except StoryPending as e:
             e.text = full_text          # kept, so the article is not fetched again
             raise
-        lead = lead_now(conn, joined, post["id"], found)
         if found is None:
             return None
-        return {**found, "text": full_text, "story": lead, "joined": True, "llm_saved": True}
+        # No story to write with it: the copy's row names the story's lead
+        # (see enter_stories), whoever leads it by then.
+        return {**found, "text": full_text, "joined": True, "llm_saved": True}
 
     def quick(self, post):
         """True when the post's verdict needs no network: no article to
@@ -6865,8 +6898,8 @@ STRINGS = {
         "reject_shown": ("Reject the {n} post shown", "Reject all {n} shown"),
         "relevance": "relevance", "interest": "interest",
         "keywords": "keywords", "reason": "why", "stored_text": "Stored text",
-        "more_sources": ("+{n} source", "+{n} sources"), "every_copy": "every copy",
-        "more_copies": ("and {n} more", "and {n} more"),
+        "more_sources": ("+{count} source", "+{count} sources"), "every_copy": "every copy",
+        "more_copies": ("and {count} more", "and {count} more"),
         "older": "older →", "first": "← newest", "next": "next →", "to_first": "← first",
         "untitled": "(untitled)",
         "empty_filtered": "No posts match these filters.",
@@ -6940,8 +6973,10 @@ STRINGS = {
         "relevance": "релевантность", "interest": "интерес", "keywords": "ключевые слова",
         "reason": "почему", "stored_text": "Сохранённый текст", "older": "старше →",
         "next": "дальше →", "to_first": "← в начало",
-        "more_sources": ("ещё {n} источник", "ещё {n} источника", "ещё {n} источников"),
-        "every_copy": "все копии", "more_copies": ("и ещё {n}", "и ещё {n}", "и ещё {n}"),
+        "more_sources": ("ещё {count} источник", "ещё {count} источника",
+                         "ещё {count} источников"),
+        "every_copy": "все копии",
+        "more_copies": ("и ещё {count}", "и ещё {count}", "и ещё {count}"),
         "first": "← новые", "untitled": "(без заголовка)",
         "empty_filtered": "Под эти фильтры ничего не подходит.",
         "empty_none": "Классифицированных постов пока нет: они появятся здесь, когда воркеры "
@@ -7337,11 +7372,13 @@ def desk_filters(desk):
     return where, params
 
 
-# A card names this many of its story's other posts and counts the rest: a
-# story thousands of posts joined costs its card what a story of two does.
+# A card names this many of its story's other posts and counts the rest up
+# to STORY_COUNTED ("+1000+ sources"): a story thousands of posts joined costs
+# its card what a story of a thousand does.
 STORY_NAMED = 10
+STORY_COUNTED = 1000
 # A card's story line: the other posts it names (rows of id, url, source) and
-# how many other posts its story has.
+# how many other posts its story has (STORY_COUNTED: at least that many).
 StoryLine = collections.namedtuple("StoryLine", "named count")
 
 
@@ -7357,20 +7394,21 @@ def story_copies(conn, posts):
         story = members.get(post["story_id"], ())
         others = [member for member in story if member["id"] != post["id"]]
         if others:
-            count = story[0]["posts"] - 1 if story[0]["id"] == post["story_id"] else len(others)
+            count = story[0]["copies"] if story[0]["id"] == post["story_id"] else len(others)
             lines[post["id"]] = StoryLine(others[:STORY_NAMED], count)
     return lines
 
 
 def story_leads(conn, stories):
     """The first posts of these stories (id, url, source), each with how many
-    posts its story has (counted in the copies' index)."""
+    copies its story has, up to STORY_COUNTED (counted in the copies' index)."""
     if not stories:
         return []
     return conn.execute(f"""
         SELECT p.id, p.url, s.name AS source,
-               (SELECT count(*) FROM posts c WHERE c.story_id = p.id AND c.story_id != c.id) + 1
-                   AS posts
+               (SELECT count(*) FROM (SELECT 1 FROM posts c WHERE c.story_id = p.id
+                                      AND c.story_id != c.id ORDER BY c.id
+                                      LIMIT {STORY_COUNTED}) AS c) AS copies
         FROM posts p LEFT JOIN sources s ON s.id = p.source_id
         WHERE p.id IN ({", ".join("?" * len(stories))})""", stories).fetchall()
 
@@ -7667,11 +7705,15 @@ def story_line(post, story, page):
     links = ", ".join(
         f'<a href="{esc(c["url"])}" rel="noopener noreferrer" target="_blank">{esc(name(c))}</a>'
         if is_web_link(c["url"]) else esc(name(c)) for c in story.named)
+    capped = story.count >= STORY_COUNTED       # counted no further (see story_leads)
+
+    def counted(n):
+        return {"n": n, "count": f"{n}+" if capped else str(n)}
     unnamed = story.count - len(story.named)
-    more = f' {page.t("more_copies", n=unnamed)}' if unnamed > 0 else ""
+    more = f' {page.t("more_copies", **counted(unnamed))}' if unnamed > 0 else ""
     every = page.link("/", story=post["story_id"], status="any", min=0)
-    return (f'<p class="small story">{page.t("more_sources", n=story.count)}: {links}{more} · '
-            f'<a href="{esc(every)}">{page.t("every_copy")}</a></p>')
+    return (f'<p class="small story">{page.t("more_sources", **counted(story.count))}: {links}'
+            f'{more} · <a href="{esc(every)}">{page.t("every_copy")}</a></p>')
 
 
 @functools.lru_cache(maxsize=8)
