@@ -5210,8 +5210,10 @@ def test_articles_of_different_hosts_are_fetched_side_by_side(home, monkeypatch)
     order = [host for _, host in sorted((at, k) for k, host in enumerate(hosts)
                                         for _, _, at in host.requests)]
     assert len(order) == 12
-    # One host after the other would switch hosts about three times.
-    assert sum(a != b for a, b in zip(order, order[1:])) >= 6, order
+    # One host after the other would fetch the first host's six articles
+    # first; side by side, the second host's begin while the first's go on
+    # (how closely they alternate depends on how loaded the machine is).
+    assert order[:6].count(1) >= 2 and order[6:].count(0) >= 1, order
     assert len(overlaps) == 12 and max(overlaps) == 1
 
 # The network policy: article links and redirects come from third parties.
