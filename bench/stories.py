@@ -14,7 +14,7 @@ What it measures:
      target: precision >= 0.98, recall >= 0.85
 2. Look-up time with --window posts already in the story window (default
    100,000 and 1,000,000): the window's posts carry random story keys (as
-   many as a real post: 8 lead and 16 body bands), so their index has the
+   many as a real post: LEAD_BANDS lead and BODY_BANDS body bands), so their index has the
    real size; then --probes real texts of the corpus (half of them with a
    copy already stored) are looked up one by one with vesti.join_story, as
    the worker does (words, keys, index seeks, the exact check, the post
