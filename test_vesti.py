@@ -9,6 +9,7 @@ import asyncio
 import base64
 import contextlib
 import csv
+import dataclasses
 import datetime
 import fcntl
 import gzip
@@ -1449,8 +1450,8 @@ def test_no_keyword_hit_is_not_relevant_and_never_asks_the_llm(ollama):
     s = vesti.load_settings(environ={"OLLAMA_URL": ollama.url}, env_file=None)
     verdict = vesti.classify_text("Football results. The home team won.", DIRECTIONS, s,
                                   title="Sports")
-    assert verdict == {"direction": None, "relevance": 0, "interest": 0,
-                       "summary": "Football results. The home team won.", "keywords": None}
+    assert verdict == vesti.Verdict(direction=None, relevance=0, interest=0,
+                                    summary="Football results. The home team won.", keywords=None)
     assert ollama.requests == []
 
 
@@ -1458,9 +1459,10 @@ def test_a_keyword_hit_asks_ollama_exactly_as_the_contract_says(ollama):
     s = vesti.load_settings(environ={"OLLAMA_URL": ollama.url, "OLLAMA_MODEL": "m:1"},
                             env_file=None)
     verdict = vesti.classify_text("A new kernel is out.", DIRECTIONS, s, title="Kernel 7.0")
-    assert verdict.pop("llm_seconds") >= 0
-    assert verdict == {"direction": "linux", "relevance": 8, "interest": 6,
-                       "summary": "Summary: Kernel 7.0", "reason": None, "keywords": "kernel"}
+    assert verdict.llm_seconds >= 0
+    assert dataclasses.replace(verdict, llm_seconds=None) == vesti.Verdict(
+        direction="linux", relevance=8, interest=6, summary="Summary: Kernel 7.0", reason=None,
+        keywords="kernel")
     path, body = ollama.requests[0]
     assert path == "/api/chat"
     assert (body["model"], body["stream"], body["options"]) == ("m:1", False, {"temperature": 0})
@@ -1475,9 +1477,9 @@ def test_without_ollama_keywords_alone_decide():
     s = vesti.load_settings(environ={"OLLAMA_URL": ""}, env_file=None)
     verdict = vesti.classify_text("Linux 7.0 has a new kernel scheduler. It is fast. More later.",
                                   DIRECTIONS, s, title="Linux news")
-    assert verdict["direction"] == "linux"
-    assert 0 < verdict["relevance"] <= 10 and 0 < verdict["interest"] <= 10
-    assert verdict["summary"].startswith("Linux 7.0 has a new kernel scheduler.")
+    assert verdict.direction == "linux"
+    assert 0 < verdict.relevance <= 10 and 0 < verdict.interest <= 10
+    assert verdict.summary.startswith("Linux 7.0 has a new kernel scheduler.")
 
 
 @pytest.mark.parametrize("mode,error", [("500", "Ollama answered HTTP 500"),
@@ -1519,9 +1521,9 @@ def test_a_summary_only_post_is_classified_on_its_article_text(home, server, oll
             "content_type": "summary", "url": server.url + "/article",
             "source_url": server.url + "/feed"}
     verdict = classify(post)
-    assert verdict["direction"] == "health"          # found only in the article's text
-    assert snippet in verdict["text"]
-    assert len(verdict["text"]) > 1000
+    assert verdict.direction == "health"            # found only in the article's text
+    assert snippet in verdict.text
+    assert len(verdict.text) > 1000
     assert server.sent("/article")[0]["User-Agent"] == s.user_agent
 
 
@@ -1533,7 +1535,7 @@ def test_when_the_article_cannot_be_read_the_summary_is_used(home, server):
             "content_type": "summary", "url": server.url + "/article",
             "source_url": server.url + "/feed"}
     verdict = classify(post)
-    assert verdict["text"] is None and verdict["direction"] == "linux"
+    assert verdict.text is None and verdict.direction == "linux"
 
 
 # Worker ----------------------------------------------------------------------
@@ -1773,10 +1775,11 @@ def test_a_write_after_the_lease_was_taken_back_is_refused(home):
     conn.execute("UPDATE posts SET claimed_at = '2000-01-01 00:00:00'")
     vesti.expire_leases(conn, 60, 5)
     second = vesti.claim_post(conn)
-    verdict = {"direction": None, "relevance": 0, "interest": 0, "summary": "late"}
+    verdict = vesti.Verdict(direction=None, relevance=0, interest=0, summary="late")
     assert not vesti.complete_post(conn, first["id"], first["claim_token"], verdict)
     assert vesti.release_post(conn, first["id"], first["claim_token"], "x", 5, 0) is None
-    assert vesti.complete_post(conn, second["id"], second["claim_token"], {**verdict, "summary": "ok"})
+    assert vesti.complete_post(conn, second["id"], second["claim_token"],
+                               dataclasses.replace(verdict, summary="ok"))
     row = conn.execute("SELECT classified, summary, attempts FROM posts").fetchone()
     assert tuple(row) == (1, "ok", 2)
 
@@ -1963,7 +1966,6 @@ def test_a_stop_in_the_middle_of_a_batch_writes_what_is_done_and_gives_back_the_
         if len(seen) == 60:
             stop.set()                   # SIGTERM with a batch in hand
         return classifier(post)
-    classify.quick = classifier.quick
     stats, finished = vesti.run_workers(db, s, registry, workers=1, classify=classify,
                                         stop=stop, quiet=True)
     assert finished and stats.done == 60
@@ -2565,8 +2567,8 @@ def test_an_edit_while_a_worker_classifies_the_post_sends_it_back_to_the_queue(h
     spam = "Linux users: cheap pills and casino bonuses, order today!"
     fake.history = [tg_edited(1, spam, posted, 5), *fake.history[1:]]
     crawl_tg(s, db, fake)
-    verdict = {"direction": "linux", "relevance": 9, "interest": 6,
-               "summary": "Linux 7.1 is out", "text": "The article on Linux 7.1 " * 50}
+    verdict = vesti.Verdict(direction="linux", relevance=9, interest=6,
+                            summary="Linux 7.1 is out", text="The article on Linux 7.1 " * 50)
     written, _ = vesti.complete_and_claim(conn, [(claimed, verdict)], 0)
     assert written == [None]
     post = posts_of(db, "chan")[0]
@@ -4893,7 +4895,7 @@ def test_run_picks_up_new_directions_when_sources_yaml_changes(home, server):
                                 listeners=(classifier.use, seen.append))
     post = {"title": "A rocket reached orbit", "text": "The rocket flew.", "url": None,
             "content_type": "full"}
-    assert classifier(post)["direction"] == "space"
+    assert classifier(post).direction == "space"
     text = (home / "sources.yaml").read_text().replace("keywords: [rocket, orbit]",
                                                        "keywords: [rocket, orbit]\n  sea:\n"
                                                        "    title: Sea\n    keywords: [flew, orbit, reached]")
@@ -4901,7 +4903,7 @@ def test_run_picks_up_new_directions_when_sources_yaml_changes(home, server):
     os.utime(home / "sources.yaml", (time.time() + 5, time.time() + 5))
     scheduler.reload_sources()
     assert "sea" in seen[0].directions
-    assert classifier(post)["direction"] == "sea"
+    assert classifier(post).direction == "sea"
 
 
 @both

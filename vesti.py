@@ -13,8 +13,8 @@ __all__ = [
     "ClassifyError", "Database", "SCHEMA", "load_registry", "sync_sources",
     "canonical_url", "normalize_text", "text_sha256", "store_posts",
     "queue_sizes", "HostGate", "http_get", "parse_feed", "crawl_rss",
-    "claim_post", "complete_post", "release_post", "expire_leases",
-    "classify_text", "run_workers", "main",
+    "claim_post", "complete_post", "release_post", "expire_leases", "Verdict",
+    "classify_text", "ClassifyStep", "run_workers", "main",
 ]
 
 import argparse
@@ -2399,6 +2399,26 @@ def enter_now(conn, entry):
         return enter_stories(conn, [entry])[entry.post_id]
 
 
+# A post's verdict, from the classify step that gives it to the queue that writes it.
+@dataclasses.dataclass(slots=True)
+class Verdict:
+    """What a post is classified as (VERDICT_FIELDS, the columns a copy
+    takes from its story), and what comes along to be written with it.
+    Updated with dataclasses.replace, never in place."""
+    direction: str = None       # a direction's id; None: no topic fits
+    relevance: int = 0          # 0-10
+    interest: int = 0           # 0-10
+    summary: str = ""
+    keywords: str = None        # the keywords found (matched_keywords)
+    reason: str = None          # the LLM's word on why it scored so
+    text: str = None            # the article's full text, stored over the summary
+    story: int = None           # the story it leads, written as its story_id
+    story_entry: StoryEntry = None  # its story, entered as the verdict is written
+    llm_seconds: float = None   # how long the LLM took; None: it was not asked
+    joined: bool = False        # it joined a story (counted: stories_joined)
+    llm_saved: bool = False     # it took its story's verdict: no LLM call (llm_calls_saved)
+
+
 VERDICT_FIELDS = ("direction", "relevance", "interest", "summary", "keywords", "reason")
 
 
@@ -2411,7 +2431,7 @@ def story_verdict(conn, story):
         return None
     if row["classified"] != DONE:
         raise StoryPending(story)
-    return {key: row[key] for key in VERDICT_FIELDS}
+    return Verdict(**{key: row[key] for key in VERDICT_FIELDS})
 
 
 def settle_stories(conn, completions):
@@ -2421,8 +2441,8 @@ def settle_stories(conn, completions):
     its verdict is not written yet). Returns the completions with the
     story of each post that leads one (a copy's is written already, see
     enter_stories), and whether it joined one."""
-    stories = enter_stories(conn, [verdict["story_entry"] for _, verdict in completions
-                                   if "story_entry" in verdict])
+    stories = enter_stories(conn, [verdict.story_entry for _, verdict in completions
+                                   if verdict.story_entry is not None])
     found = {}
     for post, _ in completions:
         story = stories.get(post["id"])
@@ -2434,10 +2454,19 @@ def settle_stories(conn, completions):
             # The posts of this batch in that story are in the lead's.
             stories.update({p: lead for p, s in stories.items() if s == story})
     return [(post, verdict if post["id"] not in stories else
-             {**verdict, **(found.get(post["id"]) or {}),
-              **({"story": post["id"]} if stories[post["id"]] == post["id"] else {}),
-              "joined": stories[post["id"]] != post["id"] or found.get(post["id"]) is not None})
+             settled_verdict(verdict, post["id"], stories[post["id"]], found.get(post["id"])))
             for post, verdict in completions]
+
+
+def settled_verdict(verdict, post_id, story, found):
+    """The verdict of a post entered in `story` (settle_stories), with the
+    story's verdict `found` (None: it has none for the post to take)."""
+    if found is not None:
+        # What the post is classified as is its story's; the rest stays its own.
+        verdict = dataclasses.replace(verdict, **{key: getattr(found, key)
+                                                  for key in VERDICT_FIELDS})
+    return dataclasses.replace(verdict, story=post_id if story == post_id else verdict.story,
+                               joined=story != post_id or found is not None)
 
 
 def leads_instead(lead, copy, now=None):
@@ -2627,7 +2656,7 @@ def complete_post(conn, post_id, token, verdict):
     need of the post, or None. The text is only written when there is a new
     one: search reindexes a post whose text is set. A worker's completion is
     counted by its caller (see count_completions)."""
-    article = ", text = :text, content_type = 'full'" if verdict.get("text") else ""
+    article = ", text = :text, content_type = 'full'" if verdict.text else ""
     cursor = conn.execute(f"""
         UPDATE posts SET classified = {DONE}, direction = :direction, relevance = :relevance,
                          interest = :interest, summary = :summary, keywords = :keywords,
@@ -2635,10 +2664,10 @@ def complete_post(conn, post_id, token, verdict):
                          story_id = coalesce(:story, story_id){article}
         WHERE id = :id AND classified = {PROCESSING} AND claim_token = :token
         RETURNING {COMPLETED}
-    """, {"direction": verdict["direction"], "relevance": verdict["relevance"],
-          "interest": verdict["interest"], "summary": verdict["summary"],
-          "keywords": verdict.get("keywords"), "reason": verdict.get("reason"),
-          "text": verdict.get("text"), "story": verdict.get("story"), "id": post_id,
+    """, {"direction": verdict.direction, "relevance": verdict.relevance,
+          "interest": verdict.interest, "summary": verdict.summary,
+          "keywords": verdict.keywords, "reason": verdict.reason,
+          "text": verdict.text, "story": verdict.story, "id": post_id,
           "token": token})
     return cursor.fetchone()
 
@@ -2648,12 +2677,12 @@ def complete_posts(conn, completions):
     text in one statement per hundred (one round trip to a server, one
     statement for SQLite to run); the rows returned, in order."""
     done = {}
-    plain = [(post, verdict) for post, verdict in completions if not verdict.get("text")]
+    plain = [(post, verdict) for post, verdict in completions if not verdict.text]
     for first in range(0, len(plain), 100):
         chunk = plain[first:first + 100]
-        values = [(post["id"], post["claim_token"], verdict["direction"], verdict["relevance"],
-                   verdict["interest"], verdict["summary"], verdict.get("keywords"),
-                   verdict.get("reason"), verdict.get("story")) for post, verdict in chunk]
+        values = [(post["id"], post["claim_token"], verdict.direction, verdict.relevance,
+                   verdict.interest, verdict.summary, verdict.keywords,
+                   verdict.reason, verdict.story) for post, verdict in chunk]
         # VALUES names its columns column1, column2, … in both dialects; the
         # casts tell PostgreSQL the types of parameters that may all be NULL.
         marks = "(CAST(? AS INTEGER), ?, ?, ?, ?, ?, ?, ?, ?)"
@@ -2670,7 +2699,7 @@ def complete_posts(conn, completions):
             RETURNING {COMPLETED}""", list(itertools.chain.from_iterable(values))).fetchall()
         done.update((row["id"], row) for row in rows)
     for post, verdict in completions:
-        if verdict.get("text"):
+        if verdict.text:
             done[post["id"]] = complete_post(conn, post["id"], post["claim_token"], verdict)
     return [done.get(post["id"]) for post, _ in completions]
 
@@ -2719,7 +2748,7 @@ def complete_and_claim(conn, completions, claims, now=None, token=None, choose=N
     token = token or claim_token()
     redone = token in TURNS_BEGUN
     TURNS_BEGUN.add(token)
-    stories = any("story_entry" in verdict for _, verdict in completions)
+    stories = any(verdict.story_entry is not None for _, verdict in completions)
     if stories and conn.dialect.shared_writes:
         # Stories one at a time, in a short transaction of their own: the
         # rest is written beside the other processes' turns. Done again, it
@@ -2730,14 +2759,14 @@ def complete_and_claim(conn, completions, claims, now=None, token=None, choose=N
     with transaction(conn, shared=True, stories=stories):
         if stories:
             completions = settle_stories(conn, completions)
-        counts = llm_call_counts([verdict["llm_seconds"] for _, verdict in completions
-                                  if "llm_seconds" in verdict])
+        counts = llm_call_counts([verdict.llm_seconds for _, verdict in completions
+                                  if verdict.llm_seconds is not None])
         written = complete_posts(conn, completions)
         for (post, verdict), row in zip(completions, written):
-            if row and verdict.get("joined"):
+            if row and verdict.joined:
                 counts[("stories_joined", "")] = counts.get(("stories_joined", ""), 0) + 1
                 counts[("llm_calls_saved", "")] = (counts.get(("llm_calls_saved", ""), 0)
-                                                   + bool(verdict.get("llm_saved")))
+                                                   + verdict.llm_saved)
         posts = claimed_under(conn, token) if claims and redone else []
         if claims > len(posts):
             posts += claim_posts(conn, claims - len(posts), now, token, choose)
@@ -5731,14 +5760,14 @@ def lead_summary(text, limit=300):
 
 def keyword_verdict(title, text, matches):
     """What keywords alone can say: the direction with most distinct keywords
-    found, relevance and interest growing with their number."""
+    found, relevance and interest growing with their number, and the words."""
     if not matches:
-        return {"direction": None, "relevance": 0, "interest": 0,
-                "summary": lead_summary(text or title)}
+        return Verdict(summary=lead_summary(text or title))
     direction, words = next(iter(matches.items()))
     count = len(words)
-    return {"direction": direction, "relevance": min(10, 2 + 2 * count),
-            "interest": min(10, 2 + count), "summary": lead_summary(text or title)}
+    return Verdict(direction=direction, relevance=min(10, 2 + 2 * count),
+                   interest=min(10, 2 + count), summary=lead_summary(text or title),
+                   keywords=matched_keywords(matches))
 
 
 def matched_keywords(matches):
@@ -5864,10 +5893,10 @@ def parse_verdict(answer, directions):
     if not isinstance(summary, str):
         raise ClassifyError(f"Ollama gave no summary: {shorten(str(reply), 200)!r}")
     reason = reply.get("reason")
-    return {"direction": direction, "relevance": _score(reply, "relevance"),
-            "interest": _score(reply, "interest"), "summary": summary.strip(),
-            "reason": shorten(reason.strip(), 300) if isinstance(reason, str) and reason.strip()
-            else None}
+    return Verdict(direction=direction, relevance=_score(reply, "relevance"),
+                   interest=_score(reply, "interest"), summary=summary.strip(),
+                   reason=shorten(reason.strip(), 300)
+                   if isinstance(reason, str) and reason.strip() else None)
 
 
 def ask_ollama(title, text, directions, settings):
@@ -5878,18 +5907,18 @@ def ask_ollama(title, text, directions, settings):
 
 
 def classify_text(text, directions, settings, title="", keywords=None, matches=None):
-    """Keywords first (title and text): no hit means not relevant, and no LLM
-    call. Then Ollama, or with OLLAMA_URL empty the keywords alone decide.
-    `matches`: the keywords' matches, when the caller has them already."""
+    """The text's Verdict. Keywords first (title and text): no hit means not
+    relevant, and no LLM call. Then Ollama, or with OLLAMA_URL empty the
+    keywords alone decide. `matches`: the keywords' matches, when the caller
+    has them already."""
     if matches is None:
         matches = (keywords or KeywordIndex(directions)).matches(f"{title}\n{text}")
     if not matches or not settings.ollama_url:
-        verdict = keyword_verdict(title, text, matches)
-    else:
-        started = time.monotonic()
-        verdict = ask_ollama(title, text, directions, settings)
-        verdict["llm_seconds"] = time.monotonic() - started
-    return {**verdict, "keywords": matched_keywords(matches)}
+        return keyword_verdict(title, text, matches)
+    started = time.monotonic()
+    verdict = ask_ollama(title, text, directions, settings)
+    return dataclasses.replace(verdict, keywords=matched_keywords(matches),
+                               llm_seconds=time.monotonic() - started)
 
 
 # trafilatura shares parsing state between calls: two extractions at once in
@@ -6103,7 +6132,56 @@ class KeyHelper:
             process.wait()
 
 
-class Classifier:
+class ClassifyStep:
+    """What a worker pool asks of the step that classifies its posts: to
+    prepare each, and what more a step may do for the pool, answered here
+    for a step that does no more (each post is quick, and all its work
+    holds the worker)."""
+
+    def __call__(self, post):
+        """The post's Verdict, the LLM asked when it must be."""
+        verdict = self.prepare(post)
+        return verdict() if callable(verdict) else verdict
+
+    def prepare(self, post):
+        """The post's Verdict, or a function that asks the LLM for it (the
+        worker asks it while it writes and claims)."""
+        raise NotImplementedError
+
+    def quick(self, post):
+        """True when the post's verdict needs no network: its batch may grow."""
+        return True
+
+    def holds(self, post):
+        """True when preparing the post waits on the network: the rest of
+        its batch goes back to the queue rather than wait."""
+        return True
+
+    def busy_hosts(self):
+        """Tiers of article hosts a claim passes over now (pass_over_busy_hosts)."""
+        return ()
+
+    def look_ahead(self, posts):
+        """A batch was claimed: its posts are prepared one by one next."""
+
+    def forget(self, posts):
+        """Posts given back before they were classified."""
+
+    def close(self):
+        """The workers are done."""
+
+
+class ClassifyFunction(ClassifyStep):
+    """A function of a post to what prepare returns, as a ClassifyStep."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def prepare(self, post):
+        return self.function(post)
+
+
+class Classifier(ClassifyStep):
     """classify_text for a claimed post, with the article fetched first for
     summary-only posts. Workers call it in two steps: prepare (the article,
     the keywords, the post's story), then, for a post the LLM decides, the
@@ -6121,19 +6199,15 @@ class Classifier:
         """Classify with these directions from now on (sources.yaml changed)."""
         self.vocabulary = (registry.directions, KeywordIndex(registry.directions))
 
-    def __call__(self, post):
-        verdict = self.prepare(post)
-        return verdict() if callable(verdict) else verdict
-
     def prepare(self, post):
-        """The post's verdict, or a function that asks the LLM for it."""
+        """The post's Verdict, or a function that asks the LLM for it."""
         directions, keywords = self.vocabulary
         # Its story keys, when they were asked for ahead.
         asked = self.ahead.pop(post["id"], None) if self.ahead else None
         full_text = self.article(post)
         text = full_text or post["text"]
         matches = keywords.matches(f"{post['title']}\n{text}")
-        extra = {"text": full_text}
+        entry, leads = None, None
         # No story for a post that is not relevant (no LLM call to save, no
         # card on the desk to merge), nor with stories off, nor for one
         # edited after a decision: it is a card of its own until decided again.
@@ -6143,16 +6217,17 @@ class Classifier:
                                story_since(self.settings.story_hours))
             if not self.settings.ollama_url:
                 # Keywords alone decide: the story is entered as the verdict is written.
-                extra["story_entry"] = story
+                entry = story
             else:
                 copied = self.story_verdict(post, full_text, story)
                 if copied is not None:
                     return copied
-                extra["story"] = post["id"]
+                leads = post["id"]
 
         def verdict():
-            return {**classify_text(text, directions, self.settings, post["title"],
-                                    matches=matches), **extra}
+            return dataclasses.replace(
+                classify_text(text, directions, self.settings, post["title"], matches=matches),
+                text=full_text, story_entry=entry, story=leads)
         return verdict if matches and self.settings.ollama_url else verdict()
 
     def look_ahead(self, posts):
@@ -6222,7 +6297,7 @@ class Classifier:
             return None
         # No story to write with it: the copy's row names the story's lead
         # (see enter_stories), whoever leads it by then.
-        return {**found, "text": full_text, "joined": True, "llm_saved": True}
+        return dataclasses.replace(found, text=full_text, joined=True, llm_saved=True)
 
     def quick(self, post):
         """True when the post's verdict needs no network: no article to
@@ -6282,7 +6357,9 @@ class WorkerPool:
     verdict is written only if its claim holds."""
 
     def __init__(self, db, settings, classify, stop=None, progress=None, report=False):
-        self.db, self.settings, self.classify = db, settings, classify
+        self.db, self.settings = db, settings
+        self.classify = (classify if isinstance(classify, ClassifyStep)
+                         else ClassifyFunction(classify))
         self.stop = stop or threading.Event()
         self.progress = progress
         self.stats = WorkerStats()
@@ -6309,7 +6386,7 @@ class WorkerPool:
                 for future in futures:
                     future.result()
         finally:
-            self.call_classify("close")
+            self.classify.close()
         return self.stats
 
     def housekeeping(self):
@@ -6345,28 +6422,11 @@ class WorkerPool:
                 self.stop.set()     # no other worker can write either
                 raise
 
-    def quick(self, post):
-        quick = getattr(self.classify, "quick", None)
-        return quick(post) if quick else True
-
-    def call_classify(self, name, *args):
-        """A step a classify may have (look_ahead, forget, close)."""
-        step = getattr(self.classify, name, None)
-        if step is not None:
-            step(*args)
-
     def choose_claims(self):
         """How a claim chooses its posts now (see pass_over_busy_hosts), or
         None to take the oldest: no article host is busy."""
-        busy = getattr(self.classify, "busy_hosts", None)
-        tiers = busy() if busy else ()
+        tiers = self.classify.busy_hosts()
         return functools.partial(pass_over_busy_hosts, tiers) if any(tiers) else None
-
-    def holds(self, post):
-        """True when the post's slow work keeps the worker waiting (with a
-        classify of one step, all of it does)."""
-        holds = getattr(self.classify, "holds", None)
-        return holds(post) if holds else True
 
     def hold(self, in_hand, posts):
         """Take claimed posts in hand; self.held counts the posts held by
@@ -6387,7 +6447,7 @@ class WorkerPool:
             self.take_turn(conn, finished, 0)
         if in_hand:
             give_back_posts(conn, [post["claim_token"] for post in in_hand])
-            self.call_classify("forget", in_hand)
+            self.classify.forget(in_hand)
             with self.lock:
                 self.held -= len(in_hand)
             in_hand.clear()
@@ -6496,7 +6556,7 @@ class WorkerPool:
         self.stop.wait(1.0)
 
     def note_written(self, conn, post, verdict, written):
-        if "llm_seconds" in verdict:
+        if verdict.llm_seconds is not None:
             # An answer clears what the page says of Ollama: looked up once
             # after it may have been said, not once a post.
             if self.down_noted and self.stats.ollama_down is None:
@@ -6505,7 +6565,7 @@ class WorkerPool:
                     delete_meta(conn, "ollama_down")
                     log.warning("Ollama answers again")
         log.info("post %s: %s, relevance %s, interest %s%s", post["id"],
-                 verdict["direction"] or "no direction", verdict["relevance"], verdict["interest"],
+                 verdict.direction or "no direction", verdict.relevance, verdict.interest,
                  "" if written else " (taken back by the lease or an edit; not written)")
         with self.lock:
             self.connection_failures = 0
@@ -6592,8 +6652,6 @@ class Worker:
 
     def __init__(self, pool, conn):
         self.pool, self.conn = pool, conn
-        # A classify in two steps is prepared first (see Classifier).
-        self.classify = getattr(pool.classify, "prepare", pool.classify)
         self.in_hand = collections.deque()  # claimed, not begun
         self.finished = []                  # (post, verdict) not written yet
         self.asking = collections.deque()   # (post, future) of the questions asked, oldest first
@@ -6635,7 +6693,7 @@ class Worker:
         pool.give_back_tickets(wanted - len(posts))
         if posts:
             pool.hold(self.in_hand, posts)
-            pool.call_classify("look_ahead", posts)
+            pool.classify.look_ahead(posts)
             self.started = time.monotonic()
         elif self.asking:
             self.hear_answer()              # written by the next turn
@@ -6654,8 +6712,8 @@ class Worker:
         """Prepare the next post in hand: its verdict joins those to write,
         or its question is asked."""
         post = self.pool.next_post(self.in_hand)
-        slow = not self.pool.quick(post)
-        if slow and self.pool.holds(post) and (self.in_hand or self.finished):
+        slow = not self.pool.classify.quick(post)
+        if slow and self.pool.classify.holds(post) and (self.in_hand or self.finished):
             # Slow work ahead (an article): the verdicts in hand are written
             # and the rest of the batch goes back to the queue rather than
             # wait for it.
@@ -6677,7 +6735,7 @@ class Worker:
         """The post's verdict, a function that asks the LLM for it, or None
         when it failed (already written back)."""
         try:
-            return self.classify(post)
+            return self.pool.classify.prepare(post)
         except StoryPending as e:
             if e.story not in (asked["id"] for asked, _ in self.asking):
                 return self.fail(post, e)
@@ -6688,7 +6746,7 @@ class Worker:
         self.hear_answers()
         self.turn(0)
         try:
-            return self.classify(post)
+            return self.pool.classify.prepare(post)
         except Exception as e:
             return self.fail(post, e)
 
