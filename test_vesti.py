@@ -3029,10 +3029,10 @@ def desk_post(conn, source_id, k, relevance=7, interest=4, direction="linux", st
     return conn.execute(
         "INSERT INTO posts (source_id, external_id, url, title, text, classified, status, "
         "direction, relevance, interest, summary, published_at, keywords) "
-        "VALUES (?, ?, ?, ?, ?, 1, ?, ?, ?, ?, ?, ?, ?)",
+        "VALUES (?, ?, ?, ?, ?, 1, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
         (source_id, f"e{k}", f"http://x/{k}", title or f"Post {k}", text or f"Body of post {k}.",
          status, direction, relevance, interest, f"Summary {k}",
-         november(k if minute is None else minute), "linux, kernel")).lastrowid
+         november(k if minute is None else minute), "linux, kernel")).fetchone()[0]
 
 
 def card_ids(page):
@@ -3068,7 +3068,7 @@ def test_the_default_desk_hides_what_is_decided_or_not_relevant(web):
 def test_filters_show_counts_under_the_other_filters(web):
     conn = web.db.conn()
     other = conn.execute("INSERT INTO sources (slug, name, url) VALUES "
-                         "('orbit', 'Orbit news', 'http://o/')").lastrowid
+                         "('orbit', 'Orbit news', 'http://o/') RETURNING id").fetchone()[0]
     for k in range(1, 6):
         desk_post(conn, lwn(web), k, direction="linux")
     for k in range(6, 9):
@@ -6136,7 +6136,8 @@ def test_copy_db_moves_everything_to_postgresql_and_back_and_twice_changes_nothi
         assert len(card_ids(found)) == 7
     finally:
         page.close()
-    new_id = pg.execute("INSERT INTO posts (source_id, title) VALUES (1, 'after the copy')").lastrowid
+    new_id = pg.execute("INSERT INTO posts (source_id, title) VALUES (1, 'after the copy') "
+                        "RETURNING id").fetchone()[0]
     assert new_id == 8                                   # ids go on after the copied ones
     back = cli("copy-db", "--to", str(home / "back.db"), cwd=home, env={"VESTI_DB": backend})
     assert back.returncode == 0, back.stderr
@@ -6463,9 +6464,9 @@ def story_home(home, ollama_url, **settings):
 def add_copy(conn, source_slug, title, text, published):
     source = conn.execute("SELECT id FROM sources WHERE slug = ?", (source_slug,)).fetchone()[0]
     return conn.execute("""INSERT INTO posts (source_id, title, text, url, canonical_url,
-                           published_at, classified) VALUES (?, ?, ?, ?, ?, ?, 0)""",
+                           published_at, classified) VALUES (?, ?, ?, ?, ?, ?, 0) RETURNING id""",
                         (source, title, text, f"http://{source_slug}.example/{published}",
-                         f"http://{source_slug}.example/{published}", published)).lastrowid
+                         f"http://{source_slug}.example/{published}", published)).fetchone()[0]
 
 
 @both
@@ -6688,8 +6689,8 @@ def test_a_teaser_whose_article_another_feed_carries_joins_that_story(home, serv
     full = add_copy(conn, "wire", "New York from above", article, "2026-12-01 08:00:00")
     teaser = conn.execute("""INSERT INTO posts (source_id, title, text, url, content_type,
                              published_at, classified) VALUES (2, 'Drone over the city',
-                             'Drone footage from the city.', ?, 'summary', '2026-12-01 09:00:00', 0)""",
-                          (server.url + "/article",)).lastrowid
+                             'Drone footage from the city.', ?, 'summary', '2026-12-01 09:00:00', 0)
+                             RETURNING id""", (server.url + "/article",)).fetchone()[0]
     sources = home / "sources.yaml"           # the article is news of a direction
     sources.write_text(sources.read_text().replace("[rocket, orbit]", "[rocket, orbit, coronavirus]"))
     vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=1, quiet=True)
@@ -7038,7 +7039,8 @@ def test_a_key_thousands_of_posts_share_costs_a_look_up_no_more_than_a_rare_one(
     for flood in (50, 2000):
         for n in range(len(work) and 50, flood):
             copy = conn.execute("INSERT INTO posts (source_id, title, text, story_id, classified) "
-                                "VALUES (3, 'Budget', ?, ?, 1)", (f"{STORY} Flooded.", lead)).lastrowid
+                                "VALUES (3, 'Budget', ?, ?, 1) RETURNING id",
+                                (f"{STORY} Flooded.", lead)).fetchone()[0]
             conn.dialect.store_story_keys(conn, [(key, copy) for key in keys])
         post = add_copy(conn, "daily", "Budget", STORY + " Copied.", f"2026-12-01 09:{len(work)}0:00")
         entry = vesti.StoryEntry(post, "Budget", STORY + " Copied.", keys, vesti.story_since(72))

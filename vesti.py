@@ -1005,7 +1005,7 @@ CREATE INDEX IF NOT EXISTS runs_running ON runs(pid) WHERE status = 'running';
 """
 
 
-# claim_post and release_post use UPDATE … RETURNING.
+# claim_post and release_post use UPDATE … RETURNING, start_run INSERT … RETURNING.
 MIN_SQLITE = (3, 35, 0)
 
 # What SQLite says when the database, not a statement, is broken: the disk is
@@ -1445,17 +1445,21 @@ def scrubbed(text, url):
     return text
 
 
-# ? and :name placeholders (outside quotes and comments; a :: cast is left
-# alone) and a literal %, as psycopg wants them.
+# The one thing rewritten in a statement on its way to PostgreSQL: its
+# placeholders. Statements are written with sqlite3's ? and :name, which
+# psycopg has no paramstyle for (it takes %s and %(name)s, or the server's
+# own $1), so what is rewritten is `?` → `%s`, `:name` → `%(name)s` and
+# `%` → `%%` (psycopg would read a lone % as a placeholder); nothing else.
+# The statement is read token by token: a quoted string, a quoted name or
+# a -- comment is passed over whole (only its % doubled), and a :: cast is
+# left alone. Where the dialects' SQL differs, each says its own (see
+# PostgresDialect and the call sites that ask conn.dialect).
 PLACEHOLDERS = re.compile(r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|--[^\n]*|::|\?|:(?=[A-Za-z_])\w+|%")
-# An INSERT into a table with an id: it returns the id, for lastrowid.
-INSERT_WITH_ID = re.compile(r"\s*INSERT\s+INTO\s+(?:sources|posts|runs)\b", re.I)
 
 
 @functools.lru_cache(maxsize=4096)
-def postgres_statement(sql):
-    """SQLite's statement as psycopg takes it, and whether it returns the
-    new row's id."""
+def psycopg_placeholders(sql):
+    """`sql` with its placeholders as psycopg takes them (see PLACEHOLDERS)."""
     def swap(match):
         token = match.group(0)
         if token == "?":
@@ -1463,9 +1467,7 @@ def postgres_statement(sql):
         if token.startswith(":") and token != "::":
             return f"%({token[1:]})s"
         return token.replace("%", "%%")
-    text = PLACEHOLDERS.sub(swap, sql)
-    returns_id = bool(INSERT_WITH_ID.match(text)) and "RETURNING" not in text.upper()
-    return (f"{text} RETURNING id" if returns_id else text), returns_id
+    return PLACEHOLDERS.sub(swap, sql)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1524,13 +1526,10 @@ POSTGRES_BUSY = ("55P03", "40P01", "40001")
 
 
 class PostgresCursor:
-    """A psycopg cursor with sqlite3's lastrowid."""
+    """A psycopg cursor whose errors are the ones SQLite's give."""
 
-    def __init__(self, cursor, connection, returns_id=False):
-        self.cursor, self.connection, self.lastrowid = cursor, connection, None
-        if returns_id:
-            rows = self.fetchall()
-            self.lastrowid = rows[-1][0] if rows else None
+    def __init__(self, cursor, connection):
+        self.cursor, self.connection = cursor, connection
 
     @property
     def rowcount(self):
@@ -1548,7 +1547,7 @@ class PostgresCursor:
 
 class PostgresConnection:
     """A psycopg connection that speaks as the SQLite one does (? and :name
-    placeholders, rows by index and by name, lastrowid, in_transaction, the
+    placeholders, rows by index and by name, in_transaction, the
     DB-API errors as the sqlite3 module names them) and waits as it does:
     outside a transaction a statement waits for a server that restarts or a
     row another session holds, and runs again; inside one, the server has
@@ -1628,12 +1627,12 @@ class PostgresConnection:
             self.open_transaction = False
         if parameters is None:          # several statements, no placeholders
             return PostgresCursor(self.run(lambda raw: raw.execute(sql)), self)
-        statement, returns_id = postgres_statement(sql)
+        statement = psycopg_placeholders(sql)
         cursor = self.run(lambda raw: raw.execute(statement, parameters))
-        return PostgresCursor(cursor, self, returns_id)
+        return PostgresCursor(cursor, self)
 
     def executemany(self, sql, rows):
-        statement, _ = postgres_statement(sql)
+        statement = psycopg_placeholders(sql)
         rows = list(rows)
         if rows:
             self.run(lambda raw: raw.cursor().executemany(statement, rows))
@@ -2949,8 +2948,8 @@ def start_run(conn, source_id, task, trigger):
     # statement would wait in SQLite's busy handler, which sleeps and polls.
     with transaction(conn):
         return conn.execute(
-            "INSERT INTO runs (source_id, task, trigger, started_at, pid) VALUES (?, ?, ?, ?, ?)",
-            (source_id, task, trigger, utc_text(), os.getpid())).lastrowid
+            "INSERT INTO runs (source_id, task, trigger, started_at, pid) VALUES (?, ?, ?, ?, ?) "
+            "RETURNING id", (source_id, task, trigger, utc_text(), os.getpid())).fetchone()[0]
 
 
 def finish_run(conn, run_id, status, new_posts=0, error=None):
