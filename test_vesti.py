@@ -327,14 +327,19 @@ def runs_of(db, slug):
                              "WHERE s.slug = ? ORDER BY r.id", (slug,)).fetchall()
 
 
-def cli(*args, cwd, env=None, timeout=60):
-    """Run vesti.py as a user would."""
+def cli_env(env=None):
+    """The environment of a user's vesti.py: none of the test run's settings."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("VESTI_", "RSS_", "OLLAMA_", "TG_"))}
     if BACKEND["db"]:
         full_env["VESTI_DB"] = BACKEND["db"]
     full_env.update(env or {})
+    return full_env
+
+
+def cli(*args, cwd, env=None, timeout=60):
+    """Run vesti.py as a user would."""
     return subprocess.run([sys.executable, str(ROOT / "vesti.py"), *args], cwd=cwd,
-                          env=full_env, capture_output=True, text=True, timeout=timeout)
+                          env=cli_env(env), capture_output=True, text=True, timeout=timeout)
 
 
 # Settings --------------------------------------------------------------------
@@ -529,6 +534,83 @@ def test_short_texts_never_make_different_posts_collide(tmp_path):
     assert vesti.store_posts(conn, 1, None, teasers) == 5
     assert vesti.store_posts(conn, 1, None, teasers) == 0
     assert conn.execute("SELECT count(*) FROM posts WHERE sha256 IS NULL").fetchone()[0] == 5
+
+
+def sql_lines(output):
+    """(milliseconds, statement and its parameters) of each SQL line -vv gave."""
+    return re.findall(r"DEBUG vesti\.sql: (\d+\.\d\d) ms: (.*)", output)
+
+
+@both
+def test_vv_logs_every_statement_with_its_time_and_v_logs_none(home):
+    write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss")])
+    for args in (["-vv", "status"], ["status", "-vv"]):
+        result = cli(*args, cwd=home)
+        assert result.returncode == 0, result.stderr
+        statements = [statement for _, statement in sql_lines(result.stderr)]
+        assert "SELECT count(*), coalesce(max(id), 0) FROM sources" in statements
+        assert any(re.fullmatch(r"SELECT id, url FROM sources WHERE slug = (\?|%s); \('lwn'\)", s)
+                   for s in statements), statements
+    quieter = cli("-v", "status", cwd=home)
+    assert quieter.returncode == 0 and "lwn" in quieter.stdout
+    assert "vesti.sql" not in quieter.stderr and "SELECT" not in quieter.stderr
+
+
+def test_a_logged_statement_shows_its_parameters_cut_short(tmp_path, caplog):
+    conn = vesti.Database(str(tmp_path / "v.db")).conn()
+    values = ["x" * 500, *range(1, 12)]
+    with caplog.at_level(logging.DEBUG, logger="vesti.sql"):
+        conn.execute(f"SELECT {', '.join('?' * len(values))}", values)
+        conn.executemany("INSERT INTO sources (slug, url) VALUES (?, ?)",
+                         ((f"s{k}", "http://s/") for k in range(3)))
+    select, insert = [r.getMessage() for r in caplog.records if r.name == "vesti.sql"]
+    assert f"; ('{'x' * 59}…, 1, 2, 3, 4, 5, 6, 7, 8, 9, … 2 more)" in select
+    assert insert.endswith("INSERT INTO sources (slug, url) VALUES (?, ?); "
+                           "3 rows, the first: ('s0', 'http://s/')")
+    assert conn.execute("SELECT count(*) FROM sources").fetchone()[0] == 3
+
+
+def with_password(url):
+    """The URL with a password in it (a server that trusts the role, as the
+    tests' does, takes no notice of it)."""
+    if vesti.secrets_of(url):
+        return url
+    parts = urllib.parse.urlsplit(url)
+    place = parts.netloc.rpartition("@")[2]
+    netloc = f"{parts.username or ''}:Never-1n-logs@{place}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+@both
+def test_vv_shows_no_password_nor_secret(home, backend):
+    write_sources(home / "sources.yaml", [])
+    db = with_password(backend) if backend else str(home / "vesti.db")
+    env = {k: v for k, v in cli_env({"VESTI_DB": db}).items() if k != "VESTI_WEB_PASSWORD"}
+    serve = subprocess.Popen([sys.executable, str(ROOT / "vesti.py"), "-vv", "serve", "--port",
+                              "0"], cwd=home, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env)
+    try:
+        said = serve.stdout.readline() + serve.stdout.readline()
+        password = re.search(r"generated password (\S+),", said)[1]
+    finally:
+        _, err = stop_process(serve)
+    copy = cli("-vv", "copy-db", "--to", str(home / "copy.db"), cwd=home, env={"VESTI_DB": db})
+    assert copy.returncode == 0, copy.stderr
+    conn = vesti.Database(backend or db).conn()
+    kept, secret = vesti.get_meta(conn, "web_password")[0], vesti.get_meta(conn, "web_secret")[0]
+    assert kept.startswith("scrypt:") and len(secret) == 64
+    logged = err + copy.stdout + copy.stderr
+    salt, digest = kept.split(":")[-2:]
+    for never in (password, salt, digest, secret, *vesti.secrets_of(db)):
+        # A parameter cut short would still show a piece of it.
+        assert not [never[i:i + 12] for i in range(len(never) - 11) if never[i:i + 12] in logged]
+    # The statements that wrote and copied them were logged, without them.
+    kept_by_serve = [s for _, s in sql_lines(err) if s.startswith("INSERT INTO meta")]
+    assert any("VALUES ('web_password', " in s and s.endswith("; (***, ***)")
+               for s in kept_by_serve)
+    assert any("; ('web_secret', ***, '" in s for s in kept_by_serve)
+    assert any(re.search(r"; \d+ rows, the first: \('web_password', \*\*\*, '", s)
+               for _, s in sql_lines(copy.stderr))
 
 
 # Sources registry ------------------------------------------------------------

@@ -1078,6 +1078,62 @@ UNREACHABLE = WaitEpisode("%s: the database server cannot be reached; waiting fo
                           "%s: the database server is back after %.0f s")
 
 
+# Every statement, with how long it took, at DEBUG (-vv) on this logger:
+# each connection kind logs what it runs in one place (Connection._retrying,
+# PostgresConnection.run), which costs one isEnabledFor when it is off.
+# SQLite's time is to its first row (the rest are read as they are fetched),
+# PostgreSQL's to its last.
+SQL_LOG = logging.getLogger("vesti.sql")
+# What a statement's line shows: its text up to SHOWN_SQL characters, up to
+# SHOWN_PARAMETERS of its parameters (of executemany: how many rows, and the
+# first), each up to SHOWN_CHARS. A secret is never shown: no parameter of a
+# statement that names a secret's key itself ('web_password'), nor one named
+# like a secret (:token), nor the value that follows a key so named (a meta
+# key such as web_secret, given as a parameter), nor a kept password
+# (scrypt:…) anywhere. A database URL is no statement's parameter.
+SHOWN_SQL, SHOWN_PARAMETERS, SHOWN_CHARS = 1000, 10, 60
+SECRET_NAME = re.compile(r"\w*(?:password|secret|token)\w*", re.I)
+SECRET_KEY_IN_SQL = re.compile(r"'\w*(?:password|secret|token)\w*'", re.I)
+
+
+def log_statement(sql, parameters, started, many=False):
+    """One statement on SQL_LOG, `started` at time.perf_counter()."""
+    text = " ".join(sql.split())
+    if len(text) > SHOWN_SQL:
+        text = f"{text[:SHOWN_SQL]}… ({len(text)} characters)"
+    shown = shown_rows(sql, parameters) if many else shown_parameters(sql, parameters)
+    SQL_LOG.debug("%.2f ms: %s%s", (time.perf_counter() - started) * 1000, text,
+                  f"; {shown}" if shown else "")
+
+
+def shown_rows(sql, rows):
+    return f"{len(rows)} rows, the first: {shown_parameters(sql, rows[0])}" if rows else "no rows"
+
+
+def shown_parameters(sql, parameters):
+    """A statement's parameters as the log may show them: '(…)', or ''."""
+    if not parameters:
+        return ""
+    if isinstance(parameters, dict):
+        shown = [f":{name} {'***' if SECRET_NAME.fullmatch(name) else shown_value(value)}"
+                 for name, value in parameters.items()]
+    else:
+        shown, every, after_key = [], bool(SECRET_KEY_IN_SQL.search(sql)), False
+        for value in parameters:
+            secret = every or after_key or (isinstance(value, str) and value.startswith("scrypt:"))
+            shown.append("***" if secret else shown_value(value))
+            after_key = isinstance(value, str) and bool(SECRET_NAME.fullmatch(value))
+    more = f", … {len(shown) - SHOWN_PARAMETERS} more" if len(shown) > SHOWN_PARAMETERS else ""
+    return f"({', '.join(shown[:SHOWN_PARAMETERS])}{more})"
+
+
+def shown_value(value):
+    text = repr(value)
+    if len(text) > SHOWN_CHARS:
+        text = text[:SHOWN_CHARS] + "…"
+    return f"{text} ({len(value)} items)" if isinstance(value, (list, tuple)) else text
+
+
 class StorageCursor(sqlite3.Cursor):
     """Rows read later than the first (fetchall, iteration) can meet a
     broken page too: that is a StorageError as well."""
@@ -1124,17 +1180,23 @@ class Connection(sqlite3.Connection):
         return self._retrying(self.cursor(StorageCursor).execute, sql, parameters)
 
     def executemany(self, sql, rows):
-        # Not retried: rows written before a lock would be written twice.
-        return self._retrying(self.cursor(StorageCursor).executemany, sql, rows, retry=False)
+        return self._retrying(self.cursor(StorageCursor).executemany, sql, rows, many=True)
 
-    def _retrying(self, call, sql, parameters, retry=True):
+    def _retrying(self, call, sql, parameters, many=False):
+        """call(sql, parameters), waiting out another process's lock; not
+        retried for executemany (`many`): rows written before the lock
+        would be written twice."""
+        started = None
+        if SQL_LOG.isEnabledFor(logging.DEBUG):
+            started = time.perf_counter()
+            parameters = list(parameters) if many else parameters    # read again by the log
         waiting = False
         try:
             while True:
                 try:
                     return call(sql, parameters)
                 except sqlite3.OperationalError as e:
-                    if not is_busy(e) or not retry:
+                    if not is_busy(e) or many:
                         raise
                     if STOPPING.is_set():
                         raise StorageError(f"{self.path}: {e}; stopped waiting for it "
@@ -1148,6 +1210,8 @@ class Connection(sqlite3.Connection):
         finally:
             if waiting:
                 BUSY.leave(self.path)
+            if started is not None:
+                log_statement(sql, parameters, started, many)
 
 
 def connect(path, busy_timeout=30):
@@ -1626,20 +1690,23 @@ class PostgresConnection:
         if sql in ("COMMIT", "ROLLBACK"):
             self.open_transaction = False
         if parameters is None:          # several statements, no placeholders
-            return PostgresCursor(self.run(lambda raw: raw.execute(sql)), self)
+            return PostgresCursor(self.run(lambda raw: raw.execute(sql), sql), self)
         statement = psycopg_placeholders(sql)
-        cursor = self.run(lambda raw: raw.execute(statement, parameters))
+        cursor = self.run(lambda raw: raw.execute(statement, parameters), statement, parameters)
         return PostgresCursor(cursor, self)
 
     def executemany(self, sql, rows):
         statement = psycopg_placeholders(sql)
         rows = list(rows)
         if rows:
-            self.run(lambda raw: raw.cursor().executemany(statement, rows))
+            self.run(lambda raw: raw.cursor().executemany(statement, rows), statement, rows,
+                     many=True)
 
-    def run(self, call):
-        """call(psycopg connection), waiting out a server that is away or a
-        lock held elsewhere when no transaction of ours is open."""
+    def run(self, call, statement, parameters=None, many=False):
+        """call(psycopg connection), which runs `statement`, waiting out a
+        server that is away or a lock held elsewhere when no transaction of
+        ours is open."""
+        started = time.perf_counter() if SQL_LOG.isEnabledFor(logging.DEBUG) else None
         episode = None
         try:
             while True:
@@ -1660,6 +1727,8 @@ class PostgresConnection:
         finally:
             if episode is not None:
                 episode.leave(self.path)
+            if started is not None:
+                log_statement(statement, parameters, started, many)
 
     def guarded(self, call):
         """call(), its psycopg errors turned into the ones SQLite's give."""
@@ -10140,8 +10209,8 @@ def build_parser():
                         help="SQLite file or postgresql:// URL (VESTI_DB, default vesti.db)")
     common.add_argument("--sources", metavar="PATH", default=argparse.SUPPRESS,
                         help="source registry (VESTI_SOURCES, default sources.yaml)")
-    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                        help="log every fetch and post")
+    common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                        help="log every fetch and post; -vv: and every SQL statement")
     parser = argparse.ArgumentParser(
         prog="vesti.py", parents=[common],
         description="VESTI: news from feeds and Telegram into one classified queue.")
@@ -10203,16 +10272,21 @@ def build_parser():
 
 
 def configure_logging(verbose):
+    """-v: what the program does (INFO); -vv: VESTI's DEBUG lines too, every
+    SQL statement among them. Other packages stay at INFO: their DEBUG lines
+    are noise here, and psycopg's name the server it connects to."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    if verbose >= 2:
+        log.setLevel(logging.DEBUG)
 
 
 def main(argv=None):
     """Run one command; returns the exit code (0 done, 2 usage or
     configuration error, 1 anything else)."""
     args = build_parser().parse_args(argv)
-    configure_logging(getattr(args, "verbose", False))
+    configure_logging(getattr(args, "verbose", 0))
     try:
         settings = load_settings(db=getattr(args, "db", None),
                                  sources=getattr(args, "sources", None))
