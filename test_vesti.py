@@ -328,14 +328,19 @@ def runs_of(db, slug):
                              "WHERE s.slug = ? ORDER BY r.id", (slug,)).fetchall()
 
 
-def cli(*args, cwd, env=None, timeout=60):
-    """Run vesti.py as a user would."""
+def cli_env(env=None):
+    """The environment of a user's vesti.py: none of the test run's settings."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("VESTI_", "RSS_", "OLLAMA_", "TG_"))}
     if BACKEND["db"]:
         full_env["VESTI_DB"] = BACKEND["db"]
     full_env.update(env or {})
+    return full_env
+
+
+def cli(*args, cwd, env=None, timeout=60):
+    """Run vesti.py as a user would."""
     return subprocess.run([sys.executable, str(ROOT / "vesti.py"), *args], cwd=cwd,
-                          env=full_env, capture_output=True, text=True, timeout=timeout)
+                          env=cli_env(env), capture_output=True, text=True, timeout=timeout)
 
 
 # Settings --------------------------------------------------------------------
@@ -530,6 +535,83 @@ def test_short_texts_never_make_different_posts_collide(tmp_path):
     assert vesti.store_posts(conn, 1, None, teasers) == 5
     assert vesti.store_posts(conn, 1, None, teasers) == 0
     assert conn.execute("SELECT count(*) FROM posts WHERE sha256 IS NULL").fetchone()[0] == 5
+
+
+def sql_lines(output):
+    """(milliseconds, statement and its parameters) of each SQL line -vv gave."""
+    return re.findall(r"DEBUG vesti\.sql: (\d+\.\d\d) ms: (.*)", output)
+
+
+@both
+def test_vv_logs_every_statement_with_its_time_and_v_logs_none(home):
+    write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss")])
+    for args in (["-vv", "status"], ["status", "-vv"]):
+        result = cli(*args, cwd=home)
+        assert result.returncode == 0, result.stderr
+        statements = [statement for _, statement in sql_lines(result.stderr)]
+        assert "SELECT count(*), coalesce(max(id), 0) FROM sources" in statements
+        assert any(re.fullmatch(r"SELECT id, url FROM sources WHERE slug = (\?|%s); \('lwn'\)", s)
+                   for s in statements), statements
+    quieter = cli("-v", "status", cwd=home)
+    assert quieter.returncode == 0 and "lwn" in quieter.stdout
+    assert "vesti.sql" not in quieter.stderr and "SELECT" not in quieter.stderr
+
+
+def test_a_logged_statement_shows_its_parameters_cut_short(tmp_path, caplog):
+    conn = vesti.Database(str(tmp_path / "v.db")).conn()
+    values = ["x" * 500, *range(1, 12)]
+    with caplog.at_level(logging.DEBUG, logger="vesti.sql"):
+        conn.execute(f"SELECT {', '.join('?' * len(values))}", values)
+        conn.executemany("INSERT INTO sources (slug, url) VALUES (?, ?)",
+                         ((f"s{k}", "http://s/") for k in range(3)))
+    select, insert = [r.getMessage() for r in caplog.records if r.name == "vesti.sql"]
+    assert f"; ('{'x' * 59}…, 1, 2, 3, 4, 5, 6, 7, 8, 9, … 2 more)" in select
+    assert insert.endswith("INSERT INTO sources (slug, url) VALUES (?, ?); "
+                           "3 rows, the first: ('s0', 'http://s/')")
+    assert conn.execute("SELECT count(*) FROM sources").fetchone()[0] == 3
+
+
+def with_password(url):
+    """The URL with a password in it (a server that trusts the role, as the
+    tests' does, takes no notice of it)."""
+    if vesti.secrets_of(url):
+        return url
+    parts = urllib.parse.urlsplit(url)
+    place = parts.netloc.rpartition("@")[2]
+    netloc = f"{parts.username or ''}:Never-1n-logs@{place}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+@both
+def test_vv_shows_no_password_nor_secret(home, backend):
+    write_sources(home / "sources.yaml", [])
+    db = with_password(backend) if backend else str(home / "vesti.db")
+    env = {k: v for k, v in cli_env({"VESTI_DB": db}).items() if k != "VESTI_WEB_PASSWORD"}
+    serve = subprocess.Popen([sys.executable, str(ROOT / "vesti.py"), "-vv", "serve", "--port",
+                              "0"], cwd=home, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env)
+    try:
+        said = serve.stdout.readline() + serve.stdout.readline()
+        password = re.search(r"generated password (\S+),", said)[1]
+    finally:
+        _, err = stop_process(serve)
+    copy = cli("-vv", "copy-db", "--to", str(home / "copy.db"), cwd=home, env={"VESTI_DB": db})
+    assert copy.returncode == 0, copy.stderr
+    conn = vesti.Database(backend or db).conn()
+    kept, secret = vesti.get_meta(conn, "web_password")[0], vesti.get_meta(conn, "web_secret")[0]
+    assert kept.startswith("scrypt:") and len(secret) == 64
+    logged = err + copy.stdout + copy.stderr
+    salt, digest = kept.split(":")[-2:]
+    for never in (password, salt, digest, secret, *vesti.secrets_of(db)):
+        # A parameter cut short would still show a piece of it.
+        assert not [never[i:i + 12] for i in range(len(never) - 11) if never[i:i + 12] in logged]
+    # The statements that wrote and copied them were logged, without them.
+    kept_by_serve = [s for _, s in sql_lines(err) if s.startswith("INSERT INTO meta")]
+    assert any("VALUES ('web_password', " in s and s.endswith("; (***, ***)")
+               for s in kept_by_serve)
+    assert any("; ('web_secret', ***, '" in s for s in kept_by_serve)
+    assert any(re.search(r"; \d+ rows, the first: \('web_password', \*\*\*, '", s)
+               for _, s in sql_lines(copy.stderr))
 
 
 # Sources registry ------------------------------------------------------------
@@ -3031,10 +3113,10 @@ def desk_post(conn, source_id, k, relevance=7, interest=4, direction="linux", st
     return conn.execute(
         "INSERT INTO posts (source_id, external_id, url, title, text, classified, status, "
         "direction, relevance, interest, summary, published_at, keywords) "
-        "VALUES (?, ?, ?, ?, ?, 1, ?, ?, ?, ?, ?, ?, ?)",
+        "VALUES (?, ?, ?, ?, ?, 1, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
         (source_id, f"e{k}", f"http://x/{k}", title or f"Post {k}", text or f"Body of post {k}.",
          status, direction, relevance, interest, f"Summary {k}",
-         november(k if minute is None else minute), "linux, kernel")).lastrowid
+         november(k if minute is None else minute), "linux, kernel")).fetchone()[0]
 
 
 def card_ids(page):
@@ -3070,7 +3152,7 @@ def test_the_default_desk_hides_what_is_decided_or_not_relevant(web):
 def test_filters_show_counts_under_the_other_filters(web):
     conn = web.db.conn()
     other = conn.execute("INSERT INTO sources (slug, name, url) VALUES "
-                         "('orbit', 'Orbit news', 'http://o/')").lastrowid
+                         "('orbit', 'Orbit news', 'http://o/') RETURNING id").fetchone()[0]
     for k in range(1, 6):
         desk_post(conn, lwn(web), k, direction="linux")
     for k in range(6, 9):
@@ -6140,7 +6222,8 @@ def test_copy_db_moves_everything_to_postgresql_and_back_and_twice_changes_nothi
         assert len(card_ids(found)) == 7
     finally:
         page.close()
-    new_id = pg.execute("INSERT INTO posts (source_id, title) VALUES (1, 'after the copy')").lastrowid
+    new_id = pg.execute("INSERT INTO posts (source_id, title) VALUES (1, 'after the copy') "
+                        "RETURNING id").fetchone()[0]
     assert new_id == 8                                   # ids go on after the copied ones
     back = cli("copy-db", "--to", str(home / "back.db"), cwd=home, env={"VESTI_DB": backend})
     assert back.returncode == 0, back.stderr
@@ -6467,9 +6550,9 @@ def story_home(home, ollama_url, **settings):
 def add_copy(conn, source_slug, title, text, published):
     source = conn.execute("SELECT id FROM sources WHERE slug = ?", (source_slug,)).fetchone()[0]
     return conn.execute("""INSERT INTO posts (source_id, title, text, url, canonical_url,
-                           published_at, classified) VALUES (?, ?, ?, ?, ?, ?, 0)""",
+                           published_at, classified) VALUES (?, ?, ?, ?, ?, ?, 0) RETURNING id""",
                         (source, title, text, f"http://{source_slug}.example/{published}",
-                         f"http://{source_slug}.example/{published}", published)).lastrowid
+                         f"http://{source_slug}.example/{published}", published)).fetchone()[0]
 
 
 @both
@@ -6692,8 +6775,8 @@ def test_a_teaser_whose_article_another_feed_carries_joins_that_story(home, serv
     full = add_copy(conn, "wire", "New York from above", article, "2026-12-01 08:00:00")
     teaser = conn.execute("""INSERT INTO posts (source_id, title, text, url, content_type,
                              published_at, classified) VALUES (2, 'Drone over the city',
-                             'Drone footage from the city.', ?, 'summary', '2026-12-01 09:00:00', 0)""",
-                          (server.url + "/article",)).lastrowid
+                             'Drone footage from the city.', ?, 'summary', '2026-12-01 09:00:00', 0)
+                             RETURNING id""", (server.url + "/article",)).fetchone()[0]
     sources = home / "sources.yaml"           # the article is news of a direction
     sources.write_text(sources.read_text().replace("[rocket, orbit]", "[rocket, orbit, coronavirus]"))
     vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=1, quiet=True)
@@ -7042,7 +7125,8 @@ def test_a_key_thousands_of_posts_share_costs_a_look_up_no_more_than_a_rare_one(
     for flood in (50, 2000):
         for n in range(len(work) and 50, flood):
             copy = conn.execute("INSERT INTO posts (source_id, title, text, story_id, classified) "
-                                "VALUES (3, 'Budget', ?, ?, 1)", (f"{STORY} Flooded.", lead)).lastrowid
+                                "VALUES (3, 'Budget', ?, ?, 1) RETURNING id",
+                                (f"{STORY} Flooded.", lead)).fetchone()[0]
             conn.dialect.store_story_keys(conn, [(key, copy) for key in keys])
         post = add_copy(conn, "daily", "Budget", STORY + " Copied.", f"2026-12-01 09:{len(work)}0:00")
         entry = vesti.StoryEntry(post, "Budget", STORY + " Copied.", keys, vesti.story_since(72))

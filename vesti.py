@@ -1005,7 +1005,7 @@ CREATE INDEX IF NOT EXISTS runs_running ON runs(pid) WHERE status = 'running';
 """
 
 
-# claim_post and release_post use UPDATE … RETURNING.
+# claim_post and release_post use UPDATE … RETURNING, start_run INSERT … RETURNING.
 MIN_SQLITE = (3, 35, 0)
 
 # What SQLite says when the database, not a statement, is broken: the disk is
@@ -1078,6 +1078,62 @@ UNREACHABLE = WaitEpisode("%s: the database server cannot be reached; waiting fo
                           "%s: the database server is back after %.0f s")
 
 
+# Every statement, with how long it took, at DEBUG (-vv) on this logger:
+# each connection kind logs what it runs in one place (Connection._retrying,
+# PostgresConnection.run), which costs one isEnabledFor when it is off.
+# SQLite's time is to its first row (the rest are read as they are fetched),
+# PostgreSQL's to its last.
+SQL_LOG = logging.getLogger("vesti.sql")
+# What a statement's line shows: its text up to SHOWN_SQL characters, up to
+# SHOWN_PARAMETERS of its parameters (of executemany: how many rows, and the
+# first), each up to SHOWN_CHARS. A secret is never shown: no parameter of a
+# statement that names a secret's key itself ('web_password'), nor one named
+# like a secret (:token), nor the value that follows a key so named (a meta
+# key such as web_secret, given as a parameter), nor a kept password
+# (scrypt:…) anywhere. A database URL is no statement's parameter.
+SHOWN_SQL, SHOWN_PARAMETERS, SHOWN_CHARS = 1000, 10, 60
+SECRET_NAME = re.compile(r"\w*(?:password|secret|token)\w*", re.I)
+SECRET_KEY_IN_SQL = re.compile(r"'\w*(?:password|secret|token)\w*'", re.I)
+
+
+def log_statement(sql, parameters, started, many=False):
+    """One statement on SQL_LOG, `started` at time.perf_counter()."""
+    text = " ".join(sql.split())
+    if len(text) > SHOWN_SQL:
+        text = f"{text[:SHOWN_SQL]}… ({len(text)} characters)"
+    shown = shown_rows(sql, parameters) if many else shown_parameters(sql, parameters)
+    SQL_LOG.debug("%.2f ms: %s%s", (time.perf_counter() - started) * 1000, text,
+                  f"; {shown}" if shown else "")
+
+
+def shown_rows(sql, rows):
+    return f"{len(rows)} rows, the first: {shown_parameters(sql, rows[0])}" if rows else "no rows"
+
+
+def shown_parameters(sql, parameters):
+    """A statement's parameters as the log may show them: '(…)', or ''."""
+    if not parameters:
+        return ""
+    if isinstance(parameters, dict):
+        shown = [f":{name} {'***' if SECRET_NAME.fullmatch(name) else shown_value(value)}"
+                 for name, value in parameters.items()]
+    else:
+        shown, every, after_key = [], bool(SECRET_KEY_IN_SQL.search(sql)), False
+        for value in parameters:
+            secret = every or after_key or (isinstance(value, str) and value.startswith("scrypt:"))
+            shown.append("***" if secret else shown_value(value))
+            after_key = isinstance(value, str) and bool(SECRET_NAME.fullmatch(value))
+    more = f", … {len(shown) - SHOWN_PARAMETERS} more" if len(shown) > SHOWN_PARAMETERS else ""
+    return f"({', '.join(shown[:SHOWN_PARAMETERS])}{more})"
+
+
+def shown_value(value):
+    text = repr(value)
+    if len(text) > SHOWN_CHARS:
+        text = text[:SHOWN_CHARS] + "…"
+    return f"{text} ({len(value)} items)" if isinstance(value, (list, tuple)) else text
+
+
 class StorageCursor(sqlite3.Cursor):
     """Rows read later than the first (fetchall, iteration) can meet a
     broken page too: that is a StorageError as well."""
@@ -1124,17 +1180,23 @@ class Connection(sqlite3.Connection):
         return self._retrying(self.cursor(StorageCursor).execute, sql, parameters)
 
     def executemany(self, sql, rows):
-        # Not retried: rows written before a lock would be written twice.
-        return self._retrying(self.cursor(StorageCursor).executemany, sql, rows, retry=False)
+        return self._retrying(self.cursor(StorageCursor).executemany, sql, rows, many=True)
 
-    def _retrying(self, call, sql, parameters, retry=True):
+    def _retrying(self, call, sql, parameters, many=False):
+        """call(sql, parameters), waiting out another process's lock; not
+        retried for executemany (`many`): rows written before the lock
+        would be written twice."""
+        started = None
+        if SQL_LOG.isEnabledFor(logging.DEBUG):
+            started = time.perf_counter()
+            parameters = list(parameters) if many else parameters    # read again by the log
         waiting = False
         try:
             while True:
                 try:
                     return call(sql, parameters)
                 except sqlite3.OperationalError as e:
-                    if not is_busy(e) or not retry:
+                    if not is_busy(e) or many:
                         raise
                     if STOPPING.is_set():
                         raise StorageError(f"{self.path}: {e}; stopped waiting for it "
@@ -1148,6 +1210,8 @@ class Connection(sqlite3.Connection):
         finally:
             if waiting:
                 BUSY.leave(self.path)
+            if started is not None:
+                log_statement(sql, parameters, started, many)
 
 
 def connect(path, busy_timeout=30):
@@ -1445,17 +1509,21 @@ def scrubbed(text, url):
     return text
 
 
-# ? and :name placeholders (outside quotes and comments; a :: cast is left
-# alone) and a literal %, as psycopg wants them.
+# The one thing rewritten in a statement on its way to PostgreSQL: its
+# placeholders. Statements are written with sqlite3's ? and :name, which
+# psycopg has no paramstyle for (it takes %s and %(name)s, or the server's
+# own $1), so what is rewritten is `?` → `%s`, `:name` → `%(name)s` and
+# `%` → `%%` (psycopg would read a lone % as a placeholder); nothing else.
+# The statement is read token by token: a quoted string, a quoted name or
+# a -- comment is passed over whole (only its % doubled), and a :: cast is
+# left alone. Where the dialects' SQL differs, each says its own (see
+# PostgresDialect and the call sites that ask conn.dialect).
 PLACEHOLDERS = re.compile(r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|--[^\n]*|::|\?|:(?=[A-Za-z_])\w+|%")
-# An INSERT into a table with an id: it returns the id, for lastrowid.
-INSERT_WITH_ID = re.compile(r"\s*INSERT\s+INTO\s+(?:sources|posts|runs)\b", re.I)
 
 
 @functools.lru_cache(maxsize=4096)
-def postgres_statement(sql):
-    """SQLite's statement as psycopg takes it, and whether it returns the
-    new row's id."""
+def psycopg_placeholders(sql):
+    """`sql` with its placeholders as psycopg takes them (see PLACEHOLDERS)."""
     def swap(match):
         token = match.group(0)
         if token == "?":
@@ -1463,9 +1531,7 @@ def postgres_statement(sql):
         if token.startswith(":") and token != "::":
             return f"%({token[1:]})s"
         return token.replace("%", "%%")
-    text = PLACEHOLDERS.sub(swap, sql)
-    returns_id = bool(INSERT_WITH_ID.match(text)) and "RETURNING" not in text.upper()
-    return (f"{text} RETURNING id" if returns_id else text), returns_id
+    return PLACEHOLDERS.sub(swap, sql)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1524,13 +1590,10 @@ POSTGRES_BUSY = ("55P03", "40P01", "40001")
 
 
 class PostgresCursor:
-    """A psycopg cursor with sqlite3's lastrowid."""
+    """A psycopg cursor whose errors are the ones SQLite's give."""
 
-    def __init__(self, cursor, connection, returns_id=False):
-        self.cursor, self.connection, self.lastrowid = cursor, connection, None
-        if returns_id:
-            rows = self.fetchall()
-            self.lastrowid = rows[-1][0] if rows else None
+    def __init__(self, cursor, connection):
+        self.cursor, self.connection = cursor, connection
 
     @property
     def rowcount(self):
@@ -1548,7 +1611,7 @@ class PostgresCursor:
 
 class PostgresConnection:
     """A psycopg connection that speaks as the SQLite one does (? and :name
-    placeholders, rows by index and by name, lastrowid, in_transaction, the
+    placeholders, rows by index and by name, in_transaction, the
     DB-API errors as the sqlite3 module names them) and waits as it does:
     outside a transaction a statement waits for a server that restarts or a
     row another session holds, and runs again; inside one, the server has
@@ -1627,20 +1690,23 @@ class PostgresConnection:
         if sql in ("COMMIT", "ROLLBACK"):
             self.open_transaction = False
         if parameters is None:          # several statements, no placeholders
-            return PostgresCursor(self.run(lambda raw: raw.execute(sql)), self)
-        statement, returns_id = postgres_statement(sql)
-        cursor = self.run(lambda raw: raw.execute(statement, parameters))
-        return PostgresCursor(cursor, self, returns_id)
+            return PostgresCursor(self.run(lambda raw: raw.execute(sql), sql), self)
+        statement = psycopg_placeholders(sql)
+        cursor = self.run(lambda raw: raw.execute(statement, parameters), statement, parameters)
+        return PostgresCursor(cursor, self)
 
     def executemany(self, sql, rows):
-        statement, _ = postgres_statement(sql)
+        statement = psycopg_placeholders(sql)
         rows = list(rows)
         if rows:
-            self.run(lambda raw: raw.cursor().executemany(statement, rows))
+            self.run(lambda raw: raw.cursor().executemany(statement, rows), statement, rows,
+                     many=True)
 
-    def run(self, call):
-        """call(psycopg connection), waiting out a server that is away or a
-        lock held elsewhere when no transaction of ours is open."""
+    def run(self, call, statement, parameters=None, many=False):
+        """call(psycopg connection), which runs `statement`, waiting out a
+        server that is away or a lock held elsewhere when no transaction of
+        ours is open."""
+        started = time.perf_counter() if SQL_LOG.isEnabledFor(logging.DEBUG) else None
         episode = None
         try:
             while True:
@@ -1661,6 +1727,8 @@ class PostgresConnection:
         finally:
             if episode is not None:
                 episode.leave(self.path)
+            if started is not None:
+                log_statement(statement, parameters, started, many)
 
     def guarded(self, call):
         """call(), its psycopg errors turned into the ones SQLite's give."""
@@ -1838,14 +1906,22 @@ def migrate(conn):
 
 # PostgreSQL's schema ----------------------------------------------------------
 
-# SCHEMA's tables and indexes, said the way PostgreSQL says them.
+# SCHEMA is the one description of the tables and indexes; PostgreSQL's are
+# made from it by changing only the column definitions of its tables (no
+# name, comment, table constraint or index is touched), and in them only:
+# - a column's type: POSTGRES_TYPES (SQLite's INTEGER holds 64 bits and its
+#   REAL is a double);
+# - the definition `id INTEGER PRIMARY KEY` (SQLite's rowid): POSTGRES_ID;
+# - a default: POSTGRES_DEFAULTS (one the table does not list is kept);
+# and a table's closing `) WITHOUT ROWID` is `)`.
 POSTGRES_NOW = "to_char(timezone('UTC', now()), 'YYYY-MM-DD HH24:MI:SS')"
-POSTGRES_TYPES = ((re.compile(r"\bid INTEGER PRIMARY KEY\b"),
-                   "id BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY"),
-                  (re.compile(r"\bINTEGER\b"), "BIGINT"),
-                  (re.compile(r"\bREAL\b"), "DOUBLE PRECISION"),
-                  (re.compile(r"\(?datetime\('now'\)\)?"), f"({POSTGRES_NOW})"),
-                  (re.compile(r"\)\s*WITHOUT ROWID$"), ")"))
+POSTGRES_TYPES = {"INTEGER": "BIGINT", "REAL": "DOUBLE PRECISION", "TEXT": "TEXT"}
+POSTGRES_ID = {"id INTEGER PRIMARY KEY": "id BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY"}
+POSTGRES_DEFAULTS = {"datetime('now')": POSTGRES_NOW}
+# A line of one of SCHEMA's tables that defines a column (a DEFAULT comes last).
+COLUMN_DEFINITION = re.compile(r"(?P<indent> +)(?P<name>\w+) (?P<type>\w+)(?P<constraints>.*?)"
+                               r"(?: DEFAULT (?P<default>.+?))?(?P<comma>,?)")
+TABLE_CONSTRAINTS = ("PRIMARY", "UNIQUE", "CHECK", "FOREIGN", "CONSTRAINT")
 
 # The counting triggers of SCHEMA (posts_completed, posts_recounted,
 # posts_uncounted) as one PostgreSQL trigger function; ids given explicitly
@@ -1936,10 +2012,33 @@ FOR EACH ROW EXECUTE FUNCTION vesti_post_words()"""),
 POSTGRES_OBSOLETE = ("DROP INDEX IF EXISTS posts_search",)
 
 
-def postgres_ddl(statement):
-    for pattern, replacement in POSTGRES_TYPES:
-        statement = pattern.sub(replacement, statement)
-    return statement
+def postgres_table(statement):
+    """One of SCHEMA's CREATE TABLE statements as PostgreSQL says it (see
+    POSTGRES_TYPES)."""
+    head, *lines, end = statement.splitlines()
+    return "\n".join([head, *map(postgres_line, lines), end.removesuffix(" WITHOUT ROWID")])
+
+
+def postgres_line(line):
+    column = COLUMN_DEFINITION.fullmatch(line)
+    if column is None or column["name"] in TABLE_CONSTRAINTS:     # a comment, a PRIMARY KEY (…)
+        return line
+    definition = postgres_column(*column.group("name", "type", "constraints", "default"))
+    return f"{column['indent']}{definition}{column['comma']}"
+
+
+def postgres_column(name, kind, constraints, default):
+    """A column's definition as PostgreSQL says it (see POSTGRES_TYPES);
+    `default` as SCHEMA writes it or PRAGMA table_info gives it, or None."""
+    if default is None:
+        return POSTGRES_ID.get(f"{name} {kind}{constraints}",
+                               f"{name} {POSTGRES_TYPES[kind]}{constraints}")
+    return f"{name} {POSTGRES_TYPES[kind]}{constraints} DEFAULT {postgres_default(default)}"
+
+
+def postgres_default(default):
+    expression = default[1:-1] if default.startswith("(") else default
+    return f"({POSTGRES_DEFAULTS[expression]})" if expression in POSTGRES_DEFAULTS else default
 
 
 def postgres_schema():
@@ -1949,10 +2048,10 @@ def postgres_schema():
     objects = []
     for statement in schema_statements(fts5=False):
         if statement.startswith("CREATE TABLE"):
-            objects.append((statement.split()[5], "", postgres_ddl(statement)))
+            objects.append((statement.split()[5], "", postgres_table(statement)))
         elif statement.startswith("CREATE INDEX"):
             name = statement.split()[5]
-            objects.append((name, f"DROP INDEX IF EXISTS {name}", postgres_ddl(statement)))
+            objects.append((name, f"DROP INDEX IF EXISTS {name}", statement))
     return objects + [(name, drop, create.strip()) for name, drop, create in POSTGRES_EXTRA]
 
 
@@ -1979,8 +2078,8 @@ def migrate_postgres(conn):
             "WHERE table_schema = current_schema()")}
         for table, column, kind, default in schema_columns():
             if (table, column) not in have:
-                clause = f" DEFAULT {postgres_ddl(default)}" if default is not None else ""
-                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {postgres_ddl(kind)}{clause}")
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN "
+                             f"{postgres_column(column, kind, '', default)}")
                 fill_added(conn, table, column)
         for name, drop, create in objects:
             digest = hashlib.sha256(create.encode()).hexdigest()[:16]
@@ -2978,8 +3077,8 @@ def start_run(conn, source_id, task, trigger):
     # statement would wait in SQLite's busy handler, which sleeps and polls.
     with transaction(conn):
         return conn.execute(
-            "INSERT INTO runs (source_id, task, trigger, started_at, pid) VALUES (?, ?, ?, ?, ?)",
-            (source_id, task, trigger, utc_text(), os.getpid())).lastrowid
+            "INSERT INTO runs (source_id, task, trigger, started_at, pid) VALUES (?, ?, ?, ?, ?) "
+            "RETURNING id", (source_id, task, trigger, utc_text(), os.getpid())).fetchone()[0]
 
 
 def finish_run(conn, run_id, status, new_posts=0, error=None):
@@ -10168,8 +10267,8 @@ def build_parser():
                         help="SQLite file or postgresql:// URL (VESTI_DB, default vesti.db)")
     common.add_argument("--sources", metavar="PATH", default=argparse.SUPPRESS,
                         help="source registry (VESTI_SOURCES, default sources.yaml)")
-    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                        help="log every fetch and post")
+    common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                        help="log every fetch and post; -vv: and every SQL statement")
     parser = argparse.ArgumentParser(
         prog="vesti.py", parents=[common],
         description="VESTI: news from feeds and Telegram into one classified queue.")
@@ -10231,16 +10330,21 @@ def build_parser():
 
 
 def configure_logging(verbose):
+    """-v: what the program does (INFO); -vv: VESTI's DEBUG lines too, every
+    SQL statement among them. Other packages stay at INFO: their DEBUG lines
+    are noise here, and psycopg's name the server it connects to."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    if verbose >= 2:
+        log.setLevel(logging.DEBUG)
 
 
 def main(argv=None):
     """Run one command; returns the exit code (0 done, 2 usage or
     configuration error, 1 anything else)."""
     args = build_parser().parse_args(argv)
-    configure_logging(getattr(args, "verbose", False))
+    configure_logging(getattr(args, "verbose", 0))
     try:
         settings = load_settings(db=getattr(args, "db", None),
                                  sources=getattr(args, "sources", None))

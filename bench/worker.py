@@ -115,7 +115,8 @@ def build_queue(path, posts):
     try:
         with vesti.transaction(db.conn()) as conn:
             source_id = conn.execute("INSERT INTO sources(slug, url) VALUES "
-                                     "('bench', 'http://127.0.0.1:9/feed.xml')").lastrowid
+                                     "('bench', 'http://127.0.0.1:9/feed.xml') "
+                                     "RETURNING id").fetchone()[0]
             conn.executemany(
                 "INSERT INTO posts(source_id, title, text, url, classified) VALUES (?, ?, ?, ?, 0)",
                 ((source_id, f"Bench post {n}", post_text(n), f"http://127.0.0.1:9/post/{n}")
