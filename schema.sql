@@ -177,15 +177,64 @@ CREATE TABLE IF NOT EXISTS source_post_counts (
     n INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (source_id, status, direction, relevance)
 );
--- A worker's completion (of a claimed post, the common case) is counted by the
--- worker, a batch at a time (count_completions). Any other completion only
--- adds one to rows made ready beforehand (ready_counts): an insert in a
--- trigger costs several times an update. post_counts counts the desk's cards
--- (a story's copies are counted with its first post); source_post_counts
--- counts every post of a source.
-CREATE TRIGGER IF NOT EXISTS posts_completed AFTER UPDATE OF classified ON posts WHEN new.classified = 1 AND old.classified IS NOT 1 AND new.status = 'new' AND old.claim_token IS NULL AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n + 1 WHERE (new.story_id IS NULL OR new.story_id = new.id) AND status = 'new' AND direction = coalesce(new.direction, '') AND relevance = coalesce(new.relevance, 0); UPDATE source_post_counts SET n = n + 1 WHERE source_id = coalesce(new.source_id, 0) AND status = 'new' AND direction = coalesce(new.direction, '') AND relevance = coalesce(new.relevance, 0); END;
-CREATE TRIGGER IF NOT EXISTS posts_recounted AFTER UPDATE OF classified, status, direction, relevance, source_id, story_id ON posts WHEN (old.classified = 1 OR new.classified = 1) AND NOT (new.classified = 1 AND old.classified IS NOT 1 AND new.status = 'new') AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n - 1 WHERE old.classified = 1 AND (old.story_id IS NULL OR old.story_id = old.id) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); UPDATE source_post_counts SET n = n - 1 WHERE old.classified = 1 AND source_id = coalesce(old.source_id, 0) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); INSERT INTO post_counts (status, direction, relevance, n) SELECT new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1 WHERE new.classified = 1 AND (new.story_id IS NULL OR new.story_id = new.id) ON CONFLICT DO UPDATE SET n = n + 1; INSERT INTO source_post_counts (source_id, status, direction, relevance, n) SELECT coalesce(new.source_id, 0), new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1 WHERE new.classified = 1 ON CONFLICT DO UPDATE SET n = n + 1; END;
-CREATE TRIGGER IF NOT EXISTS posts_uncounted AFTER DELETE ON posts WHEN old.classified = 1 AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n - 1 WHERE (old.story_id IS NULL OR old.story_id = old.id) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); UPDATE source_post_counts SET n = n - 1 WHERE source_id = coalesce(old.source_id, 0) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); END;
+-- The triggers that keep them are made from one description of what they
+-- count (COUNT_EVENTS in vesti.py).
+CREATE TRIGGER IF NOT EXISTS posts_completed AFTER UPDATE OF classified ON posts
+WHEN (new.classified = 1 AND coalesce(old.classified, 0) != 1 AND new.status = 'new' AND old.claim_token IS NULL)
+    AND old.id <= (SELECT CAST(value AS BIGINT) FROM meta WHERE key = 'indexed_to')
+BEGIN
+    UPDATE post_counts SET n = n + 1
+    WHERE new.classified = 1 AND (new.story_id IS NULL OR new.story_id = new.id)
+      AND status = new.status
+      AND direction = coalesce(new.direction, '')
+      AND relevance = coalesce(new.relevance, 0);
+    UPDATE source_post_counts SET n = n + 1
+    WHERE new.classified = 1
+      AND source_id = coalesce(new.source_id, 0)
+      AND status = new.status
+      AND direction = coalesce(new.direction, '')
+      AND relevance = coalesce(new.relevance, 0);
+END;
+CREATE TRIGGER IF NOT EXISTS posts_recounted AFTER UPDATE OF classified, status, direction, relevance, source_id, story_id ON posts
+WHEN ((old.classified = 1 OR new.classified = 1) AND NOT (new.classified = 1 AND coalesce(old.classified, 0) != 1 AND new.status = 'new'))
+    AND old.id <= (SELECT CAST(value AS BIGINT) FROM meta WHERE key = 'indexed_to')
+BEGIN
+    UPDATE post_counts SET n = n - 1
+    WHERE old.classified = 1 AND (old.story_id IS NULL OR old.story_id = old.id)
+      AND status = old.status
+      AND direction = coalesce(old.direction, '')
+      AND relevance = coalesce(old.relevance, 0);
+    UPDATE source_post_counts SET n = n - 1
+    WHERE old.classified = 1
+      AND source_id = coalesce(old.source_id, 0)
+      AND status = old.status
+      AND direction = coalesce(old.direction, '')
+      AND relevance = coalesce(old.relevance, 0);
+    INSERT INTO post_counts (status, direction, relevance, n)
+    SELECT new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1
+    WHERE new.classified = 1 AND (new.story_id IS NULL OR new.story_id = new.id)
+    ON CONFLICT (status, direction, relevance) DO UPDATE SET n = post_counts.n + 1;
+    INSERT INTO source_post_counts (source_id, status, direction, relevance, n)
+    SELECT coalesce(new.source_id, 0), new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1
+    WHERE new.classified = 1
+    ON CONFLICT (source_id, status, direction, relevance) DO UPDATE SET n = source_post_counts.n + 1;
+END;
+CREATE TRIGGER IF NOT EXISTS posts_uncounted AFTER DELETE ON posts
+WHEN (old.classified = 1)
+    AND old.id <= (SELECT CAST(value AS BIGINT) FROM meta WHERE key = 'indexed_to')
+BEGIN
+    UPDATE post_counts SET n = n - 1
+    WHERE old.classified = 1 AND (old.story_id IS NULL OR old.story_id = old.id)
+      AND status = old.status
+      AND direction = coalesce(old.direction, '')
+      AND relevance = coalesce(old.relevance, 0);
+    UPDATE source_post_counts SET n = n - 1
+    WHERE old.classified = 1
+      AND source_id = coalesce(old.source_id, 0)
+      AND status = old.status
+      AND direction = coalesce(old.direction, '')
+      AND relevance = coalesce(old.relevance, 0);
+END;
 
 -- Full-text search over title and text (SQLite FTS5; where a Python build
 -- lacks it, search falls back to LIKE).

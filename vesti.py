@@ -56,6 +56,7 @@ import ssl
 import struct
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import unicodedata
@@ -792,6 +793,139 @@ def link_host(link):
 # Storage #####################################################################
 ###############################################################################
 
+# The desk's counts -----------------------------------------------------------
+
+# The desk's filters show how many posts each decision, direction and
+# relevance has (overall and per source) from count tables, so that the desk
+# answers at once at a million posts. What they count is said once, here, and
+# all that keeps them is made from it: SQLite's triggers (in SCHEMA),
+# PostgreSQL's trigger function (in POSTGRES_EXTRA), the batches that take
+# new posts in (count_posts) and the workers' completions (count_completions).
+#
+# A post is counted once it is classified (classified = 1: DONE, see the
+# queue's states) and taken in (its id up to meta 'indexed_to'; newer posts
+# are taken in by batches, see index_new_posts), in the row of its values in
+# the table's key columns. post_counts counts the desk's cards (a story's
+# copies are counted with its first post); source_post_counts every post of
+# a source.
+CountTable = collections.namedtuple("CountTable", "name key cards_only")
+COUNT_TABLES = (CountTable("post_counts", ("status", "direction", "relevance"), True),
+                CountTable("source_post_counts", ("source_id", "status", "direction", "relevance"),
+                           False))
+# A post's value in each key column: no direction, relevance or source
+# counts as '' or 0.
+COUNTED_AS = {"status": "{row}status", "direction": "coalesce({row}direction, '')",
+              "relevance": "coalesce({row}relevance, 0)",
+              "source_id": "coalesce({row}source_id, 0)"}
+# Posts up to this id are counted in post_counts and searchable in posts_fts.
+INDEXED_TO = "indexed_to"
+
+
+def card(row=""):
+    """SQL: the post is a card of the desk, in no story or its story's first
+    post. `row` names the post: 'new.', 'old.', a table and a dot, or nothing."""
+    return f"({row}story_id IS NULL OR {row}story_id = {row}id)"
+
+
+def counted(table, row=""):
+    """SQL: `table` counts the post, once it is taken in."""
+    return " AND ".join([f"{row}classified = 1", *([card(row)] if table.cards_only else [])])
+
+
+def counted_value(column, row=""):
+    """SQL: the post's value in a key column of the count tables."""
+    return COUNTED_AS[column].format(row=row)
+
+
+def taken_in(row=""):
+    """SQL: the post is taken in (NULL while no post is)."""
+    return f"{row}id <= (SELECT CAST(value AS BIGINT) FROM meta WHERE key = '{INDEXED_TO}')"
+
+
+def counting(row):
+    """SQL: what counting the post needs, as the columns of a row: its value
+    in each key column (named as the column), whether it is taken in, and
+    whether each count table counts it (named as the table)."""
+    return ", ".join([*(f"{counted_value(column, row)} AS {column}" for column in COUNTED_AS),
+                      f"({taken_in(row)}) AS taken_in",
+                      *(f"({counted(table, row)}) AS {table.name}" for table in COUNT_TABLES)])
+
+
+# What changes a count, as the triggers of both databases see it: (SQLite's
+# trigger, the change, when it counts, its steps; see count_step). A
+# completion into 'new' by a worker's claim, the common case, is counted by
+# the worker, a batch at a time (count_completions). Any other completion
+# only adds one to rows made ready beforehand (ready_counts): an insert in a
+# trigger costs several times an update.
+CountEvent = collections.namedtuple("CountEvent", "trigger change when steps")
+# A post classified into 'new' just now.
+COMPLETION = "new.classified = 1 AND coalesce(old.classified, 0) != 1 AND new.status = 'new'"
+# The columns of posts a count depends on.
+COUNTED_COLUMNS = ("classified", *COUNTED_AS, "story_id")
+COUNT_EVENTS = (
+    CountEvent("posts_completed", "UPDATE OF classified",
+               f"{COMPLETION} AND old.claim_token IS NULL", ("ready",)),
+    CountEvent("posts_recounted", f"UPDATE OF {', '.join(COUNTED_COLUMNS)}",
+               f"(old.classified = 1 OR new.classified = 1) AND NOT ({COMPLETION})",
+               ("out", "in")),
+    CountEvent("posts_uncounted", "DELETE", "old.classified = 1", ("out",)),
+)
+
+
+def count_step(table, step):
+    """SQL of a trigger's step on `table`: 'out' takes the post as it was
+    out of its row, 'in' adds it as it is to its row (made if need be),
+    'ready' adds it to its row if that row is there."""
+    columns = ", ".join(table.key)
+    if step == "in":
+        return (f"INSERT INTO {table.name} ({columns}, n)\n"
+                f"SELECT {', '.join(counted_value(column, 'new.') for column in table.key)}, 1\n"
+                f"WHERE {counted(table, 'new.')}\n"
+                f"ON CONFLICT ({columns}) DO UPDATE SET n = {table.name}.n + 1")
+    row, sign = ("old.", "-") if step == "out" else ("new.", "+")
+    return (f"UPDATE {table.name} SET n = n {sign} 1\n"
+            f"WHERE {counted(table, row)}"
+            + "".join(f"\n  AND {column} = {counted_value(column, row)}" for column in table.key))
+
+
+def count_steps(event, indent):
+    """SQL: an event's steps on every count table, one statement a line."""
+    return textwrap.indent("".join(f"{count_step(table, step)};\n" for step in event.steps
+                                   for table in COUNT_TABLES), " " * indent)
+
+
+def sqlite_count_triggers():
+    """SQLite's triggers that keep the counts, one per COUNT_EVENTS."""
+    return "".join(f"CREATE TRIGGER IF NOT EXISTS {event.trigger} AFTER {event.change} ON posts\n"
+                   f"WHEN ({event.when})\n"
+                   f"    AND {taken_in('old.')}\n"
+                   f"BEGIN\n{count_steps(event, 4)}END;\n" for event in COUNT_EVENTS)
+
+
+def postgres_count_function():
+    """PostgreSQL's trigger function that keeps the counts: COUNT_EVENTS as
+    the branches of one IF."""
+    branches = "".join(f"    ELSIF TG_OP = '{event.change.split()[0]}' AND ({event.when}) THEN\n"
+                       f"{count_steps(event, 8)}" for event in COUNT_EVENTS)
+    return (f"CREATE OR REPLACE FUNCTION vesti_count_posts() RETURNS trigger\n"
+            f"LANGUAGE plpgsql AS $$\n"
+            f"BEGIN\n"
+            f"    IF ({taken_in('old.')}) IS NOT TRUE THEN\n"
+            f"        RETURN NULL;\n"
+            f"{branches}"
+            f"    END IF;\n"
+            f"    RETURN NULL;\n"
+            f"END $$")
+
+
+def postgres_count_trigger():
+    return (f"CREATE TRIGGER posts_counts\n"
+            f"AFTER UPDATE OF {', '.join(COUNTED_COLUMNS)} OR DELETE ON posts\n"
+            f"FOR EACH ROW EXECUTE FUNCTION vesti_count_posts()")
+
+
+# Schema ----------------------------------------------------------------------
+
 SCHEMA = """\
 CREATE TABLE IF NOT EXISTS sources (
     id INTEGER PRIMARY KEY,
@@ -972,16 +1106,9 @@ CREATE TABLE IF NOT EXISTS source_post_counts (
     n INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (source_id, status, direction, relevance)
 );
--- A worker's completion (of a claimed post, the common case) is counted by the
--- worker, a batch at a time (count_completions). Any other completion only
--- adds one to rows made ready beforehand (ready_counts): an insert in a
--- trigger costs several times an update. post_counts counts the desk's cards
--- (a story's copies are counted with its first post); source_post_counts
--- counts every post of a source.
-CREATE TRIGGER IF NOT EXISTS posts_completed AFTER UPDATE OF classified ON posts WHEN new.classified = 1 AND old.classified IS NOT 1 AND new.status = 'new' AND old.claim_token IS NULL AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n + 1 WHERE (new.story_id IS NULL OR new.story_id = new.id) AND status = 'new' AND direction = coalesce(new.direction, '') AND relevance = coalesce(new.relevance, 0); UPDATE source_post_counts SET n = n + 1 WHERE source_id = coalesce(new.source_id, 0) AND status = 'new' AND direction = coalesce(new.direction, '') AND relevance = coalesce(new.relevance, 0); END;
-CREATE TRIGGER IF NOT EXISTS posts_recounted AFTER UPDATE OF classified, status, direction, relevance, source_id, story_id ON posts WHEN (old.classified = 1 OR new.classified = 1) AND NOT (new.classified = 1 AND old.classified IS NOT 1 AND new.status = 'new') AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n - 1 WHERE old.classified = 1 AND (old.story_id IS NULL OR old.story_id = old.id) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); UPDATE source_post_counts SET n = n - 1 WHERE old.classified = 1 AND source_id = coalesce(old.source_id, 0) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); INSERT INTO post_counts (status, direction, relevance, n) SELECT new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1 WHERE new.classified = 1 AND (new.story_id IS NULL OR new.story_id = new.id) ON CONFLICT DO UPDATE SET n = n + 1; INSERT INTO source_post_counts (source_id, status, direction, relevance, n) SELECT coalesce(new.source_id, 0), new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1 WHERE new.classified = 1 ON CONFLICT DO UPDATE SET n = n + 1; END;
-CREATE TRIGGER IF NOT EXISTS posts_uncounted AFTER DELETE ON posts WHEN old.classified = 1 AND old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN UPDATE post_counts SET n = n - 1 WHERE (old.story_id IS NULL OR old.story_id = old.id) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); UPDATE source_post_counts SET n = n - 1 WHERE source_id = coalesce(old.source_id, 0) AND status = old.status AND direction = coalesce(old.direction, '') AND relevance = coalesce(old.relevance, 0); END;
-
+-- The triggers that keep them are made from one description of what they
+-- count (COUNT_EVENTS in vesti.py).
+""" + sqlite_count_triggers() + """
 -- Full-text search over title and text (SQLite FTS5; where a Python build
 -- lacks it, search falls back to LIKE).
 CREATE VIRTUAL TABLE IF NOT EXISTS posts_fts USING fts5(title, text, content='posts', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
@@ -1805,13 +1932,25 @@ def schema_statements(fts5=FTS5):
     tables, then indexes, then triggers. Without FTS5 the search table and
     its triggers are left out."""
     statements = ["\n".join(line for line in chunk.splitlines() if not line.startswith("--")).strip()
-                  for chunk in SCHEMA.split(";\n")]
+                  for chunk in sql_statements(SCHEMA)]
     statements = [s for s in statements if s and (fts5 or "posts_fts" not in s)]
 
     def kind(statement):
         return ("CREATE TABLE", "CREATE VIRTUAL", "CREATE INDEX", "CREATE TRIGGER").index(
             " ".join(statement.split()[:2]))
     return sorted(statements, key=kind)
+
+
+def sql_statements(script):
+    """The statements of an SQL script, each without its ';' (a trigger's
+    body holds statements of its own: SQLite tells where one ends)."""
+    statements, lines = [], []
+    for line in script.splitlines():
+        lines.append(line)
+        if line.endswith(";") and sqlite3.complete_statement("\n".join(lines)):
+            statements.append("\n".join(lines)[:-1])
+            lines = []
+    return statements
 
 
 @functools.lru_cache(maxsize=None)
@@ -1892,7 +2031,8 @@ def migrate(conn):
             kind, name = statement.split()[1], statement.split()[5]
             if name in existing and existing[name] != statement.replace(" IF NOT EXISTS", "", 1):
                 conn.execute(f"DROP {kind} {name}")
-                recount |= "_counts " in statement     # counted by another rule until now
+                # A count trigger replaced may have counted by another rule until now.
+                recount |= name in {event.trigger for event in COUNT_EVENTS}
             conn.execute(statement)
         if "post_counts" not in existing or (FTS5 and "posts_fts" not in existing):
             reindex_posts(conn)
@@ -1923,59 +2063,13 @@ COLUMN_DEFINITION = re.compile(r"(?P<indent> +)(?P<name>\w+) (?P<type>\w+)(?P<co
                                r"(?: DEFAULT (?P<default>.+?))?(?P<comma>,?)")
 TABLE_CONSTRAINTS = ("PRIMARY", "UNIQUE", "CHECK", "FOREIGN", "CONSTRAINT")
 
-# The counting triggers of SCHEMA (posts_completed, posts_recounted,
-# posts_uncounted) as one PostgreSQL trigger function; ids given explicitly
-# (a copy, a test) move the id sequences past them, as SQLite's next id
-# follows the largest; and the search index (FTS5's part): (name, how to
-# drop it, how to create it).
+# The desk's counts, kept by one trigger function (see COUNT_EVENTS); ids
+# given explicitly (a copy, a test) move the id sequences past them, as
+# SQLite's next id follows the largest; and the search index (FTS5's part):
+# (name, how to drop it, how to create it).
 POSTGRES_EXTRA = (
-    ("vesti_count_posts", "", """
-CREATE OR REPLACE FUNCTION vesti_count_posts() RETURNS trigger LANGUAGE plpgsql AS $$
-DECLARE
-    mark BIGINT := (SELECT CAST(value AS BIGINT) FROM meta WHERE key = 'indexed_to');
-BEGIN
-    IF mark IS NULL OR old.id > mark THEN
-        RETURN NULL;
-    END IF;
-    IF TG_OP = 'UPDATE' AND new.classified = 1 AND old.classified IS DISTINCT FROM 1
-            AND new.status = 'new' THEN
-        IF old.claim_token IS NOT NULL THEN
-            RETURN NULL;            -- a worker's: counted by count_completions
-        END IF;
-        UPDATE post_counts SET n = n + 1 WHERE (new.story_id IS NULL OR new.story_id = new.id)
-            AND status = 'new' AND direction = coalesce(new.direction, '')
-            AND relevance = coalesce(new.relevance, 0);
-        UPDATE source_post_counts SET n = n + 1 WHERE source_id = coalesce(new.source_id, 0)
-            AND status = 'new' AND direction = coalesce(new.direction, '')
-            AND relevance = coalesce(new.relevance, 0);
-        RETURN NULL;
-    END IF;
-    IF old.classified = 1 THEN
-        UPDATE post_counts SET n = n - 1 WHERE (old.story_id IS NULL OR old.story_id = old.id)
-            AND status = old.status AND direction = coalesce(old.direction, '')
-            AND relevance = coalesce(old.relevance, 0);
-        UPDATE source_post_counts SET n = n - 1 WHERE source_id = coalesce(old.source_id, 0)
-            AND status = old.status AND direction = coalesce(old.direction, '')
-            AND relevance = coalesce(old.relevance, 0);
-    END IF;
-    IF TG_OP = 'UPDATE' AND new.classified = 1 THEN
-        IF new.story_id IS NULL OR new.story_id = new.id THEN
-            INSERT INTO post_counts (status, direction, relevance, n)
-                VALUES (new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1)
-                ON CONFLICT (status, direction, relevance) DO UPDATE SET n = post_counts.n + 1;
-        END IF;
-        INSERT INTO source_post_counts (source_id, status, direction, relevance, n)
-            VALUES (coalesce(new.source_id, 0), new.status, coalesce(new.direction, ''),
-                    coalesce(new.relevance, 0), 1)
-            ON CONFLICT (source_id, status, direction, relevance)
-            DO UPDATE SET n = source_post_counts.n + 1;
-    END IF;
-    RETURN NULL;
-END $$"""),
-    ("posts_counts", "DROP TRIGGER IF EXISTS posts_counts ON posts", """
-CREATE TRIGGER posts_counts
-AFTER UPDATE OF classified, status, direction, relevance, source_id, story_id OR DELETE ON posts
-FOR EACH ROW EXECUTE FUNCTION vesti_count_posts()"""),
+    ("vesti_count_posts", "", postgres_count_function()),
+    ("posts_counts", "DROP TRIGGER IF EXISTS posts_counts ON posts", postgres_count_trigger()),
     *((f"{table}_ids_ahead", f"DROP TRIGGER IF EXISTS {table}_ids_ahead ON {table}", f"""
 CREATE OR REPLACE FUNCTION vesti_{table}_ids_ahead() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
@@ -2096,15 +2190,11 @@ def migrate_postgres(conn):
         set_meta(conn, "pg_schema", version)
 
 
-# Posts up to this id are counted in post_counts and searchable in posts_fts.
-INDEXED_TO = "indexed_to"
-
-
 def reindex_posts(conn):
     """Count and index every post again (a database from before the count
     tables or the search index)."""
     for table in COUNT_TABLES:
-        conn.execute(f"UPDATE {table} SET n = 0")
+        conn.execute(f"UPDATE {table.name} SET n = 0")
     conn.dialect.clear_search(conn)
     conn.executemany("INSERT INTO post_counts (status, direction, relevance, n) "
                      "VALUES ('new', '', ?, 0) ON CONFLICT DO NOTHING", [(r,) for r in RELEVANCES])
@@ -2144,21 +2234,16 @@ def settle_index_mark(conn, mark=None, top=None):
     return mark
 
 
-# Each count table: its key columns before the post's, and which posts it counts.
-COUNT_TABLES = {"post_counts": ("", "AND (story_id IS NULL OR story_id = id)"),
-                "source_post_counts": ("source_id", "")}
-
-
 def count_posts(conn, after, last):
-    """Add the classified posts with ids after..last to the count tables."""
-    for table, (key, counted) in COUNT_TABLES.items():
-        columns = f"{'coalesce(source_id, 0), ' if key else ''}status, " \
-                  f"coalesce(direction, ''), coalesce(relevance, 0)"
-        target = f"{key + ', ' if key else ''}status, direction, relevance"
-        conn.execute(f"""INSERT INTO {table} SELECT {columns}, count(*) FROM posts
-                         WHERE id > ? AND id <= ? AND classified = {DONE} {counted}
-                         GROUP BY {columns}
-                         ON CONFLICT ({target}) DO UPDATE SET n = {table}.n + excluded.n""",
+    """Add the counted posts with ids after..last to the count tables."""
+    for table in COUNT_TABLES:
+        columns = ", ".join(table.key)
+        values = ", ".join(counted_value(column) for column in table.key)
+        conn.execute(f"""INSERT INTO {table.name} ({columns}, n)
+                         SELECT {values}, count(*) FROM posts
+                         WHERE id > ? AND id <= ? AND {counted(table)}
+                         GROUP BY {values}
+                         ON CONFLICT ({columns}) DO UPDATE SET n = {table.name}.n + excluded.n""",
                      (after, last))
 
 
@@ -2173,7 +2258,7 @@ def recount_posts(conn):
 
 def count_again(conn):
     for table in COUNT_TABLES:
-        conn.execute(f"UPDATE {table} SET n = 0")
+        conn.execute(f"UPDATE {table.name} SET n = 0")
     count_posts(conn, 0, int(get_meta(conn, INDEXED_TO)[0] or 0))
 
 
@@ -2742,11 +2827,9 @@ def claimed_under(conn, token):
                   key=lambda post: post["id"])
 
 
-# What complete_post returns of a post: what the counts need of it (and the
-# counted posts' mark, see count_completions).
-COMPLETED = f"""posts.id, posts.status, posts.direction, posts.relevance, posts.source_id,
-                posts.story_id,
-                (SELECT CAST(value AS INTEGER) FROM meta WHERE key = '{INDEXED_TO}') AS mark"""
+# What complete_post returns of a post: what counting it needs (see
+# count_completions).
+COMPLETED = f"posts.id, {counting('posts.')}"
 
 
 def complete_post(conn, post_id, token, verdict):
@@ -2804,25 +2887,22 @@ def complete_posts(conn, completions):
 
 
 def count_completions(conn, completed):
-    """Count what a batch completed, at the end of its transaction: each
-    count row once, in one order, held for the moment before the commit
-    (SCHEMA's completion trigger leaves a worker's completions, the claimed
-    ones, to this). Posts above the mark are counted later, in batches."""
-    cards, by_source = collections.Counter(), collections.Counter()
+    """Count what a batch completed into 'new' (the triggers leave the
+    claimed ones to this, see COUNT_EVENTS), at the end of its transaction:
+    each count row once, in one order, held for the moment before the
+    commit. Posts not taken in yet are counted later, in batches."""
+    counts = {table: collections.Counter() for table in COUNT_TABLES}
     for row in completed:
-        if row is None or row["id"] > (row["mark"] or 0) or row["status"] != "new":
+        if row is None or not row["taken_in"] or row["status"] != "new":
             continue
-        key = (row["direction"] or "", row["relevance"] or 0)
-        if row["story_id"] is None or row["story_id"] == row["id"]:
-            cards[key] += 1
-        by_source[(row["source_id"] or 0, *key)] += 1
-    insert_rows(conn, "post_counts (status, direction, relevance, n)",
-                [("new", *key, n) for key, n in sorted(cards.items())],
-                "ON CONFLICT (status, direction, relevance) DO UPDATE SET n = post_counts.n + excluded.n")
-    insert_rows(conn, "source_post_counts (source_id, status, direction, relevance, n)",
-                [(source, "new", *key, n) for (source, *key), n in sorted(by_source.items())],
-                "ON CONFLICT (source_id, status, direction, relevance) "
-                "DO UPDATE SET n = source_post_counts.n + excluded.n")
+        for table in COUNT_TABLES:
+            if row[table.name]:
+                counts[table][tuple(row[column] for column in table.key)] += 1
+    for table, rows in counts.items():
+        columns = ", ".join(table.key)
+        insert_rows(conn, f"{table.name} ({columns}, n)",
+                    [(*key, n) for key, n in sorted(rows.items())],
+                    f"ON CONFLICT ({columns}) DO UPDATE SET n = {table.name}.n + excluded.n")
 
 
 # The claim tokens of complete_and_claim calls under way in this process: one
@@ -3703,7 +3783,7 @@ def titled_posts(conn, post_ids):
 
 
 # A story is shown once, as its first post (a source's own list shows all).
-ONE_CARD_PER_STORY = "(p.story_id IS NULL OR p.story_id = p.id)"
+ONE_CARD_PER_STORY = card("p.")
 
 
 def decided_posts(conn, status="approved", direction=None, limit=None, since=None):
