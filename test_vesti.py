@@ -389,6 +389,52 @@ def test_a_bad_setting_stops_the_command_with_one_line_and_exit_2(tmp_path, name
     assert "Traceback" not in result.stderr
 
 
+# Process-wide state ----------------------------------------------------------
+
+class LingeringSet(set):
+    """A set whose answer about one token lingers after the look-up, so that
+    threads looking it up at once all look before any of them can add it."""
+
+    def __init__(self, lingering):
+        super().__init__()
+        self.lingering = lingering
+
+    def __contains__(self, token):
+        found = super().__contains__(token)
+        if token == self.lingering:
+            time.sleep(0.05)
+        return found
+
+
+def test_a_turn_begun_by_threads_at_once_is_new_to_one_and_every_turn_ends(monkeypatch):
+    """complete_and_claim tells a turn done again from a new one by its
+    claim token: no thread may lose another's token or take it for its own."""
+    monkeypatch.setattr(vesti, "TURNS_BEGUN", LingeringSet("shared"))
+    threads = 4
+    start, results = threading.Barrier(threads), [None] * threads
+
+    def turns(k):
+        start.wait()
+        new_to_me = not vesti.begin_turn("shared")
+        again = []
+        for n in range(50):
+            again.append(vesti.begin_turn(f"{k}-{n}"))
+            again.append(vesti.begin_turn(f"{k}-{n}"))      # done again before it ended
+            vesti.end_turn(f"{k}-{n}")
+        results[k] = new_to_me, again
+    running = [threading.Thread(target=turns, args=(k,)) for k in range(threads)]
+    for thread in running:
+        thread.start()
+    for thread in running:
+        thread.join()
+    assert None not in results
+    assert sum(new_to_me for new_to_me, _ in results) == 1
+    assert all(again == [False, True] * 50 for _, again in results)
+    assert vesti.TURNS_BEGUN == {"shared"}
+    vesti.end_turn("shared")
+    assert not vesti.TURNS_BEGUN
+
+
 # Storage ---------------------------------------------------------------------
 
 def test_schema_sql_is_what_vesti_applies():

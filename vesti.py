@@ -439,6 +439,94 @@ class MissingPackage(VestiError):
 
 
 ###############################################################################
+# Process-wide state ##########################################################
+###############################################################################
+
+# What the threads of one process share, all of it here. Settings are not
+# among it: they are one object passed down. What is left is what there is
+# one of per process: its stop, its locks, what it says once, and what each
+# of its threads keeps open.
+
+# A missing optional package is warned about once per process, not once per
+# thread or post (warn_once).
+_warned = set()
+_warned_lock = threading.Lock()
+
+# Set when the process is told to stop: a locked database is then no longer
+# waited for (the work is being put down anyway).
+STOPPING = threading.Event()
+
+
+class WaitEpisode:
+    """One warning while the database cannot be used for a while (locked
+    past the busy timeout by a backup or a long manual UPDATE; a database
+    server restarting), however many threads wait; a note when it is back.
+    Threads that find out later (each connection learns of a restart on its
+    next statement) belong to the same episode for EPISODE_GAP seconds."""
+    EPISODE_GAP = 60
+
+    def __init__(self, waiting, back):
+        self.messages = waiting, back
+        self.lock = threading.Lock()
+        self.waiting = 0
+        self.since = self.ended = None
+
+    def enter(self, path):
+        with self.lock:
+            self.waiting += 1
+            if self.since is None:
+                self.since = time.monotonic()
+                if self.ended is None or self.since - self.ended > self.EPISODE_GAP:
+                    log.warning(self.messages[0], path)
+
+    def leave(self, path):
+        with self.lock:
+            self.waiting -= 1
+            if self.waiting == 0 and self.since is not None:
+                self.ended = time.monotonic()
+                if self.ended - self.since > 1:
+                    log.info(self.messages[1], path, self.ended - self.since)
+                self.since = None
+
+
+BUSY = WaitEpisode("%s: the database is locked by another process; waiting for it "
+                   "(nothing is lost meanwhile)", "%s: the database is free again after %.0f s")
+UNREACHABLE = WaitEpisode("%s: the database server cannot be reached; waiting for it "
+                          "(nothing is lost meanwhile)",
+                          "%s: the database server is back after %.0f s")
+
+
+# One lock per database file for the threads of this process: they queue for
+# the write lock here, woken the moment it is free, instead of in SQLite,
+# whose busy handler sleeps and polls.
+WRITE_LOCKS = {}
+_write_locks_lock = threading.Lock()
+
+# Claim tokens are told apart within the process by this counter (claim_token).
+_claims = itertools.count()
+
+# The claim tokens of complete_and_claim calls under way in this process: one
+# seen again is being done again (see redoable); its threads begin and end
+# them side by side (begin_turn, end_turn).
+TURNS_BEGUN = set()
+_turns_lock = threading.Lock()
+
+# One TLS context for every HTTPS fetch of the process: making one loads the
+# system's certificates (tls_context).
+_tls = None
+
+# Each thread keeps its connection to Ollama open from one question to the
+# next, as Ollama keeps it open: no connection set-up (or TLS handshake) per post.
+_ollama_lines = threading.local()
+
+# trafilatura shares parsing state between calls: two extractions at once in
+# one process now and then end it with SIGSEGV or SIGABRT (adbar/trafilatura
+# issues 840 and 925). Extraction holds the GIL nearly all along anyway, so
+# one at a time costs the workers next to nothing; the fetches stay parallel.
+EXTRACTING = threading.Lock()
+
+
+###############################################################################
 # Small helpers ###############################################################
 ###############################################################################
 
@@ -490,10 +578,6 @@ def content_digest(title, text):
 def shorten(text, limit):
     text = text or ""
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-_warned = set()
-_warned_lock = threading.Lock()
 
 
 def warn_once(key, message, *args):
@@ -1144,11 +1228,6 @@ STORAGE_MESSAGES = ("database or disk is full", "disk i/o error", "disk image is
                     "file is not a database", "readonly database",
                     "unable to open database file", "out of memory")
 
-# Set when the process is told to stop: a locked database is then no longer
-# waited for (the work is being put down anyway).
-STOPPING = threading.Event()
-
-
 def is_busy(error):
     """True for 'database is locked': another connection holds the lock."""
     name = getattr(error, "sqlite_errorname", None) or ""
@@ -1164,45 +1243,6 @@ def storage_error(error, path):
         return StorageError(f"{path}: {message} (a storage problem: check the disk "
                             f"and the file; no source was blamed for it)")
     return None
-
-
-class WaitEpisode:
-    """One warning while the database cannot be used for a while (locked
-    past the busy timeout by a backup or a long manual UPDATE; a database
-    server restarting), however many threads wait; a note when it is back.
-    Threads that find out later (each connection learns of a restart on its
-    next statement) belong to the same episode for EPISODE_GAP seconds."""
-    EPISODE_GAP = 60
-
-    def __init__(self, waiting, back):
-        self.messages = waiting, back
-        self.lock = threading.Lock()
-        self.waiting = 0
-        self.since = self.ended = None
-
-    def enter(self, path):
-        with self.lock:
-            self.waiting += 1
-            if self.since is None:
-                self.since = time.monotonic()
-                if self.ended is None or self.since - self.ended > self.EPISODE_GAP:
-                    log.warning(self.messages[0], path)
-
-    def leave(self, path):
-        with self.lock:
-            self.waiting -= 1
-            if self.waiting == 0 and self.since is not None:
-                self.ended = time.monotonic()
-                if self.ended - self.since > 1:
-                    log.info(self.messages[1], path, self.ended - self.since)
-                self.since = None
-
-
-BUSY = WaitEpisode("%s: the database is locked by another process; waiting for it "
-                   "(nothing is lost meanwhile)", "%s: the database is free again after %.0f s")
-UNREACHABLE = WaitEpisode("%s: the database server cannot be reached; waiting for it "
-                          "(nothing is lost meanwhile)",
-                          "%s: the database server is back after %.0f s")
 
 
 # Every statement, with how long it took, at DEBUG (-vv) on this logger:
@@ -1355,13 +1395,6 @@ def connect(path, busy_timeout=30):
     conn.execute("PRAGMA synchronous = NORMAL")
     conn.execute("PRAGMA foreign_keys = ON")
     return conn
-
-
-# One lock per database file for the threads of this process: they queue for
-# the write lock here, woken the moment it is free, instead of in SQLite,
-# whose busy handler sleeps and polls.
-WRITE_LOCKS = {}
-_write_locks_lock = threading.Lock()
 
 
 def write_lock(path):
@@ -2755,9 +2788,6 @@ def waiting_count(conn, cap):
                                       LIMIT ?) AS c)""", (cap, cap)).fetchone()[0]
 
 
-_claims = itertools.count()
-
-
 def claim_token():
     """Unique to this claim: the process, the thread and a counter."""
     return f"{os.getpid()}-{threading.get_ident()}-{next(_claims)}"
@@ -2905,9 +2935,18 @@ def count_completions(conn, completed):
                     f"ON CONFLICT ({columns}) DO UPDATE SET n = {table.name}.n + excluded.n")
 
 
-# The claim tokens of complete_and_claim calls under way in this process: one
-# seen again is being done again (see redoable).
-TURNS_BEGUN = set()
+def begin_turn(token):
+    """Mark a complete_and_claim under this claim token as under way; True
+    when one was already (it is being done again, see redoable)."""
+    with _turns_lock:
+        redone = token in TURNS_BEGUN
+        TURNS_BEGUN.add(token)
+    return redone
+
+
+def end_turn(token):
+    with _turns_lock:
+        TURNS_BEGUN.discard(token)
 
 
 @redoable
@@ -2925,8 +2964,7 @@ def complete_and_claim(conn, completions, claims, now=None, token=None, choose=N
     safe to do again (see redoable): when the server committed but the
     answer was lost, the posts it claimed are taken again."""
     token = token or claim_token()
-    redone = token in TURNS_BEGUN
-    TURNS_BEGUN.add(token)
+    redone = begin_turn(token)
     stories = any(verdict.story_entry is not None for _, verdict in completions)
     if stories and conn.dialect.shared_writes:
         # Stories one at a time, in a short transaction of their own: the
@@ -2952,7 +2990,7 @@ def complete_and_claim(conn, completions, claims, now=None, token=None, choose=N
         if counts:
             upsert_counts(conn, counts)
         count_completions(conn, written)
-    TURNS_BEGUN.discard(token)
+    end_turn(token)
     return written, posts
 
 
@@ -4326,9 +4364,6 @@ def connect_to(host, port, policy, timeout):
             f"({refused[0]}); set VESTI_ALLOW_PRIVATE_NETWORKS=1 to allow links and redirects "
             f"there")
     raise FetchError(describe_error(failure or OSError("no address")))
-
-
-_tls = None
 
 
 def tls_context():
@@ -5987,11 +6022,6 @@ def ollama_request(title, text, directions, settings):
                 {"role": "user", "content": f"{title}\n\n{shorten(text, 6000)}".strip()}]}
 
 
-# Each thread keeps its connection to Ollama open from one question to the
-# next, as Ollama keeps it open: no connection set-up (or TLS handshake) per post.
-_ollama_lines = threading.local()
-
-
 def ollama_connection(parts, timeout, fresh=False):
     """(this thread's connection to the server of `parts`, whether it
     carried a question before)."""
@@ -6098,13 +6128,6 @@ def classify_text(text, directions, settings, title="", keywords=None, matches=N
     verdict = ask_ollama(title, text, directions, settings)
     return dataclasses.replace(verdict, keywords=matched_keywords(matches),
                                llm_seconds=time.monotonic() - started)
-
-
-# trafilatura shares parsing state between calls: two extractions at once in
-# one process now and then end it with SIGSEGV or SIGABRT (adbar/trafilatura
-# issues 840 and 925). Extraction holds the GIL nearly all along anyway, so
-# one at a time costs the workers next to nothing; the fetches stay parallel.
-EXTRACTING = threading.Lock()
 
 
 def extract_article(html_bytes, url):
