@@ -1,9 +1,84 @@
 #!/usr/bin/env python3
 """VESTI: a self-hosted news intake.
 
-Collects RSS/Atom feeds and Telegram channels into one SQLite queue (phase 1),
-classifies the queue in parallel with keywords and a local LLM (phase 3), and
-shows the health of every source and the size of the queue on a web page.
+Collects RSS/Atom feeds and Telegram channels into one queue (SQLite, or
+PostgreSQL for workers on several machines), classifies it in parallel with
+keywords and a local LLM through Ollama, groups the copies of one story, and
+gives editors a desk to pick from. Nothing is published without a person's
+approval.
+
+Sections, each building on the ones above it (the names are where to
+start reading):
+
+  Errors: what the user got wrong and what failed, then the signals that steer
+      the flow.
+      VestiError, ConfigError, StorageError; SourceDeferred, StoryPending,
+      EarlyReply
+  Settings: the environment, .env and flags, read once into one frozen object.
+      SETTINGS (every setting, its default and check), Settings, load_settings
+  Processes: what the threads of one process share, stopping, progress.
+      STOPPING, WRITE_LOCKS, begin_turn, warn_once, run_until_stopped,
+      Progress
+  Text, time and URLs: words, hashes, dates and the canonical form of a link.
+      normalize_text, text_sha256, words_sha256, canonical_url, channel_name,
+      fresh_for
+  Connections: SQLite and PostgreSQL connections, transactions, the two
+      dialects.
+      connect, Connection, transaction, redoable, SQLiteDialect,
+      PostgresDialect, psycopg_placeholders
+  Facts and counters: facts between processes (meta) and the counters behind
+      /metrics.
+      get_meta, set_meta, classification_state, upsert_counts, counters
+  Schema and migrations: the desk's counts, the tables, their upgrades, the
+      search index, opening a database.
+      COUNT_TABLES, COUNT_EVENTS, SCHEMA, migrate, postgres_schema,
+      migrate_postgres, Database
+  Stories: the same news in other words: keys, look-ups, leads, a story's
+      verdict for its copies, the key helper.
+      story_keys, same_story, adds_to, join_story, enter_stories,
+      settle_stories, story_verdict, lead_now, KeyHelper, story_copies
+  Queue: posts in, claims, verdicts out: the queue's states and transitions.
+      PENDING/PROCESSING/DONE/FAILED, store_posts, claim_posts,
+      complete_and_claim, release_post, expire_leases, wake_story_copies
+  Records: runs, health, feed and channel state, Telegram edits.
+      start_run, record_success, record_failure, note_rhythm, save_rss_state,
+      update_edited_post, reword_post
+  Decisions and reads: the editor's decisions, what pages and commands read,
+      copying a database.
+      set_decisions, wording, decided_posts, source_health, copy_database
+  Sources: sources.yaml: directions, sources, checks, syncing them into the
+      database.
+      read_yaml, load_registry, sync_sources, select_sources
+  Fetching: HTTP GET with deadlines, redirects, the network policy, pace per
+      host.
+      http_get, fetch_once, HostGate, Policy, connect_to, read_body
+  RSS: reading feeds (feedparser and a plain reader) and crawling them.
+      parse_feed, read_plain_feed, fetch_feed, crawl_feed, crawl_rss
+  Telegram: reading channels through Telethon and crawling them.
+      telegram_client, message_draft, ChannelReader, crawl_channel,
+      crawl_telegram, telegram_login
+  Crawling: every source of a selection crawled once.
+      crawl_everything
+  Classification: keywords, Ollama's answers, articles' full text.
+      KeywordIndex, keyword_verdict, ask_ollama, parse_verdict, classify_text,
+      fetch_full_text
+  Worker: the pool of workers: what to classify how, claims, completions.
+      ClassifyStep, Classifier, WorkerPool, Worker, run_workers
+  Web pages: the pages' words, the crawlers page and the editor's desk.
+      STRINGS, Page, esc, crawlers_page, DeskQuery, desk_posts, card_html,
+      desk_page
+  Exports and metrics: Atom, JSON Feed, CSV and /metrics.
+      atom_feed, json_feed, csv_export, metrics_text
+  Web server: passwords, the routes, and the server that reads requests and
+      answers them.
+      password_matches, WrongPasswords, WebApp (the routes), WebServer,
+      make_web_server
+  Scheduler: run: crawls on their schedule beside the workers and the page.
+      Scheduler, next_slot
+  OPML and discovery: importing and exporting OPML, finding a site's feeds.
+      read_opml, import_opml, opml_document, discover_feeds
+  Command line: the commands, their arguments, main().
+      build_parser, main, cmd_run, cmd_worker, cmd_status
 """
 
 __version__ = "0.1.0"
@@ -70,8 +145,145 @@ log = logging.getLogger("vesti")
 
 
 ###############################################################################
+# Errors ######################################################################
+###############################################################################
+# What the user got wrong and what failed, then the signals that steer the flow.
+
+class VestiError(Exception):
+    """Base of every error VESTI raises on purpose."""
+
+
+class ConfigError(VestiError):
+    """The user's configuration is wrong: one line, exit code 2."""
+
+
+class FetchError(VestiError):
+    """An HTTP fetch failed; the message is what the source page shows."""
+
+
+class SourceGone(FetchError):
+    """410 Gone: the source is dead at once."""
+
+
+class RefusedDestination(FetchError):
+    """A link or redirect the network policy does not allow (scheme or address)."""
+
+
+class FeedError(VestiError):
+    """A body that is not a usable feed."""
+
+
+class ClassifyError(VestiError):
+    """Classification of one post failed."""
+
+
+class OllamaUnreachable(ClassifyError):
+    """No connection to Ollama at all (as opposed to a bad answer)."""
+
+
+class TelegramSetupError(VestiError):
+    """Telegram cannot be used at all: credentials, session or package missing."""
+
+
+class TelegramFlood(VestiError):
+    """A FloodWait longer than FLOOD_WAIT_MAX: the account must wait."""
+
+    def __init__(self, seconds):
+        super().__init__(f"Telegram FloodWait of {seconds} s")
+        self.seconds = seconds
+
+
+class TelegramDisconnected(VestiError):
+    """The connection to Telegram is gone and did not come back."""
+
+
+class StorageError(VestiError):
+    """The database cannot be used (disk full, a corrupt file, an I/O error):
+    not a source's fault; the command ends with exit code 1."""
+
+
+class MissingPackage(VestiError):
+    """An optional package a feature needs is not installed."""
+
+    def __init__(self, package, feature):
+        super().__init__(f"{feature} needs the '{package}' package: pip install {package}")
+
+
+# Signals: exceptions that steer the flow (a wait, an early answer, a
+# post put back), caught where they are expected, never shown as failures.
+
+class SourceDeferred(FetchError):
+    """429/503 with Retry-After: try again later, not counted as an error."""
+
+    def __init__(self, message, seconds):
+        super().__init__(message)
+        self.seconds = seconds
+
+
+class HostBusy(FetchError):
+    """The host is busy with another request for longer than one request may take."""
+
+
+class DeadlinePassed(TimeoutError):
+    """The whole-request deadline passed while reading."""
+
+
+class StoryPending(VestiError):
+    """The post's story has no verdict yet: the post waits for it."""
+
+    def __init__(self, story):
+        super().__init__(f"waiting for the verdict of its story (post {story})")
+        self.story = story
+
+
+class NotAsked(VestiError):
+    """A question waiting in line behind one that could not reach Ollama
+    is not asked: its post goes back to the queue, its attempt uncounted."""
+
+
+class HelperGone(VestiError):
+    """The helper process that works out story keys has stopped: the worker
+    works them out itself from then on."""
+
+
+class TransactionUndone(VestiError):
+    """The database server undid a transaction midway: it restarted, or a
+    row stayed locked by another session past the busy timeout. The work is
+    done again once the server can take it (see `redoable`); `episode` is
+    the wait it belongs to."""
+
+    def __init__(self, message, episode):
+        super().__init__(message)
+        self.episode = episode
+
+
+class Reworded(VestiError):
+    """A decision names words its post no longer has: the post was edited
+    after the page that showed them was loaded (see wording)."""
+
+    def __init__(self, post_id):
+        super().__init__(f"post {post_id} changed since the decision's page was loaded")
+        self.post_id = post_id
+
+
+class EarlyReply(Exception):
+    """A web handler's early answer (an error status, a redirect): raised by
+    abort() and turned into the reply, so a handler never replies and then
+    returns a signal to its caller."""
+
+    def __init__(self, status, text, headers=None):
+        super().__init__(f"HTTP {status}: {text}")
+        self.status, self.text, self.headers = status, text, headers
+
+
+class NotPlain(Exception):
+    """The fast path declines a feed: feedparser reads it."""
+
+
+###############################################################################
 # Settings ####################################################################
 ###############################################################################
+# The environment, .env and flags, read once into one frozen object.
 
 DEFAULT_USER_AGENT = f"VESTI/{__version__} (self-hosted news intake)"
 
@@ -311,136 +523,9 @@ def load_settings(environ=None, env_file=".env", **overrides):
 
 
 ###############################################################################
-# Errors ######################################################################
+# Processes ###################################################################
 ###############################################################################
-
-class VestiError(Exception):
-    """Base of every error VESTI raises on purpose."""
-
-
-class ConfigError(VestiError):
-    """The user's configuration is wrong: one line, exit code 2."""
-
-
-class FetchError(VestiError):
-    """An HTTP fetch failed; the message is what the source page shows."""
-
-
-class SourceGone(FetchError):
-    """410 Gone: the source is dead at once."""
-
-
-class SourceDeferred(FetchError):
-    """429/503 with Retry-After: try again later, not counted as an error."""
-
-    def __init__(self, message, seconds):
-        super().__init__(message)
-        self.seconds = seconds
-
-
-class RefusedDestination(FetchError):
-    """A link or redirect the network policy does not allow (scheme or address)."""
-
-
-class HostBusy(FetchError):
-    """The host is busy with another request for longer than one request may take."""
-
-
-class DeadlinePassed(TimeoutError):
-    """The whole-request deadline passed while reading."""
-
-
-class FeedError(VestiError):
-    """A body that is not a usable feed."""
-
-
-class ClassifyError(VestiError):
-    """Classification of one post failed."""
-
-
-class OllamaUnreachable(ClassifyError):
-    """No connection to Ollama at all (as opposed to a bad answer)."""
-
-
-class TelegramSetupError(VestiError):
-    """Telegram cannot be used at all: credentials, session or package missing."""
-
-
-class TelegramFlood(VestiError):
-    """A FloodWait longer than FLOOD_WAIT_MAX: the account must wait."""
-
-    def __init__(self, seconds):
-        super().__init__(f"Telegram FloodWait of {seconds} s")
-        self.seconds = seconds
-
-
-class TelegramDisconnected(VestiError):
-    """The connection to Telegram is gone and did not come back."""
-
-
-class StoryPending(VestiError):
-    """The post's story has no verdict yet: the post waits for it."""
-
-    def __init__(self, story):
-        super().__init__(f"waiting for the verdict of its story (post {story})")
-        self.story = story
-
-
-class NotAsked(VestiError):
-    """A question waiting in line behind one that could not reach Ollama
-    is not asked: its post goes back to the queue, its attempt uncounted."""
-
-
-class HelperGone(VestiError):
-    """The helper process that works out story keys has stopped: the worker
-    works them out itself from then on."""
-
-
-class StorageError(VestiError):
-    """The database cannot be used (disk full, a corrupt file, an I/O error):
-    not a source's fault; the command ends with exit code 1."""
-
-
-class TransactionUndone(VestiError):
-    """The database server undid a transaction midway: it restarted, or a
-    row stayed locked by another session past the busy timeout. The work is
-    done again once the server can take it (see `redoable`); `episode` is
-    the wait it belongs to."""
-
-    def __init__(self, message, episode):
-        super().__init__(message)
-        self.episode = episode
-
-
-class Reworded(VestiError):
-    """A decision names words its post no longer has: the post was edited
-    after the page that showed them was loaded (see wording)."""
-
-    def __init__(self, post_id):
-        super().__init__(f"post {post_id} changed since the decision's page was loaded")
-        self.post_id = post_id
-
-
-class EarlyReply(Exception):
-    """A web handler's early answer (an error status, a redirect): raised by
-    abort() and turned into the reply, so a handler never replies and then
-    returns a signal to its caller."""
-
-    def __init__(self, status, text, headers=None):
-        super().__init__(f"HTTP {status}: {text}")
-        self.status, self.text, self.headers = status, text, headers
-
-
-class MissingPackage(VestiError):
-    """An optional package a feature needs is not installed."""
-
-    def __init__(self, package, feature):
-        super().__init__(f"{feature} needs the '{package}' package: pip install {package}")
-
-
-###############################################################################
-# Process-wide state ##########################################################
-###############################################################################
+# What the threads of one process share, stopping, progress.
 
 # What the threads of one process share, all of it here. Settings are not
 # among it: they are one object passed down. What is left is what there is
@@ -526,60 +611,6 @@ _ollama_lines = threading.local()
 EXTRACTING = threading.Lock()
 
 
-###############################################################################
-# Small helpers ###############################################################
-###############################################################################
-
-def utc_text(timestamp=None):
-    """UTC time as SQLite's datetime('now') writes it."""
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(timestamp))
-
-
-def parse_utc(text):
-    """Seconds since the epoch of a utc_text; None for anything else."""
-    try:
-        return calendar.timegm(time.strptime(text, "%Y-%m-%d %H:%M:%S"))
-    except (TypeError, ValueError):
-        return None
-
-
-def duration_text(seconds):
-    """'45 min', '5 h', '3 d': how long, roughly."""
-    seconds = max(0, int(seconds or 0))
-    if seconds < 2 * 3600:
-        return f"{seconds // 60} min"
-    if seconds < 2 * 86400:
-        return f"{seconds // 3600} h"
-    return f"{seconds // 86400} d"
-
-
-def normalize_text(text):
-    return " ".join((text or "").split())
-
-
-# Shorter than this, a text ("Read more…", an empty caption) cannot tell two
-# articles apart, so such posts are identified by URL alone.
-MIN_IDENTIFYING_TEXT = 40
-
-
-def text_sha256(text):
-    """sha256 of the normalized text, or None for texts too short to identify."""
-    text = normalize_text(text)
-    if len(text) < MIN_IDENTIFYING_TEXT:
-        return None
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def content_digest(title, text):
-    """A short hash of what an entry says, to tell entries apart."""
-    return hashlib.sha256(f"{title}\n{text}".encode("utf-8")).hexdigest()[:16]
-
-
-def shorten(text, limit):
-    text = text or ""
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
 def warn_once(key, message, *args):
     """A warning said once per process (a missing package, not every post)."""
     with _warned_lock:
@@ -595,43 +626,6 @@ def import_optional(module, package, feature):
         return __import__(module, fromlist=["_"])
     except ImportError:
         raise MissingPackage(package, feature) from None
-
-
-class _TextExtractor(html.parser.HTMLParser):
-    BLOCKS = {"p", "br", "div", "li", "h1", "h2", "h3", "h4", "h5", "h6",
-              "blockquote", "pre", "tr", "section", "article", "figure"}
-    SKIP = {"script", "style", "noscript", "template"}
-
-    def __init__(self):
-        super().__init__(convert_charrefs=True)
-        self.parts, self.skipping = [], 0
-
-    def handle_starttag(self, tag, attrs):
-        if tag in self.SKIP:
-            self.skipping += 1
-        elif tag in self.BLOCKS:
-            self.parts.append("\n")
-
-    def handle_endtag(self, tag):
-        if tag in self.SKIP:
-            self.skipping = max(0, self.skipping - 1)
-        elif tag in self.BLOCKS:
-            self.parts.append("\n")
-
-    def handle_data(self, data):
-        if not self.skipping:
-            self.parts.append(data)
-
-
-def html_to_text(markup):
-    """Readable plain text from an HTML fragment: paragraphs kept, tags gone."""
-    if "<" not in (markup or "") and "&" not in (markup or ""):
-        return (markup or "").strip()
-    extractor = _TextExtractor()
-    extractor.feed(markup)
-    extractor.close()
-    lines = (" ".join(line.split()) for line in "".join(extractor.parts).split("\n"))
-    return "\n".join(line for line in lines if line)
 
 
 def run_until_stopped(target, stop, grace):
@@ -684,537 +678,212 @@ class Progress:
         return seconds
 
 
-# Stories: the same news in other words -------------------------------------
+###############################################################################
+# Text, time and URLs #########################################################
+###############################################################################
+# Words, hashes, dates and the canonical form of a link.
 
-# The same news in other words, found without a model: a post's text becomes
-# word shingles (three words in a row, Unicode-aware, numbers kept as written,
-# links and @handles dropped), MinHash signatures of its whole text and of its
-# lead, and LSH band keys kept in story_keys. A look-up seeks its own keys,
-# and checks the few posts found against its own text exactly: the same
-# story shares most of its wording (or, for a teaser, its lead is the other's
-# opening), and carries no number the other lacks ("QEMU 10.0" is not
-# "QEMU 10.1").
-STORY_WORD = re.compile(r"\w+(?:[.,:/-]\w+)*")
-STORY_NOISE = re.compile(r"https?://\S+|www\.\S+|t\.me/\S+|@\w+")
-SHINGLE = 3
-LEAD_WORDS = 40
-LEAD_NUMBERS = 20        # a teaser may stop anywhere after this many words
-# Bands of two rows: a pair of texts with half their shingles in common meets
-# in one of eight bands nine times in ten. Each key is one index entry to
-# write per post (a random page of story_keys), so a post has twelve, not more.
-BAND_ROWS = 2
-BODY_BANDS = 8
-LEAD_BANDS = 4
-SAME_WORDING = 0.5       # Jaccard of shingles
-SAME_LEAD = 0.8          # share of a teaser's shingles found in the article
-TEASER_SHARE = 0.6       # a teaser has at most this share of the article's shingles
-STORY_CANDIDATES = 20
-# Fewer words than this ("Photo of the day", "Read more…") tell no story apart.
-STORY_MIN_WORDS = 12
-# A copy whose story's first post is still being classified waits this long.
-STORY_WAIT = 10
-_MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
+def utc_text(timestamp=None):
+    """UTC time as SQLite's datetime('now') writes it."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(timestamp))
 
 
-def story_words(title, text):
-    """The words a story is recognised by: the text's, or with a bare text
-    (a caption, a headline-only entry) the title's too."""
-    words = STORY_WORD.findall(STORY_NOISE.sub(" ", (text or "").casefold()))
-    if len(words) < SHINGLE * 3:
-        words = STORY_WORD.findall(STORY_NOISE.sub(" ", f"{title or ''} {text or ''}".casefold()))
-    return words
+def parse_utc(text):
+    """Seconds since the epoch of a utc_text; None for anything else."""
+    try:
+        return calendar.timegm(time.strptime(text, "%Y-%m-%d %H:%M:%S"))
+    except (TypeError, ValueError):
+        return None
 
 
-def shingle_hashes(words):
-    """Stable 32-bit hashes of the word shingles in order (the same in every
-    process): the CRC-32 of each SHINGLE words in a row, joined by spaces."""
-    if len(words) < SHINGLE:
-        return [zlib.crc32(" ".join(words).encode())] if words else []
-    # Encoded in one go: a word has no space in it.
-    encoded = " ".join(words).encode().split(b" ")
-    return list(map(zlib.crc32, map(b" ".join, zip(*(encoded[i:] for i in range(SHINGLE))))))
+def duration_text(seconds):
+    """'45 min', '5 h', '3 d': how long, roughly."""
+    seconds = max(0, int(seconds or 0))
+    if seconds < 2 * 3600:
+        return f"{seconds // 60} min"
+    if seconds < 2 * 86400:
+        return f"{seconds // 3600} h"
+    return f"{seconds // 86400} d"
 
 
-def shingles(words):
-    return set(shingle_hashes(words))
+def normalize_text(text):
+    return " ".join((text or "").split())
 
 
-def minhash(hashes, count):
-    """A MinHash signature of `count` values (a power of two) in one pass:
-    each shingle's mixed hash falls in one of `count` bins, each bin keeps
-    its least value, and an empty bin borrows from the next full one (one
-    permutation hashing, densified by rotation)."""
-    bits = count.bit_length() - 1
-    shift, low = 64 - bits, (1 << (64 - bits)) - 1
-    bins = [None] * count
-    for h in hashes:
-        mixed = (h * _GOLDEN) & _MASK64
-        slot, value = mixed >> shift, mixed & low
-        if bins[slot] is None or value < bins[slot]:
-            bins[slot] = value
-    signature = list(bins)
-    for slot in range(count):
-        distance = 1
-        while signature[slot] is None:
-            borrowed = bins[(slot + distance) % count]
-            if borrowed is not None:
-                signature[slot] = borrowed + distance * low
-            distance += 1
-    return signature
+# Shorter than this, a text ("Read more…", an empty caption) cannot tell two
+# articles apart, so such posts are identified by URL alone.
+MIN_IDENTIFYING_TEXT = 40
 
 
-_blake2b_64 = functools.partial(hashlib.blake2b, digest_size=8)
-_BAND_VALUES = ", ".join(["%d"] * BAND_ROWS)
+def text_sha256(text):
+    """sha256 of the normalized text, or None for texts too short to identify."""
+    text = normalize_text(text)
+    if len(text) < MIN_IDENTIFYING_TEXT:
+        return None
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def band_keys(signature, kind, numbers):
-    """One 63-bit key per band of BAND_ROWS values. The numbers of the text
-    are part of every key: posts from one template with other figures
-    ("QEMU 10.0" and "10.1", today's rates) never even meet."""
-    # Each key is the hash of the repr of (kind, band, [its values], numbers).
-    head, rest = f"({kind!r}, ", f"], {numbers!r})"
-    bands = enumerate(zip(*(signature[row::BAND_ROWS] for row in range(BAND_ROWS))))
-    texts = [f"{head}{band}, [{_BAND_VALUES % values}{rest}".encode() for band, values in bands]
-    digests = b"".join([digest.digest() for digest in map(_blake2b_64, texts)])
-    return [key >> 1 for key in struct.unpack(f">{len(texts)}Q", digests)]
+def content_digest(title, text):
+    """A short hash of what an entry says, to tell entries apart."""
+    return hashlib.sha256(f"{title}\n{text}".encode("utf-8")).hexdigest()[:16]
 
 
-def story_keys(words):
-    """The lead's band keys (every post: a teaser is all lead), and the whole
-    text's when it is longer than its lead; none for a text too short to
-    tell one story from another."""
-    if len(words) < STORY_MIN_WORDS:
-        return []
-    hashes = shingle_hashes(words)
-    lead = words[:LEAD_WORDS]
-    keys = band_keys(minhash(hashes[:len(lead) - SHINGLE + 1], LEAD_BANDS * BAND_ROWS), "lead",
-                     sorted(numbers_of(lead[:LEAD_NUMBERS])))
-    if len(words) > LEAD_WORDS:
-        keys += band_keys(minhash(hashes, BODY_BANDS * BAND_ROWS), "body",
-                          sorted(numbers_of(words)))
-    return keys
+def shorten(text, limit):
+    text = text or ""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-HAS_DIGIT = re.compile(r"\d").search
+class _TextExtractor(html.parser.HTMLParser):
+    BLOCKS = {"p", "br", "div", "li", "h1", "h2", "h3", "h4", "h5", "h6",
+              "blockquote", "pre", "tr", "section", "article", "figure"}
+    SKIP = {"script", "style", "noscript", "template"}
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.parts, self.skipping = [], 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag in self.SKIP:
+            self.skipping += 1
+        elif tag in self.BLOCKS:
+            self.parts.append("\n")
+
+    def handle_endtag(self, tag):
+        if tag in self.SKIP:
+            self.skipping = max(0, self.skipping - 1)
+        elif tag in self.BLOCKS:
+            self.parts.append("\n")
+
+    def handle_data(self, data):
+        if not self.skipping:
+            self.parts.append(data)
 
 
-def numbers_of(words):
-    return {word for word in words if not word.isalpha() and HAS_DIGIT(word)}
+def html_to_text(markup):
+    """Readable plain text from an HTML fragment: paragraphs kept, tags gone."""
+    if "<" not in (markup or "") and "&" not in (markup or ""):
+        return (markup or "").strip()
+    extractor = _TextExtractor()
+    extractor.feed(markup)
+    extractor.close()
+    lines = (" ".join(line.split()) for line in "".join(extractor.parts).split("\n"))
+    return "\n".join(line for line in lines if line)
 
 
-def same_story(words, other_words):
-    """Checked exactly: the same wording, or a teaser that is the other's
-    opening; and no number in the shorter that the longer lacks."""
-    small, large = sorted((words, other_words), key=len)
-    if not numbers_of(small) <= numbers_of(large):
-        return False
-    a, b = shingles(small), shingles(large)
-    if not a or not b:
-        return False
-    shared = len(a & b)
-    if shared / len(a | b) >= SAME_WORDING:
-        return True
-    return len(a) <= TEASER_SHARE * len(b) and shared / len(a) >= SAME_LEAD
+def meaningful_words(text):
+    return re.findall(r"\w+", (text or "").casefold())
 
 
-# A copy takes its story's verdict unseen, is shown under its card and is
-# decided with it: it is taken on trust for what the story's first post says,
-# and for no more. A copy that adds a link to another site (an advert around a
-# copied post), or much text of its own, is no copy: it is classified on its
-# own words and is a card of its own, which deciding the story leaves alone.
-# "Much": more than ADDED_SHARE of its shingles are not the first post's. On
-# the labelled set a changed sentence adds up to 0.44 of a copy's shingles,
-# boilerplate around it 0.1; all of a post's words and as many again, 0.5. A
-# teaser is all a story's first post may say of it: when that post ends cut
-# short ("…"), a copy may go on where it stops (its article, links and all);
-# but the teaser with a link of its own is an advert all the same.
-ADDED_SHARE = 0.45
-STORY_LINK = re.compile(r"https?://[^\s<>\"']+|www\.[^\s<>\"']+")
-# Each Telegram channel is a site of its own (t.me/<channel>). A repost's
-# source line ("Источник: @channel https://t.me/channel/4821", "via @channel")
-# names the channel it comes from: a link to that channel adds nothing.
-TELEGRAM_CHANNEL = re.compile(r"(?:https?://)?(?:www\.)?(?:t|telegram)\.me/(?:s/)?(\w+)", re.I)
-SOURCE_NAMED = re.compile(r"(?<!\w)(?:источник|source|via)\s*[:—-]?\s*"
-                          r"(?:@|(?:https?://)?(?:www\.)?(?:t|telegram)\.me/(?:s/)?)(\w+)", re.I)
-CUT_SHORT = re.compile(r"(?:…|\.\.\.|\[…\]|\[\.\.\.\])\s*$")
+def words_sha256(text, link=None):
+    """sha256 of what a message says: its words (a comma or spacing changes
+    nothing) and the link of a teaser, which is classified on its article."""
+    said = " ".join(meaningful_words(text)) + (f"\n{link}" if link else "")
+    return hashlib.sha256(said.encode("utf-8")).hexdigest()
 
 
-def adds_to(words, text, lead_words, lead_text, lead_url):
-    """True when a copy (its story words and text) carries what its story's
-    first post (its words, text and address) does not: a link to a site
-    other than the first post's own, those it links to and the channel the
-    copy names as its source, or more than ADDED_SHARE of its shingles; of
-    a first post cut short, a link of its own without that much text."""
-    named = {f"t.me/{channel.lower()}" for channel in SOURCE_NAMED.findall(text or "")}
-    linked = bool(link_sites(text) - link_sites(lead_text) - {link_site(lead_url or "")} - named)
-    own = shingles(words)
-    goes_on = len(own - shingles(lead_words)) > ADDED_SHARE * len(own)
-    if CUT_SHORT.search(lead_text or ""):
-        return linked and not goes_on
-    return linked or goes_on
+WEB_SCHEMES = ("http", "https")
+DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
-def link_sites(text):
-    """The sites a text links to (see link_site)."""
-    return {link_site(link) for link in STORY_LINK.findall(text or "")}
+def http_time(value):
+    """Seconds since the epoch of an HTTP date; None if unreadable."""
+    try:
+        when = email.utils.parsedate_to_datetime((value or "").strip())
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return when.timestamp()
 
 
-def link_site(link):
-    """A link's host (www. left out), or t.me/<channel> for a Telegram channel's."""
-    channel = TELEGRAM_CHANNEL.match(link)
-    return f"t.me/{channel[1].lower()}" if channel else link_host(link)
+def fresh_for(headers, now=None):
+    """Seconds the server says its answer stays fresh: Cache-Control max-age,
+    else Expires against the server's own Date. None when it says nothing or
+    asks to be asked every time; an unreadable Expires ("0") means stale."""
+    cache = (headers.get("cache-control") or "").lower()
+    age = re.search(r"(?:^|[,\s])max-age\s*=\s*\"?(\d{1,9})", cache)
+    if age:
+        return int(age[1])
+    if "no-cache" in cache or "no-store" in cache or not headers.get("expires"):
+        return None
+    expires = http_time(headers["expires"])
+    if expires is None:
+        return None
+    date = http_time(headers.get("date")) or (time.time() if now is None else now)
+    return max(0, int(expires - date))
 
 
-def link_host(link):
-    with contextlib.suppress(ValueError):
-        host = urllib.parse.urlsplit(link if "://" in link else f"http://{link}").hostname or ""
-        return host.removeprefix("www.").rstrip(".")
-    return ""
+TRACKING_PARAMS = frozenset("""
+    fbclid gclid gclsrc dclid gbraid wbraid yclid ysclid msclkid twclid ttclid igshid
+    mc_cid mc_eid mkt_tok _openstat _hsenc _hsmi __hssc __hstc __hsfp hsctatracking
+    fb_action_ids fb_action_types fb_source fb_ref action_object_map action_type_map
+    action_ref_map gs_l oly_anon_id oly_enc_id vero_id vero_conv wickedid rb_clickid
+    s_cid ncid cmpid clickid ito spm scid _ga _gl zanpid ml_subscriber ml_subscriber_hash
+    """.split())
+TRACKING_PREFIXES = ("utm_", "ga_", "hmb_", "mtm_", "pk_", "itm_", "stm_", "wt_", "ns_")
+# Parameters that are tracking only with such a value (Medium's ?source=rss-…).
+TRACKING_VALUES = {"source": "rss", "ref": "rss", "feature": "youtube_gdata"}
+
+
+def is_tracking_param(pair):
+    name, _, value = urllib.parse.unquote_plus(pair).partition("=")
+    name = name.lower()
+    if name in TRACKING_VALUES:
+        return value.lower().startswith(TRACKING_VALUES[name])
+    return name in TRACKING_PARAMS or name.startswith(TRACKING_PREFIXES)
+
+
+def canonical_url(url, base=None, keep_fragment=False):
+    """The URL that identifies an article: scheme and host lowercased, default
+    port, tracking parameters and (unless asked) the fragment dropped, relative
+    links resolved against `base`. Kept parameters keep their order and
+    spelling: what remains is still the link an editor clicks."""
+    return canonical_urls(url, base)[keep_fragment]
+
+
+def canonical_urls(url, base=None):
+    """canonical_url without and with the fragment, worked out once."""
+    url = (url or "").strip()
+    if base:
+        url = urllib.parse.urljoin(base, url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return url, url
+    scheme = parts.scheme.lower()
+    host = (parts.hostname or "").rstrip(".")
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = host if port is None or DEFAULT_PORTS.get(scheme) == port else f"{host}:{port}"
+    userinfo = parts.netloc.rpartition("@")[0]
+    if userinfo:
+        netloc = f"{userinfo}@{netloc}"
+    path = parts.path or ("/" if netloc else "")
+    query = "&".join(pair for pair in parts.query.split("&")
+                     if pair and not is_tracking_param(pair))
+    bare = urllib.parse.urlunsplit((scheme, netloc, path, query, ""))
+    return bare, urllib.parse.urlunsplit((scheme, netloc, path, query, parts.fragment))
+
+
+CHANNEL_LINK = re.compile(
+    r"(?:(?:https?://)?(?:www\.)?(?:t|telegram)\.me/(?:s/)?|tg://resolve\?domain=|@)?"
+    r"(?P<name>[A-Za-z][A-Za-z0-9_]{3,31})(?:[/?#].*)?", re.IGNORECASE)
+
+
+def channel_name(url):
+    """'https://t.me/durov', 't.me/s/durov', 'tg://resolve?domain=durov',
+    '@durov' or 'durov' -> 'durov'; None for anything else (invite links)."""
+    match = CHANNEL_LINK.fullmatch(url.strip())
+    if not match or match["name"].lower() in ("joinchat", "addlist", "share"):
+        return None
+    return match["name"]
 
 
 ###############################################################################
-# Storage #####################################################################
+# Connections #################################################################
 ###############################################################################
-
-# The desk's counts -----------------------------------------------------------
-
-# The desk's filters show how many posts each decision, direction and
-# relevance has (overall and per source) from count tables, so that the desk
-# answers at once at a million posts. What they count is said once, here, and
-# all that keeps them is made from it: SQLite's triggers (in SCHEMA),
-# PostgreSQL's trigger function (in POSTGRES_EXTRA), the batches that take
-# new posts in (count_posts) and the workers' completions (count_completions).
-#
-# A post is counted once it is classified (classified = 1: DONE, see the
-# queue's states) and taken in (its id up to meta 'indexed_to'; newer posts
-# are taken in by batches, see index_new_posts), in the row of its values in
-# the table's key columns. post_counts counts the desk's cards (a story's
-# copies are counted with its first post); source_post_counts every post of
-# a source.
-CountTable = collections.namedtuple("CountTable", "name key cards_only")
-COUNT_TABLES = (CountTable("post_counts", ("status", "direction", "relevance"), True),
-                CountTable("source_post_counts", ("source_id", "status", "direction", "relevance"),
-                           False))
-# A post's value in each key column: no direction, relevance or source
-# counts as '' or 0.
-COUNTED_AS = {"status": "{row}status", "direction": "coalesce({row}direction, '')",
-              "relevance": "coalesce({row}relevance, 0)",
-              "source_id": "coalesce({row}source_id, 0)"}
-# Posts up to this id are counted in post_counts and searchable in posts_fts.
-INDEXED_TO = "indexed_to"
-
-
-def card(row=""):
-    """SQL: the post is a card of the desk, in no story or its story's first
-    post. `row` names the post: 'new.', 'old.', a table and a dot, or nothing."""
-    return f"({row}story_id IS NULL OR {row}story_id = {row}id)"
-
-
-def counted(table, row=""):
-    """SQL: `table` counts the post, once it is taken in."""
-    return " AND ".join([f"{row}classified = 1", *([card(row)] if table.cards_only else [])])
-
-
-def counted_value(column, row=""):
-    """SQL: the post's value in a key column of the count tables."""
-    return COUNTED_AS[column].format(row=row)
-
-
-def taken_in(row=""):
-    """SQL: the post is taken in (NULL while no post is)."""
-    return f"{row}id <= (SELECT CAST(value AS BIGINT) FROM meta WHERE key = '{INDEXED_TO}')"
-
-
-def counting(row):
-    """SQL: what counting the post needs, as the columns of a row: its value
-    in each key column (named as the column), whether it is taken in, and
-    whether each count table counts it (named as the table)."""
-    return ", ".join([*(f"{counted_value(column, row)} AS {column}" for column in COUNTED_AS),
-                      f"({taken_in(row)}) AS taken_in",
-                      *(f"({counted(table, row)}) AS {table.name}" for table in COUNT_TABLES)])
-
-
-# What changes a count, as the triggers of both databases see it: (SQLite's
-# trigger, the change, when it counts, its steps; see count_step). A
-# completion into 'new' by a worker's claim, the common case, is counted by
-# the worker, a batch at a time (count_completions). Any other completion
-# only adds one to rows made ready beforehand (ready_counts): an insert in a
-# trigger costs several times an update.
-CountEvent = collections.namedtuple("CountEvent", "trigger change when steps")
-# A post classified into 'new' just now.
-COMPLETION = "new.classified = 1 AND coalesce(old.classified, 0) != 1 AND new.status = 'new'"
-# The columns of posts a count depends on.
-COUNTED_COLUMNS = ("classified", *COUNTED_AS, "story_id")
-COUNT_EVENTS = (
-    CountEvent("posts_completed", "UPDATE OF classified",
-               f"{COMPLETION} AND old.claim_token IS NULL", ("ready",)),
-    CountEvent("posts_recounted", f"UPDATE OF {', '.join(COUNTED_COLUMNS)}",
-               f"(old.classified = 1 OR new.classified = 1) AND NOT ({COMPLETION})",
-               ("out", "in")),
-    CountEvent("posts_uncounted", "DELETE", "old.classified = 1", ("out",)),
-)
-
-
-def count_step(table, step):
-    """SQL of a trigger's step on `table`: 'out' takes the post as it was
-    out of its row, 'in' adds it as it is to its row (made if need be),
-    'ready' adds it to its row if that row is there."""
-    columns = ", ".join(table.key)
-    if step == "in":
-        return (f"INSERT INTO {table.name} ({columns}, n)\n"
-                f"SELECT {', '.join(counted_value(column, 'new.') for column in table.key)}, 1\n"
-                f"WHERE {counted(table, 'new.')}\n"
-                f"ON CONFLICT ({columns}) DO UPDATE SET n = {table.name}.n + 1")
-    row, sign = ("old.", "-") if step == "out" else ("new.", "+")
-    return (f"UPDATE {table.name} SET n = n {sign} 1\n"
-            f"WHERE {counted(table, row)}"
-            + "".join(f"\n  AND {column} = {counted_value(column, row)}" for column in table.key))
-
-
-def count_steps(event, indent):
-    """SQL: an event's steps on every count table, one statement a line."""
-    return textwrap.indent("".join(f"{count_step(table, step)};\n" for step in event.steps
-                                   for table in COUNT_TABLES), " " * indent)
-
-
-def sqlite_count_triggers():
-    """SQLite's triggers that keep the counts, one per COUNT_EVENTS."""
-    return "".join(f"CREATE TRIGGER IF NOT EXISTS {event.trigger} AFTER {event.change} ON posts\n"
-                   f"WHEN ({event.when})\n"
-                   f"    AND {taken_in('old.')}\n"
-                   f"BEGIN\n{count_steps(event, 4)}END;\n" for event in COUNT_EVENTS)
-
-
-def postgres_count_function():
-    """PostgreSQL's trigger function that keeps the counts: COUNT_EVENTS as
-    the branches of one IF."""
-    branches = "".join(f"    ELSIF TG_OP = '{event.change.split()[0]}' AND ({event.when}) THEN\n"
-                       f"{count_steps(event, 8)}" for event in COUNT_EVENTS)
-    return (f"CREATE OR REPLACE FUNCTION vesti_count_posts() RETURNS trigger\n"
-            f"LANGUAGE plpgsql AS $$\n"
-            f"BEGIN\n"
-            f"    IF ({taken_in('old.')}) IS NOT TRUE THEN\n"
-            f"        RETURN NULL;\n"
-            f"{branches}"
-            f"    END IF;\n"
-            f"    RETURN NULL;\n"
-            f"END $$")
-
-
-def postgres_count_trigger():
-    return (f"CREATE TRIGGER posts_counts\n"
-            f"AFTER UPDATE OF {', '.join(COUNTED_COLUMNS)} OR DELETE ON posts\n"
-            f"FOR EACH ROW EXECUTE FUNCTION vesti_count_posts()")
-
-
-# Schema ----------------------------------------------------------------------
-
-SCHEMA = """\
-CREATE TABLE IF NOT EXISTS sources (
-    id INTEGER PRIMARY KEY,
-    slug TEXT NOT NULL UNIQUE,
-    name TEXT NOT NULL DEFAULT '',
-    crawler TEXT NOT NULL DEFAULT 'rss',
-    url TEXT NOT NULL DEFAULT '',
-    direction TEXT,
-    priority INTEGER NOT NULL DEFAULT 0,
-    enabled INTEGER NOT NULL DEFAULT 1,
-    status TEXT NOT NULL DEFAULT 'alive',
-    last_fetch TEXT,
-    last_error TEXT,
-    error_count INTEGER NOT NULL DEFAULT 0,
-    next_fetch_at TEXT,
-    post_count INTEGER NOT NULL DEFAULT 0,
-    -- Its rhythm: when it last brought new posts, the gaps between them
-    -- (seconds, JSON, the latest last), since when it has been silent.
-    last_new_at TEXT,
-    rhythm TEXT,
-    silent_since TEXT,
-    -- Figures for the operator, refreshed after each of its runs.
-    week_posts INTEGER NOT NULL DEFAULT 0,
-    relevant_share REAL,
-    approved INTEGER NOT NULL DEFAULT 0
-);
-
-CREATE TABLE IF NOT EXISTS posts (
-    id INTEGER PRIMARY KEY,
-    source_id INTEGER,
-    external_id TEXT,
-    url TEXT,
-    canonical_url TEXT,
-    title TEXT NOT NULL DEFAULT '',
-    text TEXT NOT NULL DEFAULT '',
-    content_type TEXT NOT NULL DEFAULT 'full',
-    sha256 TEXT,
-    fetched_at TEXT NOT NULL DEFAULT (datetime('now')),
-    published_at TEXT,
-    status TEXT NOT NULL DEFAULT 'new',
-    classified INTEGER DEFAULT 0,
-    attempts INTEGER NOT NULL DEFAULT 0,
-    claimed_at TEXT,
-    claim_token TEXT,
-    next_attempt_at TEXT,
-    error TEXT,
-    direction TEXT,
-    relevance INTEGER,
-    interest INTEGER,
-    summary TEXT,
-    article_url TEXT,
-    edited_at TEXT,
-    keywords TEXT,
-    reason TEXT,
-    decided_at TEXT,
-    decided_by TEXT,
-    story_id INTEGER,
-    -- 1: the entry gave no date (or one far in the future), so published_at
-    -- is the time it was fetched.
-    undated INTEGER NOT NULL DEFAULT 0,
-    -- What a Telegram post said as the channel last gave it (its words and a
-    -- teaser's link, see words_sha256): an edit is told apart from the
-    -- article fetched in place of a teaser.
-    words_sha256 TEXT,
-    -- The verdicts of its earlier words (JSON, {words_sha256: verdict}, the
-    -- last few): an edit back to them is not classified again.
-    verdicts TEXT,
-    -- The decision an edit of its words took back, who made it and when, and
-    -- the title and text it was made on: the desk shows the post as edited
-    -- after that decision until it is decided again.
-    old_decision TEXT,
-    old_decided_at TEXT,
-    old_decided_by TEXT,
-    old_title TEXT,
-    old_text TEXT
-);
--- The queue: each state has its own small index, so a claim or a completion
--- touches only the indexes of the states it leaves and enters, and each
--- queue size is counted from its index alone. The claim takes the oldest
--- pending post; leases look at claims by age; done today counts completed
--- posts by fetched_at.
-CREATE INDEX IF NOT EXISTS posts_pending ON posts(id, classified) WHERE classified IS NULL OR classified = 0;
-CREATE INDEX IF NOT EXISTS posts_claimed ON posts(claimed_at, classified) WHERE classified = -1;
-CREATE INDEX IF NOT EXISTS posts_failed ON posts(classified) WHERE classified = -2;
-CREATE INDEX IF NOT EXISTS posts_done ON posts(fetched_at, classified) WHERE classified = 1;
-CREATE INDEX IF NOT EXISTS posts_sha256 ON posts(sha256);
-CREATE INDEX IF NOT EXISTS posts_canonical_url ON posts(canonical_url);
-CREATE INDEX IF NOT EXISTS posts_external_id ON posts(source_id, external_id);
--- A channel's recent posts (re-read for edits) without walking all of its posts.
-CREATE INDEX IF NOT EXISTS posts_source_time ON posts(source_id, published_at);
--- The desk: classified posts of one decision, newest first or by a score.
-CREATE INDEX IF NOT EXISTS posts_desk ON posts(status, published_at, id) WHERE classified = 1;
-CREATE INDEX IF NOT EXISTS posts_desk_relevance ON posts(status, relevance, published_at, id) WHERE classified = 1;
-CREATE INDEX IF NOT EXISTS posts_desk_interest ON posts(status, interest, published_at, id) WHERE classified = 1;
-CREATE INDEX IF NOT EXISTS posts_decided ON posts(status, decided_at);
-
-CREATE TABLE IF NOT EXISTS rss_state (
-    source_id INTEGER PRIMARY KEY,
-    etag TEXT,
-    modified TEXT,
-    last_build_date TEXT,
-    last_error TEXT,
-    status TEXT,
-    http_status INTEGER,
-    body_sha256 TEXT,
-    moved_to TEXT,
-    keep_fragments INTEGER NOT NULL DEFAULT 0,
-    ttl INTEGER,
-    updated_at TEXT
-);
-
-CREATE TABLE IF NOT EXISTS tg_state (
-    source_id INTEGER PRIMARY KEY,
-    last_message_id INTEGER NOT NULL DEFAULT 0,
-    updated_at TEXT,
-    channel_id INTEGER,
-    access_hash INTEGER,
-    username TEXT
-);
-
-CREATE TABLE IF NOT EXISTS runs (
-    id INTEGER PRIMARY KEY,
-    source_id INTEGER,
-    task TEXT NOT NULL DEFAULT '',
-    trigger TEXT NOT NULL DEFAULT 'cli',
-    started_at TEXT NOT NULL DEFAULT (datetime('now')),
-    finished_at TEXT,
-    status TEXT NOT NULL DEFAULT 'running',
-    new_posts INTEGER NOT NULL DEFAULT 0,
-    error TEXT,
-    pid INTEGER
-);
-CREATE INDEX IF NOT EXISTS runs_source ON runs(source_id, id);
-
--- New posts per source and UTC day: the last week's figure on /crawlers.
-CREATE TABLE IF NOT EXISTS source_days (
-    source_id INTEGER NOT NULL,
-    day TEXT NOT NULL,
-    new_posts INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (source_id, day)
-);
-
--- Facts the processes leave for each other: the web page's token secret, the
--- workers' last sign of life, Ollama's state.
-CREATE TABLE IF NOT EXISTS meta (
-    key TEXT PRIMARY KEY,
-    value TEXT,
-    updated_at TEXT
-);
-
--- Monotonic counters for /metrics (fetch outcomes, new posts, LLM calls and
--- their latency), kept here so they survive a restart.
-CREATE TABLE IF NOT EXISTS counters (
-    name TEXT NOT NULL,
-    labels TEXT NOT NULL DEFAULT '',
-    value REAL NOT NULL DEFAULT 0,
-    PRIMARY KEY (name, labels)
-);
-
--- Classified posts counted by decision, direction and relevance (and the same
--- per source): the desk's filter counts without scanning posts. Overall a
--- story counts once, as the desk shows it; per source every post counts. Posts up to
--- meta 'indexed_to' are counted here and searchable in posts_fts; newer ones
--- are added in batches (index_new_posts), which costs a tenth of doing it
--- row by row as they are stored. Triggers keep what is already in step.
-CREATE TABLE IF NOT EXISTS post_counts (
-    status TEXT NOT NULL,
-    direction TEXT NOT NULL,
-    relevance INTEGER NOT NULL,
-    n INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (status, direction, relevance)
-);
-CREATE TABLE IF NOT EXISTS source_post_counts (
-    source_id INTEGER NOT NULL,
-    status TEXT NOT NULL,
-    direction TEXT NOT NULL,
-    relevance INTEGER NOT NULL,
-    n INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (source_id, status, direction, relevance)
-);
--- The triggers that keep them are made from one description of what they
--- count (COUNT_EVENTS in vesti.py).
-""" + sqlite_count_triggers() + """
--- Full-text search over title and text (SQLite FTS5; where a Python build
--- lacks it, search falls back to LIKE).
-CREATE VIRTUAL TABLE IF NOT EXISTS posts_fts USING fts5(title, text, content='posts', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
-CREATE TRIGGER IF NOT EXISTS posts_fts_update AFTER UPDATE OF title, text ON posts WHEN old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN INSERT INTO posts_fts (posts_fts, rowid, title, text) VALUES ('delete', old.id, old.title, old.text); INSERT INTO posts_fts (rowid, title, text) VALUES (new.id, new.title, new.text); END;
-CREATE TRIGGER IF NOT EXISTS posts_fts_delete AFTER DELETE ON posts WHEN old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN INSERT INTO posts_fts (posts_fts, rowid, title, text) VALUES ('delete', old.id, old.title, old.text); END;
--- Stories: the near-duplicate keys (MinHash bands of its text and of its lead)
--- of every post the workers have looked at; a post's look-up for its story
--- is a few index seeks. Keys of posts older than VESTI_STORY_HOURS are pruned.
-CREATE TABLE IF NOT EXISTS story_keys (
-    key INTEGER NOT NULL,
-    post_id INTEGER NOT NULL,
-    PRIMARY KEY (key, post_id)
-) WITHOUT ROWID;
--- A story's copies (its first post is found by its id) in the order they
--- came: a card reads its first few and counts a capped number of them along
--- the index, however many there are. Every query of them says
--- `story_id != id`, or the index could not be used for it.
-CREATE INDEX IF NOT EXISTS posts_story ON posts(story_id, id) WHERE story_id IS NOT NULL AND story_id != id;
--- Runs still marked running: a stopped or killed crawl leaves them behind.
-CREATE INDEX IF NOT EXISTS runs_running ON runs(pid) WHERE status = 'running';
-"""
-
+# SQLite and PostgreSQL connections, transactions, the two dialects.
 
 # claim_post and release_post use UPDATE … RETURNING, start_run INSERT … RETURNING.
 MIN_SQLITE = (3, 35, 0)
@@ -1482,8 +1151,6 @@ def like_escaped(text):
     return re.sub(r"([%_\\])", r"\\\1", text)
 
 
-# Dialects --------------------------------------------------------------------
-
 class SQLiteDialect:
     """Where SQLite's SQL is its own: the claim, the search, statistics."""
     name = "sqlite"
@@ -1635,8 +1302,6 @@ class PostgresDialect(SQLiteDialect):
 
 SQLITE, POSTGRES = SQLiteDialect(), PostgresDialect()
 
-
-# PostgreSQL -------------------------------------------------------------------
 
 def is_postgres(path):
     return str(path).startswith(("postgresql://", "postgres://"))
@@ -1960,6 +1625,504 @@ def open_connection(path, busy_timeout=30, wait=False):
     return connect(path, busy_timeout)
 
 
+def sql_statements(script):
+    """The statements of an SQL script, each without its ';' (a trigger's
+    body holds statements of its own: SQLite tells where one ends)."""
+    statements, lines = [], []
+    for line in script.splitlines():
+        lines.append(line)
+        if line.endswith(";") and sqlite3.complete_statement("\n".join(lines)):
+            statements.append("\n".join(lines)[:-1])
+            lines = []
+    return statements
+
+
+def insert_rows(conn, into, rows, conflict=""):
+    """INSERT INTO `into` VALUES (…), (…) `conflict`: many rows in one
+    statement, so one round trip to a database server (executemany costs
+    one per row there)."""
+    rows = list(rows)
+    for first in range(0, len(rows), 500):
+        chunk = rows[first:first + 500]
+        # The rows are of one width.
+        marks = ", ".join([f"({', '.join('?' * len(chunk[0]))})"] * len(chunk))
+        conn.execute(f"INSERT INTO {into} VALUES {marks} {conflict}",
+                     list(itertools.chain.from_iterable(chunk)))
+
+
+###############################################################################
+# Facts and counters ##########################################################
+###############################################################################
+# Facts between processes (meta) and the counters behind /metrics.
+
+def get_meta(conn, key):
+    row = conn.execute("SELECT value, updated_at FROM meta WHERE key = ?", (key,)).fetchone()
+    return (row[0], row[1]) if row else (None, None)
+
+
+def set_meta(conn, key, value):
+    conn.execute("""INSERT INTO meta (key, value, updated_at) VALUES (?, ?, ?)
+                    ON CONFLICT(key) DO UPDATE SET value = excluded.value,
+                                                   updated_at = excluded.updated_at""",
+                 (key, value, utc_text()))
+
+
+def delete_meta(conn, *keys):
+    conn.execute(f"DELETE FROM meta WHERE key IN ({','.join('?' * len(keys))})", keys)
+
+
+def lasting_secret(conn, key):
+    """A random secret made once and kept in the database, so what it signs
+    (the page's form tokens) outlives a restart."""
+    conn.execute("INSERT INTO meta (key, value, updated_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+                 (key, secrets.token_hex(32), utc_text()))
+    return get_meta(conn, key)[0]
+
+
+def note_ollama_down(conn, error):
+    """Ollama is unreachable: the time it was first seen so is kept."""
+    conn.execute("""INSERT INTO meta (key, value, updated_at) VALUES ('ollama_down', ?, ?)
+                    ON CONFLICT(key) DO UPDATE SET value = excluded.value""",
+                 (error, utc_text()))
+
+
+def note_sources_rejected(conn, path, error):
+    """A changed sources.yaml that did not load, kept for every process's
+    pages until one does."""
+    set_meta(conn, "sources_rejected", json.dumps({"file": path, "error": error}))
+
+
+def sources_rejected(conn):
+    """(file, error, since when) of a sources.yaml edit that did not load,
+    or None."""
+    value, since = get_meta(conn, "sources_rejected")
+    if value is None:
+        return None
+    note = json.loads(value)
+    return note["file"], note["error"], since
+
+
+def forget_sources_rejected(conn, path):
+    """This sources.yaml loaded: a rejected edit of it is past."""
+    note = sources_rejected(conn)
+    if note and os.path.abspath(note[0]) == os.path.abspath(path):
+        delete_meta(conn, "sources_rejected")
+
+
+def classification_state(conn):
+    """What the workers last said about themselves and Ollama."""
+    rows = {row[0]: (row[1], row[2]) for row in conn.execute(
+        "SELECT key, value, updated_at FROM meta WHERE key IN "
+        "('worker_seen', 'ollama_down', 'classify_mode')")}
+    return {"worker_seen": rows.get("worker_seen", (None, None))[0],
+            "ollama_down_since": rows.get("ollama_down", (None, None))[1],
+            "ollama_error": rows.get("ollama_down", (None, None))[0],
+            "classify_mode": rows.get("classify_mode", (None, None))[0]}
+
+
+# Upper bounds (seconds) of the LLM latency histogram's buckets.
+LLM_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+FETCH_OUTCOMES = {"ok": "ok", "not_modified": "not_modified", "unchanged": "not_modified",
+                  "error": "error", "gone": "error", "deferred": "deferred"}
+
+
+@redoable
+def add_counts(conn, increments):
+    """Add to counters: {(name, labels): amount}, in one transaction."""
+    if not increments:
+        return
+    with transaction(conn):
+        upsert_counts(conn, increments)
+
+
+def upsert_counts(conn, increments):
+    insert_rows(conn, "counters (name, labels, value)",
+                [(name, labels, amount) for (name, labels), amount in sorted(increments.items())],
+                "ON CONFLICT(name, labels) DO UPDATE SET value = counters.value + excluded.value")
+
+
+def count_fetches(conn, crawler, results):
+    """A crawl's outcomes and new posts, by crawler kind."""
+    increments = {}
+    for result in results:
+        key = ("fetches", f'crawler="{crawler}",outcome="{FETCH_OUTCOMES[result.status]}"')
+        increments[key] = increments.get(key, 0) + 1
+        key = ("new_posts", f'crawler="{crawler}"')
+        increments[key] = increments.get(key, 0) + result.new_posts
+    add_counts(conn, increments)
+
+
+def llm_call_counts(latencies):
+    """The counter increments of LLM calls that took these many seconds."""
+    increments = {}
+    for seconds in latencies:
+        bucket = next((b for b in LLM_BUCKETS if seconds <= b), "+Inf")
+        for key, amount in ((("llm_calls", ""), 1), (("llm_seconds_sum", ""), seconds),
+                            (("llm_seconds_bucket", f'le="{bucket}"'), 1)):
+            increments[key] = increments.get(key, 0) + amount
+    return increments
+
+
+def counters(conn):
+    """{name: {labels: value}}."""
+    found = {}
+    for name, labels, value in conn.execute("SELECT name, labels, value FROM counters"):
+        found.setdefault(name, {})[labels] = value
+    return found
+
+
+def sources_by_status(conn):
+    return conn.execute("""SELECT crawler, CASE WHEN enabled = 0 THEN 'disabled'
+                                  WHEN status = 'alive' AND silent_since IS NOT NULL THEN 'silent'
+                                  ELSE status END, count(*) FROM sources GROUP BY 1, 2""").fetchall()
+
+
+def ollama_down(state, settings):
+    """Whether the workers last found Ollama unreachable (and it is still
+    the one asked)."""
+    return bool(state["ollama_down_since"] and settings.ollama_url)
+
+
+###############################################################################
+# Schema and migrations #######################################################
+###############################################################################
+# The desk's counts, the tables, their upgrades, the search index, opening a database.
+
+# The desk's filters show how many posts each decision, direction and
+# relevance has (overall and per source) from count tables, so that the desk
+# answers at once at a million posts. What they count is said once, here, and
+# all that keeps them is made from it: SQLite's triggers (in SCHEMA),
+# PostgreSQL's trigger function (in POSTGRES_EXTRA), the batches that take
+# new posts in (count_posts) and the workers' completions (count_completions).
+#
+# A post is counted once it is classified (classified = 1: DONE, see the
+# queue's states) and taken in (its id up to meta 'indexed_to'; newer posts
+# are taken in by batches, see index_new_posts), in the row of its values in
+# the table's key columns. post_counts counts the desk's cards (a story's
+# copies are counted with its first post); source_post_counts every post of
+# a source.
+CountTable = collections.namedtuple("CountTable", "name key cards_only")
+COUNT_TABLES = (CountTable("post_counts", ("status", "direction", "relevance"), True),
+                CountTable("source_post_counts", ("source_id", "status", "direction", "relevance"),
+                           False))
+# A post's value in each key column: no direction, relevance or source
+# counts as '' or 0.
+COUNTED_AS = {"status": "{row}status", "direction": "coalesce({row}direction, '')",
+              "relevance": "coalesce({row}relevance, 0)",
+              "source_id": "coalesce({row}source_id, 0)"}
+# Posts up to this id are counted in post_counts and searchable in posts_fts.
+INDEXED_TO = "indexed_to"
+
+
+def card(row=""):
+    """SQL: the post is a card of the desk, in no story or its story's first
+    post. `row` names the post: 'new.', 'old.', a table and a dot, or nothing."""
+    return f"({row}story_id IS NULL OR {row}story_id = {row}id)"
+
+
+def counted(table, row=""):
+    """SQL: `table` counts the post, once it is taken in."""
+    return " AND ".join([f"{row}classified = 1", *([card(row)] if table.cards_only else [])])
+
+
+def counted_value(column, row=""):
+    """SQL: the post's value in a key column of the count tables."""
+    return COUNTED_AS[column].format(row=row)
+
+
+def taken_in(row=""):
+    """SQL: the post is taken in (NULL while no post is)."""
+    return f"{row}id <= (SELECT CAST(value AS BIGINT) FROM meta WHERE key = '{INDEXED_TO}')"
+
+
+def counting(row):
+    """SQL: what counting the post needs, as the columns of a row: its value
+    in each key column (named as the column), whether it is taken in, and
+    whether each count table counts it (named as the table)."""
+    return ", ".join([*(f"{counted_value(column, row)} AS {column}" for column in COUNTED_AS),
+                      f"({taken_in(row)}) AS taken_in",
+                      *(f"({counted(table, row)}) AS {table.name}" for table in COUNT_TABLES)])
+
+
+# What changes a count, as the triggers of both databases see it: (SQLite's
+# trigger, the change, when it counts, its steps; see count_step). A
+# completion into 'new' by a worker's claim, the common case, is counted by
+# the worker, a batch at a time (count_completions). Any other completion
+# only adds one to rows made ready beforehand (ready_counts): an insert in a
+# trigger costs several times an update.
+CountEvent = collections.namedtuple("CountEvent", "trigger change when steps")
+# A post classified into 'new' just now.
+COMPLETION = "new.classified = 1 AND coalesce(old.classified, 0) != 1 AND new.status = 'new'"
+# The columns of posts a count depends on.
+COUNTED_COLUMNS = ("classified", *COUNTED_AS, "story_id")
+COUNT_EVENTS = (
+    CountEvent("posts_completed", "UPDATE OF classified",
+               f"{COMPLETION} AND old.claim_token IS NULL", ("ready",)),
+    CountEvent("posts_recounted", f"UPDATE OF {', '.join(COUNTED_COLUMNS)}",
+               f"(old.classified = 1 OR new.classified = 1) AND NOT ({COMPLETION})",
+               ("out", "in")),
+    CountEvent("posts_uncounted", "DELETE", "old.classified = 1", ("out",)),
+)
+
+
+def count_step(table, step):
+    """SQL of a trigger's step on `table`: 'out' takes the post as it was
+    out of its row, 'in' adds it as it is to its row (made if need be),
+    'ready' adds it to its row if that row is there."""
+    columns = ", ".join(table.key)
+    if step == "in":
+        return (f"INSERT INTO {table.name} ({columns}, n)\n"
+                f"SELECT {', '.join(counted_value(column, 'new.') for column in table.key)}, 1\n"
+                f"WHERE {counted(table, 'new.')}\n"
+                f"ON CONFLICT ({columns}) DO UPDATE SET n = {table.name}.n + 1")
+    row, sign = ("old.", "-") if step == "out" else ("new.", "+")
+    return (f"UPDATE {table.name} SET n = n {sign} 1\n"
+            f"WHERE {counted(table, row)}"
+            + "".join(f"\n  AND {column} = {counted_value(column, row)}" for column in table.key))
+
+
+def count_steps(event, indent):
+    """SQL: an event's steps on every count table, one statement a line."""
+    return textwrap.indent("".join(f"{count_step(table, step)};\n" for step in event.steps
+                                   for table in COUNT_TABLES), " " * indent)
+
+
+def sqlite_count_triggers():
+    """SQLite's triggers that keep the counts, one per COUNT_EVENTS."""
+    return "".join(f"CREATE TRIGGER IF NOT EXISTS {event.trigger} AFTER {event.change} ON posts\n"
+                   f"WHEN ({event.when})\n"
+                   f"    AND {taken_in('old.')}\n"
+                   f"BEGIN\n{count_steps(event, 4)}END;\n" for event in COUNT_EVENTS)
+
+
+def postgres_count_function():
+    """PostgreSQL's trigger function that keeps the counts: COUNT_EVENTS as
+    the branches of one IF."""
+    branches = "".join(f"    ELSIF TG_OP = '{event.change.split()[0]}' AND ({event.when}) THEN\n"
+                       f"{count_steps(event, 8)}" for event in COUNT_EVENTS)
+    return (f"CREATE OR REPLACE FUNCTION vesti_count_posts() RETURNS trigger\n"
+            f"LANGUAGE plpgsql AS $$\n"
+            f"BEGIN\n"
+            f"    IF ({taken_in('old.')}) IS NOT TRUE THEN\n"
+            f"        RETURN NULL;\n"
+            f"{branches}"
+            f"    END IF;\n"
+            f"    RETURN NULL;\n"
+            f"END $$")
+
+
+def postgres_count_trigger():
+    return (f"CREATE TRIGGER posts_counts\n"
+            f"AFTER UPDATE OF {', '.join(COUNTED_COLUMNS)} OR DELETE ON posts\n"
+            f"FOR EACH ROW EXECUTE FUNCTION vesti_count_posts()")
+
+
+SCHEMA = """\
+CREATE TABLE IF NOT EXISTS sources (
+    id INTEGER PRIMARY KEY,
+    slug TEXT NOT NULL UNIQUE,
+    name TEXT NOT NULL DEFAULT '',
+    crawler TEXT NOT NULL DEFAULT 'rss',
+    url TEXT NOT NULL DEFAULT '',
+    direction TEXT,
+    priority INTEGER NOT NULL DEFAULT 0,
+    enabled INTEGER NOT NULL DEFAULT 1,
+    status TEXT NOT NULL DEFAULT 'alive',
+    last_fetch TEXT,
+    last_error TEXT,
+    error_count INTEGER NOT NULL DEFAULT 0,
+    next_fetch_at TEXT,
+    post_count INTEGER NOT NULL DEFAULT 0,
+    -- Its rhythm: when it last brought new posts, the gaps between them
+    -- (seconds, JSON, the latest last), since when it has been silent.
+    last_new_at TEXT,
+    rhythm TEXT,
+    silent_since TEXT,
+    -- Figures for the operator, refreshed after each of its runs.
+    week_posts INTEGER NOT NULL DEFAULT 0,
+    relevant_share REAL,
+    approved INTEGER NOT NULL DEFAULT 0
+);
+
+CREATE TABLE IF NOT EXISTS posts (
+    id INTEGER PRIMARY KEY,
+    source_id INTEGER,
+    external_id TEXT,
+    url TEXT,
+    canonical_url TEXT,
+    title TEXT NOT NULL DEFAULT '',
+    text TEXT NOT NULL DEFAULT '',
+    content_type TEXT NOT NULL DEFAULT 'full',
+    sha256 TEXT,
+    fetched_at TEXT NOT NULL DEFAULT (datetime('now')),
+    published_at TEXT,
+    status TEXT NOT NULL DEFAULT 'new',
+    classified INTEGER DEFAULT 0,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    claimed_at TEXT,
+    claim_token TEXT,
+    next_attempt_at TEXT,
+    error TEXT,
+    direction TEXT,
+    relevance INTEGER,
+    interest INTEGER,
+    summary TEXT,
+    article_url TEXT,
+    edited_at TEXT,
+    keywords TEXT,
+    reason TEXT,
+    decided_at TEXT,
+    decided_by TEXT,
+    story_id INTEGER,
+    -- 1: the entry gave no date (or one far in the future), so published_at
+    -- is the time it was fetched.
+    undated INTEGER NOT NULL DEFAULT 0,
+    -- What a Telegram post said as the channel last gave it (its words and a
+    -- teaser's link, see words_sha256): an edit is told apart from the
+    -- article fetched in place of a teaser.
+    words_sha256 TEXT,
+    -- The verdicts of its earlier words (JSON, {words_sha256: verdict}, the
+    -- last few): an edit back to them is not classified again.
+    verdicts TEXT,
+    -- The decision an edit of its words took back, who made it and when, and
+    -- the title and text it was made on: the desk shows the post as edited
+    -- after that decision until it is decided again.
+    old_decision TEXT,
+    old_decided_at TEXT,
+    old_decided_by TEXT,
+    old_title TEXT,
+    old_text TEXT
+);
+-- The queue: each state has its own small index, so a claim or a completion
+-- touches only the indexes of the states it leaves and enters, and each
+-- queue size is counted from its index alone. The claim takes the oldest
+-- pending post; leases look at claims by age; done today counts completed
+-- posts by fetched_at.
+CREATE INDEX IF NOT EXISTS posts_pending ON posts(id, classified) WHERE classified IS NULL OR classified = 0;
+CREATE INDEX IF NOT EXISTS posts_claimed ON posts(claimed_at, classified) WHERE classified = -1;
+CREATE INDEX IF NOT EXISTS posts_failed ON posts(classified) WHERE classified = -2;
+CREATE INDEX IF NOT EXISTS posts_done ON posts(fetched_at, classified) WHERE classified = 1;
+CREATE INDEX IF NOT EXISTS posts_sha256 ON posts(sha256);
+CREATE INDEX IF NOT EXISTS posts_canonical_url ON posts(canonical_url);
+CREATE INDEX IF NOT EXISTS posts_external_id ON posts(source_id, external_id);
+-- A channel's recent posts (re-read for edits) without walking all of its posts.
+CREATE INDEX IF NOT EXISTS posts_source_time ON posts(source_id, published_at);
+-- The desk: classified posts of one decision, newest first or by a score.
+CREATE INDEX IF NOT EXISTS posts_desk ON posts(status, published_at, id) WHERE classified = 1;
+CREATE INDEX IF NOT EXISTS posts_desk_relevance ON posts(status, relevance, published_at, id) WHERE classified = 1;
+CREATE INDEX IF NOT EXISTS posts_desk_interest ON posts(status, interest, published_at, id) WHERE classified = 1;
+CREATE INDEX IF NOT EXISTS posts_decided ON posts(status, decided_at);
+
+CREATE TABLE IF NOT EXISTS rss_state (
+    source_id INTEGER PRIMARY KEY,
+    etag TEXT,
+    modified TEXT,
+    last_build_date TEXT,
+    last_error TEXT,
+    status TEXT,
+    http_status INTEGER,
+    body_sha256 TEXT,
+    moved_to TEXT,
+    keep_fragments INTEGER NOT NULL DEFAULT 0,
+    ttl INTEGER,
+    updated_at TEXT
+);
+
+CREATE TABLE IF NOT EXISTS tg_state (
+    source_id INTEGER PRIMARY KEY,
+    last_message_id INTEGER NOT NULL DEFAULT 0,
+    updated_at TEXT,
+    channel_id INTEGER,
+    access_hash INTEGER,
+    username TEXT
+);
+
+CREATE TABLE IF NOT EXISTS runs (
+    id INTEGER PRIMARY KEY,
+    source_id INTEGER,
+    task TEXT NOT NULL DEFAULT '',
+    trigger TEXT NOT NULL DEFAULT 'cli',
+    started_at TEXT NOT NULL DEFAULT (datetime('now')),
+    finished_at TEXT,
+    status TEXT NOT NULL DEFAULT 'running',
+    new_posts INTEGER NOT NULL DEFAULT 0,
+    error TEXT,
+    pid INTEGER
+);
+CREATE INDEX IF NOT EXISTS runs_source ON runs(source_id, id);
+
+-- New posts per source and UTC day: the last week's figure on /crawlers.
+CREATE TABLE IF NOT EXISTS source_days (
+    source_id INTEGER NOT NULL,
+    day TEXT NOT NULL,
+    new_posts INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (source_id, day)
+);
+
+-- Facts the processes leave for each other: the web page's token secret, the
+-- workers' last sign of life, Ollama's state.
+CREATE TABLE IF NOT EXISTS meta (
+    key TEXT PRIMARY KEY,
+    value TEXT,
+    updated_at TEXT
+);
+
+-- Monotonic counters for /metrics (fetch outcomes, new posts, LLM calls and
+-- their latency), kept here so they survive a restart.
+CREATE TABLE IF NOT EXISTS counters (
+    name TEXT NOT NULL,
+    labels TEXT NOT NULL DEFAULT '',
+    value REAL NOT NULL DEFAULT 0,
+    PRIMARY KEY (name, labels)
+);
+
+-- Classified posts counted by decision, direction and relevance (and the same
+-- per source): the desk's filter counts without scanning posts. Overall a
+-- story counts once, as the desk shows it; per source every post counts. Posts up to
+-- meta 'indexed_to' are counted here and searchable in posts_fts; newer ones
+-- are added in batches (index_new_posts), which costs a tenth of doing it
+-- row by row as they are stored. Triggers keep what is already in step.
+CREATE TABLE IF NOT EXISTS post_counts (
+    status TEXT NOT NULL,
+    direction TEXT NOT NULL,
+    relevance INTEGER NOT NULL,
+    n INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (status, direction, relevance)
+);
+CREATE TABLE IF NOT EXISTS source_post_counts (
+    source_id INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    direction TEXT NOT NULL,
+    relevance INTEGER NOT NULL,
+    n INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (source_id, status, direction, relevance)
+);
+-- The triggers that keep them are made from one description of what they
+-- count (COUNT_EVENTS in vesti.py).
+""" + sqlite_count_triggers() + """
+-- Full-text search over title and text (SQLite FTS5; where a Python build
+-- lacks it, search falls back to LIKE).
+CREATE VIRTUAL TABLE IF NOT EXISTS posts_fts USING fts5(title, text, content='posts', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
+CREATE TRIGGER IF NOT EXISTS posts_fts_update AFTER UPDATE OF title, text ON posts WHEN old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN INSERT INTO posts_fts (posts_fts, rowid, title, text) VALUES ('delete', old.id, old.title, old.text); INSERT INTO posts_fts (rowid, title, text) VALUES (new.id, new.title, new.text); END;
+CREATE TRIGGER IF NOT EXISTS posts_fts_delete AFTER DELETE ON posts WHEN old.id <= (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'indexed_to') BEGIN INSERT INTO posts_fts (posts_fts, rowid, title, text) VALUES ('delete', old.id, old.title, old.text); END;
+-- Stories: the near-duplicate keys (MinHash bands of its text and of its lead)
+-- of every post the workers have looked at; a post's look-up for its story
+-- is a few index seeks. Keys of posts older than VESTI_STORY_HOURS are pruned.
+CREATE TABLE IF NOT EXISTS story_keys (
+    key INTEGER NOT NULL,
+    post_id INTEGER NOT NULL,
+    PRIMARY KEY (key, post_id)
+) WITHOUT ROWID;
+-- A story's copies (its first post is found by its id) in the order they
+-- came: a card reads its first few and counts a capped number of them along
+-- the index, however many there are. Every query of them says
+-- `story_id != id`, or the index could not be used for it.
+CREATE INDEX IF NOT EXISTS posts_story ON posts(story_id, id) WHERE story_id IS NOT NULL AND story_id != id;
+-- Runs still marked running: a stopped or killed crawl leaves them behind.
+CREATE INDEX IF NOT EXISTS runs_running ON runs(pid) WHERE status = 'running';
+"""
+
+
 def schema_statements(fts5=FTS5):
     """SCHEMA as statements, comments dropped, in the order they can run:
     tables, then indexes, then triggers. Without FTS5 the search table and
@@ -1972,18 +2135,6 @@ def schema_statements(fts5=FTS5):
         return ("CREATE TABLE", "CREATE VIRTUAL", "CREATE INDEX", "CREATE TRIGGER").index(
             " ".join(statement.split()[:2]))
     return sorted(statements, key=kind)
-
-
-def sql_statements(script):
-    """The statements of an SQL script, each without its ';' (a trigger's
-    body holds statements of its own: SQLite tells where one ends)."""
-    statements, lines = [], []
-    for line in script.splitlines():
-        lines.append(line)
-        if line.endswith(";") and sqlite3.complete_statement("\n".join(lines)):
-            statements.append("\n".join(lines)[:-1])
-            lines = []
-    return statements
 
 
 @functools.lru_cache(maxsize=None)
@@ -2076,8 +2227,6 @@ def migrate(conn):
         if recount:
             count_again(conn)
 
-
-# PostgreSQL's schema ----------------------------------------------------------
 
 # SCHEMA is the one description of the tables and indexes; PostgreSQL's are
 # made from it by changing only the column definitions of its tables (no
@@ -2414,9 +2563,196 @@ class Database:
                 conn.close()
 
 
-# posts.classified: the queue's states (NULL counts as pending).
-PENDING, PROCESSING, DONE, FAILED = 0, -1, 1, -2
-IS_PENDING = f"(classified IS NULL OR classified = {PENDING})"
+###############################################################################
+# Stories #####################################################################
+###############################################################################
+# The same news in other words: keys, look-ups, leads, a story's verdict for its copies, the key helper.
+
+# The same news in other words, found without a model: a post's text becomes
+# word shingles (three words in a row, Unicode-aware, numbers kept as written,
+# links and @handles dropped), MinHash signatures of its whole text and of its
+# lead, and LSH band keys kept in story_keys. A look-up seeks its own keys,
+# and checks the few posts found against its own text exactly: the same
+# story shares most of its wording (or, for a teaser, its lead is the other's
+# opening), and carries no number the other lacks ("QEMU 10.0" is not
+# "QEMU 10.1").
+STORY_WORD = re.compile(r"\w+(?:[.,:/-]\w+)*")
+STORY_NOISE = re.compile(r"https?://\S+|www\.\S+|t\.me/\S+|@\w+")
+SHINGLE = 3
+LEAD_WORDS = 40
+LEAD_NUMBERS = 20        # a teaser may stop anywhere after this many words
+# Bands of two rows: a pair of texts with half their shingles in common meets
+# in one of eight bands nine times in ten. Each key is one index entry to
+# write per post (a random page of story_keys), so a post has twelve, not more.
+BAND_ROWS = 2
+BODY_BANDS = 8
+LEAD_BANDS = 4
+SAME_WORDING = 0.5       # Jaccard of shingles
+SAME_LEAD = 0.8          # share of a teaser's shingles found in the article
+TEASER_SHARE = 0.6       # a teaser has at most this share of the article's shingles
+STORY_CANDIDATES = 20
+# Fewer words than this ("Photo of the day", "Read more…") tell no story apart.
+STORY_MIN_WORDS = 12
+# A copy whose story's first post is still being classified waits this long.
+STORY_WAIT = 10
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def story_words(title, text):
+    """The words a story is recognised by: the text's, or with a bare text
+    (a caption, a headline-only entry) the title's too."""
+    words = STORY_WORD.findall(STORY_NOISE.sub(" ", (text or "").casefold()))
+    if len(words) < SHINGLE * 3:
+        words = STORY_WORD.findall(STORY_NOISE.sub(" ", f"{title or ''} {text or ''}".casefold()))
+    return words
+
+
+def shingle_hashes(words):
+    """Stable 32-bit hashes of the word shingles in order (the same in every
+    process): the CRC-32 of each SHINGLE words in a row, joined by spaces."""
+    if len(words) < SHINGLE:
+        return [zlib.crc32(" ".join(words).encode())] if words else []
+    # Encoded in one go: a word has no space in it.
+    encoded = " ".join(words).encode().split(b" ")
+    return list(map(zlib.crc32, map(b" ".join, zip(*(encoded[i:] for i in range(SHINGLE))))))
+
+
+def shingles(words):
+    return set(shingle_hashes(words))
+
+
+def minhash(hashes, count):
+    """A MinHash signature of `count` values (a power of two) in one pass:
+    each shingle's mixed hash falls in one of `count` bins, each bin keeps
+    its least value, and an empty bin borrows from the next full one (one
+    permutation hashing, densified by rotation)."""
+    bits = count.bit_length() - 1
+    shift, low = 64 - bits, (1 << (64 - bits)) - 1
+    bins = [None] * count
+    for h in hashes:
+        mixed = (h * _GOLDEN) & _MASK64
+        slot, value = mixed >> shift, mixed & low
+        if bins[slot] is None or value < bins[slot]:
+            bins[slot] = value
+    signature = list(bins)
+    for slot in range(count):
+        distance = 1
+        while signature[slot] is None:
+            borrowed = bins[(slot + distance) % count]
+            if borrowed is not None:
+                signature[slot] = borrowed + distance * low
+            distance += 1
+    return signature
+
+
+_blake2b_64 = functools.partial(hashlib.blake2b, digest_size=8)
+_BAND_VALUES = ", ".join(["%d"] * BAND_ROWS)
+
+
+def band_keys(signature, kind, numbers):
+    """One 63-bit key per band of BAND_ROWS values. The numbers of the text
+    are part of every key: posts from one template with other figures
+    ("QEMU 10.0" and "10.1", today's rates) never even meet."""
+    # Each key is the hash of the repr of (kind, band, [its values], numbers).
+    head, rest = f"({kind!r}, ", f"], {numbers!r})"
+    bands = enumerate(zip(*(signature[row::BAND_ROWS] for row in range(BAND_ROWS))))
+    texts = [f"{head}{band}, [{_BAND_VALUES % values}{rest}".encode() for band, values in bands]
+    digests = b"".join([digest.digest() for digest in map(_blake2b_64, texts)])
+    return [key >> 1 for key in struct.unpack(f">{len(texts)}Q", digests)]
+
+
+def story_keys(words):
+    """The lead's band keys (every post: a teaser is all lead), and the whole
+    text's when it is longer than its lead; none for a text too short to
+    tell one story from another."""
+    if len(words) < STORY_MIN_WORDS:
+        return []
+    hashes = shingle_hashes(words)
+    lead = words[:LEAD_WORDS]
+    keys = band_keys(minhash(hashes[:len(lead) - SHINGLE + 1], LEAD_BANDS * BAND_ROWS), "lead",
+                     sorted(numbers_of(lead[:LEAD_NUMBERS])))
+    if len(words) > LEAD_WORDS:
+        keys += band_keys(minhash(hashes, BODY_BANDS * BAND_ROWS), "body",
+                          sorted(numbers_of(words)))
+    return keys
+
+
+HAS_DIGIT = re.compile(r"\d").search
+
+
+def numbers_of(words):
+    return {word for word in words if not word.isalpha() and HAS_DIGIT(word)}
+
+
+def same_story(words, other_words):
+    """Checked exactly: the same wording, or a teaser that is the other's
+    opening; and no number in the shorter that the longer lacks."""
+    small, large = sorted((words, other_words), key=len)
+    if not numbers_of(small) <= numbers_of(large):
+        return False
+    a, b = shingles(small), shingles(large)
+    if not a or not b:
+        return False
+    shared = len(a & b)
+    if shared / len(a | b) >= SAME_WORDING:
+        return True
+    return len(a) <= TEASER_SHARE * len(b) and shared / len(a) >= SAME_LEAD
+
+
+# A copy takes its story's verdict unseen, is shown under its card and is
+# decided with it: it is taken on trust for what the story's first post says,
+# and for no more. A copy that adds a link to another site (an advert around a
+# copied post), or much text of its own, is no copy: it is classified on its
+# own words and is a card of its own, which deciding the story leaves alone.
+# "Much": more than ADDED_SHARE of its shingles are not the first post's. On
+# the labelled set a changed sentence adds up to 0.44 of a copy's shingles,
+# boilerplate around it 0.1; all of a post's words and as many again, 0.5. A
+# teaser is all a story's first post may say of it: when that post ends cut
+# short ("…"), a copy may go on where it stops (its article, links and all);
+# but the teaser with a link of its own is an advert all the same.
+ADDED_SHARE = 0.45
+STORY_LINK = re.compile(r"https?://[^\s<>\"']+|www\.[^\s<>\"']+")
+# Each Telegram channel is a site of its own (t.me/<channel>). A repost's
+# source line ("Источник: @channel https://t.me/channel/4821", "via @channel")
+# names the channel it comes from: a link to that channel adds nothing.
+TELEGRAM_CHANNEL = re.compile(r"(?:https?://)?(?:www\.)?(?:t|telegram)\.me/(?:s/)?(\w+)", re.I)
+SOURCE_NAMED = re.compile(r"(?<!\w)(?:источник|source|via)\s*[:—-]?\s*"
+                          r"(?:@|(?:https?://)?(?:www\.)?(?:t|telegram)\.me/(?:s/)?)(\w+)", re.I)
+CUT_SHORT = re.compile(r"(?:…|\.\.\.|\[…\]|\[\.\.\.\])\s*$")
+
+
+def adds_to(words, text, lead_words, lead_text, lead_url):
+    """True when a copy (its story words and text) carries what its story's
+    first post (its words, text and address) does not: a link to a site
+    other than the first post's own, those it links to and the channel the
+    copy names as its source, or more than ADDED_SHARE of its shingles; of
+    a first post cut short, a link of its own without that much text."""
+    named = {f"t.me/{channel.lower()}" for channel in SOURCE_NAMED.findall(text or "")}
+    linked = bool(link_sites(text) - link_sites(lead_text) - {link_site(lead_url or "")} - named)
+    own = shingles(words)
+    goes_on = len(own - shingles(lead_words)) > ADDED_SHARE * len(own)
+    if CUT_SHORT.search(lead_text or ""):
+        return linked and not goes_on
+    return linked or goes_on
+
+
+def link_sites(text):
+    """The sites a text links to (see link_site)."""
+    return {link_site(link) for link in STORY_LINK.findall(text or "")}
+
+
+def link_site(link):
+    """A link's host (www. left out), or t.me/<channel> for a Telegram channel's."""
+    channel = TELEGRAM_CHANNEL.match(link)
+    return f"t.me/{channel[1].lower()}" if channel else link_host(link)
+
+
+def link_host(link):
+    with contextlib.suppress(ValueError):
+        host = urllib.parse.urlsplit(link if "://" in link else f"http://{link}").hostname or ""
+        return host.removeprefix("www.").rstrip(".")
+    return ""
 
 
 def copies_of(table=""):
@@ -2424,21 +2760,6 @@ def copies_of(table=""):
     the posts_story index has them (`table`: the posts' alias and a dot)."""
     return f"({table}story_id = ? AND {table}story_id != {table}id)"
 
-
-def insert_rows(conn, into, rows, conflict=""):
-    """INSERT INTO `into` VALUES (…), (…) `conflict`: many rows in one
-    statement, so one round trip to a database server (executemany costs
-    one per row there)."""
-    rows = list(rows)
-    for first in range(0, len(rows), 500):
-        chunk = rows[first:first + 500]
-        # The rows are of one width.
-        marks = ", ".join([f"({', '.join('?' * len(chunk[0]))})"] * len(chunk))
-        conn.execute(f"INSERT INTO {into} VALUES {marks} {conflict}",
-                     list(itertools.chain.from_iterable(chunk)))
-
-
-# Stories ---------------------------------------------------------------------
 
 # A post entering its story: its id, the title and text its words are taken
 # from (only needed when it has candidates to check), story_keys and story_since.
@@ -2759,7 +3080,221 @@ def prune_story_keys(conn, hours, now=None):
                             (first if first is not None else 1 << 62,)).rowcount
 
 
-# Queue ----------------------------------------------------------------------
+# With keywords alone deciding, working out a post's story keys (pure Python)
+# is half of what the post costs, and a worker's threads share one
+# interpreter: a batch of at least KEY_HELPER_BATCH quick posts has its keys
+# worked out in a helper process, on another core, while the worker
+# classifies it (in requests of KEY_HELPER_CHUNK posts, so the first come
+# back soon). The helper starts with the first such batch, and only where
+# this process may use more than one core.
+KEY_HELPER_BATCH = 32
+KEY_HELPER_CHUNK = 128
+# A helper that has not answered in this long is taken to be stuck.
+KEY_HELPER_WAIT = 60
+
+
+def serve_story_keys(requests=None, answers=None):
+    """The helper process of KeyHelper: for each line of JSON [[title, text],
+    ...] read, a line of JSON with their story keys, in order, until its
+    input ends. Signals are for the worker: it closes the input to stop."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    requests, answers = requests or sys.stdin.buffer, answers or sys.stdout.buffer
+    with contextlib.suppress(BrokenPipeError):
+        for line in requests:
+            keys = [story_keys(story_words(title, text)) for title, text in json.loads(line)]
+            answers.write(json.dumps(keys, separators=(",", ":")).encode() + b"\n")
+            answers.flush()
+
+
+class KeyHelper:
+    """Story keys worked out by a helper process (serve_story_keys), asked
+    for in the background: ask() returns a Future at once. Questions go
+    out and answers come back in order, one line of JSON each, through a
+    writer and a reader thread. Once the helper is gone (it cannot start,
+    it died), every question fails with HelperGone at once, and the caller
+    works the keys out itself."""
+
+    command = [sys.executable, "-I", "-c",
+               "import sys; sys.path.insert(0, sys.argv[1]); import vesti; vesti.serve_story_keys()",
+               os.path.dirname(os.path.abspath(__file__))]
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.process = None
+        self.questions = queue.SimpleQueue()    # (future, pairs) to write
+        self.asked = collections.deque()        # (future, how many pairs) written, not answered
+        self.gone = None                        # why the helper stopped
+
+    def ask(self, pairs):
+        """A Future of the story keys of these (title, text) pairs."""
+        future = Future()
+        with self.lock:
+            if self.process is None and self.gone is None:
+                self.start()
+            if self.gone is None:
+                self.questions.put((future, pairs))
+                return future
+        future.set_exception(HelperGone(self.gone))
+        return future
+
+    def start(self):
+        try:
+            self.process = subprocess.Popen(self.command, stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        except (OSError, ValueError) as e:
+            self.give_up(f"the helper process for story keys did not start ({e})")
+            return
+        for target, name in ((self.write, "key-questions"), (self.read, "key-answers")):
+            threading.Thread(target=target, name=name, daemon=True).start()
+
+    def write(self):
+        pipe = self.process.stdin
+        while (question := self.questions.get()) is not None:
+            future, pairs = question
+            with self.lock:
+                if self.gone is not None:
+                    future.set_exception(HelperGone(self.gone))
+                    continue
+                self.asked.append((future, len(pairs)))
+            try:
+                pipe.write(json.dumps(pairs).encode() + b"\n")
+                pipe.flush()
+            except (OSError, ValueError):
+                self.give_up(self.ended())
+        with contextlib.suppress(OSError):
+            pipe.close()
+
+    def read(self):
+        for line in self.process.stdout:
+            with self.lock:
+                future, count = self.asked.popleft() if self.asked else (None, 0)
+            try:
+                keys = json.loads(line)
+            except ValueError:
+                keys = None
+            if future is None or not isinstance(keys, list) or len(keys) != count:
+                self.give_up("the helper process for story keys answered out of turn")
+                if future is not None:
+                    future.set_exception(HelperGone(self.gone))
+                self.process.kill()
+                break
+            future.set_result(keys)
+        self.give_up(self.ended())
+
+    def ended(self):
+        """Why the helper is gone: it exited (or, no longer talking, is made to)."""
+        try:
+            code = self.process.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        return f"the helper process for story keys stopped (exit code {code})"
+
+    def give_up(self, reason, quietly=False):
+        """Fail every question not answered. The first reason stays, and is
+        said once (unless `quietly`)."""
+        with self.lock:
+            first, self.gone = self.gone is None, self.gone or reason
+            waiting, self.asked = list(self.asked), collections.deque()
+        if first and not quietly:
+            log.warning("%s; story keys are worked out in the worker from now on", reason)
+        for future, _ in waiting:
+            future.set_exception(HelperGone(self.gone))
+
+    def close(self):
+        """Stop the helper (its input closes, it exits), saying nothing."""
+        self.give_up("the helper process was closed", quietly=True)
+        process = self.process
+        if process is None:
+            return
+        self.questions.put(None)
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+# A card names this many of its story's other posts and counts the rest up
+# to STORY_COUNTED ("+1000+ sources"): a story thousands of posts joined costs
+# its card what a story of a thousand does.
+STORY_NAMED = 10
+STORY_COUNTED = 1000
+# A card's story line: the other posts it names (rows of id, url, source) and
+# how many other posts its story has (STORY_COUNTED: at least that many).
+StoryLine = collections.namedtuple("StoryLine", "named count")
+
+
+def story_copies(conn, posts):
+    """{card's post id: its StoryLine} for the cards of a page: the story's
+    first post, then its copies in the order they came."""
+    stories = sorted({post["story_id"] for post in posts if post["story_id"] is not None})
+    members = {row["id"]: [row] for row in story_leads(conn, stories)}
+    for row in first_copies(conn, stories):
+        members.setdefault(row["story_id"], []).append(row)
+    lines = {}
+    for post in posts:
+        story = members.get(post["story_id"], ())
+        others = [member for member in story if member["id"] != post["id"]]
+        if others:
+            count = story[0]["copies"] if story[0]["id"] == post["story_id"] else len(others)
+            lines[post["id"]] = StoryLine(others[:STORY_NAMED], count)
+    return lines
+
+
+def story_leads(conn, stories):
+    """The first posts of these stories (id, url, source), each with how many
+    copies its story has, up to STORY_COUNTED (counted in the copies' index)."""
+    if not stories:
+        return []
+    return conn.execute(f"""
+        SELECT p.id, p.url, s.name AS source,
+               (SELECT count(*) FROM (SELECT 1 FROM posts c WHERE c.story_id = p.id
+                                      AND c.story_id != c.id ORDER BY c.id
+                                      LIMIT {STORY_COUNTED}) AS c) AS copies
+        FROM posts p LEFT JOIN sources s ON s.id = p.source_id
+        WHERE p.id IN ({", ".join("?" * len(stories))})""", stories).fetchall()
+
+
+def first_copies(conn, stories):
+    """The first STORY_NAMED + 1 copies of each of these stories (story_id,
+    id, url, source), in the order they came: read along the copies' index,
+    however many there are."""
+    if not stories:
+        return []
+    return conn.execute(" UNION ALL ".join(f"""
+        SELECT * FROM (SELECT p.story_id, p.id, p.url, s.name AS source
+                       FROM posts p LEFT JOIN sources s ON s.id = p.source_id
+                       WHERE {copies_of("p.")} ORDER BY p.id LIMIT {STORY_NAMED + 1}) AS story{n}"""
+                                             for n in range(len(stories))), stories).fetchall()
+
+
+###############################################################################
+# Queue #######################################################################
+###############################################################################
+# Posts in, claims, verdicts out: the queue's states and transitions.
+
+# posts.classified: the queue's states (NULL counts as pending), and the
+# one function that moves a post along each arrow:
+#
+#   from        to          by
+#   (stored)    PENDING     store_posts
+#   DONE        PENDING     reword_post (a Telegram edit into other words)
+#   PENDING     PROCESSING  claim_posts, claim_post (a claim token and a lease)
+#   PROCESSING  DONE        complete_post, complete_and_claim (the claim still ours)
+#   PROCESSING  PENDING     release_post (after a backoff), defer_post (not the
+#                           post's fault: Ollama away, its story's verdict not in),
+#                           expire_leases (its worker died), release_claims,
+#                           give_back_posts, take_claim_back (edited meanwhile)
+#   PROCESSING  FAILED      release_post, expire_leases (its attempts used up)
+#   PENDING     (sooner)    wake_story_copies (its story's verdict came)
+#
+# A state changes in one statement or one short transaction, guarded by the
+# claim token where a worker holds the post.
+PENDING, PROCESSING, DONE, FAILED = 0, -1, 1, -2
+IS_PENDING = f"(classified IS NULL OR classified = {PENDING})"
+
 
 def queue_sizes(conn):
     """The four queue numbers, from posts alone (each from its state's index)."""
@@ -2994,7 +3529,6 @@ def complete_and_claim(conn, completions, claims, now=None, token=None, choose=N
     return written, posts
 
 
-
 # A claim given back for a reason that is not the post's own: its attempt uncounted.
 ATTEMPT_UNCOUNTED = "attempts = CASE WHEN attempts > 0 THEN attempts - 1 ELSE 0 END"
 
@@ -3102,8 +3636,6 @@ def give_back_posts(conn, tokens):
         WHERE classified = {PROCESSING} AND claim_token IN ({marks})""", tokens).rowcount
 
 
-# Posts ----------------------------------------------------------------------
-
 @dataclasses.dataclass
 class Draft:
     """A post as a crawler found it, before it is stored."""
@@ -3186,7 +3718,10 @@ def insert_new_posts(conn, source_id, direction, drafts, fetched_at=None):
     return new
 
 
-# Runs and health ------------------------------------------------------------
+###############################################################################
+# Records #####################################################################
+###############################################################################
+# Runs, health, feed and channel state, Telegram edits.
 
 @redoable
 def start_run(conn, source_id, task, trigger):
@@ -3364,8 +3899,6 @@ def reset_dead(conn):
                            WHERE status = 'dead'""").rowcount
 
 
-# Feed and channel state -----------------------------------------------------
-
 def load_rss_state(conn, source_id):
     row = conn.execute("SELECT * FROM rss_state WHERE source_id = ?", (source_id,)).fetchone()
     return dict(row) if row else {"source_id": source_id, "keep_fragments": 0}
@@ -3423,17 +3956,6 @@ def edit_floor(conn, source_id, hours, now=None):
                           WHERE source_id = ? AND published_at >= ?""",
                        (source_id, since)).fetchone()
     return row[0] - 1 if row and row[0] else None
-
-
-def meaningful_words(text):
-    return re.findall(r"\w+", (text or "").casefold())
-
-
-def words_sha256(text, link=None):
-    """sha256 of what a message says: its words (a comma or spacing changes
-    nothing) and the link of a teaser, which is classified on its article."""
-    said = " ".join(meaningful_words(text)) + (f"\n{link}" if link else "")
-    return hashlib.sha256(said.encode("utf-8")).hexdigest()
 
 
 @redoable
@@ -3578,133 +4100,10 @@ def save_last_message_id(conn, source_id, message_id):
                  (source_id, message_id, utc_text()))
 
 
-# Facts between processes ----------------------------------------------------
-
-def get_meta(conn, key):
-    row = conn.execute("SELECT value, updated_at FROM meta WHERE key = ?", (key,)).fetchone()
-    return (row[0], row[1]) if row else (None, None)
-
-
-def set_meta(conn, key, value):
-    conn.execute("""INSERT INTO meta (key, value, updated_at) VALUES (?, ?, ?)
-                    ON CONFLICT(key) DO UPDATE SET value = excluded.value,
-                                                   updated_at = excluded.updated_at""",
-                 (key, value, utc_text()))
-
-
-def delete_meta(conn, *keys):
-    conn.execute(f"DELETE FROM meta WHERE key IN ({','.join('?' * len(keys))})", keys)
-
-
-def lasting_secret(conn, key):
-    """A random secret made once and kept in the database, so what it signs
-    (the page's form tokens) outlives a restart."""
-    conn.execute("INSERT INTO meta (key, value, updated_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
-                 (key, secrets.token_hex(32), utc_text()))
-    return get_meta(conn, key)[0]
-
-
-def note_ollama_down(conn, error):
-    """Ollama is unreachable: the time it was first seen so is kept."""
-    conn.execute("""INSERT INTO meta (key, value, updated_at) VALUES ('ollama_down', ?, ?)
-                    ON CONFLICT(key) DO UPDATE SET value = excluded.value""",
-                 (error, utc_text()))
-
-
-def note_sources_rejected(conn, path, error):
-    """A changed sources.yaml that did not load, kept for every process's
-    pages until one does."""
-    set_meta(conn, "sources_rejected", json.dumps({"file": path, "error": error}))
-
-
-def sources_rejected(conn):
-    """(file, error, since when) of a sources.yaml edit that did not load,
-    or None."""
-    value, since = get_meta(conn, "sources_rejected")
-    if value is None:
-        return None
-    note = json.loads(value)
-    return note["file"], note["error"], since
-
-
-def forget_sources_rejected(conn, path):
-    """This sources.yaml loaded: a rejected edit of it is past."""
-    note = sources_rejected(conn)
-    if note and os.path.abspath(note[0]) == os.path.abspath(path):
-        delete_meta(conn, "sources_rejected")
-
-
-def classification_state(conn):
-    """What the workers last said about themselves and Ollama."""
-    rows = {row[0]: (row[1], row[2]) for row in conn.execute(
-        "SELECT key, value, updated_at FROM meta WHERE key IN "
-        "('worker_seen', 'ollama_down', 'classify_mode')")}
-    return {"worker_seen": rows.get("worker_seen", (None, None))[0],
-            "ollama_down_since": rows.get("ollama_down", (None, None))[1],
-            "ollama_error": rows.get("ollama_down", (None, None))[0],
-            "classify_mode": rows.get("classify_mode", (None, None))[0]}
-
-
-# Counters for /metrics -------------------------------------------------------
-
-# Upper bounds (seconds) of the LLM latency histogram's buckets.
-LLM_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
-FETCH_OUTCOMES = {"ok": "ok", "not_modified": "not_modified", "unchanged": "not_modified",
-                  "error": "error", "gone": "error", "deferred": "deferred"}
-
-
-@redoable
-def add_counts(conn, increments):
-    """Add to counters: {(name, labels): amount}, in one transaction."""
-    if not increments:
-        return
-    with transaction(conn):
-        upsert_counts(conn, increments)
-
-
-def upsert_counts(conn, increments):
-    insert_rows(conn, "counters (name, labels, value)",
-                [(name, labels, amount) for (name, labels), amount in sorted(increments.items())],
-                "ON CONFLICT(name, labels) DO UPDATE SET value = counters.value + excluded.value")
-
-
-def count_fetches(conn, crawler, results):
-    """A crawl's outcomes and new posts, by crawler kind."""
-    increments = {}
-    for result in results:
-        key = ("fetches", f'crawler="{crawler}",outcome="{FETCH_OUTCOMES[result.status]}"')
-        increments[key] = increments.get(key, 0) + 1
-        key = ("new_posts", f'crawler="{crawler}"')
-        increments[key] = increments.get(key, 0) + result.new_posts
-    add_counts(conn, increments)
-
-
-def llm_call_counts(latencies):
-    """The counter increments of LLM calls that took these many seconds."""
-    increments = {}
-    for seconds in latencies:
-        bucket = next((b for b in LLM_BUCKETS if seconds <= b), "+Inf")
-        for key, amount in ((("llm_calls", ""), 1), (("llm_seconds_sum", ""), seconds),
-                            (("llm_seconds_bucket", f'le="{bucket}"'), 1)):
-            increments[key] = increments.get(key, 0) + amount
-    return increments
-
-
-def counters(conn):
-    """{name: {labels: value}}."""
-    found = {}
-    for name, labels, value in conn.execute("SELECT name, labels, value FROM counters"):
-        found.setdefault(name, {})[labels] = value
-    return found
-
-
-def sources_by_status(conn):
-    return conn.execute("""SELECT crawler, CASE WHEN enabled = 0 THEN 'disabled'
-                                  WHEN status = 'alive' AND silent_since IS NOT NULL THEN 'silent'
-                                  ELSE status END, count(*) FROM sources GROUP BY 1, 2""").fetchall()
-
-
-# Reading for pages and commands ---------------------------------------------
+###############################################################################
+# Decisions and reads #########################################################
+###############################################################################
+# The editor's decisions, what pages and commands read, copying a database.
 
 def find_source(conn, slug):
     return conn.execute("SELECT * FROM sources WHERE slug = ?", (slug,)).fetchone()
@@ -3854,8 +4253,6 @@ def prune_runs(conn, days, now=None):
     return conn.execute("DELETE FROM runs WHERE started_at < ?", (since,)).rowcount
 
 
-# Copying a database ---------------------------------------------------------
-
 # What copy-db moves, each table after the ones its rows point to, with its
 # key. The count tables and the search index are made again from the posts.
 COPIED_TABLES = (("sources", ("id",)), ("rss_state", ("source_id",)),
@@ -3941,8 +4338,9 @@ def copy_database(source, target, quiet=False):
 
 
 ###############################################################################
-# Sources registry ############################################################
+# Sources #####################################################################
 ###############################################################################
+# Sources.yaml: directions, sources, checks, syncing them into the database.
 
 CRAWLERS = ("rss", "telegram")
 SLUG = re.compile(r"[a-z0-9_-]+")
@@ -4214,14 +4612,13 @@ def select_sources(conn, crawler, selection, now=None):
 
 
 ###############################################################################
-# HTTP fetching ###############################################################
+# Fetching ####################################################################
 ###############################################################################
+# HTTP GET with deadlines, redirects, the network policy, pace per host.
 
 MAX_REDIRECTS = 5
 PERMANENT_REDIRECTS = (301, 308)
 REDIRECTS = (301, 302, 303, 307, 308)
-WEB_SCHEMES = ("http", "https")
-DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def host_of(url):
@@ -4299,8 +4696,6 @@ class Response:
     moved_to: str = None
     location: str = None
 
-
-# Network policy --------------------------------------------------------------
 
 def why_refused(address):
     """Why a link may not reach this IP address (loopback, private, …), or
@@ -4541,34 +4936,6 @@ def retry_after_seconds(value, now=None):
     return None if when is None else max(0, when - (time.time() if now is None else now))
 
 
-def http_time(value):
-    """Seconds since the epoch of an HTTP date; None if unreadable."""
-    try:
-        when = email.utils.parsedate_to_datetime((value or "").strip())
-    except (TypeError, ValueError, IndexError, OverflowError):
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=datetime.timezone.utc)
-    return when.timestamp()
-
-
-def fresh_for(headers, now=None):
-    """Seconds the server says its answer stays fresh: Cache-Control max-age,
-    else Expires against the server's own Date. None when it says nothing or
-    asks to be asked every time; an unreadable Expires ("0") means stale."""
-    cache = (headers.get("cache-control") or "").lower()
-    age = re.search(r"(?:^|[,\s])max-age\s*=\s*\"?(\d{1,9})", cache)
-    if age:
-        return int(age[1])
-    if "no-cache" in cache or "no-store" in cache or not headers.get("expires"):
-        return None
-    expires = http_time(headers["expires"])
-    if expires is None:
-        return None
-    date = http_time(headers.get("date")) or (time.time() if now is None else now)
-    return max(0, int(expires - date))
-
-
 def request_headers(settings, extra=None):
     return {"User-Agent": settings.user_agent, "Accept-Encoding": "gzip, deflate",
             "Accept": "application/rss+xml, application/atom+xml, application/xml;q=0.9, "
@@ -4628,61 +4995,9 @@ def http_get(url, settings, headers=None, gate=None, home=None, patience=None):
 
 
 ###############################################################################
-# RSS crawler #################################################################
+# RSS #########################################################################
 ###############################################################################
-
-TRACKING_PARAMS = frozenset("""
-    fbclid gclid gclsrc dclid gbraid wbraid yclid ysclid msclkid twclid ttclid igshid
-    mc_cid mc_eid mkt_tok _openstat _hsenc _hsmi __hssc __hstc __hsfp hsctatracking
-    fb_action_ids fb_action_types fb_source fb_ref action_object_map action_type_map
-    action_ref_map gs_l oly_anon_id oly_enc_id vero_id vero_conv wickedid rb_clickid
-    s_cid ncid cmpid clickid ito spm scid _ga _gl zanpid ml_subscriber ml_subscriber_hash
-    """.split())
-TRACKING_PREFIXES = ("utm_", "ga_", "hmb_", "mtm_", "pk_", "itm_", "stm_", "wt_", "ns_")
-# Parameters that are tracking only with such a value (Medium's ?source=rss-…).
-TRACKING_VALUES = {"source": "rss", "ref": "rss", "feature": "youtube_gdata"}
-
-
-def is_tracking_param(pair):
-    name, _, value = urllib.parse.unquote_plus(pair).partition("=")
-    name = name.lower()
-    if name in TRACKING_VALUES:
-        return value.lower().startswith(TRACKING_VALUES[name])
-    return name in TRACKING_PARAMS or name.startswith(TRACKING_PREFIXES)
-
-
-def canonical_url(url, base=None, keep_fragment=False):
-    """The URL that identifies an article: scheme and host lowercased, default
-    port, tracking parameters and (unless asked) the fragment dropped, relative
-    links resolved against `base`. Kept parameters keep their order and
-    spelling: what remains is still the link an editor clicks."""
-    return canonical_urls(url, base)[keep_fragment]
-
-
-def canonical_urls(url, base=None):
-    """canonical_url without and with the fragment, worked out once."""
-    url = (url or "").strip()
-    if base:
-        url = urllib.parse.urljoin(base, url)
-    try:
-        parts = urllib.parse.urlsplit(url)
-        port = parts.port
-    except ValueError:
-        return url, url
-    scheme = parts.scheme.lower()
-    host = (parts.hostname or "").rstrip(".")
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = host if port is None or DEFAULT_PORTS.get(scheme) == port else f"{host}:{port}"
-    userinfo = parts.netloc.rpartition("@")[0]
-    if userinfo:
-        netloc = f"{userinfo}@{netloc}"
-    path = parts.path or ("/" if netloc else "")
-    query = "&".join(pair for pair in parts.query.split("&")
-                     if pair and not is_tracking_param(pair))
-    bare = urllib.parse.urlunsplit((scheme, netloc, path, query, ""))
-    return bare, urllib.parse.urlunsplit((scheme, netloc, path, query, parts.fragment))
-
+# Reading feeds (feedparser and a plain reader) and crawling them.
 
 # Shorter than this, a feed's text is a teaser: the article is fetched in phase 3.
 FULL_TEXT_MIN = 600
@@ -4833,10 +5148,6 @@ XML_DECLARATION = re.compile(r"^<\?xml[^>]*?>")
 URI_FIXER = re.compile("^([A-Za-z][A-Za-z0-9+-.]*://)(/*)(.*?)")
 CP1252 = {code: bytes([code]).decode("cp1252") for code in range(128, 160)
           if code not in (129, 141, 143, 144, 157)}
-
-
-class NotPlain(Exception):
-    """The fast path declines a feed: feedparser reads it."""
 
 
 def read_feed(body, feed_url, content_type, max_entries=None):
@@ -5436,8 +5747,9 @@ def crawl_rss(db, settings, selection=("all", None), trigger="cli", gate=None, q
 
 
 ###############################################################################
-# Telegram crawler ############################################################
+# Telegram ####################################################################
 ###############################################################################
+# Reading channels through Telethon and crawling them.
 
 # FloodWait up to this many seconds is waited out; a longer one defers the
 # whole Telegram crawl (the limit is the account's, not one channel's).
@@ -5451,20 +5763,6 @@ PEER_INVALID = ("ChannelInvalidError", "PeerIdInvalidError", "ChannelIdInvalidEr
 # Links to these hosts are other Telegram posts, not articles.
 TELEGRAM_HOSTS = ("t.me", "telegram.me", "telegram.org", "www.t.me")
 URL_IN_TEXT = re.compile(r"https?://[^\s<>\"'«»]+", re.IGNORECASE)
-
-
-CHANNEL_LINK = re.compile(
-    r"(?:(?:https?://)?(?:www\.)?(?:t|telegram)\.me/(?:s/)?|tg://resolve\?domain=|@)?"
-    r"(?P<name>[A-Za-z][A-Za-z0-9_]{3,31})(?:[/?#].*)?", re.IGNORECASE)
-
-
-def channel_name(url):
-    """'https://t.me/durov', 't.me/s/durov', 'tg://resolve?domain=durov',
-    '@durov' or 'durov' -> 'durov'; None for anything else (invite links)."""
-    match = CHANNEL_LINK.fullmatch(url.strip())
-    if not match or match["name"].lower() in ("joinchat", "addlist", "share"):
-        return None
-    return match["name"]
 
 
 def session_path(settings):
@@ -5899,6 +6197,11 @@ def telegram_login(settings):
           f"session saved to {session_path(settings)}. Keep that file private.")
 
 
+###############################################################################
+# Crawling ####################################################################
+###############################################################################
+# Every source of a selection crawled once.
+
 def crawl_everything(db, settings, selection=("all", None), trigger="cli", quiet=False,
                      client_factory=None, gate=None, stop=None):
     """Phase 1: RSS and Telegram sources at once, each in priority order."""
@@ -5931,6 +6234,7 @@ def crawl_everything(db, settings, selection=("all", None), trigger="cli", quiet
 ###############################################################################
 # Classification ##############################################################
 ###############################################################################
+# Keywords, Ollama's answers, articles' full text.
 
 class KeywordIndex:
     """Whole-word, case-insensitive keyword matching per direction. A keyword
@@ -6167,6 +6471,7 @@ def fetch_full_text(url, summary, settings, gate, home=""):
 ###############################################################################
 # Worker ######################################################################
 ###############################################################################
+# The pool of workers: what to classify how, claims, completions.
 
 # Consecutive connection failures after which workers stop asking Ollama.
 OLLAMA_DOWN_AFTER = 3
@@ -6189,17 +6494,8 @@ WORK_REPORT = 60
 # 3,900 with 1,024; no more with bigger ones).
 BATCH_WINDOW = 0.25
 MAX_BATCH = 1024
-# With keywords alone deciding, working out a post's story keys (pure Python)
-# is half of what the post costs, and a worker's threads share one
-# interpreter: a batch of at least KEY_HELPER_BATCH quick posts has its keys
-# worked out in a helper process, on another core, while the worker
-# classifies it (in requests of KEY_HELPER_CHUNK posts, so the first come
-# back soon). The helper starts with the first such batch, and only where
-# this process may use more than one core.
-KEY_HELPER_BATCH = 32
-KEY_HELPER_CHUNK = 128
-# A helper that has not answered in this long is taken to be stuck.
-KEY_HELPER_WAIT = 60
+
+
 # How often workers look whether the stories their waiting copies wait for
 # have their verdict (see WorkerPool.wake_copies).
 STORY_POLL = 0.2
@@ -6209,129 +6505,6 @@ def usable_cores():
     with contextlib.suppress(AttributeError, OSError):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
-
-
-def serve_story_keys(requests=None, answers=None):
-    """The helper process of KeyHelper: for each line of JSON [[title, text],
-    ...] read, a line of JSON with their story keys, in order, until its
-    input ends. Signals are for the worker: it closes the input to stop."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
-    requests, answers = requests or sys.stdin.buffer, answers or sys.stdout.buffer
-    with contextlib.suppress(BrokenPipeError):
-        for line in requests:
-            keys = [story_keys(story_words(title, text)) for title, text in json.loads(line)]
-            answers.write(json.dumps(keys, separators=(",", ":")).encode() + b"\n")
-            answers.flush()
-
-
-class KeyHelper:
-    """Story keys worked out by a helper process (serve_story_keys), asked
-    for in the background: ask() returns a Future at once. Questions go
-    out and answers come back in order, one line of JSON each, through a
-    writer and a reader thread. Once the helper is gone (it cannot start,
-    it died), every question fails with HelperGone at once, and the caller
-    works the keys out itself."""
-
-    command = [sys.executable, "-I", "-c",
-               "import sys; sys.path.insert(0, sys.argv[1]); import vesti; vesti.serve_story_keys()",
-               os.path.dirname(os.path.abspath(__file__))]
-
-    def __init__(self):
-        self.lock = threading.RLock()
-        self.process = None
-        self.questions = queue.SimpleQueue()    # (future, pairs) to write
-        self.asked = collections.deque()        # (future, how many pairs) written, not answered
-        self.gone = None                        # why the helper stopped
-
-    def ask(self, pairs):
-        """A Future of the story keys of these (title, text) pairs."""
-        future = Future()
-        with self.lock:
-            if self.process is None and self.gone is None:
-                self.start()
-            if self.gone is None:
-                self.questions.put((future, pairs))
-                return future
-        future.set_exception(HelperGone(self.gone))
-        return future
-
-    def start(self):
-        try:
-            self.process = subprocess.Popen(self.command, stdin=subprocess.PIPE,
-                                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        except (OSError, ValueError) as e:
-            self.give_up(f"the helper process for story keys did not start ({e})")
-            return
-        for target, name in ((self.write, "key-questions"), (self.read, "key-answers")):
-            threading.Thread(target=target, name=name, daemon=True).start()
-
-    def write(self):
-        pipe = self.process.stdin
-        while (question := self.questions.get()) is not None:
-            future, pairs = question
-            with self.lock:
-                if self.gone is not None:
-                    future.set_exception(HelperGone(self.gone))
-                    continue
-                self.asked.append((future, len(pairs)))
-            try:
-                pipe.write(json.dumps(pairs).encode() + b"\n")
-                pipe.flush()
-            except (OSError, ValueError):
-                self.give_up(self.ended())
-        with contextlib.suppress(OSError):
-            pipe.close()
-
-    def read(self):
-        for line in self.process.stdout:
-            with self.lock:
-                future, count = self.asked.popleft() if self.asked else (None, 0)
-            try:
-                keys = json.loads(line)
-            except ValueError:
-                keys = None
-            if future is None or not isinstance(keys, list) or len(keys) != count:
-                self.give_up("the helper process for story keys answered out of turn")
-                if future is not None:
-                    future.set_exception(HelperGone(self.gone))
-                self.process.kill()
-                break
-            future.set_result(keys)
-        self.give_up(self.ended())
-
-    def ended(self):
-        """Why the helper is gone: it exited (or, no longer talking, is made to)."""
-        try:
-            code = self.process.wait(timeout=1)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = self.process.wait()
-        return f"the helper process for story keys stopped (exit code {code})"
-
-    def give_up(self, reason, quietly=False):
-        """Fail every question not answered. The first reason stays, and is
-        said once (unless `quietly`)."""
-        with self.lock:
-            first, self.gone = self.gone is None, self.gone or reason
-            waiting, self.asked = list(self.asked), collections.deque()
-        if first and not quietly:
-            log.warning("%s; story keys are worked out in the worker from now on", reason)
-        for future, _ in waiting:
-            future.set_exception(HelperGone(self.gone))
-
-    def close(self):
-        """Stop the helper (its input closes, it exits), saying nothing."""
-        self.give_up("the helper process was closed", quietly=True)
-        process = self.process
-        if process is None:
-            return
-        self.questions.put(None)
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 class ClassifyStep:
@@ -7059,8 +7232,9 @@ def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
 
 
 ###############################################################################
-# Web #########################################################################
+# Web pages ###################################################################
 ###############################################################################
+# The pages' words, the crawlers page and the editor's desk.
 
 PAGE_SIZE = 50
 MAX_REQUEST_BODY = 64 * 1024
@@ -7406,12 +7580,6 @@ def minutes_since(stamp, now=None):
     return None if then is None else max(0, int(((time.time() if now is None else now) - then) // 60))
 
 
-def ollama_down(state, settings):
-    """Whether the workers last found Ollama unreachable (and it is still
-    the one asked)."""
-    return bool(state["ollama_down_since"] and settings.ollama_url)
-
-
 def banners(conn, settings, page):
     """Why classification is not happening, when it is not: Ollama down,
     no worker running while posts wait, or keyword-only mode; and a
@@ -7435,8 +7603,6 @@ def banners(conn, settings, page):
                             error=shorten(rejected[1].splitlines()[0], 300)))
     return "".join(f'<p class="banner" role="status">{text}</p>' for text in shown)
 
-
-# Crawlers page ---------------------------------------------------------------
 
 def queue_cards(queue, page):
     return '<section class="cards">' + "".join(
@@ -7553,8 +7719,6 @@ def crawlers_page(conn, page, settings):
                   refresh=queue["processing"] > 0)
 
 
-# The editor's desk -----------------------------------------------------------
-
 @dataclasses.dataclass
 class DeskQuery:
     """The desk's filters, read from the query string; anything unknown
@@ -7639,60 +7803,6 @@ def desk_filters(desk):
     elif not desk.source:
         where.append(ONE_CARD_PER_STORY)
     return where, params
-
-
-# A card names this many of its story's other posts and counts the rest up
-# to STORY_COUNTED ("+1000+ sources"): a story thousands of posts joined costs
-# its card what a story of a thousand does.
-STORY_NAMED = 10
-STORY_COUNTED = 1000
-# A card's story line: the other posts it names (rows of id, url, source) and
-# how many other posts its story has (STORY_COUNTED: at least that many).
-StoryLine = collections.namedtuple("StoryLine", "named count")
-
-
-def story_copies(conn, posts):
-    """{card's post id: its StoryLine} for the cards of a page: the story's
-    first post, then its copies in the order they came."""
-    stories = sorted({post["story_id"] for post in posts if post["story_id"] is not None})
-    members = {row["id"]: [row] for row in story_leads(conn, stories)}
-    for row in first_copies(conn, stories):
-        members.setdefault(row["story_id"], []).append(row)
-    lines = {}
-    for post in posts:
-        story = members.get(post["story_id"], ())
-        others = [member for member in story if member["id"] != post["id"]]
-        if others:
-            count = story[0]["copies"] if story[0]["id"] == post["story_id"] else len(others)
-            lines[post["id"]] = StoryLine(others[:STORY_NAMED], count)
-    return lines
-
-
-def story_leads(conn, stories):
-    """The first posts of these stories (id, url, source), each with how many
-    copies its story has, up to STORY_COUNTED (counted in the copies' index)."""
-    if not stories:
-        return []
-    return conn.execute(f"""
-        SELECT p.id, p.url, s.name AS source,
-               (SELECT count(*) FROM (SELECT 1 FROM posts c WHERE c.story_id = p.id
-                                      AND c.story_id != c.id ORDER BY c.id
-                                      LIMIT {STORY_COUNTED}) AS c) AS copies
-        FROM posts p LEFT JOIN sources s ON s.id = p.source_id
-        WHERE p.id IN ({", ".join("?" * len(stories))})""", stories).fetchall()
-
-
-def first_copies(conn, stories):
-    """The first STORY_NAMED + 1 copies of each of these stories (story_id,
-    id, url, source), in the order they came: read along the copies' index,
-    however many there are."""
-    if not stories:
-        return []
-    return conn.execute(" UNION ALL ".join(f"""
-        SELECT * FROM (SELECT p.story_id, p.id, p.url, s.name AS source
-                       FROM posts p LEFT JOIN sources s ON s.id = p.source_id
-                       WHERE {copies_of("p.")} ORDER BY p.id LIMIT {STORY_NAMED + 1}) AS story{n}"""
-                                             for n in range(len(stories))), stories).fetchall()
 
 
 DESK_COLUMNS = """p.id, p.title, p.url, p.summary, p.direction, p.relevance, p.interest,
@@ -8250,7 +8360,10 @@ def desk_page(conn, desk, page, directions, settings, sources=None):
     return layout(page, page.strings["desk"], body, "/")
 
 
-# Exports ---------------------------------------------------------------------
+###############################################################################
+# Exports and metrics #########################################################
+###############################################################################
+# Atom, JSON Feed, CSV and /metrics.
 
 # What XML 1.0 cannot hold even escaped (outside its Char production): control
 # characters other than tab and line breaks, surrogates, U+FFFE and U+FFFF.
@@ -8371,8 +8484,6 @@ def csv_export(posts):
     return out.getvalue()
 
 
-# Metrics ---------------------------------------------------------------------
-
 def metric_lines(name, kind, help_text, samples):
     """One metric family in Prometheus' text exposition format."""
     lines = [f"# HELP vesti_{name} {help_text}", f"# TYPE vesti_{name} {kind}"]
@@ -8431,7 +8542,10 @@ def metrics_text(conn):
     return "\n".join(lines) + "\n"
 
 
-# Passwords -------------------------------------------------------------------
+###############################################################################
+# Web server ##################################################################
+###############################################################################
+# Passwords, the routes, and the server that reads requests and answers them.
 
 # scrypt's cost for a kept password: one of OWASP's equivalent settings
 # (N=2**14, r=8, p=5: 16 MB, about a tenth of a second here), paid once per
@@ -8531,8 +8645,6 @@ class WrongPasswords:
             times.popleft()
         return times
 
-
-# The web application ---------------------------------------------------------
 
 def basic_credentials(header):
     """(user, password) of a Basic Authorization header, or None."""
@@ -8852,7 +8964,6 @@ class WebApp:
         request.reply(200, "text/plain", b"ok\n")
 
 
-# The web server --------------------------------------------------------------
 #
 # One thread (the front) accepts connections and reads each request whole,
 # without a thread per connection; a pool of threads answers whole requests
@@ -9441,6 +9552,7 @@ def announce_web(server, settings, generated):
 ###############################################################################
 # Scheduler ###################################################################
 ###############################################################################
+# Run: crawls on their schedule beside the workers and the page.
 
 # runs rows older than this are deleted by `run` once a day.
 KEEP_RUNS_DAYS = 30
@@ -9593,282 +9705,9 @@ class Scheduler:
 
 
 ###############################################################################
-# Command line ################################################################
+# OPML and discovery ##########################################################
 ###############################################################################
-
-def open_intake(settings):
-    """The registry and the database, with sources.yaml synced in: what every
-    command does first."""
-    registry = load_registry(settings.sources)
-    db = Database(settings.db, settings.busy_timeout)
-    sync_sources(db.conn(), registry)
-    forget_sources_rejected(db.conn(), settings.sources)
-    close_orphan_runs(db.conn())
-    return registry, db
-
-
-def selection_of(args):
-    for kind in ("source", "direction", "priority"):
-        value = getattr(args, kind, None)
-        if value is not None:
-            return kind, value
-    return "all", None
-
-
-def check_direction(registry, direction):
-    """A --direction that names no direction of sources.yaml is a usage error."""
-    if direction is not None and direction not in registry.directions:
-        raise ConfigError(f"unknown direction {direction!r} (defined: "
-                          f"{', '.join(registry.directions) or 'none'})")
-
-
-def check_selection(conn, registry, selection, crawler):
-    """A --source or --direction that names nothing is a usage error."""
-    kind, value = selection
-    if kind == "direction":
-        check_direction(registry, value)
-    if kind == "source":
-        row = find_source(conn, value)
-        if row is None:
-            raise ConfigError(f"unknown source {value!r}: not in {registry.path}")
-        if not row["enabled"]:
-            raise ConfigError(f"source {value!r} is disabled in {registry.path}")
-        if crawler and row["crawler"] != crawler:
-            raise ConfigError(f"source {value!r} is a {row['crawler']} source, not {crawler}")
-    if kind == "priority" and value not in enabled_priorities(conn):
-        # Not an error: a cron line may outlive the sources of its priority.
-        log.warning("no enabled source has priority %d", value)
-
-
-def cmd_init(args, settings):
-    registry, db = open_intake(settings)
-    count = count_enabled_sources(db.conn())
-    print(f"{redacted(settings.db)}: ready, {count} enabled sources from {registry.path}")
-    return 0
-
-
-# A command cut short by a signal exits with 128 + its number, as shells
-# say of a program a signal ended: 130 for Ctrl-C (SIGINT), 143 for SIGTERM.
-INTERRUPTED = 128 + signal.SIGINT
-
-
-def crawl_command(db, settings, crawl):
-    """Run crawl(stop) for a command: SIGTERM/SIGINT stop it starting more
-    sources; fetches in flight get VESTI_STOP_GRACE seconds, then their runs
-    are closed as interrupted. Exit code 128 + the signal after a stop."""
-    stop = threading.Event()
-    with stop_on_signals(stop) as caught:
-        finished, _ = run_until_stopped(lambda: crawl(stop), stop, settings.stop_grace)
-    if not stop.is_set():
-        return 0
-    code = 128 + caught[0] if caught else INTERRUPTED
-    if finished:
-        print("vesti: interrupted", file=sys.stderr)
-        return code
-    count = interrupt_runs(db.conn())
-    print(f"vesti: interrupted; {count} unfinished runs recorded as interrupted", file=sys.stderr)
-    leave_now(code)
-
-
-def cmd_rss(args, settings):
-    registry, db = open_intake(settings)
-    selection = selection_of(args)
-    check_selection(db.conn(), registry, selection, "rss")
-    return crawl_command(db, settings, lambda stop: crawl_rss(db, settings, selection, args.trigger,
-                                                    stop=stop))
-
-
-@contextlib.contextmanager
-def stop_on_signals(stop):
-    """SIGTERM and SIGINT set `stop` instead of killing the process; yields
-    the list of the signals caught."""
-    caught = []
-
-    def handler(signum, _):
-        caught.append(signum)
-        stop.set()
-        STOPPING.set()
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield caught
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def leave_now(code):
-    """Exit without waiting for threads stuck in a network call: their posts
-    are already back in the queue, and Python would join them forever."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(code)
-
-
-def cmd_worker(args, settings):
-    stop = threading.Event()
-    with stop_on_signals(stop):
-        registry, db = open_intake(settings)
-        _, finished = run_workers(db, settings, registry, args.workers, args.limit,
-                                  args.forever, stop=stop)
-    if not finished:
-        leave_now(0)
-    return 0
-
-
-def cmd_telegram(args, settings):
-    if args.login:
-        telegram_login(settings)
-        return 0
-    registry, db = open_intake(settings)
-    selection = selection_of(args)
-    check_selection(db.conn(), registry, selection, "telegram")
-    return crawl_command(db, settings, lambda stop: crawl_telegram(db, settings, selection, args.trigger,
-                                                         stop=stop))
-
-
-def cmd_crawl(args, settings):
-    registry, db = open_intake(settings)
-    selection = selection_of(args)
-    check_selection(db.conn(), registry, selection, None)
-    return crawl_command(db, settings, lambda stop: crawl_everything(db, settings, selection, args.trigger,
-                                                           stop=stop))
-
-
-def start_web(db, settings, registry, host=None, port=None):
-    app = WebApp(db, settings, registry, settings.web_password)
-    server = make_web_server(app, host or settings.web_host,
-                             settings.web_port if port is None else port)
-    # Made once the page can be served: a port in use makes no password unseen.
-    generated = app.make_password()
-    threading.Thread(target=server.serve_forever, name="web", daemon=True).start()
-    announce_web(server, settings, generated)
-    return server
-
-
-def cmd_serve(args, settings):
-    stop = threading.Event()
-    with stop_on_signals(stop):
-        registry, db = open_intake(settings)
-        server = start_web(db, settings, registry, args.host, args.port)
-        stop.wait()
-    server.shutdown()
-    server.server_close()
-    return 0
-
-
-def cmd_run(args, settings):
-    """Crawls on a schedule, the worker pool and the web page in one process."""
-    stop = threading.Event()
-    with stop_on_signals(stop):
-        registry, db = open_intake(settings)
-        server = start_web(db, settings, registry)
-        # One gate for crawls and article fetches: a host sees one request at a time.
-        gate = HostGate(settings.host_delay)
-        classifier = Classifier(registry, settings, gate, db)
-        scheduler = Scheduler(db, settings, registry, stop, gate=gate,
-                              listeners=(classifier.use, server.app.use))
-        crawls = threading.Thread(target=scheduler.run, name="scheduler", daemon=True)
-        crawls.start()
-        try:
-            if args.workers == 0:
-                # Crawls and the page only: the workers run on other machines.
-                stop.wait()
-                stats, finished = None, True
-            else:
-                stats, finished = run_workers(db, settings, registry, workers=args.workers,
-                                              forever=True, classify=classifier, stop=stop,
-                                              quiet=True)
-        finally:
-            stop.set()
-            server.shutdown()
-            server.server_close()
-    if stats is not None:
-        print(f"worker: {stats.line()}", flush=True)
-    crawls.join(settings.stop_grace)
-    crawled = scheduler.join(settings.stop_grace)
-    if scheduler.failure is not None:
-        raise scheduler.failure
-    if not finished or not crawled:
-        interrupt_runs(db.conn())
-        leave_now(0)
-    return 0
-
-
-def cmd_copy_db(args, settings):
-    """Everything of the database into another one; run again, it brings the
-    other one up to date (rows are matched by their keys)."""
-    if _database("--to", args.to) == settings.db:
-        raise ConfigError(f"copy-db: {redacted(args.to)} is the database itself; "
-                          f"--to names the other one")
-    _, db = open_intake(settings)
-    target = Database(args.to, settings.busy_timeout)
-    copy_database(db.conn(), target.conn())
-    return 0
-
-
-def cmd_reset_dead(args, settings):
-    _, db = open_intake(settings)
-    print(f"{reset_dead(db.conn())} dead sources reset to alive")
-    return 0
-
-
-def status_report(conn):
-    """Queue sizes and every source's health, as `status --json` prints them."""
-    fields = ("slug", "name", "crawler", "status", "enabled", "priority", "last_fetch",
-              "last_error", "error_count", "post_count", "next_fetch_at", "etag", "modified",
-              "last_build_date", "moved_to", "run_started", "run_status", "run_new_posts",
-              "last_new_at", "silent_since", "week_posts", "relevant_share", "approved")
-    sources = [{field: row[field] for field in fields} | {"state": source_state(row)}
-               for row in source_health(conn)]
-    return {"queue": queue_sizes(conn), "stories": story_figures(conn), "sources": sources}
-
-
-def print_status(report):
-    queue = report["queue"]
-    print("queue: " + ", ".join(f"{name.replace('_', ' ')} {count}"
-                                for name, count in queue.items()))
-    stories = report["stories"]
-    print(f"stories: {stories['stories']} with copies, {stories['joined']} posts joined one, "
-          f"{stories['llm_calls_saved']} LLM calls saved")
-    rows = [("source", "crawler", "prio", "status", "errors", "posts", "7 days", "last new post",
-             "last fetch", "last error")]
-    for s in report["sources"]:
-        rows.append((s["slug"], s["crawler"], str(s["priority"]), s["state"], str(s["error_count"]),
-                     str(s["post_count"]), str(s["week_posts"]), s["last_new_at"] or "never",
-                     s["last_fetch"] or "never",
-                     shorten((s["last_error"] or "").replace("\n", " "), 60)))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
-
-
-def cmd_status(args, settings):
-    _, db = open_intake(settings)
-    report = status_report(db.conn())
-    if args.json:
-        print(json.dumps(report, ensure_ascii=False, indent=2))
-    else:
-        print_status(report)
-    return 0
-
-
-def cmd_export(args, settings):
-    registry, db = open_intake(settings)
-    check_direction(registry, args.direction)
-    posts = decided_posts(db.conn(), args.status, args.direction, since=args.since)
-    title = f"VESTI: {args.status}" + (f" ({args.direction})" if args.direction else "")
-    if args.format == "csv":
-        sys.stdout.write(csv_export(posts))
-    elif args.format == "json":
-        sys.stdout.write(json_feed(posts, title) + "\n")
-    else:
-        sys.stdout.write(atom_feed(posts, title))
-    print(f"export: {len(posts)} posts", file=sys.stderr)
-    return 0
-
-
-# OPML ------------------------------------------------------------------------
+# Importing and exporting OPML, finding a site's feeds.
 
 MAX_OPML_BYTES = 10 * 1024 * 1024
 # Feed readers nest folders a level or two; far deeper is not a reader's export.
@@ -10146,29 +9985,6 @@ def terminal_text(text):
     return str(text).translate(LOG_ESCAPES)
 
 
-def cmd_opml_import(args, settings):
-    registry = load_registry(settings.sources)
-    check_direction(registry, args.direction)
-    added, skipped, unmatched = import_opml(registry, args.file, args.direction, args.priority)
-    print(f"opml-import: {added} feeds added to {registry.path}, {skipped} skipped "
-          f"(already there or not http)")
-    if unmatched:
-        print(f"opml-import: folders matching no direction: "
-              f"{terminal_text(', '.join(unmatched))}; "
-              f"their feeds were added without a direction")
-    open_intake(settings)
-    return 0
-
-
-def cmd_opml_export(args, settings):
-    _, db = open_intake(settings)
-    sources = db.conn().execute("SELECT * FROM sources WHERE enabled = 1 ORDER BY priority, slug")
-    sys.stdout.write(opml_document(sources.fetchall()))
-    return 0
-
-
-# Discovering a site's feeds ----------------------------------------------------
-
 FEED_TYPES = ("application/rss+xml", "application/atom+xml", "application/rdf+xml",
               "application/feed+json", "application/json", "text/xml", "application/xml")
 # Where sites usually keep their feed, tried when the page names none.
@@ -10281,6 +10097,304 @@ def no_feed_read(url, found):
                              if isinstance(e, RefusedDestination)), found.unread[0])
     more = f" (and {len(found.unread) - 1} more not read)" if len(found.unread) > 1 else ""
     return f"no feed read at {url}: {candidate}: {error}{more}{unchecked}"
+
+
+###############################################################################
+# Command line ################################################################
+###############################################################################
+# The commands, their arguments, main().
+
+def open_intake(settings):
+    """The registry and the database, with sources.yaml synced in: what every
+    command does first."""
+    registry = load_registry(settings.sources)
+    db = Database(settings.db, settings.busy_timeout)
+    sync_sources(db.conn(), registry)
+    forget_sources_rejected(db.conn(), settings.sources)
+    close_orphan_runs(db.conn())
+    return registry, db
+
+
+def selection_of(args):
+    for kind in ("source", "direction", "priority"):
+        value = getattr(args, kind, None)
+        if value is not None:
+            return kind, value
+    return "all", None
+
+
+def check_direction(registry, direction):
+    """A --direction that names no direction of sources.yaml is a usage error."""
+    if direction is not None and direction not in registry.directions:
+        raise ConfigError(f"unknown direction {direction!r} (defined: "
+                          f"{', '.join(registry.directions) or 'none'})")
+
+
+def check_selection(conn, registry, selection, crawler):
+    """A --source or --direction that names nothing is a usage error."""
+    kind, value = selection
+    if kind == "direction":
+        check_direction(registry, value)
+    if kind == "source":
+        row = find_source(conn, value)
+        if row is None:
+            raise ConfigError(f"unknown source {value!r}: not in {registry.path}")
+        if not row["enabled"]:
+            raise ConfigError(f"source {value!r} is disabled in {registry.path}")
+        if crawler and row["crawler"] != crawler:
+            raise ConfigError(f"source {value!r} is a {row['crawler']} source, not {crawler}")
+    if kind == "priority" and value not in enabled_priorities(conn):
+        # Not an error: a cron line may outlive the sources of its priority.
+        log.warning("no enabled source has priority %d", value)
+
+
+def cmd_init(args, settings):
+    registry, db = open_intake(settings)
+    count = count_enabled_sources(db.conn())
+    print(f"{redacted(settings.db)}: ready, {count} enabled sources from {registry.path}")
+    return 0
+
+
+# A command cut short by a signal exits with 128 + its number, as shells
+# say of a program a signal ended: 130 for Ctrl-C (SIGINT), 143 for SIGTERM.
+INTERRUPTED = 128 + signal.SIGINT
+
+
+def crawl_command(db, settings, crawl):
+    """Run crawl(stop) for a command: SIGTERM/SIGINT stop it starting more
+    sources; fetches in flight get VESTI_STOP_GRACE seconds, then their runs
+    are closed as interrupted. Exit code 128 + the signal after a stop."""
+    stop = threading.Event()
+    with stop_on_signals(stop) as caught:
+        finished, _ = run_until_stopped(lambda: crawl(stop), stop, settings.stop_grace)
+    if not stop.is_set():
+        return 0
+    code = 128 + caught[0] if caught else INTERRUPTED
+    if finished:
+        print("vesti: interrupted", file=sys.stderr)
+        return code
+    count = interrupt_runs(db.conn())
+    print(f"vesti: interrupted; {count} unfinished runs recorded as interrupted", file=sys.stderr)
+    leave_now(code)
+
+
+def cmd_rss(args, settings):
+    registry, db = open_intake(settings)
+    selection = selection_of(args)
+    check_selection(db.conn(), registry, selection, "rss")
+    return crawl_command(db, settings, lambda stop: crawl_rss(db, settings, selection, args.trigger,
+                                                    stop=stop))
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop):
+    """SIGTERM and SIGINT set `stop` instead of killing the process; yields
+    the list of the signals caught."""
+    caught = []
+
+    def handler(signum, _):
+        caught.append(signum)
+        stop.set()
+        STOPPING.set()
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield caught
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def leave_now(code):
+    """Exit without waiting for threads stuck in a network call: their posts
+    are already back in the queue, and Python would join them forever."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
+def cmd_worker(args, settings):
+    stop = threading.Event()
+    with stop_on_signals(stop):
+        registry, db = open_intake(settings)
+        _, finished = run_workers(db, settings, registry, args.workers, args.limit,
+                                  args.forever, stop=stop)
+    if not finished:
+        leave_now(0)
+    return 0
+
+
+def cmd_telegram(args, settings):
+    if args.login:
+        telegram_login(settings)
+        return 0
+    registry, db = open_intake(settings)
+    selection = selection_of(args)
+    check_selection(db.conn(), registry, selection, "telegram")
+    return crawl_command(db, settings, lambda stop: crawl_telegram(db, settings, selection, args.trigger,
+                                                         stop=stop))
+
+
+def cmd_crawl(args, settings):
+    registry, db = open_intake(settings)
+    selection = selection_of(args)
+    check_selection(db.conn(), registry, selection, None)
+    return crawl_command(db, settings, lambda stop: crawl_everything(db, settings, selection, args.trigger,
+                                                           stop=stop))
+
+
+def start_web(db, settings, registry, host=None, port=None):
+    app = WebApp(db, settings, registry, settings.web_password)
+    server = make_web_server(app, host or settings.web_host,
+                             settings.web_port if port is None else port)
+    # Made once the page can be served: a port in use makes no password unseen.
+    generated = app.make_password()
+    threading.Thread(target=server.serve_forever, name="web", daemon=True).start()
+    announce_web(server, settings, generated)
+    return server
+
+
+def cmd_serve(args, settings):
+    stop = threading.Event()
+    with stop_on_signals(stop):
+        registry, db = open_intake(settings)
+        server = start_web(db, settings, registry, args.host, args.port)
+        stop.wait()
+    server.shutdown()
+    server.server_close()
+    return 0
+
+
+def cmd_run(args, settings):
+    """Crawls on a schedule, the worker pool and the web page in one process."""
+    stop = threading.Event()
+    with stop_on_signals(stop):
+        registry, db = open_intake(settings)
+        server = start_web(db, settings, registry)
+        # One gate for crawls and article fetches: a host sees one request at a time.
+        gate = HostGate(settings.host_delay)
+        classifier = Classifier(registry, settings, gate, db)
+        scheduler = Scheduler(db, settings, registry, stop, gate=gate,
+                              listeners=(classifier.use, server.app.use))
+        crawls = threading.Thread(target=scheduler.run, name="scheduler", daemon=True)
+        crawls.start()
+        try:
+            if args.workers == 0:
+                # Crawls and the page only: the workers run on other machines.
+                stop.wait()
+                stats, finished = None, True
+            else:
+                stats, finished = run_workers(db, settings, registry, workers=args.workers,
+                                              forever=True, classify=classifier, stop=stop,
+                                              quiet=True)
+        finally:
+            stop.set()
+            server.shutdown()
+            server.server_close()
+    if stats is not None:
+        print(f"worker: {stats.line()}", flush=True)
+    crawls.join(settings.stop_grace)
+    crawled = scheduler.join(settings.stop_grace)
+    if scheduler.failure is not None:
+        raise scheduler.failure
+    if not finished or not crawled:
+        interrupt_runs(db.conn())
+        leave_now(0)
+    return 0
+
+
+def cmd_copy_db(args, settings):
+    """Everything of the database into another one; run again, it brings the
+    other one up to date (rows are matched by their keys)."""
+    if _database("--to", args.to) == settings.db:
+        raise ConfigError(f"copy-db: {redacted(args.to)} is the database itself; "
+                          f"--to names the other one")
+    _, db = open_intake(settings)
+    target = Database(args.to, settings.busy_timeout)
+    copy_database(db.conn(), target.conn())
+    return 0
+
+
+def cmd_reset_dead(args, settings):
+    _, db = open_intake(settings)
+    print(f"{reset_dead(db.conn())} dead sources reset to alive")
+    return 0
+
+
+def status_report(conn):
+    """Queue sizes and every source's health, as `status --json` prints them."""
+    fields = ("slug", "name", "crawler", "status", "enabled", "priority", "last_fetch",
+              "last_error", "error_count", "post_count", "next_fetch_at", "etag", "modified",
+              "last_build_date", "moved_to", "run_started", "run_status", "run_new_posts",
+              "last_new_at", "silent_since", "week_posts", "relevant_share", "approved")
+    sources = [{field: row[field] for field in fields} | {"state": source_state(row)}
+               for row in source_health(conn)]
+    return {"queue": queue_sizes(conn), "stories": story_figures(conn), "sources": sources}
+
+
+def print_status(report):
+    queue = report["queue"]
+    print("queue: " + ", ".join(f"{name.replace('_', ' ')} {count}"
+                                for name, count in queue.items()))
+    stories = report["stories"]
+    print(f"stories: {stories['stories']} with copies, {stories['joined']} posts joined one, "
+          f"{stories['llm_calls_saved']} LLM calls saved")
+    rows = [("source", "crawler", "prio", "status", "errors", "posts", "7 days", "last new post",
+             "last fetch", "last error")]
+    for s in report["sources"]:
+        rows.append((s["slug"], s["crawler"], str(s["priority"]), s["state"], str(s["error_count"]),
+                     str(s["post_count"]), str(s["week_posts"]), s["last_new_at"] or "never",
+                     s["last_fetch"] or "never",
+                     shorten((s["last_error"] or "").replace("\n", " "), 60)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
+
+
+def cmd_status(args, settings):
+    _, db = open_intake(settings)
+    report = status_report(db.conn())
+    if args.json:
+        print(json.dumps(report, ensure_ascii=False, indent=2))
+    else:
+        print_status(report)
+    return 0
+
+
+def cmd_export(args, settings):
+    registry, db = open_intake(settings)
+    check_direction(registry, args.direction)
+    posts = decided_posts(db.conn(), args.status, args.direction, since=args.since)
+    title = f"VESTI: {args.status}" + (f" ({args.direction})" if args.direction else "")
+    if args.format == "csv":
+        sys.stdout.write(csv_export(posts))
+    elif args.format == "json":
+        sys.stdout.write(json_feed(posts, title) + "\n")
+    else:
+        sys.stdout.write(atom_feed(posts, title))
+    print(f"export: {len(posts)} posts", file=sys.stderr)
+    return 0
+
+
+def cmd_opml_import(args, settings):
+    registry = load_registry(settings.sources)
+    check_direction(registry, args.direction)
+    added, skipped, unmatched = import_opml(registry, args.file, args.direction, args.priority)
+    print(f"opml-import: {added} feeds added to {registry.path}, {skipped} skipped "
+          f"(already there or not http)")
+    if unmatched:
+        print(f"opml-import: folders matching no direction: "
+              f"{terminal_text(', '.join(unmatched))}; "
+              f"their feeds were added without a direction")
+    open_intake(settings)
+    return 0
+
+
+def cmd_opml_export(args, settings):
+    _, db = open_intake(settings)
+    sources = db.conn().execute("SELECT * FROM sources WHERE enabled = 1 ORDER BY priority, slug")
+    sys.stdout.write(opml_document(sources.fetchall()))
+    return 0
 
 
 def cmd_discover(args, settings):
