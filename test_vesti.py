@@ -2,16 +2,15 @@
 
 Real parts wherever they are cheap: SQLite files in a temp dir, HTTP servers
 on 127.0.0.1 that misbehave on purpose, a fake Ollama speaking /api/chat, and
-the real-world corpus in ../shared/corpus.
+the real-world corpus in ../shared/corpus. Those servers and fakes, and the
+fixtures, are in conftest.py; the browser driver is in tests/chromium.py.
 """
 
-import asyncio
 import base64
 import contextlib
 import csv
 import dataclasses
 import datetime
-import fcntl
 import gzip
 import html
 import http.client
@@ -28,13 +27,11 @@ import random
 import re
 import resource
 import select
-import shutil
 import signal
 import socket
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import tracemalloc
@@ -44,36 +41,22 @@ import zlib
 
 import pytest
 import yaml
-from telethon import TelegramClient, errors as tg_errors
-from telethon.sessions import MemorySession
 from telethon.tl import types as tg
 
 import vesti
+from conftest import (BACKEND, CORPUS, ROOT, SOURCES_YAML, VESTI, DripServer, FakeOllama,
+                      FakeTelegram, FeedServer, SlowClients, TcpListener, Web, both,
+                      make_settings, postgres_only, restarts_postgres, rss_source, wait_for,
+                      write_sources)
+from tests.chromium import press, visible
 
-ROOT = pathlib.Path(__file__).resolve().parent
-CORPUS = ROOT.parent / "shared" / "corpus"
-if not CORPUS.is_dir():
-    pytest.exit(f"{CORPUS} is missing: the tests read the shared corpus, which lives in "
-                f"../shared beside this checkout", returncode=2)
 REAL_FEEDS = sorted(p for p in (CORPUS / "feeds" / "real").iterdir()
                     if p.suffix not in (".tsv", ".md"))
 ILLFORMED_FEEDS = sorted(p for p in (CORPUS / "feeds" / "illformed").rglob("*")
                          if p.is_file() and p.suffix not in (".tsv", ".md"))
 
-SOURCES_YAML = """\
-directions:
-  linux:
-    title: Linux
-    keywords: [linux, kernel, ядро]
-  space:
-    title: Space
-    keywords: [rocket, orbit]
-sources:
-{sources}
-"""
 
-
-# Fixtures --------------------------------------------------------------------
+# Feeds, a home's intake, and what it stored ----------------------------------
 
 def rss(items, title="Test feed"):
     """An RSS 2.0 document; items are dicts with guid, link, title, text."""
@@ -95,206 +78,9 @@ def items(n, start=0, host="http://example.com"):
             for k in range(start, start + n)]
 
 
-class LoopbackServer:
-    """A real ThreadingHTTPServer on a loopback address, in a thread."""
-
-    def serve(self, handler, host="127.0.0.1"):
-        self.httpd = http.server.ThreadingHTTPServer((host, 0), handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://{host}:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-class FeedServer(LoopbackServer):
-    """Feeds on a loopback address; each path answers with a
-    handler(request) -> (status, headers, body) or does its own writing."""
-
-    def __init__(self, host="127.0.0.1"):
-        self.routes, self.requests = {}, []
-        server = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_GET(self):
-                server.requests.append((self.path, dict(self.headers), time.monotonic()))
-                route = server.routes.get(self.path)
-                if route is None:
-                    return self.answer(404, {}, b"not found")
-                result = route(self)
-                if result is not None:
-                    self.answer(*result)
-
-            def answer(self, status, headers, body):
-                self.send_response(status)
-                for key, value in headers.items():
-                    self.send_header(key, value)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.serve(Handler, host)
-
-    def feed(self, path, body, etag='"v1"', modified="Mon, 30 Nov 2026 10:00:00 GMT",
-             content_type="application/rss+xml; charset=utf-8", encoding=None):
-        """Serve a feed with validators, answering 304 when they match."""
-        def handler(request):
-            if etag and request.headers.get("If-None-Match") == etag:
-                return 304, {"ETag": etag}, b""
-            headers = {"Content-Type": content_type}
-            if etag:
-                headers["ETag"] = etag
-            if modified:
-                headers["Last-Modified"] = modified
-            data = body
-            if encoding == "gzip":
-                data, headers["Content-Encoding"] = gzip.compress(body), "gzip"
-            elif encoding == "deflate":
-                data, headers["Content-Encoding"] = zlib.compress(body), "deflate"
-            return 200, headers, data
-        self.routes[path] = handler
-
-    def status(self, path, code, headers=None, body=b""):
-        self.routes[path] = lambda request: (code, headers or {}, body)
-
-    def redirect(self, path, code, target):
-        self.status(path, code, {"Location": target})
-
-    def sent(self, path):
-        return [headers for p, headers, _ in self.requests if p == path]
-
-
-@pytest.fixture
-def server():
-    s = FeedServer()
-    yield s
-    s.close()
-
-
-# Tests marked `both` run twice: on a SQLite file and on a PostgreSQL database
-# of their own, made from a migrated template on the server VESTI_TEST_POSTGRES
-# names (a postgresql:// URL of a role that may create databases; .ci/run
-# starts one). Without it the PostgreSQL half is skipped.
-POSTGRES_SERVER = os.environ.get("VESTI_TEST_POSTGRES", "")
-# The database URL of the running test (None: a SQLite file in its home).
-BACKEND = {"db": None}
-
-
-def both(test):
-    test.backends = ["sqlite", "postgresql"]
-    return test
-
-
-def postgres_only(test):
-    """For what only PostgreSQL has (a server of its own, copies between the two)."""
-    test.backends = ["postgresql"]
-    return test
-
-
-def pytest_generate_tests(metafunc):
-    if hasattr(metafunc.function, "backends"):
-        metafunc.parametrize("backend", metafunc.function.backends, indirect=True)
-
-
-def postgres_url(database):
-    parts = urllib.parse.urlsplit(POSTGRES_SERVER)
-    return urllib.parse.urlunsplit(parts._replace(path=f"/{database}"))
-
-
-class PostgresServer:
-    """Databases for the tests of one pytest process: each is a copy of a
-    template migrated once, dropped after its test."""
-
-    def __init__(self):
-        import psycopg
-        self.psycopg = psycopg
-        self.admin = psycopg.connect(POSTGRES_SERVER, autocommit=True)
-        self.prefix = f"vesti_test_{os.getpid()}"
-        self.template = f"{self.prefix}_template"
-        self.count = itertools.count()
-        self.admin.execute(f"DROP DATABASE IF EXISTS {self.template}")
-        self.admin.execute(f"CREATE DATABASE {self.template}")
-        vesti.Database(postgres_url(self.template)).close()
-
-    def database(self):
-        name = f"{self.prefix}_{next(self.count)}"
-        self.admin.execute(f"CREATE DATABASE {name} TEMPLATE {self.template}")
-        return name
-
-    def drop(self, name):
-        self.admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-
-    def close(self):
-        self.drop(self.template)
-        self.admin.close()
-
-
-@pytest.fixture(scope="session")
-def postgres_server():
-    if not POSTGRES_SERVER:
-        pytest.skip("no PostgreSQL server: set VESTI_TEST_POSTGRES to a postgresql:// URL "
-                    "of a role that may create databases (.ci/run starts one)")
-    server = PostgresServer()
-    yield server
-    server.close()
-
-
-@pytest.fixture
-def backend(request):
-    """None for SQLite, or the URL of a fresh PostgreSQL database."""
-    if getattr(request, "param", "sqlite") == "sqlite":
-        yield None
-        return
-    server = request.getfixturevalue("postgres_server")
-    name = server.database()
-    yield postgres_url(name)
-    server.drop(name)
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch, backend):
-    """A working directory with its own database and sources.yaml."""
-    monkeypatch.chdir(tmp_path)
-    for name in [n for n, *_ in vesti.SETTINGS]:
-        monkeypatch.delenv(name, raising=False)
-    BACKEND["db"] = backend
-    yield tmp_path
-    BACKEND["db"] = None
-
-
-def write_sources(path, sources):
-    lines = []
-    for s in sources:
-        lines.append(f"  - slug: {s['slug']}")
-        for key in ("name", "crawler", "url", "direction", "priority", "enabled"):
-            if key in s:
-                lines.append(f"    {key}: {json.dumps(s[key])}")
-    pathlib.Path(path).write_text(SOURCES_YAML.format(sources="\n".join(lines) or "  []"),
-                                  encoding="utf-8")
-
-
-def make_settings(home, **overrides):
-    env = {"RSS_TIMEOUT": "2", "RSS_HOST_DELAY": "0", "OLLAMA_URL": "",
-           "VESTI_RETRY_DELAY": "0"}
-    env.update({k: str(v) for k, v in overrides.items()})
-    return vesti.load_settings(environ=env, env_file=None, db=BACKEND["db"] or str(home / "vesti.db"),
-                               sources=str(home / "sources.yaml"))
-
-
 def ago(seconds):
     """UTC text of `seconds` ago, as the database keeps times."""
     return vesti.utc_text(time.time() - seconds)
-
-
-def rss_source(slug, url, **extra):
-    return {"slug": slug, "crawler": "rss", "url": url, **extra}
 
 
 def intake(home, sources, **settings):
@@ -339,7 +125,7 @@ def cli_env(env=None):
 
 def cli(*args, cwd, env=None, timeout=60):
     """Run vesti.py as a user would."""
-    return subprocess.run([sys.executable, str(ROOT / "vesti.py"), *args], cwd=cwd,
+    return subprocess.run([*VESTI, *args], cwd=cwd,
                           env=cli_env(env), capture_output=True, text=True, timeout=timeout)
 
 
@@ -633,9 +419,8 @@ def test_vv_shows_no_password_nor_secret(home, backend):
     write_sources(home / "sources.yaml", [])
     db = with_password(backend) if backend else str(home / "vesti.db")
     env = {k: v for k, v in cli_env({"VESTI_DB": db}).items() if k != "VESTI_WEB_PASSWORD"}
-    serve = subprocess.Popen([sys.executable, str(ROOT / "vesti.py"), "-vv", "serve", "--port",
-                              "0"], cwd=home, text=True, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, env=env)
+    serve = subprocess.Popen([*VESTI, "-vv", "serve", "--port", "0"], cwd=home, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
         said = serve.stdout.readline() + serve.stdout.readline()
         password = re.search(r"generated password (\S+),", said)[1]
@@ -678,6 +463,7 @@ def test_the_shipped_sources_yaml_is_valid():
     assert (lwn.url, lwn.direction, lwn.priority) == ("https://lwn.net/headlines/rss", "linux", 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text,expected", [
     ("sources:\n  - slug: a\n    url: [unclosed\n", "sources.yaml:4: YAML syntax error"),
     ("sources:\n  - slug: a\n    crawler: rss\n", "sources.yaml:2: source 'a': missing field 'url'"),
@@ -935,6 +721,7 @@ def test_a_body_over_the_cap_is_refused(home, server):
     assert posts_of(db, "x") == []
 
 
+@pytest.mark.slow
 def test_a_gzip_bomb_is_refused_without_eating_memory(home, server):
     bomb = gzip.compress(b"\0" * (200 * 1024 * 1024), compresslevel=9)    # 200 MB -> 200 KB
     server.routes["/feed"] = lambda request: (200, {"Content-Encoding": "gzip",
@@ -1218,6 +1005,7 @@ def serve_files(server, paths, root):
     return sources
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("part", range(4))     # four parts, so two cores share the work
 def test_every_real_feed_yields_posts_or_a_recorded_error(home, server, part):
     assert len(REAL_FEEDS) == 101
@@ -1239,6 +1027,7 @@ def test_every_real_feed_yields_posts_or_a_recorded_error(home, server, part):
     assert summary.count("ok") == len(feeds)       # every real feed is readable
 
 
+@pytest.mark.slow
 def test_every_illformed_feed_is_stored_whole_or_recorded_as_an_error(home, server):
     root = CORPUS / "feeds" / "illformed"
     sources = serve_files(server, ILLFORMED_FEEDS, root)
@@ -1289,6 +1078,7 @@ def read_both_ways(body, url, content_type, monkeypatch):
     return ours, theirs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content_type,at_least", [
     (None, 50), ("application/rss+xml; charset=UTF-8", 45),
     ("text/xml; charset=windows-1251", 30),          # a server's wrong charset, read as wrongly
@@ -1495,72 +1285,6 @@ def test_init_is_idempotent_and_reports_the_sources(home):
 
 # Classification --------------------------------------------------------------
 
-class FakeOllama(LoopbackServer):
-    """Speaks Ollama's /api/chat: answers with a verdict, or misbehaves.
-    `keep_alive`: keeps connections open as the real one does (HTTP/1.1);
-    `drops`: then closes each one after its answer all the same, unsaid."""
-
-    def __init__(self, mode="ok", latency=0.0, keep_alive=False, drops=False):
-        self.mode, self.latency, self.requests = mode, latency, []
-        self.connections = []       # the client's address of each request
-        self.lock = threading.Lock()
-        fake = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1" if keep_alive else "HTTP/1.0"
-            disable_nagle_algorithm = keep_alive    # as Ollama (Go) sends
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with fake.lock:
-                    fake.requests.append((self.path, body))
-                    fake.connections.append(self.client_address)
-                self.close_connection = drops
-                time.sleep(fake.latency)
-                status, answer = fake.answer(body)
-                data = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.serve(Handler)
-
-    def verdict(self, body):
-        return {"direction": "linux", "relevance": 8, "interest": 6,
-                "summary": "Summary: " + body["messages"][-1]["content"].splitlines()[0]}
-
-    def answer(self, body):
-        if self.mode == "500":
-            return 500, {"error": "model crashed"}
-        if self.mode == "garbage":
-            return 200, b"<html>not json</html>"
-        if self.mode == "bad-verdict":
-            return 200, {"model": "m", "message": {"role": "assistant",
-                                                   "content": '{"direction": "sport"}'}, "done": True}
-        if self.mode == "hang":
-            time.sleep(5)
-        content = json.dumps(self.verdict(body), ensure_ascii=False)
-        return 200, {"model": body["model"], "created_at": "2026-11-30T10:00:00Z",
-                     "message": {"role": "assistant", "content": content},
-                     "done_reason": "stop", "done": True}
-
-    def titles(self):
-        with self.lock:
-            return [body["messages"][-1]["content"].splitlines()[0] for _, body in self.requests]
-
-
-@pytest.fixture
-def ollama():
-    fake = FakeOllama()
-    yield fake
-    fake.close()
-
-
 DIRECTIONS = {"linux": vesti.Direction("linux", "Linux", ("linux", "kernel", "ядр*")),
               "space": vesti.Direction("space", "Space", ("rocket", "open orbit"))}
 
@@ -1689,6 +1413,7 @@ def worker_home(home, ollama_url, **settings):
     return s, db, registry
 
 
+@pytest.mark.slow
 @both
 def test_seed_100_posts_with_8_workers_are_each_classified_once(home, ollama):
     """Seed 000: 100 posts, `python -m crawler.worker --workers 8 --limit 200`."""
@@ -1708,18 +1433,9 @@ def test_seed_100_posts_with_8_workers_are_each_classified_once(home, ollama):
     assert "100 processed (100 done, 0 returned to the queue, 0 failed)" in result.stdout
 
 
-class PickyOllama(FakeOllama):
-    """Fails on posts whose title says BROKEN."""
-
-    def answer(self, body):
-        if "BROKEN" in body["messages"][-1]["content"]:
-            return 500, {"error": "cannot classify this one"}
-        return super().answer(body)
-
-
 def test_seed_a_post_whose_classification_raises_returns_to_the_queue(home):
     """Seed 000: the post goes back (classified=0), the worker goes on, the run exits 0."""
-    fake = PickyOllama()
+    fake = FakeOllama(fails_on="BROKEN")
     try:
         s, db, _ = worker_home(home, fake.url)
         add_posts(db.conn(), 5)
@@ -1927,22 +1643,14 @@ def test_the_full_text_found_for_a_summary_post_is_kept(home, server):
 
 
 def worker_process(home, ollama_url, *args, env=None):
-    return subprocess.Popen([sys.executable, str(ROOT / "vesti.py"), "worker", *args],
+    return subprocess.Popen([*VESTI, "worker", *args],
                             cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OLLAMA_URL": ollama_url,
                                  **({"VESTI_DB": BACKEND["db"]} if BACKEND["db"] else {}),
                                  **(env or {})})
 
 
-def wait_for(predicate, timeout=20):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
+@pytest.mark.slow
 @both
 def test_a_killed_worker_is_finished_by_the_next_one_after_the_lease(home):
     fake = FakeOllama(latency=0.2)
@@ -1972,6 +1680,7 @@ def test_a_killed_worker_is_finished_by_the_next_one_after_the_lease(home):
         fake.close()
 
 
+@pytest.mark.slow
 @both
 def test_sigterm_stops_the_worker_cleanly(home):
     fake = FakeOllama(latency=0.3)
@@ -2028,6 +1737,7 @@ def test_fast_posts_are_claimed_in_batches_and_the_limit_still_holds(home, monke
     assert max(turns) > 1 and len(turns) < 150 / 2
 
 
+@pytest.mark.slow
 @both
 def test_a_post_waiting_for_the_llm_does_not_hold_the_posts_claimed_with_it(home):
     """A batch of quick posts with one that needs the LLM: the rest of the
@@ -2044,7 +1754,8 @@ def test_a_post_waiting_for_the_llm_does_not_hold_the_posts_claimed_with_it(home
             stats=vesti.run_workers(db, s, registry, workers=2, quiet=True)[0]))
         worker.start()
         try:
-            assert wait_for(lambda: queue_of(db) == {1: 80, -1: 1}, timeout=2.5), queue_of(db)
+            assert wait_for(lambda: queue_of(db) == {1: 80, -1: 1}, timeout=2.5,
+                            state=lambda: queue_of(db))
         finally:
             worker.join(timeout=20)
         assert queue_of(db) == {1: 81}
@@ -2121,15 +1832,16 @@ def test_sigterm_releases_a_post_stuck_in_a_long_llm_call(home):
         fake.close()
 
 
+@pytest.mark.slow
 @both
 def test_16_workers_and_a_crawl_at_once_never_see_database_is_locked(home, server):
     feeds = []
-    for n in range(20):
+    for n in range(10):
         server.feed(f"/f{n}", rss(items(50, start=100 * n, host=server.url)))
         feeds.append(rss_source(f"f{n}", f"{server.url}/f{n}"))
     s, db = intake(home, feeds, OLLAMA_URL="")
     registry = vesti.load_registry(s.sources)
-    add_posts(db.conn(), 1500, text="Linux kernel news. " * 5)
+    add_posts(db.conn(), 750, text="Linux kernel news. " * 5)
     db.conn().execute("UPDATE posts SET text = text || ' Item ' || id")     # each its own story
     crawl_result = {}
     crawler = threading.Thread(target=lambda: crawl_result.update(summary=crawl(s, db)))
@@ -2137,8 +1849,8 @@ def test_16_workers_and_a_crawl_at_once_never_see_database_is_locked(home, serve
     vesti.run_workers(db, s, registry, workers=16, forever=False, quiet=True)
     crawler.join()
     vesti.run_workers(db, s, registry, workers=16, quiet=True)   # what the crawl added meanwhile
-    assert crawl_result["summary"].count("ok") == 20
-    assert queue_of(db) == {1: 2500}
+    assert crawl_result["summary"].count("ok") == 10
+    assert queue_of(db) == {1: 1250}
     errors = db.conn().execute("SELECT count(*) FROM posts WHERE error IS NOT NULL").fetchone()[0]
     assert errors == 0
 
@@ -2179,103 +1891,6 @@ def channel_history():
         tg_message(8, "", media=tg.MessageMediaEmpty()),
         tg_message(9, "Spec sheet attached", media=tg_document("application/pdf")),
     ]
-
-
-class FakeTelegram:
-    """Telethon's real TelegramClient with only its network layer replaced:
-    every request it sends reaches `answer`, which speaks Telegram's TL types
-    over fixed channel histories, and is counted by type."""
-
-    def __init__(self, history=(), authorized=True, flood=(), channels=None):
-        self.channels = channels if channels is not None else {"linuxnews": list(history)}
-        self.authorized = authorized
-        self.flood = list(flood)          # FloodWait seconds for the next history requests
-        self.flood_on = {}                # username -> seconds, once
-        self.hashes = {}                  # username -> access hash Telegram accepts now
-        self.drop_connection = 0          # history requests to fail with ConnectionError
-        self.requests = []
-        self.connects = 0
-
-    @property
-    def history(self):
-        return self.channels["linuxnews"]
-
-    @history.setter
-    def history(self, messages):
-        self.channels["linuxnews"] = messages
-
-    def count(self, name):
-        return sum(r == name for r in self.requests)
-
-    def __call__(self, settings):
-        fake = self
-
-        class Client(TelegramClient):
-            async def connect(self):
-                fake.connects += 1
-
-            async def disconnect(self):
-                pass
-
-            async def is_user_authorized(self):
-                return fake.authorized
-
-        client = Client(MemorySession(), 1, "0" * 32, flood_sleep_threshold=0)
-        client._sender.send = self.send
-        return client
-
-    def send(self, request, ordered=False):
-        future = asyncio.get_running_loop().create_future()
-        try:
-            future.set_result(self.answer(request))
-        except BaseException as e:
-            future.set_exception(e)
-        return future
-
-    def channel_id(self, name):
-        return 1000 + sorted(self.channels).index(name)
-
-    def answer(self, request):
-        name = type(request).__name__
-        self.requests.append(name)
-        if name == "ResolveUsernameRequest":
-            username = request.username.lower()
-            if username not in self.channels:
-                raise tg_errors.UsernameNotOccupiedError(request=request)
-            cid = self.channel_id(username)
-            self.hashes.setdefault(username, cid * 7)
-            chat = tg.Channel(id=cid, title=username, photo=tg.ChatPhotoEmpty(), date=None,
-                              broadcast=True, access_hash=self.hashes[username],
-                              username=username)
-            return tg.contacts.ResolvedPeer(peer=tg.PeerChannel(cid), chats=[chat], users=[])
-        if name == "GetHistoryRequest":
-            if self.drop_connection:
-                self.drop_connection -= 1
-                raise ConnectionError("Cannot send requests while disconnected")
-            username = next(n for n in self.channels if self.channel_id(n) == request.peer.channel_id)
-            if self.flood:
-                raise tg_errors.FloodWaitError(request=request, capture=self.flood.pop(0))
-            if username in self.flood_on:
-                raise tg_errors.FloodWaitError(request=request,
-                                               capture=self.flood_on.pop(username))
-            if request.peer.access_hash != self.hashes.get(username):
-                raise tg_errors.ChannelInvalidError(request=request)
-            return self.history_page(self.channels[username], request)
-        raise AssertionError(f"unexpected request {name}")
-
-    @staticmethod
-    def history_page(history, request):
-        """messages.getHistory: newest first, from offset_id (exclusive)
-        moved by add_offset, at most limit, within min_id and max_id."""
-        newest_first = sorted(history, key=lambda m: m.id, reverse=True)
-        start = next((i for i, m in enumerate(newest_first) if m.id < request.offset_id),
-                     len(newest_first)) if request.offset_id else 0
-        start += request.add_offset
-        page = newest_first[max(0, start):max(0, start + request.limit)]
-        page = [m for m in page if m.id > request.min_id and
-                (not request.max_id or m.id < request.max_id)]
-        return tg.messages.ChannelMessages(pts=1, count=len(history), messages=page, topics=[],
-                                           chats=[], users=[])
 
 
 def tg_intake(home, **settings):
@@ -2821,58 +2436,6 @@ def test_crawl_by_priority_takes_exactly_that_priority(home, server):
 
 # Web -------------------------------------------------------------------------
 
-
-
-class Web:
-    """The real web server of VESTI on a free port, and a client for it."""
-
-    def __init__(self, home, password="s3cret", settings=None):
-        if settings is None:
-            write_sources(home / "sources.yaml", [rss_source(
-                "lwn", "https://lwn.net/headlines/rss", direction="linux")])
-        self.settings = settings or make_settings(home, VESTI_WEB_PASSWORD=password)
-        self.registry, self.db = vesti.open_intake(self.settings)
-        self.app = vesti.WebApp(self.db, self.settings, self.registry, password)
-        self.server = vesti.make_web_server(self.app, "127.0.0.1", 0)
-        self.port = self.server.server_address[1]
-        self.origin = f"http://127.0.0.1:{self.port}"
-        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
-        self.auth = "Basic " + base64.b64encode(f"admin:{password}".encode()).decode()
-
-    def request(self, method, path, body=None, headers=None, auth=True):
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-        all_headers = {"Authorization": self.auth} if auth else {}
-        if body is not None:
-            all_headers["Content-Type"] = "application/x-www-form-urlencoded"
-        all_headers.update(headers or {})
-        conn.request(method, path, body=body, headers=all_headers)
-        response = conn.getresponse()
-        text = response.read().decode("utf-8")
-        conn.close()
-        return response.status, dict(response.getheaders()), text
-
-    def get(self, path, **kwargs):
-        return self.request("GET", path, **kwargs)
-
-    def post(self, path, form, origin=None, headers=None, **kwargs):
-        headers = {"Origin": origin or self.origin, **(headers or {})}
-        return self.request("POST", path, urllib.parse.urlencode(form), headers, **kwargs)
-
-    def token(self):
-        return self.app.token()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def web(home):
-    w = Web(home)
-    yield w
-    w.close()
-
-
 def card(page, name):
     match = re.search(rf'id="queue-{name}"><span>[^<]*</span><b>(\d+)</b>', page)
     return int(match[1])
@@ -2930,12 +2493,13 @@ def test_healthz_answers_without_a_password(web):
     assert web.request("OPTIONS", "/crawlers")[0] == 405
 
 
+@pytest.mark.slow
 def test_the_generated_password_stays_the_same_across_restarts(home):
     write_sources(home / "sources.yaml", [])
     statuses = []
     for run in range(2):
         env = {k: v for k, v in os.environ.items() if k != "VESTI_WEB_PASSWORD"}
-        process = subprocess.Popen([sys.executable, str(ROOT / "vesti.py"), "serve", "--port", "0"],
+        process = subprocess.Popen([*VESTI, "serve", "--port", "0"],
                                    cwd=home, text=True, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, env=env)
         try:
@@ -2967,9 +2531,8 @@ def test_no_password_is_made_when_the_page_cannot_start(home):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         env = {k: v for k, v in os.environ.items() if k != "VESTI_WEB_PASSWORD"}
-        result = subprocess.run([sys.executable, str(ROOT / "vesti.py"), "serve", "--port",
-                                 str(taken.getsockname()[1])], cwd=home, env=env,
-                                capture_output=True, text=True, timeout=30)
+        result = subprocess.run([*VESTI, "serve", "--port", str(taken.getsockname()[1])],
+                                cwd=home, env=env, capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "cannot listen" in result.stderr
     kept = sqlite3.connect(home / "vesti.db").execute(
         "SELECT value FROM meta WHERE key = 'web_password'").fetchone()
@@ -3422,6 +2985,7 @@ def test_a_search_newest_first_is_in_the_desks_own_order(web):
     assert walk_desk(web, "/?q=kernel") == [i for i in walk_desk(web, "/") if i in kernel]
 
 
+@pytest.mark.slow
 @both
 def test_a_search_of_a_common_word_reads_about_a_page_and_misses_nothing(web, monkeypatch):
     """Stored as a crawl stores them: fetch times follow the ids, each post
@@ -3712,14 +3276,9 @@ def test_undated_entries_say_so_and_keep_their_feeds_order(web, home, server):
     assert f' · {posts["Post number 9"]["published_at"]} UTC' in dated and "undated" not in dated
 
 
-class ReasoningOllama(FakeOllama):
-    def verdict(self, body):
-        return {**super().verdict(body), "reason": "It is about a kernel release."}
-
-
 @both
 def test_the_worker_keeps_matched_keywords_and_the_llms_reason(home):
-    fake = ReasoningOllama()
+    fake = FakeOllama(reason="It is about a kernel release.")
     try:
         s, db, registry = worker_home(home, fake.url)
         add_posts(db.conn(), 1, text="The Linux kernel 7.0 is out.")
@@ -3863,6 +3422,7 @@ def test_approved_posts_as_atom_and_json_feed(web):
     assert web.get("/approved.json", auth=False)[0] == 401
 
 
+@pytest.mark.slow
 def test_export_writes_decided_posts_as_csv_json_and_atom(home):
     write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss")])
     s = make_settings(home)
@@ -3924,6 +3484,7 @@ def test_exports_give_an_undated_post_no_publication_date(web, home, server):
     assert (row["id"], row["published_at"]) == (str(post), "")
 
 
+@pytest.mark.slow
 @both
 def test_atom_and_json_exports_say_who_decided_and_when(web, home):
     feedparser = pytest.importorskip("feedparser")
@@ -3963,6 +3524,7 @@ def test_atom_and_json_exports_say_who_decided_and_when(web, home):
 NOT_XML = ("\x01", "\x0b", "\x1b", "\ufffe")
 
 
+@pytest.mark.slow
 @both
 def test_control_characters_in_titles_and_names_leave_atom_and_opml_well_formed(home):
     feedparser = pytest.importorskip("feedparser")
@@ -4285,6 +3847,7 @@ def test_a_folders_name_cannot_drive_the_terminal(home):
     assert "\u009b" not in result.stdout and "News\\x9b2J\\x9b31m" in result.stdout
 
 
+@pytest.mark.slow
 def test_a_broken_opml_file_changes_nothing(home):
     write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss")])
     before = (home / "sources.yaml").read_bytes()
@@ -4327,6 +3890,7 @@ def test_opml_export_is_opml_2_that_imports_back(home):
 FAST = {"RSS_HOST_DELAY": "0"}
 
 
+@pytest.mark.slow
 def test_discover_finds_a_sites_feeds_and_writes_their_entries(home, server):
     server.feed("/news/rss", rss(items(2, host=server.url), title="Kernel News"))
     server.feed("/feed", rss(items(1, host=server.url), title="Path Feed"))
@@ -4360,6 +3924,7 @@ def site_naming(server, *feeds):
                   f"<html><head>{links}</head><body>hi</body></html>".encode())
 
 
+@pytest.mark.slow
 def test_discover_says_why_the_feeds_it_found_could_not_be_read(home, server, internal):
     internal.feed("/feed", rss(items(1, host=internal.url), title="Internal News"))
     site_naming(server, internal.url + "/feed")
@@ -4419,6 +3984,7 @@ def test_discover_prints_a_feed_title_as_one_quoted_line_of_yaml(home, server):
     assert registry.sources[1].name.startswith("Evil")
 
 
+@pytest.mark.slow
 def test_discover_checks_at_most_twenty_of_a_pages_feed_links(home, server, monkeypatch):
     links = "".join(f'<link rel="alternate" type="application/rss+xml" href="/f{k}">'
                     for k in range(10_000))
@@ -4504,123 +4070,6 @@ def test_requests_and_crawls_leave_no_database_connections_behind(web, server):
 
 # The page in a real browser ---------------------------------------------------
 
-class Chromium:
-    """Headless Chromium driven over the DevTools protocol on a pipe (no
-    extra packages): messages are JSON separated by NUL bytes on fds 3/4."""
-
-    def __init__(self, tmp_path):
-        binary = shutil.which("chromium") or shutil.which("chromium-browser")
-        if not binary:
-            if os.environ.get("CI"):
-                pytest.fail("chromium is missing: .ci/run should have installed it")
-            pytest.skip("chromium is not installed (.ci/run installs it)")
-        to_browser_r, self.to_browser = os.pipe()
-        self.from_browser, from_browser_w = os.pipe()
-        self.process = subprocess.Popen(
-            [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-             "--no-first-run", "--disable-background-networking", "--disable-component-update",
-             "--disable-sync", "--disable-dev-shm-usage", f"--user-data-dir={tmp_path}/chrome",
-             "--remote-debugging-pipe", "about:blank"],
-            close_fds=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=lambda: self._pipes_to_3_and_4(to_browser_r, from_browser_w))
-        os.close(to_browser_r)
-        os.close(from_browser_w)
-        self.buffer, self.next_id, self.events, self.target = b"", 0, [], None
-        self.new_page()
-
-    def new_page(self):
-        """A fresh tab (no emulation, no history); the previous one is closed."""
-        if self.target:
-            self.call("Target.closeTarget", targetId=self.target)
-        self.target = self.call("Target.createTarget", url="about:blank")["targetId"]
-        self.session = self.call("Target.attachToTarget", targetId=self.target,
-                                 flatten=True)["sessionId"]
-        self.events.clear()
-        self.call("Page.enable", session=True)
-
-    @staticmethod
-    def _pipes_to_3_and_4(read_end, write_end):
-        """In the child: the pipes on fds 3 and 4, where Chromium expects them.
-        Copies go above 10 first, so neither dup2 overwrites the other end."""
-        high_read = fcntl.fcntl(read_end, fcntl.F_DUPFD, 10)
-        high_write = fcntl.fcntl(write_end, fcntl.F_DUPFD, 10)
-        os.dup2(high_read, 3)
-        os.dup2(high_write, 4)
-
-    def send(self, method, session=False, **params):
-        self.next_id += 1
-        message = {"id": self.next_id, "method": method, "params": params}
-        if session:
-            message["sessionId"] = self.session
-        os.write(self.to_browser, json.dumps(message).encode() + b"\0")
-        return self.next_id
-
-    def receive(self, timeout=20):
-        deadline = time.monotonic() + timeout
-        while b"\0" not in self.buffer:
-            if not select.select([self.from_browser], [], [], max(0, deadline - time.monotonic()))[0]:
-                raise TimeoutError("chromium did not answer")
-            chunk = os.read(self.from_browser, 1 << 20)
-            if not chunk:
-                raise EOFError("chromium closed the pipe")
-            self.buffer += chunk
-        message, _, self.buffer = self.buffer.partition(b"\0")
-        return json.loads(message)
-
-    def call(self, method, session=False, **params):
-        wanted = self.send(method, session, **params)
-        while True:
-            message = self.receive()
-            if message.get("id") == wanted:
-                if "error" in message:
-                    raise RuntimeError(message["error"])
-                return message.get("result", {})
-            self.events.append(message)
-
-    def wait_for_load(self):
-        while True:
-            if any(e.get("method") == "Page.loadEventFired" for e in self.events):
-                self.events.clear()
-                return
-            self.events.append(self.receive())
-
-    def evaluate(self, expression):
-        result = self.call("Runtime.evaluate", session=True, expression=expression,
-                           returnByValue=True)
-        return result["result"].get("value")
-
-    def open(self, url, headers):
-        self.call("Network.enable", session=True)
-        self.call("Network.setExtraHTTPHeaders", session=True, headers=headers)
-        self.events.clear()
-        self.call("Page.navigate", session=True, url=url)
-        self.wait_for_load()
-
-    def close(self):
-        with contextlib.suppress(Exception):
-            self.send("Browser.close")
-        with contextlib.suppress(Exception):
-            self.process.wait(timeout=5)
-        if self.process.poll() is None:
-            self.process.kill()
-        os.close(self.to_browser)
-        os.close(self.from_browser)
-
-
-@pytest.fixture(scope="module")
-def chromium(tmp_path_factory):
-    """One headless Chromium for the browser tests (starting one takes a while)."""
-    browser = Chromium(tmp_path_factory.mktemp("chromium"))
-    yield browser
-    browser.close()
-
-
-@pytest.fixture
-def browser(chromium):
-    chromium.new_page()
-    return chromium
-
-
 def test_the_crawlers_page_in_a_real_browser(web, browser):
     conn = web.db.conn()
     add_posts(conn, 15, source_id=source_row(web.db, "lwn")["id"])
@@ -4643,21 +4092,6 @@ def test_the_crawlers_page_in_a_real_browser(web, browser):
     assert (row["status"], row["error_count"], row["last_error"]) == ("alive", 0, None)
 
 
-def press(browser, key):
-    """A real key press, as the keyboard sends it."""
-    browser.call("Input.dispatchKeyEvent", session=True, type="keyDown", key=key, text=key)
-    browser.call("Input.dispatchKeyEvent", session=True, type="keyUp", key=key)
-
-
-def wait_until(browser, expression, timeout=10):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if browser.evaluate(expression):
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_the_desk_from_the_keyboard_decides_in_place(web, browser):
     conn = web.db.conn()
     ids = [desk_post(conn, lwn(web), k) for k in range(1, 41)]
@@ -4668,7 +4102,8 @@ def test_the_desk_from_the_keyboard_decides_in_place(web, browser):
     current = browser.evaluate("document.querySelector('article.current').dataset.id")
     assert int(current) == ids[-31]
     press(browser, "a")
-    assert wait_until(browser, f"document.getElementById('post-{current}').dataset.busy === '0'")
+    assert wait_for(lambda: browser.evaluate(
+        f"document.getElementById('post-{current}').dataset.busy === '0'"), timeout=10)
     shown = browser.evaluate(f"""({{
         badge: document.querySelector('#post-{current} .state').textContent,
         disabled: [...document.querySelectorAll('#post-{current} button')].map(b => b.disabled),
@@ -4681,7 +4116,8 @@ def test_the_desk_from_the_keyboard_decides_in_place(web, browser):
                         (current,)).fetchone()[:] == ("approved", "admin")
     press(browser, "r")
     press(browser, "u")                                   # undo the reject at once
-    assert wait_until(browser, f"document.getElementById('post-{ids[-32]}').dataset.busy === '0'")
+    assert wait_for(lambda: browser.evaluate(
+        f"document.getElementById('post-{ids[-32]}').dataset.busy === '0'"), timeout=10)
     assert browser.evaluate(f"document.getElementById('post-{ids[-32]}').dataset.status") == "new"
     assert conn.execute("SELECT status FROM posts WHERE id = ?", (ids[-32],)).fetchone()[0] \
         == "new"
@@ -4698,7 +4134,8 @@ def test_a_decision_in_place_takes_the_edited_after_decision_mark_away(web, brow
     assert browser.evaluate(mark) == 1
     press(browser, "j")
     press(browser, "r")
-    assert wait_until(browser, f"document.getElementById('post-{post}').dataset.busy === '0'")
+    assert wait_for(lambda: browser.evaluate(
+        f"document.getElementById('post-{post}').dataset.busy === '0'"), timeout=10)
     assert browser.evaluate(mark) == 0
     assert conn.execute("SELECT status, old_decision FROM posts WHERE id = ?",
                         (post,)).fetchone()[:] == ("rejected", None)
@@ -4710,7 +4147,8 @@ def test_a_decision_in_place_takes_the_edited_after_decision_mark_away(web, brow
 def decision_shown(browser, post):
     """The card of a post once its decisions have settled, and the alerts
     the page raised."""
-    assert wait_until(browser, f"document.getElementById('post-{post}').dataset.busy === '0'")
+    assert wait_for(lambda: browser.evaluate(
+        f"document.getElementById('post-{post}').dataset.busy === '0'"), timeout=10)
     return browser.evaluate(f"""(() => {{
         const card = document.getElementById('post-{post}'), note = card.querySelector('.unsaved');
         return {{status: card.dataset.status, badge: card.querySelector('.state').textContent,
@@ -4760,7 +4198,8 @@ def test_a_card_edited_since_the_page_was_loaded_is_not_decided_in_place(web, br
                              "to see the post. Press a to try again.")
     browser.evaluate("document.querySelector('form.bulk button[value=rejected]').click()")
     browser.evaluate("document.querySelector('form.bulk .yes').click()")
-    assert wait_until(browser, "!document.querySelector('form.bulk .unsaved').hidden")
+    assert wait_for(lambda: browser.evaluate(
+        "!document.querySelector('form.bulk .unsaved').hidden"), timeout=10)
     assert "the post changed since this page was loaded" in \
         browser.evaluate("document.querySelector('form.bulk .unsaved').textContent")
     assert {r[0] for r in conn.execute("SELECT status FROM posts")} == {"new"}
@@ -4771,12 +4210,6 @@ def test_a_card_edited_since_the_page_was_loaded_is_not_decided_in_place(web, br
     assert decision_shown(browser, ids[0])["status"] == "rejected"
     assert conn.execute("SELECT status FROM posts WHERE id = ?", (ids[0],)).fetchone()[0] == \
         "rejected"
-
-
-def visible(browser, selector):
-    """Whether the element is rendered (not hidden, nor in a closed <details>)."""
-    return browser.evaluate(f"""(() => {{ const e = document.querySelector({json.dumps(selector)});
-        return !!e && e.checkVisibility(); }})()""")
 
 
 def test_rejecting_every_card_shown_asks_first_and_can_be_undone(web, browser):
@@ -4799,12 +4232,14 @@ def test_rejecting_every_card_shown_asks_first_and_can_be_undone(web, browser):
     assert visible(browser, "form.bulk .ask") and not visible(browser, "form.bulk .confirm")
     browser.evaluate("document.querySelector('form.bulk button[value=rejected]').click()")
     browser.evaluate("document.querySelector('form.bulk .yes').click()")
-    assert wait_until(browser, "!document.querySelector('form.bulk .done').hidden")
+    assert wait_for(lambda: browser.evaluate(
+        "!document.querySelector('form.bulk .done').hidden"), timeout=10)
     assert statuses("rejected")
     assert browser.evaluate("document.querySelector('form.bulk .done').innerText") \
         .startswith("3 posts rejected.")
     browser.evaluate("document.querySelector('form.bulk .undo').click()")
-    assert wait_until(browser, "document.querySelector('form.bulk .done').hidden")
+    assert wait_for(lambda: browser.evaluate(
+        "document.querySelector('form.bulk .done').hidden"), timeout=10)
     assert statuses("new")
     assert visible(browser, "form.bulk .ask") and browser.evaluate("window.asked") == []
 
@@ -4847,7 +4282,7 @@ def test_without_javascript_a_decision_comes_back_to_its_card(web, browser):
         form.appendChild(choice);
         HTMLFormElement.prototype.submit.call(form); }})()""")
     browser.wait_for_load()
-    assert wait_until(browser, "window.scrollY > 0")     # scrolled back to the card
+    assert wait_for(lambda: browser.evaluate("window.scrollY > 0"), timeout=10)   # back to the card
     where = browser.evaluate(f"""({{path: location.pathname + location.search,
         hash: location.hash,
         cardTop: document.getElementById('post-{target}').getBoundingClientRect().top}})""")
@@ -4973,7 +4408,7 @@ def run_process(home, *args, env=None):
     """`vesti.py run` in its own process, with the page on a free port and
     the password "pw"; returns (process, port)."""
     process = subprocess.Popen(
-        [sys.executable, str(ROOT / "vesti.py"), "run", *args], cwd=home, text=True,
+        [*VESTI, "run", *args], cwd=home, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env={**os.environ, "VESTI_WEB_PORT": "0", "RSS_HOST_DELAY": "0",
              "VESTI_WEB_PASSWORD": "pw", **(env or {})})
@@ -4990,6 +4425,7 @@ def stop_process(process):
             process.kill()
 
 
+@pytest.mark.slow
 def test_run_crawls_classifies_serves_and_stops_on_sigterm(home, server, ollama):
     server.feed("/feed", rss(items(5, host=server.url)))
     write_sources(home / "sources.yaml", [rss_source("lwn", server.url + "/feed", direction="linux")])
@@ -5019,6 +4455,7 @@ def test_run_crawls_classifies_serves_and_stops_on_sigterm(home, server, ollama)
     assert conn.execute("SELECT trigger FROM runs").fetchone()[0] == "schedule"
 
 
+@pytest.mark.slow
 def test_run_makes_one_story_of_four_outlets_copies_and_asks_the_llm_once(home, server, ollama):
     wrappers = ("", "From our correspondent: ", "Repost: ", "Breaking: ")
     for k, prefix in enumerate(wrappers):
@@ -5092,6 +4529,7 @@ def test_a_rejected_sources_yaml_edit_is_on_every_page_until_a_good_one_loads(ho
         web.close()
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_crawl_and_closes_its_runs(home):
     srv = FeedServer()
     try:
@@ -5099,7 +4537,7 @@ def test_sigterm_stops_a_crawl_and_closes_its_runs(home):
         srv.routes["/slow"] = lambda request: release.wait(30) and None
         write_sources(home / "sources.yaml", [rss_source("slow", srv.url + "/slow")] +
                       [rss_source(f"s{k}", f"{srv.url}/slow?{k}") for k in range(3)])
-        process = subprocess.Popen([sys.executable, str(ROOT / "vesti.py"), "rss", "--all"],
+        process = subprocess.Popen([*VESTI, "rss", "--all"],
                                    cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True, env={**os.environ, "RSS_TIMEOUT": "30",
                                                    "VESTI_STOP_GRACE": "1"})
@@ -5155,79 +4593,6 @@ def test_the_scheduler_crawls_each_priority_on_its_interval(home, server):
 
 
 # Network policy and slow peers -------------------------------------------------
-
-class DripServer:
-    """A raw TCP server on a loopback address that reads the request, sends a
-    status line and the start of a header, then one more header byte every
-    `every` seconds: the headers never end. Every loop is bounded: a
-    connection drips for `lifetime` seconds at most, accept() gives up after
-    `lifetime` too, and close() stops everything at once."""
-
-    def __init__(self, host="127.0.0.1", every=0.2, lifetime=30.0):
-        self.every, self.lifetime = every, lifetime
-        self.connections = 0
-        self.stopped = threading.Event()
-        self.listener = socket.create_server((host, 0))
-        self.listener.settimeout(0.05)
-        self.url = f"http://{host}:{self.listener.getsockname()[1]}"
-        self.threads = [threading.Thread(target=self.accept, daemon=True)]
-        self.threads[0].start()
-
-    def accept(self):
-        ends = time.monotonic() + self.lifetime
-        while not self.stopped.is_set() and time.monotonic() < ends:
-            try:
-                conn, _ = self.listener.accept()
-            except (socket.timeout, OSError):
-                continue
-            self.connections += 1
-            thread = threading.Thread(target=self.drip, args=(conn,), daemon=True)
-            self.threads.append(thread)
-            thread.start()
-
-    def drip(self, conn):
-        ends = time.monotonic() + self.lifetime
-        with conn, contextlib.suppress(OSError):
-            conn.settimeout(1)
-            conn.recv(65536)                                  # the request
-            conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
-            while not self.stopped.wait(self.every) and time.monotonic() < ends:
-                conn.sendall(b"x")
-
-    def close(self):
-        self.stopped.set()
-        for thread in list(self.threads):
-            thread.join(2)
-        self.listener.close()
-
-
-class TcpListener:
-    """A bare TCP port that only records whether anyone connected."""
-
-    def __init__(self, host="127.0.0.1"):
-        self.listener = socket.create_server((host, 0))
-        self.listener.settimeout(0.05)
-        self.port = self.listener.getsockname()[1]
-        self.connected = threading.Event()
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self.accept, daemon=True)
-        self.thread.start()
-
-    def accept(self):
-        ends = time.monotonic() + 30
-        while not self.stopped.is_set() and time.monotonic() < ends:
-            try:
-                conn, _ = self.listener.accept()
-            except (socket.timeout, OSError):
-                continue
-            self.connected.set()
-            conn.close()
-
-    def close(self):
-        self.stopped.set()
-        self.thread.join(2)
-        self.listener.close()
-
 
 def finishes_within(seconds, function):
     """Run function in a thread; (True, result) if it returned within
@@ -5297,6 +4662,7 @@ def test_a_host_busy_longer_than_the_patience_gives_host_busy():
         pass
 
 
+@pytest.mark.slow
 @both
 def test_articles_on_a_dripping_host_do_not_stall_the_workers(home):
     page = (CORPUS / "html" / "bbc.com.52241221.html").read_bytes()
@@ -5329,6 +4695,7 @@ def test_articles_on_a_dripping_host_do_not_stall_the_workers(home):
 
 
 
+@pytest.mark.slow
 @both
 def test_articles_of_different_hosts_are_fetched_side_by_side(home, monkeypatch):
     """Posts are stored feed by feed, so the oldest pending ones are one
@@ -5374,19 +4741,6 @@ def test_articles_of_different_hosts_are_fetched_side_by_side(home, monkeypatch)
     assert len(overlaps) == 12 and max(overlaps) == 1
 
 # The network policy: article links and redirects come from third parties.
-
-@pytest.fixture
-def internal():
-    """The "internal" host: a server on another loopback address that a feed
-    on 127.0.0.1 has no business reaching."""
-    srv = FeedServer("127.0.0.2")
-    srv.page = (CORPUS / "html" / "bbc.com.52241221.html").read_bytes()
-    srv.secret = json.loads((CORPUS / "html" / "expected.json").read_text()
-                            )["pages"]["bbc.com.52241221.html"]["with"][0]
-    srv.routes["/secret"] = lambda request: (200, {"Content-Type": "text/html"}, srv.page)
-    yield srv
-    srv.close()
-
 
 def everything_stored(db):
     """Every value of every post, as one text."""
@@ -5565,13 +4919,14 @@ def locked_warnings(text):
 def wait_out_the_lock(holder, child, err):
     """Keep the lock until the child says it is waiting for it (it has waited
     out its busy timeout), a little longer still, then let go."""
-    waited = wait_for(lambda: locked_warnings(err.text(0)) or child.poll() is not None, 10)
-    if waited and child.poll() is None:
+    assert wait_for(lambda: locked_warnings(err.text(0)) or child.poll() is not None, 10)
+    if child.poll() is None:
         time.sleep(1)
     holder.release()
     assert holder.wait(timeout=10) == 0
 
 
+@pytest.mark.slow
 def test_a_forever_worker_waits_out_a_database_locked_past_the_busy_timeout(home):
     s, db, _ = worker_home(home, "")
     add_posts(db.conn(), 40)
@@ -5583,7 +4938,7 @@ def test_a_forever_worker_waits_out_a_database_locked_past_the_busy_timeout(home
             out, err = Output(worker.stdout), Output(worker.stderr)
             wait_out_the_lock(holder, worker, err)
         assert worker.poll() is None, err.text()             # still running after the lock
-        assert wait_for(lambda: queue_of(db) == {1: 40}), queue_of(db)
+        assert wait_for(lambda: queue_of(db) == {1: 40}, state=lambda: queue_of(db))
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=15) == 0, err.text()
         assert -1 not in queue_of(db)
@@ -5596,6 +4951,7 @@ def test_a_forever_worker_waits_out_a_database_locked_past_the_busy_timeout(home
             worker.wait()
 
 
+@pytest.mark.slow
 def test_a_crawl_started_while_the_database_is_locked_waits_and_stores_its_posts(home, server):
     server.feed("/a", rss(items(5, host=server.url)))
     server.feed("/b", rss(items(5, start=100, host=server.url)))
@@ -5604,7 +4960,7 @@ def test_a_crawl_started_while_the_database_is_locked_waits_and_stores_its_posts
     try:
         with write_lock_held(home / "vesti.db") as holder:
             crawl = subprocess.Popen(
-                [sys.executable, str(ROOT / "vesti.py"), "rss", "--all"], cwd=home, text=True,
+                [*VESTI, "rss", "--all"], cwd=home, text=True,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 env={**os.environ, "VESTI_BUSY_TIMEOUT": "0.5", "RSS_HOST_DELAY": "0"})
             out, err = Output(crawl.stdout), Output(crawl.stderr)
@@ -5633,7 +4989,7 @@ def run_on_a_small_disk(home, *args, env=None, timeout=60):
     full_env = {k: v for k, v in os.environ.items()
                 if not k.startswith(("VESTI_", "RSS_", "OLLAMA_", "TG_"))}
     full_env.update(env or {})
-    return subprocess.run([sys.executable, str(ROOT / "vesti.py"), *args], cwd=home,
+    return subprocess.run([*VESTI, *args], cwd=home,
                           env=full_env, capture_output=True, text=True, timeout=timeout,
                           preexec_fn=small_disk)
 
@@ -5643,6 +4999,7 @@ def big_feed(start, host):
                 for entry in items(200, start=start, host=host)])
 
 
+@pytest.mark.slow
 def test_a_full_disk_ends_the_crawl_with_one_line_and_blames_no_source(home):
     servers = [FeedServer(f"127.0.0.{n}") for n in (1, 2, 3)]     # three hosts, crawled at once
     try:
@@ -5708,63 +5065,7 @@ def test_a_client_that_drips_its_request_is_dropped_while_others_are_served(web,
     assert answered[0] == 200 and json.loads(answered[2])["pending"] == 0
 
 
-class SlowClients:
-    """`count` connections to the page from the loopback addresses `hosts`,
-    each sending one byte of an endless header every `every` seconds and
-    connecting again as soon as the server drops it, all from one thread."""
-
-    REQUEST = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
-
-    def __init__(self, port, hosts, count, every):
-        self.port, self.every = port, every
-        self.hosts = [hosts[i % len(hosts)] for i in range(count)]
-        self.connections = 0
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self.attack, daemon=True)
-        self.thread.start()
-
-    def connect(self, host):
-        sock = socket.socket()
-        sock.setblocking(False)                 # a full backlog holds no other client
-        try:
-            sock.bind((host, 0))
-        except OSError:
-            sock.close()
-            return None
-        sock.connect_ex(("127.0.0.1", self.port))
-        self.connections += 1
-        return sock
-
-    def attack(self):
-        socks, sent = [None] * len(self.hosts), [0] * len(self.hosts)
-        # The first connections are spread over a second, as clients' are.
-        due = [time.monotonic() + i / len(socks) for i in range(len(socks))]
-        next_byte = time.monotonic()
-        while not self.stopped.is_set():
-            waits = [next_byte] + [d for s, d in zip(socks, due) if s is None]
-            dropped = select.select([s for s in socks if s is not None], [], [],
-                                    max(0, min(waits) - time.monotonic()))[0]
-            for i, sock in enumerate(socks):
-                if sock is not None and sock in dropped:     # closed or answered: again
-                    sock.close()
-                    socks[i], sent[i], due[i] = None, 0, 0
-                if socks[i] is None and due[i] <= time.monotonic():
-                    socks[i] = self.connect(self.hosts[i])
-            if time.monotonic() >= next_byte:
-                next_byte += self.every
-                for i, sock in enumerate(socks):
-                    with contextlib.suppress(OSError, AttributeError):
-                        sock.send(self.REQUEST[sent[i]:sent[i] + 1] or b"z")
-                        sent[i] += 1
-        for sock in socks:
-            if sock is not None:
-                sock.close()
-
-    def close(self):
-        self.stopped.set()
-        self.thread.join(10)
-
-
+@pytest.mark.slow
 def test_slow_clients_that_reconnect_leave_the_page_to_its_editors(web, monkeypatch, caplog):
     """80 clients from two addresses drip their headers and reconnect as
     soon as they are dropped; an editor's requests meanwhile are answered,
@@ -6155,55 +5456,6 @@ def test_posts_left_processing_by_a_database_from_before_leases_are_classified(h
 
 # PostgreSQL: one queue for many machines ----------------------------------------
 
-def postgres_binaries():
-    found = sorted(pathlib.Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))
-    return found[-1].parent if found else None
-
-
-class OwnPostgres:
-    """A PostgreSQL server of one test's own, in a temporary directory, so it
-    can be restarted without disturbing the other tests (as a non-root user:
-    PostgreSQL refuses to run as root)."""
-
-    def __init__(self):
-        self.bin = postgres_binaries()
-        self.root = pathlib.Path(tempfile.mkdtemp(prefix="vesti-pg-"))
-        self.root.chmod(0o777)
-        self.data = self.root / "pgdata"
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-        self.run("initdb", "-D", str(self.data), "-U", "vesti", "--auth=trust", "-E", "UTF8",
-                 "--locale=C.UTF-8")
-        self.url = f"postgresql://vesti@127.0.0.1:{self.port}/postgres"
-        self.start()
-
-    def run(self, tool, *args):
-        subprocess.run([*self.as_user, str(self.bin / tool), *args], check=True,
-                       capture_output=True, timeout=60)
-
-    def start(self):
-        self.run("pg_ctl", "-D", str(self.data), "-w", "-l", str(self.root / "log"),
-                 "-o", f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 "
-                       f"-c fsync=off", "start")
-
-    def stop(self):
-        self.run("pg_ctl", "-D", str(self.data), "-w", "-m", "fast", "stop")
-
-
-@pytest.fixture
-def own_postgres():
-    if postgres_binaries() is None or (os.geteuid() == 0 and shutil.which("runuser") is None):
-        pytest.skip("no PostgreSQL server binaries (Debian's postgresql package) here")
-    pytest.importorskip("psycopg")
-    server = OwnPostgres()
-    yield server
-    with contextlib.suppress(Exception):
-        server.stop()
-    shutil.rmtree(server.root, ignore_errors=True)
-
-
 def test_the_postgresql_schema_is_made_from_the_same_table_definitions():
     sqlite_tables = {(t, c) for t, c, _, _ in vesti.schema_columns()}
     objects = {name: create for name, _, create in vesti.postgres_schema()}
@@ -6259,6 +5511,7 @@ def test_an_unreachable_postgresql_is_one_line_and_exit_2_without_the_password(h
     assert f"postgresql://u:***@127.0.0.1:{port}/x" in lines[0] and "s3cret" not in result.stderr
 
 
+@pytest.mark.slow
 @postgres_only
 def test_copy_db_moves_everything_to_postgresql_and_back_and_twice_changes_nothing(home, backend):
     file_db = str(home / "vesti.db")
@@ -6356,6 +5609,7 @@ def test_an_interrupted_copy_db_is_completed_by_running_it_again(home, backend, 
     assert [post["id"] for post in found] == list(range(10, 0, -1))
 
 
+@pytest.mark.slow
 @postgres_only
 def test_two_worker_processes_share_the_queue_and_survive_a_kill_9(home, backend):
     fake, workers = FakeOllama(latency=0.1), []
@@ -6374,7 +5628,8 @@ def test_two_worker_processes_share_the_queue_and_survive_a_kill_9(home, backend
         held = {row[0] for row in db.conn().execute(
             "SELECT title FROM posts WHERE classified = -1 AND claim_token LIKE ?",
             (f"{one.pid}-%",))}
-        assert wait_for(lambda: queue_of(db) == {1: 60}, timeout=30), queue_of(db)
+        assert wait_for(lambda: queue_of(db) == {1: 60}, timeout=30,
+                        state=lambda: (queue_of(db), two.poll()), patient=True)
         two.send_signal(signal.SIGTERM)
         _, err = two.communicate(timeout=15)
         assert two.returncode == 0, err
@@ -6398,7 +5653,7 @@ def test_two_overlapping_crawls_store_each_entry_once(home, backend, server):
         return 200, {"Content-Type": "application/rss+xml"}, body
     server.routes["/feed"] = slow
     intake(home, [rss_source("slow", server.url + "/feed")])
-    crawls = [subprocess.Popen([sys.executable, str(ROOT / "vesti.py"), "rss", "--all"], cwd=home,
+    crawls = [subprocess.Popen([*VESTI, "rss", "--all"], cwd=home,
                                env={**os.environ, "VESTI_DB": backend}, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True) for _ in range(2)]
     for crawl_process in crawls:
@@ -6410,23 +5665,24 @@ def test_two_overlapping_crawls_store_each_entry_once(home, backend, server):
     assert [r["status"] for r in runs_of(db, "slow")] == ["ok", "ok"]
 
 
-def test_a_worker_rides_out_a_postgresql_restart_and_loses_nothing(home, own_postgres):
+@pytest.mark.slow
+@restarts_postgres
+def test_a_worker_rides_out_a_postgresql_restart_and_loses_nothing(home, backend, postgres_server):
     fake, process = FakeOllama(latency=0.05), None
     try:
-        BACKEND["db"] = own_postgres.url
         s, db, _ = worker_home(home, fake.url)
         add_posts(db.conn(), 120)
         db.close()
-        process = worker_process(home, fake.url, "--workers", "4", "--forever",
-                                 env={"VESTI_DB": own_postgres.url})
-        check = vesti.Database(own_postgres.url)
+        process = worker_process(home, fake.url, "--workers", "4", "--forever")
+        check = vesti.Database(backend)
         assert wait_for(lambda: queue_of(check).get(1, 0) >= 20)
         check.close()
-        own_postgres.stop()
+        postgres_server.stop()
         time.sleep(1.5)                                  # the workers find it gone
-        own_postgres.start()
-        check = vesti.Database(own_postgres.url)
-        assert wait_for(lambda: queue_of(check) == {1: 120}, timeout=60), queue_of(check)
+        postgres_server.start()
+        check = vesti.Database(backend)
+        assert wait_for(lambda: queue_of(check) == {1: 120}, timeout=30,
+                        state=lambda: (queue_of(check), process.poll()), patient=True)
         process.send_signal(signal.SIGTERM)
         _, err = process.communicate(timeout=15)
         assert process.returncode == 0, err
@@ -6436,12 +5692,13 @@ def test_a_worker_rides_out_a_postgresql_restart_and_loses_nothing(home, own_pos
     finally:
         if process is not None and process.poll() is None:
             process.kill()
-        BACKEND["db"] = None
         fake.close()
 
 
-def test_two_workers_and_a_crawler_on_postgresql_survive_a_kill_9_and_a_restart(home, own_postgres,
-                                                                             server):
+@pytest.mark.slow
+@restarts_postgres
+def test_two_workers_and_a_crawler_on_postgresql_survive_a_kill_9_and_a_restart(
+        home, backend, postgres_server, server):
     """The README's set-up: `run --workers 0` crawls and serves, two `worker
     --forever` processes classify; one is killed with kill -9 and the
     database server restarts (for well under a lease, so no live worker's
@@ -6453,34 +5710,36 @@ def test_two_workers_and_a_crawler_on_postgresql_survive_a_kill_9_and_a_restart(
                                               rss(items(entries[0], host="http://news.example")))
     write_sources(home / "sources.yaml", [rss_source("wire", server.url + "/feed",
                                                      direction="linux")])
-    env = {**os.environ, "VESTI_DB": own_postgres.url, "OLLAMA_URL": fake.url,
+    env = {**os.environ, "VESTI_DB": backend, "OLLAMA_URL": fake.url,
            "RSS_HOST_DELAY": "0", "VESTI_CRAWL_EVERY": "1s", "VESTI_LEASE_SECONDS": "12",
            "VESTI_WEB_PORT": "0", "VESTI_WEB_PASSWORD": "pw"}
 
     def start(*args):
-        return subprocess.Popen([sys.executable, str(ROOT / "vesti.py"), *args], cwd=home,
+        return subprocess.Popen([*VESTI, *args], cwd=home,
                                 env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     crawler = start("run", "--workers", "0")
     port = int(re.search(r"http://127\.0\.0\.1:(\d+)/", crawler.stdout.readline())[1])
     workers = [start("worker", "--forever", "--workers", "4") for _ in range(2)]
-    db = vesti.Database(own_postgres.url)
+    db = vesti.Database(backend)
 
     def queue():
         with contextlib.suppress(Exception):
             return queue_of(db)
         return None
     try:
-        assert wait_for(lambda: (queue() or {}).get(1, 0) >= 10, timeout=30), queue()
+        assert wait_for(lambda: (queue() or {}).get(1, 0) >= 10, timeout=30, state=queue,
+                        patient=True)
         workers[0].kill()
         workers[0].communicate()
         held = {row[0] for row in db.conn().execute(
             "SELECT title FROM posts WHERE classified = -1 AND claim_token LIKE ?",
             (f"{workers[0].pid}-%",))}
-        own_postgres.stop()
+        postgres_server.stop()
         time.sleep(1.5)
-        own_postgres.start()
+        postgres_server.start()
         entries[0] = 60                                  # the feed gains 20 entries
-        assert wait_for(lambda: queue() == {1: 60}, timeout=60), queue()
+        assert wait_for(lambda: queue() == {1: 60}, timeout=30, patient=True,
+                        state=lambda: (queue(), crawler.poll(), workers[1].poll()))
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         conn.request("GET", "/api/queue", headers={
             "Authorization": "Basic " + base64.b64encode(b"admin:pw").decode()})
@@ -6506,6 +5765,7 @@ def test_two_workers_and_a_crawler_on_postgresql_survive_a_kill_9_and_a_restart(
 
 # The repository ----------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, marker", [
     # a figure line each benchmark prints near its end, with a number in it
     ("crawl", r"second / ideal = \d+\.\d+ +target <= "),
@@ -6586,6 +5846,7 @@ sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 import story_set  # noqa: E402
 
 
+@pytest.mark.slow
 def test_stories_on_the_labelled_set_keep_precision_and_recall(tmp_path):
     """Pairs built from the real corpus: rewrites, teasers and reposts are one
     story; template releases, other stories of one feed and digests are not."""
@@ -7185,6 +6446,7 @@ def database_work(conn, call, table="story_keys"):
                if table in sql)
 
 
+@pytest.mark.slow
 @both
 def test_a_key_thousands_of_posts_share_costs_a_look_up_no_more_than_a_rare_one(home):
     """A flood of near-identical posts: a look-up reads the newest few posts
@@ -7345,8 +6607,7 @@ def test_the_story_key_helper_ends_with_its_worker(home, stop):
     s, db, registry = story_home(home, "")
     told_twice(db.conn(), 40)
     # One worker: its batches grow to 32 posts, and the helper starts.
-    process = subprocess.Popen([sys.executable, str(ROOT / "vesti.py"), "worker", "--forever",
-                                "--workers", "1"],
+    process = subprocess.Popen([*VESTI, "worker", "--forever", "--workers", "1"],
                                cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True, env={**os.environ, "OLLAMA_URL": ""})
     try:
