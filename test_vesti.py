@@ -56,7 +56,7 @@ ILLFORMED_FEEDS = sorted(p for p in (CORPUS / "feeds" / "illformed").rglob("*")
                          if p.is_file() and p.suffix not in (".tsv", ".md"))
 
 
-# Feeds, a home's intake, and what it stored ----------------------------------
+# Shared helpers: feeds, a home's intake, and what it stored -------------------
 
 def rss(items, title="Test feed"):
     """An RSS 2.0 document; items are dicts with guid, link, title, text."""
@@ -129,7 +129,7 @@ def cli(*args, cwd, env=None, timeout=60):
                           env=cli_env(env), capture_output=True, text=True, timeout=timeout)
 
 
-# Settings --------------------------------------------------------------------
+# Settings ---------------------------------------------------------------------
 
 def test_settings_defaults_match_the_contract():
     s = vesti.load_settings(environ={}, env_file=None)
@@ -175,7 +175,99 @@ def test_a_bad_setting_stops_the_command_with_one_line_and_exit_2(tmp_path, name
     assert "Traceback" not in result.stderr
 
 
-# Process-wide state ----------------------------------------------------------
+# Settings: hostile or absurd values -------------------------------------------
+
+def alias_bomb(levels=7):
+    """The "billion laughs" shape: each anchor is nine aliases of the last."""
+    nested = ["&x0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    nested += [f"&x{n} [" + ", ".join([f"*x{n - 1}"] * 9) + "]" for n in range(1, levels)]
+    return "[" + ", ".join(nested) + "]"
+
+
+A_SOURCE = '  - slug: a\n    crawler: rss\n    url: "http://x.test/feed"\n'
+
+
+@pytest.mark.parametrize("extra", [
+    f"    name: {alias_bomb()}\n",
+    "    ? [a, b]\n    : x\n",
+    "    name: " + "[" * 5000 + "]" * 5000 + "\n",
+    "    name: " + "[" * 200000 + "]" * 200000 + "\n",
+    "    name: &n x\n    direction: *n\n",
+    "    priority: 100000000000000000000000\n",
+], ids=["alias-bomb", "non-scalar-key", "5000-deep", "200000-deep", "one-alias", "huge-priority"])
+def test_a_hostile_sources_yaml_is_a_one_line_error(home, extra):
+    (home / "sources.yaml").write_text(SOURCES_YAML.format(sources=A_SOURCE + extra))
+    result = cli("status", cwd=home, timeout=30)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1 and "sources.yaml" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_url_that_does_not_parse_is_a_one_line_error(home):
+    (home / "sources.yaml").write_text(SOURCES_YAML.format(
+        sources='  - slug: a\n    crawler: rss\n    url: "http://[::1"\n'))
+    result = cli("status", cwd=home)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1 and "source 'a'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("name,value", [("VESTI_DB", ""), ("VESTI_LEASE_SECONDS", "1e308"),
+                                        ("VESTI_WEB_USER", "a:b"), ("RSS_TIMEOUT", "1e308"),
+                                        ("VESTI_CRAWL_EVERY", "0s")])
+def test_an_absurd_setting_stops_the_command_with_one_line_and_exit_2(home, name, value):
+    write_sources(home / "sources.yaml", [rss_source("a", "http://x.test/feed")])
+    result = cli("status", cwd=home, env={name: value})
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert result.stderr.count("\n") == 1 and name in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args,env,named", [
+    (("status",), {"VESTI_DB": ":memory:"}, "VESTI_DB"),
+    (("run", "--workers", "1"), {"VESTI_DB": ":memory:", "VESTI_WEB_PORT": "0"}, "VESTI_DB"),
+    (("status", "--db", ":memory:"), {}, "--db"),
+    (("copy-db", "--to", ":memory:"), {}, "--to"),
+], ids=["status", "run", "--db", "copy-db"])
+def test_an_in_memory_database_is_refused_with_one_line_and_exit_2(home, args, env, named):
+    """Each connection (every thread, the page, the workers) would open
+    another, empty database."""
+    write_sources(home / "sources.yaml", [rss_source("a", "http://x.test/feed")])
+    result = cli(*args, cwd=home, env=env)
+    assert result.returncode == 2, (result.stdout, result.stderr[-2000:])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"vesti: {named}: ") and \
+        ":memory:" in lines[0] and "connection" in lines[0], lines
+    assert "Traceback" not in result.stderr
+
+
+def test_a_nul_byte_in_the_env_file_is_one_line_naming_the_file_and_line(home):
+    write_sources(home / "sources.yaml", [rss_source("a", "http://x.test/feed")])
+    (home / ".env").write_bytes(b"RSS_TIMEOUT=5\nVESTI_DB=ves\x00ti.db\n")
+    result = cli("status", cwd=home)
+    assert result.returncode == 2, (result.stdout, result.stderr[-2000:])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and ".env:2:" in lines[0] and "NUL" in lines[0], lines
+    assert "Traceback" not in result.stderr
+
+
+def test_an_opml_feed_whose_url_does_not_parse_is_skipped_with_a_note(home):
+    write_sources(home / "sources.yaml", [rss_source("a", "http://x.test/feed")])
+    (home / "bad.opml").write_text(
+        '<?xml version="1.0"?><opml version="2.0"><body>'
+        '<outline text="Broken" xmlUrl="http://[::1/x"/>'
+        '<outline text="Good" xmlUrl="https://good.example/feed"/></body></opml>')
+    result = cli("opml-import", "bad.opml", cwd=home)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "1 feeds added" in result.stdout and "1 skipped" in result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "http://[::1/x" in lines[0] and "skipped" in lines[0], lines
+    assert "Traceback" not in result.stderr
+    assert [s.url for s in vesti.load_registry(str(home / "sources.yaml")).sources] == \
+        ["http://x.test/feed", "https://good.example/feed"]
+
+
+# Processes --------------------------------------------------------------------
 
 class LingeringSet(set):
     """A set whose answer about one token lingers after the look-up, so that
@@ -221,7 +313,97 @@ def test_a_turn_begun_by_threads_at_once_is_new_to_one_and_every_turn_ends(monke
     assert not vesti.TURNS_BEGUN
 
 
-# Storage ---------------------------------------------------------------------
+# Text, time and URLs: canonical URLs ------------------------------------------
+
+URL_VECTORS = json.loads((CORPUS / "urls" / "vectors.json").read_text(encoding="utf-8"))
+
+# Where the sources disagree, VESTI sides with the ones that keep the link an
+# editor clicks intact: parameters keep their order and spelling (DuckDuckGo,
+# miniflux, url-normalize), a fragment is dropped (w3lib, courlan strict) since
+# feeds use it for tracking (#tk.rss_all) far more often than to tell entries
+# apart (that case is handled per feed: see test_fragment_only_links_*), an
+# empty path becomes "/", and tracker names match case-insensitively (miniflux).
+# Rows that decide the other way on one of these, or that test parameter
+# allow-lists, blank-value rewriting or component-level functions, are skipped
+# by the reason below.
+def _url_vector_skip(v):
+    function, categories = v["function"], v["category"].split(";")
+    source = v["source"].split("@")[0]
+    if v["level"] != "url":
+        return "component-level function"
+    if "://" not in v["input"]:
+        return "relative input: VESTI resolves links against the feed first"
+    if "query_order" in categories or "query_encoding" in categories:
+        return "we keep parameter order and encoding"
+    if "query_blank" in categories or "whitespace" in categories:
+        return "blank values and junk are left as they are"
+    if "filter_params=True" in function or "url_query_cleaner" in function or (
+            "query_filter" in categories and "tracking" not in categories):
+        return "allow-list filtering is not tracking removal"
+    if source == "niksite/url-normalize" and "utm_" in v["input"]:
+        return "url-normalize with filtering off keeps trackers; we drop them"
+    if "keep_fragments=True" in function or ("fragment" in categories and (
+            source in ("miniflux/v2", "niksite/url-normalize")
+            or (source == "adbar/courlan" and "strict=True" not in function))):
+        return "we drop fragments"
+    if "strict=True" in function and "fragment" not in categories:
+        return "courlan strict drops non-tracking parameters"
+    if "allowlisted" in v["input"] + v["options"] or "bad." in v["input"]:
+        return "DuckDuckGo exception config"
+    if source.startswith("duckduckgo") and "msclkid" in v["input"]:
+        return "DuckDuckGo's 26-name list keeps utm_id and msclkid; we drop them"
+    if "FBCLID" in v["input"]:
+        return "we match tracker names case-insensitively (as miniflux does)"
+    if v["expected"] == "" or "ref=" in v["input"]:
+        return "ref= is kept: miniflux drops it only for the site's own host"
+    if source == "adbar/courlan" and re.search(r"aff|_source", v["input"]):
+        return "courlan's name patterns (*affiliate*, *_source) would drop content parameters"
+    return None
+
+
+def same_url(result, expected, ignore_order):
+    """Equal as resources: an empty path is "/", a query compares decoded."""
+    a, b = urllib.parse.urlsplit(result), urllib.parse.urlsplit(expected)
+    qa, qb = (urllib.parse.parse_qsl(x.query, keep_blank_values=True) for x in (a, b))
+    if ignore_order:
+        qa, qb = sorted(qa), sorted(qb)
+    return (a.scheme, a.netloc, a.path or "/", qa, a.fragment) == \
+        (b.scheme, b.netloc, b.path or "/", qb, b.fragment)
+
+
+CHECKED_URL_VECTORS = [v for v in URL_VECTORS if not _url_vector_skip(v)]
+
+
+@pytest.mark.parametrize("vector", CHECKED_URL_VECTORS, ids=[str(v["id"]) for v in CHECKED_URL_VECTORS])
+def test_canonical_url_against_the_corpus_vectors(vector):
+    result = vesti.canonical_url(vector["input"])
+    assert same_url(result, vector["expected"], "ignoring query order" in vector["note"]), \
+        (result, vector["expected"], vector["source"])
+
+
+def test_enough_url_vectors_are_checked():
+    categories = {c for v in CHECKED_URL_VECTORS for c in v["category"].split(";")}
+    assert len(CHECKED_URL_VECTORS) >= 50
+    assert {"tracking", "fragment", "host_case", "default_port", "no_change"} <= categories
+
+
+@pytest.mark.parametrize("url,expected", [
+    ("https://news.example/a?yclid=123&id=7", "https://news.example/a?id=7"),
+    ("https://news.example/a?_openstat=ZGlyZWN0&id=7&ysclid=lq1", "https://news.example/a?id=7"),
+    ("HTTPS://News.Example:443/a#comments", "https://news.example/a"),
+    ("http://news.example:8080/a?UTM_SOURCE=x", "http://news.example:8080/a"),
+    ("https://www.heise.de/news/x.html?wt_mc=rss.red.ho.ho.rdf.beitrag.beitrag",
+     "https://www.heise.de/news/x.html"),
+    ("https://www.dailymail.co.uk/a.html?ITO=1490&ns_mchannel=rss&ns_campaign=1490",
+     "https://www.dailymail.co.uk/a.html"),
+    ("https://medium.com/p/abc?source=rss----5517fd7b58a6---4", "https://medium.com/p/abc"),
+    ("https://shop.example/list?source=catalog&id=2", "https://shop.example/list?source=catalog&id=2"),
+])
+def test_canonical_url_drops_yandex_and_openstat_trackers(url, expected):
+    assert vesti.canonical_url(url) == expected
+
+
+# Connections, schema and the queue --------------------------------------------
 
 def test_schema_sql_is_what_vesti_applies():
     assert (ROOT / "schema.sql").read_text(encoding="utf-8") == vesti.SCHEMA
@@ -445,7 +627,1284 @@ def test_vv_shows_no_password_nor_secret(home, backend):
                for _, s in sql_lines(copy.stderr))
 
 
-# Sources registry ------------------------------------------------------------
+# Connections: a locked database, a full disk ----------------------------------
+
+LOCK_HOLDER = """
+import select, sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("BEGIN IMMEDIATE")
+conn.execute("UPDATE sources SET name = name")       # a long manual UPDATE
+print("locked", flush=True)
+select.select([sys.stdin], [], [], 30)                # until told (or 30 s)
+conn.execute("COMMIT")
+"""
+
+
+@contextlib.contextmanager
+def write_lock_held(path):
+    """Another process holds the database's write lock until release()."""
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(path)], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    holder.release = lambda: (holder.stdin.write("\n"), holder.stdin.flush())
+    try:
+        assert holder.stdout.readline() == "locked\n", holder.stderr.read()
+        yield holder
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+        holder.communicate()
+
+
+class Output:
+    """The lines a child process writes to a pipe, read as they come."""
+
+    def __init__(self, pipe):
+        self.lines = []
+        self.thread = threading.Thread(target=lambda: self.lines.extend(pipe), daemon=True)
+        self.thread.start()
+
+    def text(self, timeout=None):
+        self.thread.join(timeout)
+        return "".join(self.lines)
+
+
+def locked_warnings(text):
+    return [line for line in text.splitlines() if "is locked" in line]
+
+
+def wait_out_the_lock(holder, child, err):
+    """Keep the lock until the child says it is waiting for it (it has waited
+    out its busy timeout), a little longer still, then let go."""
+    assert wait_for(lambda: locked_warnings(err.text(0)) or child.poll() is not None, 10)
+    if child.poll() is None:
+        time.sleep(1)
+    holder.release()
+    assert holder.wait(timeout=10) == 0
+
+
+@pytest.mark.slow
+def test_a_forever_worker_waits_out_a_database_locked_past_the_busy_timeout(home):
+    s, db, _ = worker_home(home, "")
+    add_posts(db.conn(), 40)
+    worker = None
+    try:
+        with write_lock_held(home / "vesti.db") as holder:
+            worker = worker_process(home, "", "--forever", "--workers", "2",
+                                    env={"VESTI_BUSY_TIMEOUT": "1"})
+            out, err = Output(worker.stdout), Output(worker.stderr)
+            wait_out_the_lock(holder, worker, err)
+        assert worker.poll() is None, err.text()             # still running after the lock
+        assert wait_for(lambda: queue_of(db) == {1: 40}, state=lambda: queue_of(db))
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=15) == 0, err.text()
+        assert -1 not in queue_of(db)
+        assert "(40 done" in out.text(), out.text()
+        assert len(locked_warnings(err.text())) == 1, err.text()   # one warning per episode
+        assert "Traceback" not in err.text()
+    finally:
+        if worker is not None and worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+
+@pytest.mark.slow
+def test_a_crawl_started_while_the_database_is_locked_waits_and_stores_its_posts(home, server):
+    server.feed("/a", rss(items(5, host=server.url)))
+    server.feed("/b", rss(items(5, start=100, host=server.url)))
+    s, db = intake(home, [rss_source("a", server.url + "/a"), rss_source("b", server.url + "/b")])
+    crawl = None
+    try:
+        with write_lock_held(home / "vesti.db") as holder:
+            crawl = subprocess.Popen(
+                [*VESTI, "rss", "--all"], cwd=home, text=True,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                env={**os.environ, "VESTI_BUSY_TIMEOUT": "0.5", "RSS_HOST_DELAY": "0"})
+            out, err = Output(crawl.stdout), Output(crawl.stderr)
+            wait_out_the_lock(holder, crawl, err)
+        assert crawl.wait(timeout=30) == 0, err.text()
+        assert "2 sources (2 ok" in out.text(), out.text()
+    finally:
+        if crawl is not None and crawl.poll() is None:
+            crawl.kill()
+            crawl.wait()
+    assert db.conn().execute("SELECT count(*) FROM posts").fetchone()[0] == 10
+    assert len(locked_warnings(err.text())) == 1, err.text()
+    assert "Traceback" not in err.text()
+    assert {source_row(db, slug)["error_count"] for slug in ("a", "b")} == {0}
+
+
+def run_on_a_small_disk(home, *args, env=None, timeout=60):
+    """vesti.py as `cli` runs it, but no file it writes may grow past a bit
+    more than the database is now: a disk that is about to be full."""
+    files = [home / name for name in ("vesti.db", "vesti.db-wal", "vesti.db-shm")]
+    limit = max([f.stat().st_size for f in files if f.exists()] + [32768]) + 256 * 1024
+
+    def small_disk():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)      # a write fails with EFBIG instead
+    full_env = {k: v for k, v in os.environ.items()
+                if not k.startswith(("VESTI_", "RSS_", "OLLAMA_", "TG_"))}
+    full_env.update(env or {})
+    return subprocess.run([*VESTI, *args], cwd=home,
+                          env=full_env, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=small_disk)
+
+
+def big_feed(start, host):
+    return rss([{**entry, "text": entry["text"] + " Long paragraph of the article. " * 100}
+                for entry in items(200, start=start, host=host)])
+
+
+@pytest.mark.slow
+def test_a_full_disk_ends_the_crawl_with_one_line_and_blames_no_source(home):
+    servers = [FeedServer(f"127.0.0.{n}") for n in (1, 2, 3)]     # three hosts, crawled at once
+    try:
+        for n, feeds in enumerate(servers):
+            feeds.feed("/feed", big_feed(1000 * n, feeds.url))
+        write_sources(home / "sources.yaml", [rss_source(f"s{n}", f"{feeds.url}/feed")
+                                              for n, feeds in enumerate(servers)])
+        assert cli("init", cwd=home).returncode == 0
+        result = run_on_a_small_disk(home, "rss", "--all", env={"RSS_HOST_DELAY": "0"})
+    finally:
+        for feeds in servers:
+            feeds.close()
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert result.stderr.startswith("vesti: ") and result.stderr.count("\n") == 1, result.stderr
+    assert "vesti.db" in result.stderr and "Traceback" not in result.stderr
+    conn = sqlite3.connect(home / "vesti.db")
+    health = conn.execute("SELECT slug, status, error_count FROM sources ORDER BY slug").fetchall()
+    assert health == [("s0", "alive", 0), ("s1", "alive", 0), ("s2", "alive", 0)]
+
+
+def test_a_full_disk_ends_the_worker_with_one_line(home):
+    s, db, _ = worker_home(home, "")
+    add_posts(db.conn(), 500)
+    db.close()                               # checkpointed: the posts are in vesti.db
+    result = run_on_a_small_disk(home, "worker", "--workers", "2", env={"OLLAMA_URL": ""})
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert result.stderr.startswith("vesti: ") and result.stderr.count("\n") == 1, result.stderr
+    assert "vesti.db" in result.stderr and "Traceback" not in result.stderr
+    queue = dict(sqlite3.connect(home / "vesti.db")
+                 .execute("SELECT classified, count(*) FROM posts GROUP BY 1").fetchall())
+    assert 0 < queue.get(0, 0) < 500 and -2 not in queue   # stopped part-way; nothing failed
+
+
+# Connections: PostgreSQL, one queue for many machines -------------------------
+
+def test_the_postgresql_schema_is_made_from_the_same_table_definitions():
+    sqlite_tables = {(t, c) for t, c, _, _ in vesti.schema_columns()}
+    objects = {name: create for name, _, create in vesti.postgres_schema()}
+    for table in {t for t, _ in sqlite_tables}:
+        columns = re.findall(r"^\s+(\w+) ", objects[table], re.M)
+        assert {(table, c) for c in columns if c not in ("PRIMARY",)} == \
+            {(t, c) for t, c in sqlite_tables if t == table}
+    indexes = {s.split()[5] for s in vesti.schema_statements() if s.startswith("CREATE INDEX")}
+    assert indexes <= set(objects)
+    assert "datetime(" not in " ".join(objects.values()) and "WITHOUT ROWID" not in str(objects)
+
+
+@postgres_only
+def test_a_postgresql_database_has_every_table_column_and_index(home, backend):
+    s, db = intake(home, [])
+    conn = db.conn()
+    columns = {(r[0], r[1]) for r in conn.execute(
+        "SELECT table_name, column_name FROM information_schema.columns "
+        "WHERE table_schema = current_schema()")}
+    assert {(t, c) for t, c, _, _ in vesti.schema_columns()} <= columns
+    indexes = {r[0] for r in conn.execute("SELECT indexname FROM pg_indexes "
+                                          "WHERE schemaname = current_schema()")}
+    assert {s.split()[5] for s in vesti.schema_statements() if s.startswith("CREATE INDEX")} <= indexes
+    started = time.monotonic()
+    vesti.Database(backend).close()                      # up to date: opens at once
+    assert time.monotonic() - started < 1
+
+
+def test_without_psycopg_a_postgresql_url_is_one_line_and_exit_2(home):
+    write_sources(home / "sources.yaml", [])
+    (home / "sitecustomize.py").write_text(
+        "import sys\nclass Block:\n    def find_spec(self, name, *args):\n"
+        "        if name == 'psycopg':\n            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, Block())\n")
+    result = cli("status", cwd=home, env={"VESTI_DB": "postgresql://u:secret@127.0.0.1:9/x",
+                                          "PYTHONPATH": str(home)})
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "vesti: a PostgreSQL database needs the 'psycopg[binary]' package: "
+        "pip install psycopg[binary]"]
+
+
+def test_an_unreachable_postgresql_is_one_line_and_exit_2_without_the_password(home):
+    pytest.importorskip("psycopg")
+    write_sources(home / "sources.yaml", [])
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = cli("status", cwd=home, env={"VESTI_DB": f"postgresql://u:s3cret@127.0.0.1:{port}/x"})
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot open the database" in lines[0]
+    assert f"postgresql://u:***@127.0.0.1:{port}/x" in lines[0] and "s3cret" not in result.stderr
+
+
+@pytest.mark.slow
+@postgres_only
+def test_copy_db_moves_everything_to_postgresql_and_back_and_twice_changes_nothing(home, backend):
+    file_db = str(home / "vesti.db")
+    write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss",
+                                                     direction="linux")])
+    s = make_settings(home).replace(db=file_db)
+    registry, db = vesti.open_intake(s)
+    conn = db.conn()
+    for k in range(1, 8):
+        desk_post(conn, 1, k, title=f"Post {k} «кириллица»", relevance=k)
+    vesti.set_decision(conn, 3, "approved", "editor")
+    conn.execute("INSERT INTO runs (source_id, task, status) VALUES (1, 'rss', 'ok')")
+    vesti.set_meta(conn, "web_secret", "kept")
+    first = cli("copy-db", "--to", backend, cwd=home, env={"VESTI_DB": file_db})
+    assert first.returncode == 0, first.stderr
+    assert re.search(r"copy-db: 1 sources, .*7 posts, 0 runs|copy-db: 1 sources, .*7 posts, 1 runs",
+                     first.stdout), first.stdout
+    again = cli("copy-db", "--to", backend, cwd=home, env={"VESTI_DB": file_db})
+    assert again.returncode == 0, again.stderr
+    pg = vesti.Database(backend).conn()
+
+    def rows(c, sql):
+        return [tuple(r) for r in c.execute(sql)]
+    for sql in ("SELECT id, title, status, decided_by, relevance, published_at FROM posts ORDER BY id",
+                "SELECT id, slug, url, direction FROM sources ORDER BY id",
+                "SELECT id, source_id, status FROM runs ORDER BY id"):
+        assert rows(pg, sql) == rows(conn, sql)
+    assert vesti.get_meta(pg, "web_secret")[0] == "kept"
+    assert counts_match_posts(pg)
+    page = Web(home, settings=s.replace(db=backend, web_password="pw"), password="pw")
+    try:
+        assert "Post 3" in page.get("/?status=approved&min=0")[2]
+        found = page.get(f"/?q={urllib.parse.quote('кириллица')}&min=0&status=any")[2]
+        assert len(card_ids(found)) == 7
+    finally:
+        page.close()
+    new_id = pg.execute("INSERT INTO posts (source_id, title) VALUES (1, 'after the copy') "
+                        "RETURNING id").fetchone()[0]
+    assert new_id == 8                                   # ids go on after the copied ones
+    back = cli("copy-db", "--to", str(home / "back.db"), cwd=home, env={"VESTI_DB": backend})
+    assert back.returncode == 0, back.stderr
+    assert len(rows(sqlite3.connect(home / "back.db"), "SELECT id FROM posts")) == 8
+    conn.execute("DELETE FROM runs")                     # a later copy brings the target up to date
+    assert cli("copy-db", "--to", backend, cwd=home, env={"VESTI_DB": file_db}).returncode == 0
+    assert rows(pg, "SELECT count(*) FROM runs") == [(0,)] and \
+        rows(pg, "SELECT count(*) FROM posts") == [(7,)]
+    other = cli("copy-db", "--to", str(home / "back.db"), cwd=home, env={"VESTI_DB": file_db})
+    assert other.returncode == 2                         # back.db is a copy of the other one
+    assert other.stderr.strip().endswith("holds 8 posts that are not a copy of "
+                                         f"{file_db}; copy into an empty database")
+
+
+@postgres_only
+@pytest.mark.parametrize("to_postgresql", [True, False], ids=["to-postgresql", "to-sqlite"])
+def test_an_interrupted_copy_db_is_completed_by_running_it_again(home, backend, monkeypatch,
+                                                                 to_postgresql):
+    file_db = str(home / "vesti.db")
+    source_db, target_db = (file_db, backend) if to_postgresql else (backend, file_db)
+    write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss",
+                                                     direction="linux")])
+    _, db = vesti.open_intake(make_settings(home).replace(db=source_db))
+    conn = db.conn()
+    for k in range(1, 11):
+        desk_post(conn, 1, k, title=f"Wombat {k}", relevance=k % 10)
+    vesti.set_decision(conn, 3, "approved", "editor")
+    conn.executemany("INSERT INTO runs (source_id, task, status) VALUES (1, 'rss', ?)",
+                     [("ok",), ("error",), ("ok",)])
+    conn.executemany("INSERT INTO story_keys (key, post_id) VALUES (?, ?)",
+                     [(k * 7, k) for k in range(1, 11)])
+    target = vesti.Database(target_db).conn()
+    monkeypatch.setattr(vesti, "COPY_CHUNK", 4)
+    step = vesti.Progress.step
+    for killed_after in ("posts 4", "posts 10"):          # amid the posts; before the runs
+        def kill(progress, note="", count=1, killed_after=killed_after):
+            step(progress, note, count)
+            if note == killed_after:
+                raise KeyboardInterrupt
+        monkeypatch.setattr(vesti.Progress, "step", kill)
+        with pytest.raises(KeyboardInterrupt):
+            vesti.copy_database(conn, target, quiet=True)
+    monkeypatch.setattr(vesti.Progress, "step", step)
+    counts = vesti.copy_database(conn, target, quiet=True)
+    assert (counts["posts"], counts["runs"], counts["story_keys"]) == (10, 3, 10)
+
+    def rows(c, sql):
+        return [tuple(r) for r in c.execute(sql)]
+    for sql in ("SELECT id, title, status, relevance, published_at FROM posts ORDER BY id",
+                "SELECT id, slug, url FROM sources ORDER BY id",
+                "SELECT id, source_id, status FROM runs ORDER BY id",
+                "SELECT key, post_id FROM story_keys ORDER BY key"):
+        assert rows(target, sql) == rows(conn, sql), sql
+    assert counts_match_posts(target) and \
+        rows(target, "SELECT sum(n) FROM post_counts") == [(10,)]
+    found = vesti.desk_posts(target, vesti.DeskQuery(q="wombat", status="any", min=0))
+    assert [post["id"] for post in found] == list(range(10, 0, -1))
+
+
+@pytest.mark.slow
+@postgres_only
+def test_two_worker_processes_share_the_queue_and_survive_a_kill_9(home, backend):
+    fake, workers = FakeOllama(latency=0.1), []
+    try:
+        s, db, _ = worker_home(home, fake.url)
+        add_posts(db.conn(), 60)
+        # Long enough that a live worker's post never outlasts its lease
+        # (a re-ask then would be right, but not the killed worker's).
+        env = {"VESTI_LEASE_SECONDS": "5"}
+        workers = [worker_process(home, fake.url, "--workers", "4", "--forever", env=env)
+                   for _ in range(2)]
+        one, two = workers
+        assert wait_for(lambda: queue_of(db).get(1, 0) >= 10)
+        one.kill()
+        one.communicate()
+        held = {row[0] for row in db.conn().execute(
+            "SELECT title FROM posts WHERE classified = -1 AND claim_token LIKE ?",
+            (f"{one.pid}-%",))}
+        assert wait_for(lambda: queue_of(db) == {1: 60}, timeout=30,
+                        state=lambda: (queue_of(db), two.poll()), patient=True)
+        two.send_signal(signal.SIGTERM)
+        _, err = two.communicate(timeout=15)
+        assert two.returncode == 0, err
+        asked = collections.Counter(fake.titles())
+        assert set(asked) == {f"Post {k}" for k in range(60)}
+        assert {title for title, n in asked.items() if n > 1} <= held   # only what the killed one held
+        assert len(held) <= 2 * 4                            # asked, and the next one ready
+    finally:
+        for process in workers:
+            if process.poll() is None:
+                process.kill()
+        fake.close()
+
+
+@postgres_only
+def test_two_overlapping_crawls_store_each_entry_once(home, backend, server):
+    body = rss(items(40))
+
+    def slow(request):
+        time.sleep(0.3)
+        return 200, {"Content-Type": "application/rss+xml"}, body
+    server.routes["/feed"] = slow
+    intake(home, [rss_source("slow", server.url + "/feed")])
+    crawls = [subprocess.Popen([*VESTI, "rss", "--all"], cwd=home,
+                               env={**os.environ, "VESTI_DB": backend}, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for crawl_process in crawls:
+        _, err = crawl_process.communicate(timeout=60)
+        assert crawl_process.returncode == 0, err
+    db = vesti.Database(backend)
+    assert db.conn().execute("SELECT count(*), count(DISTINCT canonical_url) FROM posts").fetchone() \
+        == (40, 40)
+    assert [r["status"] for r in runs_of(db, "slow")] == ["ok", "ok"]
+
+
+@pytest.mark.slow
+@restarts_postgres
+def test_a_worker_rides_out_a_postgresql_restart_and_loses_nothing(home, backend, postgres_server):
+    fake, process = FakeOllama(latency=0.05), None
+    try:
+        s, db, _ = worker_home(home, fake.url)
+        add_posts(db.conn(), 120)
+        db.close()
+        process = worker_process(home, fake.url, "--workers", "4", "--forever")
+        check = vesti.Database(backend)
+        assert wait_for(lambda: queue_of(check).get(1, 0) >= 20)
+        check.close()
+        postgres_server.stop()
+        time.sleep(1.5)                                  # the workers find it gone
+        postgres_server.start()
+        check = vesti.Database(backend)
+        assert wait_for(lambda: queue_of(check) == {1: 120}, timeout=30,
+                        state=lambda: (queue_of(check), process.poll()), patient=True)
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=15)
+        assert process.returncode == 0, err
+        assert err.count("database server cannot be reached; waiting for it") == 1, err
+        assert set(fake.titles()) == {f"Post {k}" for k in range(120)}
+        assert check.conn().execute("SELECT count(*) FROM posts WHERE error IS NOT NULL").fetchone()[0] == 0
+    finally:
+        if process is not None and process.poll() is None:
+            process.kill()
+        fake.close()
+
+
+@pytest.mark.slow
+@restarts_postgres
+def test_two_workers_and_a_crawler_on_postgresql_survive_a_kill_9_and_a_restart(
+        home, backend, postgres_server, server):
+    """The README's set-up: `run --workers 0` crawls and serves, two `worker
+    --forever` processes classify; one is killed with kill -9 and the
+    database server restarts (for well under a lease, so no live worker's
+    post outlasts its lease); every post is classified, none twice but what
+    the killed one held."""
+    fake = FakeOllama(latency=0.05)
+    entries = [40]
+    server.routes["/feed"] = lambda request: (200, {"Content-Type": "application/rss+xml"},
+                                              rss(items(entries[0], host="http://news.example")))
+    write_sources(home / "sources.yaml", [rss_source("wire", server.url + "/feed",
+                                                     direction="linux")])
+    env = {**os.environ, "VESTI_DB": backend, "OLLAMA_URL": fake.url,
+           "RSS_HOST_DELAY": "0", "VESTI_CRAWL_EVERY": "1s", "VESTI_LEASE_SECONDS": "12",
+           "VESTI_WEB_PORT": "0", "VESTI_WEB_PASSWORD": "pw"}
+
+    def start(*args):
+        return subprocess.Popen([*VESTI, *args], cwd=home,
+                                env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    crawler = start("run", "--workers", "0")
+    port = int(re.search(r"http://127\.0\.0\.1:(\d+)/", crawler.stdout.readline())[1])
+    workers = [start("worker", "--forever", "--workers", "4") for _ in range(2)]
+    db = vesti.Database(backend)
+
+    def queue():
+        with contextlib.suppress(Exception):
+            return queue_of(db)
+        return None
+    try:
+        assert wait_for(lambda: (queue() or {}).get(1, 0) >= 10, timeout=30, state=queue,
+                        patient=True)
+        workers[0].kill()
+        workers[0].communicate()
+        held = {row[0] for row in db.conn().execute(
+            "SELECT title FROM posts WHERE classified = -1 AND claim_token LIKE ?",
+            (f"{workers[0].pid}-%",))}
+        postgres_server.stop()
+        time.sleep(1.5)
+        postgres_server.start()
+        entries[0] = 60                                  # the feed gains 20 entries
+        assert wait_for(lambda: queue() == {1: 60}, timeout=30, patient=True,
+                        state=lambda: (queue(), crawler.poll(), workers[1].poll()))
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/api/queue", headers={
+            "Authorization": "Basic " + base64.b64encode(b"admin:pw").decode()})
+        assert json.loads(conn.getresponse().read())["failed"] == 0
+        for process in (crawler, workers[1]):
+            process.send_signal(signal.SIGTERM)
+        for process in (crawler, workers[1]):
+            _, err = process.communicate(timeout=20)
+            assert process.returncode == 0, err
+            assert "pw" not in err
+    finally:
+        for process in (crawler, *workers):
+            if process.poll() is None:
+                process.kill()
+        fake.close()
+    asked = collections.Counter(fake.titles())
+    assert set(asked) == {f"Post number {k}" for k in range(60)}
+    assert {title for title, n in asked.items() if n > 1} <= held   # only what the killed one held
+    assert len(held) <= 2 * 4                           # asked, and the next one ready
+    stored = db.conn().execute("SELECT count(*), count(DISTINCT url) FROM posts").fetchone()
+    assert tuple(stored) == (60, 60)
+
+
+# Schema and migrations: posts claimed before leases existed -------------------
+
+def test_posts_left_processing_by_a_database_from_before_leases_are_classified(home):
+    old = sqlite3.connect(home / "vesti.db")
+    old.execute("CREATE TABLE posts (id INTEGER PRIMARY KEY, source_id INTEGER, text TEXT, "
+                "classified INTEGER)")
+    old.executemany("INSERT INTO posts (source_id, text, classified) VALUES (1, ?, ?)",
+                    [(f"Old news {k} about the Linux kernel.", -1 if k < 5 else 0)
+                     for k in range(8)])
+    old.commit()
+    old.close()
+    s, db = intake(home, [rss_source("old", "http://x.test/feed")])
+    columns = {r["name"] for r in db.conn().execute("PRAGMA table_info(posts)")}
+    assert {"claimed_at", "claim_token", "attempts", "next_attempt_at"} <= columns
+    vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=2, quiet=True)
+    assert queue_of(db) == {1: 8}
+    assert {r[0] for r in db.conn().execute("SELECT direction FROM posts")} == {"linux"}
+
+
+# Stories ----------------------------------------------------------------------
+
+sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
+import story_set  # noqa: E402
+
+
+@pytest.mark.slow
+def test_stories_on_the_labelled_set_keep_precision_and_recall(tmp_path):
+    """Pairs built from the real corpus: rewrites, teasers and reposts are one
+    story; template releases, other stories of one feed and digests are not."""
+    pairs = story_set.labelled_pairs(str(CORPUS))
+    kinds = {kind for kind, _, _, _ in pairs}
+    assert {"teaser", "repost", "release template", "same-day digests"} <= kinds
+    assert sum(same for _, same, _, _ in pairs) > 200 and sum(not s for _, s, _, _ in pairs) > 200
+    precision, recall, by_kind = story_set.measure(pairs, str(tmp_path / "stories.db"))
+    assert precision >= 0.99, by_kind            # reached: 1.0
+    # Reached: 0.952; a changed sentence that brings a link of its own (a
+    # video's) is classified on its own (see vesti.adds_to).
+    assert recall >= 0.95, by_kind
+
+
+STORY = ("The city council approved the new budget for public transport on Tuesday evening "
+         "after a long debate. The plan adds forty buses, extends two tram lines to the "
+         "northern districts and freezes ticket prices until the end of next year. "
+         "Opposition members said the money should have gone to road repairs instead.")
+OTHER = ("A rare comet will be visible to the naked eye this weekend in the northern "
+         "hemisphere, astronomers said. The best time to look is one hour before dawn, "
+         "low above the eastern horizon, far from city lights.")
+
+
+def story_home(home, ollama_url, **settings):
+    sources = [rss_source(slug, f"http://{slug}.example/feed", name=name) for slug, name in
+               (("wire", "City Wire"), ("daily", "The Daily"), ("radio", "Radio One"))]
+    write_sources(home / "sources.yaml", sources)
+    text = (home / "sources.yaml").read_text().replace("keywords: [", "keywords: [budget, comet, ")
+    (home / "sources.yaml").write_text(text)
+    s = make_settings(home, OLLAMA_URL=ollama_url, **settings)
+    registry, db = vesti.open_intake(s)
+    return s, db, registry
+
+
+def add_copy(conn, source_slug, title, text, published):
+    source = conn.execute("SELECT id FROM sources WHERE slug = ?", (source_slug,)).fetchone()[0]
+    return conn.execute("""INSERT INTO posts (source_id, title, text, url, canonical_url,
+                           published_at, classified) VALUES (?, ?, ?, ?, ?, ?, 0) RETURNING id""",
+                        (source, title, text, f"http://{source_slug}.example/{published}",
+                         f"http://{source_slug}.example/{published}", published)).fetchone()[0]
+
+
+@both
+def test_copies_of_one_story_cost_one_llm_call_and_make_one_card(home):
+    fake = FakeOllama()
+    try:
+        s, db, registry = story_home(home, fake.url)
+        conn = db.conn()
+        first = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
+        add_copy(conn, "daily", "Forty new buses for the city",
+                 "From our correspondent: " + STORY + " Read more on our site.", "2026-12-01 08:30:00")
+        add_copy(conn, "radio", "", STORY[:300] + "\n\nИсточник: @citywire", "2026-12-01 09:00:00")
+        comet = add_copy(conn, "radio", "Comet this weekend", OTHER, "2026-12-01 09:30:00")
+        stats, _ = vesti.run_workers(db, s, registry, workers=1, quiet=True)
+        assert stats.done == 4
+        assert sorted(fake.titles()) == ["Comet this weekend", "Council approves transport budget"]
+        rows = conn.execute("SELECT id, story_id, direction, relevance, summary FROM posts "
+                            "ORDER BY id").fetchall()
+        assert [r["story_id"] for r in rows] == [first, first, first, comet]
+        assert len({(r["direction"], r["relevance"], r["summary"]) for r in rows[:3]}) == 1
+        report = vesti.status_report(conn)
+        assert report["stories"] == {"stories": 1, "joined": 2, "llm_calls_saved": 2}
+        web = Web(home, settings=s.replace(web_password="s3cret"))
+        try:
+            page = web.get("/?min=0")[2]
+            assert card_ids(page) == [comet, first]                      # one card per story
+            story = re.search(rf'id="post-{first}".*?</article>', page, re.S)[0]
+            assert "+2 sources" in story and story.index("The Daily") < story.index("Radio One")
+            every = re.search(r'href="(/\?[^"]*story=\d+[^"]*)"', story)[1]
+            assert card_ids(web.get(html.unescape(every))[2]) == [first + 2, first + 1, first]
+            status, _, body = web.post(f"/posts/{first}/status",
+                                       {"status": "approved", "token": web.token()},
+                                       headers={"Accept": "application/json"})
+            assert status == 200 and json.loads(body)["status"] == "approved"
+            assert [r[0] for r in conn.execute("SELECT status FROM posts ORDER BY id")] == \
+                ["approved", "approved", "approved", "new"]
+            metrics = web.get("/metrics")[2]
+            assert "vesti_llm_calls_saved_total 2" in metrics and "vesti_stories 1" in metrics
+            page = web.get("/?min=0&status=any")[2]
+            assert facet(page, "statuses", "approved") == 1 and facet(page, "statuses", "to decide") == 1
+            assert counts_match_posts(conn)
+        finally:
+            web.close()
+    finally:
+        fake.close()
+
+
+@both
+def test_a_sources_list_shows_its_copies_and_a_copy_decides_its_story(home):
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    first = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
+    copy = add_copy(conn, "daily", "Forty new buses", "Our correspondent: " + STORY,
+                    "2026-12-01 08:30:00")
+    other = add_copy(conn, "daily", "Comet this weekend", OTHER, "2026-12-01 09:30:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    assert conn.execute("SELECT story_id FROM posts WHERE id = ?", (copy,)).fetchone()[0] == first
+    web = Web(home, settings=s.replace(web_password="s3cret"))
+    try:
+        page = web.get("/?min=0&source=daily")[2]
+        assert card_ids(page) == [other, copy]                 # the copy is the daily's post
+        assert facet(page, "statuses", "to decide") == 2
+        card = re.search(rf'id="post-{copy}".*?</article>', page, re.S)[0]
+        assert "+1 source:" in card and "City Wire" in card
+        status, _, _ = web.post(f"/posts/{copy}/status", {"status": "approved",
+                                                          "token": web.token()})
+        assert status == 303
+        assert [r[0] for r in conn.execute("SELECT status FROM posts ORDER BY id")] == \
+            ["approved", "approved", "new"]
+        feed = json.loads(web.get("/approved.json")[2])
+        assert [item["title"] for item in feed["items"]] == ["Council approves transport budget"]
+        crawlers = web.get("/crawlers")[2]
+        assert counts_match_posts(conn)
+        approved = dict(conn.execute("SELECT slug, approved FROM sources"))
+        assert approved == {"wire": 1, "daily": 1, "radio": 0} and "The Daily" in crawlers
+    finally:
+        web.close()
+
+
+@both
+def test_a_post_edited_out_of_an_approved_story_leaves_it_and_the_story_keeps_its_words(home):
+    channels = {"wirechan": STORY, "dailychan": "From our correspondent: " + STORY,
+                "radiochan": STORY[:300] + "\n\nИсточник: @citywire"}
+    write_sources(home / "sources.yaml", [{"slug": name[:-4], "crawler": "telegram",
+                                           "url": f"@{name}", "priority": k}
+                                          for k, name in enumerate(channels)])
+    text = (home / "sources.yaml").read_text().replace("keywords: [", "keywords: [budget, ")
+    (home / "sources.yaml").write_text(text)
+    web = Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret"))
+    s, db, conn = web.settings, web.db, web.db.conn()
+    try:
+        posted = recent(60)
+        fake = FakeTelegram(channels={name: [tg.Message(id=1, peer_id=tg.PeerChannel(1001),
+                                                        date=posted, message=message)]
+                                      for name, message in channels.items()})
+        crawl_tg(s, db, fake)
+        vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
+        lead, copy, other = [r[0] for r in conn.execute("SELECT id FROM posts ORDER BY id")]
+        assert {r[0] for r in conn.execute("SELECT story_id FROM posts")} == {lead}
+        web.post(f"/posts/{lead}/status", {"token": web.token(), "status": "approved"})
+
+        def approved():
+            return [item["url"] for item in json.loads(web.get("/approved.json")[2])["items"]]
+        assert approved() == ["https://t.me/wirechan/1"]
+        # Other words in the same story: a card of its own all the same, to decide again.
+        fake.channels["radiochan"] = [tg_edited(1, channels["radiochan"] + ", обновлено",
+                                                posted, 5)]
+        crawl_tg(s, db, fake)
+        vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
+        story = card_of(web.get("/?status=approved")[2], lead)
+        assert "+1 source:" in story and "radio" not in story
+        assert approved() == ["https://t.me/wirechan/1"]
+        assert "Edited after your decision" in card_of(web.get("/")[2], other)
+        spam = "Budget tip: cheap pills and casino bonuses at https://spam.example, order today!"
+        fake.channels["wirechan"] = [tg_edited(1, spam, posted, 6)]
+        crawl_tg(s, db, fake)
+        vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
+        assert approved() == ["https://t.me/dailychan/1"]     # the copy's own words
+        assert tuple(conn.execute("SELECT status, story_id FROM posts WHERE id = ?",
+                                  (copy,)).fetchone()) == ("approved", copy)
+        page = web.get("/")[2]
+        assert {lead, other} <= set(card_ids(page)) and "+1 source" not in page
+        assert "Edited after your decision" in card_of(page, lead)
+        assert counts_match_posts(conn)
+    finally:
+        web.close()
+
+
+@both
+def test_copies_in_one_batch_of_keyword_verdicts_make_one_story(home):
+    """Batches grow 1, 2, 4 posts: the three copies (posts 4-6) are written
+    in one transaction, and still end in one story, counted as one card."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    ids = [add_copy(conn, "wire", f"Comet {k}", f"{OTHER} Observation {k}.", f"2026-12-01 0{k}:00:00")
+           for k in range(3)]
+    ids += [add_copy(conn, slug, "Budget", prefix + STORY, f"2026-12-01 0{k}:30:00")
+            for k, (slug, prefix) in enumerate((("wire", ""), ("daily", "Our correspondent: "),
+                                                ("radio", "Repost: ")))]
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    stories = [r[0] for r in conn.execute("SELECT story_id FROM posts ORDER BY id")]
+    assert stories == ids[:4] + [ids[3], ids[3]]
+    assert vesti.story_figures(conn)["joined"] == 2 and counts_match_posts(conn)
+
+
+@both
+def test_two_copies_classified_at_once_make_one_story_and_one_llm_call(home):
+    fake = FakeOllama(latency=0.5)
+    try:
+        s, db, registry = story_home(home, fake.url)
+        conn = db.conn()
+        first = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
+        add_copy(conn, "daily", "Budget approved", STORY + " Subscribe to our newsletter.",
+                 "2026-12-01 08:01:00")
+        stats, _ = vesti.run_workers(db, s, registry, workers=2, limit=2, quiet=True)
+        assert queue_of(db) == {1: 2} and len(fake.titles()) == 1      # the copy waited
+        assert stats.done == 2 and stats.returned == 0
+        rows = conn.execute("SELECT id, story_id FROM posts ORDER BY id").fetchall()
+        leader = rows[0]["story_id"]                    # whichever worker got there first
+        assert leader in (first, first + 1) and [r["story_id"] for r in rows] == [leader, leader]
+    finally:
+        fake.close()
+
+
+@both
+def test_a_copy_waiting_for_its_story_is_claimable_once_the_story_has_its_verdict(home):
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    lead = add_copy(conn, "wire", "Budget", STORY, "2026-12-01 08:00:00")
+    copy = add_copy(conn, "daily", "Budget", "Repost: " + STORY, "2026-12-01 08:01:00")
+    later = vesti.utc_text(time.time() + 60)
+    conn.execute("UPDATE posts SET story_id = ?, next_attempt_at = ? WHERE id = ?",
+                 (lead, later, copy))
+    assert vesti.wake_story_copies(conn, [copy]) == []          # the story has no verdict yet
+    conn.execute("UPDATE posts SET classified = 1 WHERE id = ?", (lead,))
+    assert vesti.wake_story_copies(conn, [copy]) == [copy]
+    assert vesti.claim_posts(conn, 5)[0]["id"] == copy
+
+
+@both
+def test_a_different_release_from_one_template_is_another_story(home):
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    text = ("QEMU {v} released. The QEMU team is pleased to announce version {v}, with new "
+            "devices, faster migration on Linux hosts and many fixes; see the changelog for "
+            "details on {v}.")
+    one = add_copy(conn, "wire", "QEMU 10.0.0", text.format(v="10.0.0"), "2026-12-01 08:00:00")
+    two = add_copy(conn, "daily", "QEMU 10.1.0", text.format(v="10.1.0"), "2026-12-01 09:00:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    assert [r[0] for r in conn.execute("SELECT story_id FROM posts ORDER BY id")] == [one, two]
+
+
+@both
+def test_posts_of_no_direction_and_stories_turned_off_make_no_story(home):
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    noise = "Weather: a dry and sunny day with light winds from the west, " * 3
+    add_copy(conn, "wire", "Weather", noise, "2026-12-01 08:00:00")
+    add_copy(conn, "daily", "Weather", noise + "More tomorrow.", "2026-12-01 08:10:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    assert [r[0] for r in conn.execute("SELECT story_id FROM posts ORDER BY id")] == [None, None]
+    assert conn.execute("SELECT count(*) FROM story_keys").fetchone()[0] == 0
+    off = s.replace(story_hours=0)
+    add_copy(conn, "wire", "Budget", STORY, "2026-12-01 09:00:00")
+    add_copy(conn, "daily", "Budget", STORY + " More soon.", "2026-12-01 09:10:00")
+    vesti.run_workers(db, off, registry, workers=1, quiet=True)
+    assert queue_of(db) == {1: 4}
+    assert [r[0] for r in conn.execute("SELECT story_id FROM posts ORDER BY id")] == [None] * 4
+
+
+@both
+def test_a_teaser_whose_article_another_feed_carries_joins_that_story(home, server):
+    page = CORPUS / "html" / "bbc.com.52241221.html"
+    server.routes["/article"] = lambda request: (200, {"Content-Type": "text/html"},
+                                                 page.read_bytes())
+    article = vesti.extract_article(page.read_bytes(), server.url + "/article")
+    s, db = intake(home, [rss_source("wire", "http://wire.example/feed"),
+                          rss_source("daily", server.url + "/feed")])
+    conn = db.conn()
+    full = add_copy(conn, "wire", "New York from above", article, "2026-12-01 08:00:00")
+    teaser = conn.execute("""INSERT INTO posts (source_id, title, text, url, content_type,
+                             published_at, classified) VALUES (2, 'Drone over the city',
+                             'Drone footage from the city.', ?, 'summary', '2026-12-01 09:00:00', 0)
+                             RETURNING id""", (server.url + "/article",)).fetchone()[0]
+    sources = home / "sources.yaml"           # the article is news of a direction
+    sources.write_text(sources.read_text().replace("[rocket, orbit]", "[rocket, orbit, coronavirus]"))
+    vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=1, quiet=True)
+    assert server.sent("/article")                          # the teaser's article was read
+    rows = {r["id"]: r for r in conn.execute("SELECT * FROM posts")}
+    assert rows[teaser]["story_id"] == full
+    assert (rows[teaser]["relevance"], rows[teaser]["summary"]) == \
+        (rows[full]["relevance"], rows[full]["summary"])
+
+
+# A copy's own words: as many sentences again as the story's (an advert).
+ADVERT = (" Our partners also want you to know that the best mortgage rates in town are "
+          "waiting at the agency on the main square, where friendly advisers will help you "
+          "choose a plan and sign the papers in one visit, with no fees this month only.")
+
+
+@both
+@pytest.mark.parametrize("asked", ["llm", "keywords"])
+def test_a_copy_that_adds_a_link_or_sentences_is_classified_on_its_own(home, asked):
+    """A copy with a link of its own or much text of its own is no copy: it
+    is classified on its own words and is a card of its own, which deciding
+    the story leaves alone. Wrappers, a link to the story's own site and a
+    Telegram repost's source link still join."""
+    fake = FakeOllama()
+    try:
+        s, db, registry = story_home(home, fake.url if asked == "llm" else "")
+        conn = db.conn()
+        first = add_copy(conn, "wire", "Council approves transport budget", STORY,
+                         "2026-12-01 08:00:00")
+        joining = [add_copy(conn, slug, "Budget", text, f"2026-12-01 08:{n}0:00")
+                   for n, (slug, text) in enumerate([
+                       ("daily", f"From our correspondent: {STORY} Read more on our site."),
+                       ("radio", f"{STORY[:300]} Full story: https://wire.example/budget"),
+                       ("daily", f"{STORY}\n\nИсточник: @citywire https://t.me/citywire/4821")], 1)]
+        own = [add_copy(conn, slug, title, text, f"2026-12-01 09:{n}0:00")
+               for n, (slug, title, text) in enumerate([
+                   ("daily", "Budget news", f"{STORY} Cheap loans: https://loans.example/offer"),
+                   ("radio", "Budget and mortgages", STORY + ADVERT)])]
+        vesti.run_workers(db, s, registry, workers=1, quiet=True)
+        stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+        assert [stories[post] for post in [first, *joining, *own]] == [first] * 4 + own
+        if asked == "llm":
+            assert sorted(fake.titles()) == ["Budget and mortgages", "Budget news",
+                                             "Council approves transport budget"]
+        web = Web(home, settings=s.replace(web_password="s3cret"))
+        try:
+            page = web.get("/?min=0")[2]
+            assert card_ids(page) == [*reversed(own), first]
+            assert "+3 sources" in re.search(rf'id="post-{first}".*?</article>', page, re.S)[0]
+            web.post(f"/posts/{first}/status", {"status": "approved", "token": web.token()})
+            assert dict(conn.execute("SELECT id, status FROM posts")) == \
+                {**{post: "approved" for post in [first, *joining]}, **{post: "new" for post in own}}
+            assert counts_match_posts(conn)
+        finally:
+            web.close()
+    finally:
+        fake.close()
+
+
+@both
+def test_a_copy_of_a_cut_short_post_or_a_telegram_post_with_a_link_of_its_own_stands_alone(home):
+    """A first post cut short ("…") lets its article go on where it stops,
+    and a repost links to the channel it names as its source, or to the
+    story's own: a copy that adds a link to another site, or to another
+    channel's post, is classified on its own all the same."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    teaser = add_copy(conn, "wire", "Budget", STORY[:180] + "…", "2026-12-01 08:00:00")
+    told = add_copy(conn, "wire", "Comet this weekend", OTHER, "2026-12-01 08:01:00")
+    conn.execute("UPDATE posts SET url = 'https://t.me/skywire/7' WHERE id = ?", (told,))
+    joining = {teaser: [add_copy(conn, "daily", "Budget", STORY, "2026-12-01 08:10:00")],
+               told: [add_copy(conn, slug, "Comet", text, f"2026-12-01 08:{n}0:00")
+                      for n, (slug, text) in enumerate([
+                          ("daily", f"{OTHER}\n\nhttps://t.me/skywire/7"),
+                          ("radio", f"{OTHER}\n\nИсточник: @skynews https://t.me/skynews/12")], 2)]}
+    own = [add_copy(conn, slug, "Budget or comet", text, f"2026-12-01 09:{n}0:00")
+           for n, (slug, text) in enumerate([
+               ("radio", f"{STORY[:180]}… Cheap loans: https://loans.example/offer"),
+               ("daily", f"{OTHER}\n\nПодписывайтесь: @casino https://t.me/casino/77"),
+               ("radio", f"{OTHER}\n\nИсточник: @skynews https://t.me/bonus/5")])]
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    assert {post: stories[post] for post in [teaser, told, *own]} == \
+        {post: post for post in [teaser, told, *own]}
+    assert {post: stories[post] for story, posts in joining.items() for post in posts} == \
+        {post: story for story, posts in joining.items() for post in posts}
+    vesti.set_decisions(conn, [teaser, told], "approved", "editor")
+    statuses = dict(conn.execute("SELECT id, status FROM posts"))
+    assert [statuses[post] for post in own] == ["new"] * len(own)
+
+
+def read_for_a_month(conn, *slugs):
+    """Sources with a month of history: an established source's first post
+    was fetched weeks ago (the others of story_home are new)."""
+    month_ago = vesti.utc_text(time.time() - 30 * 86400)
+    for slug in slugs:
+        old = add_copy(conn, slug, "Weather", "Sunny and dry all day.", "2026-11-01 08:00:00")
+        conn.execute("UPDATE posts SET fetched_at = ? WHERE id = ?", (month_ago, old))
+
+
+@both
+@pytest.mark.parametrize("asked", ["llm", "keywords"])
+def test_a_story_is_led_by_its_copy_from_an_established_source(home, asked):
+    """A story a new source told first is led by the copy of a source read
+    for weeks, while nobody has decided it: its card and the approved feed
+    show the established source's post. A decided story keeps its card."""
+    fake = FakeOllama()
+    try:
+        s, db, registry = story_home(home, fake.url if asked == "llm" else "")
+        conn = db.conn()
+        read_for_a_month(conn, "wire", "radio")
+        first = add_copy(conn, "daily", "Budget approved", STORY, "2026-12-01 08:00:00")
+        decided = add_copy(conn, "daily", "Comet this weekend", OTHER, "2026-12-01 08:10:00")
+        vesti.run_workers(db, s, registry, workers=1, quiet=True)
+        vesti.set_decisions(conn, [decided], "rejected", "editor")
+        copy = add_copy(conn, "wire", "Council approves transport budget",
+                        "Our correspondent: " + STORY, "2026-12-01 08:30:00")
+        later = add_copy(conn, "radio", "Comet", "Repost: " + OTHER, "2026-12-01 08:40:00")
+        vesti.run_workers(db, s, registry, workers=1, quiet=True)
+        stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+        assert [stories[post] for post in (first, copy, decided, later)] == \
+            [copy, copy, decided, decided]
+        if asked == "llm":
+            assert sorted(fake.titles()) == ["Budget approved", "Comet this weekend"]
+        assert vesti.story_figures(conn)["joined"] == 2 and counts_match_posts(conn)
+        web = Web(home, settings=s.replace(web_password="s3cret"))
+        try:
+            page = web.get("/?min=0")[2]
+            assert copy in card_ids(page) and first not in card_ids(page)
+            card = re.search(rf'id="post-{copy}".*?</article>', page, re.S)[0]
+            assert "+1 source:" in card and "The Daily" in card
+            web.post(f"/posts/{copy}/status", {"status": "approved", "token": web.token()})
+            feed = json.loads(web.get("/approved.json")[2])
+            assert [item["title"] for item in feed["items"]] == ["Council approves transport budget"]
+        finally:
+            web.close()
+    finally:
+        fake.close()
+
+
+@both
+def test_an_established_sources_post_does_not_join_a_new_sources_post_that_adds_to_it(home):
+    """A new source's post with a link of its own around the story (told
+    before the established source's) is not a story the established post
+    joins, takes the verdict of or is decided with."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    read_for_a_month(conn, "wire")
+    advert = add_copy(conn, "daily", "Budget news",
+                      f"{STORY} Cheap loans: https://loans.example/offer", "2026-12-01 08:00:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    told = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:30:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    assert (stories[advert], stories[told]) == (advert, told)
+    vesti.set_decisions(conn, [advert], "rejected", "editor")
+    assert conn.execute("SELECT status FROM posts WHERE id = ?", (told,)).fetchone()[0] == "new"
+
+
+@both
+@pytest.mark.parametrize("second", ["established", "new"])
+def test_a_story_taken_over_while_a_copy_joins_it_stays_one_card(home, ollama, monkeypatch,
+                                                                  second):
+    """Two copies of a new source's story classified at once: the second
+    copy enters the story and takes it over (an established source) after
+    the first entered it and before the first takes the story's verdict.
+    The story is one card all the same, every copy under it, decided as one."""
+    s, db, registry = story_home(home, ollama.url)
+    conn = db.conn()
+    read_for_a_month(conn, "radio", *(["wire"] if second == "established" else []))
+    first = add_copy(conn, "daily", "Budget approved", STORY, "2026-12-01 08:00:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    copies = [add_copy(conn, slug, "Budget", f"{prefix}: {STORY}", f"2026-12-01 08:{n}0:00")
+              for n, (slug, prefix) in enumerate((("wire", "Our correspondent"),
+                                                  ("radio", "Repost")), 1)]
+    vesti.catch_up_index(conn)                                  # as a worker does
+    early, late = sorted(vesti.claim_posts(conn, 2), key=lambda post: post["id"])
+    classify, verdicts = vesti.Classifier(registry, s, db=db), {}
+    lead_now = vesti.lead_now
+
+    def late_copy_first(conn, story, post_id, verdict):
+        if post_id == early["id"] and late["id"] not in verdicts:
+            verdicts[late["id"]] = classify.prepare(late)
+        return lead_now(conn, story, post_id, verdict)
+    monkeypatch.setattr(vesti, "lead_now", late_copy_first)
+    verdicts[early["id"]] = classify.prepare(early)
+    vesti.complete_and_claim(conn, [(post, verdicts[post["id"]]) for post in (early, late)], 0)
+    assert len(ollama.titles()) == 1                            # the first post's
+    lead = copies[1]                                            # the radio's, read for a month
+    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    assert [stories[post] for post in (first, *copies)] == [lead] * 3
+    assert sorted(r[0] for r in conn.execute(f"SELECT id FROM posts WHERE {vesti.copies_of()}",
+                                             (lead,))) == [first, copies[0]]
+    assert counts_match_posts(conn)
+    web = Web(home, settings=s.replace(web_password="s3cret"))
+    try:
+        page = web.get("/?min=0")[2]
+        assert set(card_ids(page)) & {first, *copies} == {lead}
+        assert "+2 sources" in card_of(page, lead)
+        web.post(f"/posts/{lead}/status", {"status": "approved", "token": web.token()})
+        assert {r[0] for r in conn.execute("SELECT status FROM posts WHERE id IN (?, ?, ?)",
+                                           (first, *copies))} == {"approved"}
+        assert counts_match_posts(conn)
+    finally:
+        web.close()
+
+
+@both
+def test_a_copy_joining_a_story_whose_first_post_is_edited_meanwhile_goes_on_with_it(
+        home, ollama, monkeypatch):
+    """The story's first post is edited (out of its story, see leave_story)
+    after a copy entered the story and before the copy takes its verdict:
+    the copy goes on with the story, under its other copy's card, not under
+    the edited post."""
+    s, db, registry = story_home(home, ollama.url)
+    conn = db.conn()
+    first = add_copy(conn, "wire", "Budget approved", STORY, "2026-12-01 08:00:00")
+    older = add_copy(conn, "daily", "Budget", f"Repost: {STORY}", "2026-12-01 08:10:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    vesti.set_decisions(conn, [first], "approved", "editor")
+    copy = add_copy(conn, "radio", "Budget", f"Our correspondent: {STORY}", "2026-12-01 08:20:00")
+    vesti.catch_up_index(conn)                                  # as a worker does
+    post, = vesti.claim_posts(conn, 1)
+    lead_now = vesti.lead_now
+
+    def edited_meanwhile(conn, story, post_id, verdict):
+        row = conn.execute("SELECT * FROM posts WHERE id = ?", (first,)).fetchone()
+        vesti.leave_story(conn, row)
+        conn.execute("""UPDATE posts SET status = 'new', old_decision = status, text = ?,
+                        story_id = id WHERE id = ?""", ("Budget tip: casino bonuses!", first))
+        return lead_now(conn, story, post_id, verdict)
+    monkeypatch.setattr(vesti, "lead_now", edited_meanwhile)
+    vesti.complete_and_claim(conn, [(post, vesti.Classifier(registry, s, db=db).prepare(post))], 0)
+    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    assert [stories[p] for p in (first, older, copy)] == [first, older, older]
+    assert counts_match_posts(conn)
+
+
+@both
+def test_a_post_edited_after_its_decision_stays_its_card_when_a_copy_joins_it(home):
+    """A post edited after a decision is on the desk to be decided again,
+    marked: an established source's copy joining its story does not take
+    it over, which would hide it under that copy's card."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    read_for_a_month(conn, "wire")
+    edited = add_copy(conn, "daily", "Budget approved", STORY, "2026-12-01 08:00:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    vesti.set_decisions(conn, [edited], "approved", "editor")
+    # As an edit in other words leaves it (see reword_post), classified again.
+    conn.execute("""UPDATE posts SET status = 'new', old_decision = status, old_decided_at =
+                    decided_at, old_decided_by = decided_by, old_title = title, old_text = text,
+                    decided_at = NULL, decided_by = NULL, text = ?, story_id = id
+                    WHERE id = ?""", (STORY + " Updated.", edited))
+    copy = add_copy(conn, "wire", "Council approves transport budget",
+                    f"Our correspondent: {STORY} Updated.", "2026-12-01 08:30:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    assert (stories[edited], stories[copy]) == (edited, edited)
+    web = Web(home, settings=s.replace(web_password="s3cret"))
+    try:
+        card = card_of(web.get("/?min=0")[2], edited)
+        assert "Edited after your decision" in card and "+1 source" in card
+        assert counts_match_posts(conn)
+    finally:
+        web.close()
+
+
+@both
+def test_a_story_of_many_copies_names_ten_of_them_and_counts_the_rest(home):
+    """A card names the first ten other posts of its story and counts the
+    rest; its "every copy" page pages as the desk does."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    first = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
+    copies = [add_copy(conn, ("daily", "radio")[n % 2], "Budget", "Repost: " + STORY,
+                       f"2026-12-01 09:{n:02}:00") for n in range(60)]
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    assert {row[0] for row in conn.execute("SELECT story_id FROM posts")} == {first}
+    web = Web(home, settings=s.replace(web_password="s3cret"))
+    try:
+        line = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0")[2], re.S)[1]
+        assert line.startswith("+60 sources: ") and " and 50 more · " in line, line[-300:]
+        named = re.findall(r'<a href="(http[^"]*)"', line)
+        assert named == [f"http://{('daily', 'radio')[n % 2]}.example/2026-12-01 09:{n:02}:00"
+                         for n in range(10)]
+        russian = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0&lang=ru")[2],
+                            re.S)[1]
+        assert russian.startswith("ещё 60 источников: ") and " и ещё 50 · " in russian, \
+            russian[-300:]
+        # A copy's card, in its source's list, names the story's first post first.
+        radio = web.get("/?min=0&source=radio")[2]
+        card = re.search(rf'id="post-{copies[1]}".*?</article>', radio, re.S)[0]
+        assert "+60 sources: " in card and " and 50 more" in card
+        assert card.index("wire.example") < card.index("daily.example")
+        every = html.unescape(re.search(r'href="(/\?[^"]*story=\d+[^"]*)"', line)[1])
+        story = web.get(every)[2]
+        assert len(card_ids(story)) == vesti.PAGE_SIZE
+        older = html.unescape(re.search(r'href="([^"]*)" rel="next"', story)[1])
+        assert sorted(card_ids(story) + card_ids(web.get(older)[2])) == [first, *copies]
+    finally:
+        web.close()
+
+
+def database_work(conn, call, table="story_keys"):
+    """What `call` costs the database, in a unit that grows with the rows it
+    reads: SQLite's virtual machine steps (in hundreds); PostgreSQL's rows
+    of `table` its statements read, as EXPLAIN ANALYZE counts them."""
+    if conn.dialect is vesti.SQLITE:
+        steps = [0]
+        conn.set_progress_handler(lambda: steps.__setitem__(0, steps[0] + 1), 100)
+        try:
+            call()
+        finally:
+            conn.set_progress_handler(None, 0)
+        return steps[0]
+    statements, execute = [], conn.execute
+    conn.execute = lambda sql, parameters=(): statements.append((sql, parameters)) or \
+        execute(sql, parameters)
+    try:
+        call()
+    finally:
+        del conn.execute
+
+    def rows_read(node):
+        own = node["Actual Rows"] * node["Actual Loops"] \
+            if node.get("Relation Name") == table else 0
+        return own + sum(map(rows_read, node.get("Plans", ())))
+
+    def plan(sql, parameters):
+        return execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", parameters).fetchone()[0][0]["Plan"]
+    return sum(rows_read(plan(sql, parameters)) for sql, parameters in statements
+               if table in sql)
+
+
+@pytest.mark.slow
+@both
+def test_a_key_thousands_of_posts_share_costs_a_look_up_no_more_than_a_rare_one(home):
+    """A flood of near-identical posts: a look-up reads the newest few posts
+    of each of its keys, however many share it, and a copy still finds its
+    story."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    lead = add_copy(conn, "wire", "Budget", STORY, "2026-12-01 08:00:00")
+    keys = vesti.story_keys(vesti.story_words("Budget", STORY))
+    work = {}
+    for flood in (50, 2000):
+        for n in range(len(work) and 50, flood):
+            copy = conn.execute("INSERT INTO posts (source_id, title, text, story_id, classified) "
+                                "VALUES (3, 'Budget', ?, ?, 1) RETURNING id",
+                                (f"{STORY} Flooded.", lead)).fetchone()[0]
+            conn.dialect.store_story_keys(conn, [(key, copy) for key in keys])
+        post = add_copy(conn, "daily", "Budget", STORY + " Copied.", f"2026-12-01 09:{len(work)}0:00")
+        entry = vesti.StoryEntry(post, "Budget", STORY + " Copied.", keys, vesti.story_since(72))
+        found = {}
+        work[flood] = database_work(conn, lambda: found.update(vesti.find_stories(conn, [entry])))
+        assert found == {post: lead}
+    assert work[2000] < 1.5 * work[50], work
+
+
+@both
+def test_a_story_of_thousands_of_copies_costs_its_card_what_one_of_a_thousand_does(home):
+    """A card counts its story's copies up to a thousand ("+1000+ sources"):
+    past that, more copies cost its card nothing more."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    lead = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
+    conn.execute("UPDATE posts SET classified = 1, direction = 'linux', relevance = 8, "
+                 "story_id = id WHERE id = ?", (lead,))
+    work = {}
+    for copies in (1000, 4000):
+        vesti.insert_rows(conn, "posts (source_id, title, text, url, story_id, classified)",
+                          [(2 + n % 2, "Budget", "Repost", f"http://daily.example/{n}", lead, 0)
+                           for n in range(len(work) and 1000, copies)])
+        if conn.dialect is vesti.POSTGRES:
+            conn.execute("ANALYZE posts")           # as autovacuum does: plans from real figures
+        card = conn.execute("SELECT id, story_id FROM posts WHERE id = ?", (lead,)).fetchall()
+        lines = {}
+        work[copies] = database_work(conn, lambda: lines.update(vesti.story_copies(conn, card)),
+                                     "posts")
+        assert len(lines[lead].named) == vesti.STORY_NAMED
+    assert work[4000] < 1.5 * work[1000], work
+    web = Web(home, settings=s.replace(web_password="s3cret"))
+    try:
+        line = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0")[2], re.S)[1]
+        assert line.startswith("+1000+ sources: ") and " and 990+ more · " in line, line[-300:]
+        russian = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0&lang=ru")[2],
+                            re.S)[1]
+        assert russian.startswith("ещё 1000+ источников: ") and " и ещё 990+ · " in russian, \
+            russian[-300:]
+    finally:
+        web.close()
+
+
+# Stories: keys in a helper process --------------------------------------------
+
+def told_twice(conn, stories):
+    """`stories` stories (one route each, named first: other numbers, other
+    stories), each told by the wire and then, in other words around it, by
+    the daily; returns {copy's id: the first telling's id}."""
+    firsts = [add_copy(conn, "wire", f"Budget {k}", f"Route {k}. {STORY}", f"2026-12-01 08:{k:02}:00")
+              for k in range(stories)]
+    return {add_copy(conn, "daily", f"Buses {k}", f"Route {k}. Our correspondent: {STORY} More soon.",
+                     f"2026-12-01 09:{k:02}:00"): first for k, first in enumerate(firsts)}
+
+
+def stories_told(conn, copies):
+    """The stories the posts of told_twice ended in, one per telling: which
+    telling leads is a matter of which worker wrote first."""
+    story = {post: found or post for post, found in conn.execute("SELECT id, story_id FROM posts")}
+    return [{story[copy], story[first]} for copy, first in copies.items()]
+
+
+def test_the_story_key_helper_answers_each_line_with_its_posts_keys():
+    posts = [["Budget", STORY], [None, "Photo of the day"], ["Комета", OTHER + " Комета видна."]]
+    answers = io.BytesIO()
+    vesti.serve_story_keys(io.BytesIO(json.dumps(posts).encode() + b"\n" +
+                                      json.dumps(posts[:1]).encode() + b"\n"), answers)
+    expected = [vesti.story_keys(vesti.story_words(title, text)) for title, text in posts]
+    assert [json.loads(line) for line in answers.getvalue().splitlines()] == [expected, expected[:1]]
+    assert expected[0] and expected[1] == [] and expected[2]
+
+
+def test_a_batch_of_keyword_verdicts_has_its_story_keys_worked_out_by_a_helper(home, monkeypatch,
+                                                                             caplog):
+    """With keywords alone deciding, the worker process leaves most keys to
+    its helper process; the stories are the same as without it."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    copies = told_twice(conn, 60)
+    worked_out_here = []
+    real_keys = vesti.story_keys
+    monkeypatch.setattr(vesti, "story_keys", lambda words: worked_out_here.append(1) or real_keys(words))
+    monkeypatch.setattr(vesti, "usable_cores", lambda: 2)
+    monkeypatch.setattr(vesti, "KEY_HELPER_BATCH", 4)
+    with caplog.at_level(logging.WARNING, logger="vesti"):
+        stats, finished = vesti.run_workers(db, s, registry, workers=2, quiet=True)
+    assert finished and stats.done == 120 and queue_of(db) == {1: 120}
+    told = stories_told(conn, copies)
+    assert all(len(story) == 1 for story in told) and len(set().union(*told)) == 60
+    assert len(worked_out_here) < 120 / 4, len(worked_out_here)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("command, said", [
+    (["/nonexistent/python3"], "did not start"),
+    ([sys.executable, "-c", "import sys; sys.exit(3)"], "stopped (exit code 3)"),
+    ([sys.executable, "-c", "import sys; sys.stdin.readline(); print('[1, 2'); sys.stdin.read()"],
+     "answered out of turn"),
+])
+def test_a_helper_that_fails_leaves_the_keys_to_the_worker(home, monkeypatch, caplog,
+                                                          command, said):
+    """A helper that cannot start, dies, or answers nonsense: one warning,
+    the worker works the keys out itself, and the stories are right."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    copies = told_twice(conn, 40)
+    monkeypatch.setattr(vesti.KeyHelper, "command", command)
+    monkeypatch.setattr(vesti, "usable_cores", lambda: 2)
+    monkeypatch.setattr(vesti, "KEY_HELPER_BATCH", 4)
+    with caplog.at_level(logging.WARNING, logger="vesti"):
+        stats, finished = vesti.run_workers(db, s, registry, workers=2, quiet=True)
+    assert finished and queue_of(db) == {1: 80}
+    told = stories_told(conn, copies)
+    assert all(len(story) == 1 for story in told) and len(set().union(*told)) == 40
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and said in warnings[0], warnings
+    assert "story keys are worked out in the worker from now on" in warnings[0]
+
+
+def helper_of(pid):
+    """The pid of the story key helper a process started, or None."""
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
+            cmdline = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"serve_story_keys" in cmdline:
+                return int(entry)
+    return None
+
+
+def gone(pid):
+    with contextlib.suppress(OSError):
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    return True
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/stat").exists(), reason="needs /proc")
+@pytest.mark.parametrize("stop", ["sigterm to the group", "kill -9"])
+def test_the_story_key_helper_ends_with_its_worker(home, stop):
+    """Stopped as systemd or a terminal stops it (SIGTERM to the whole
+    group), the worker exits 0 and its helper with it, saying nothing; killed
+    with kill -9, it leaves no helper behind either."""
+    s, db, registry = story_home(home, "")
+    told_twice(db.conn(), 40)
+    # One worker: its batches grow to 32 posts, and the helper starts.
+    process = subprocess.Popen([*VESTI, "worker", "--forever", "--workers", "1"],
+                               cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True, env={**os.environ, "OLLAMA_URL": ""})
+    try:
+        assert wait_for(lambda: helper_of(process.pid) is not None and queue_of(db) == {1: 80})
+        helper = helper_of(process.pid)
+        if stop == "kill -9":
+            process.kill()
+        else:
+            os.killpg(process.pid, signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+        assert wait_for(lambda: gone(helper), timeout=10)
+        if stop != "kill -9":
+            assert process.returncode == 0 and "Traceback" not in err, err
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+# Sources ----------------------------------------------------------------------
 
 def test_registry_loads_directions_and_sources(home):
     write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss",
@@ -517,7 +1976,7 @@ def test_sync_upserts_by_slug_keeps_health_and_disables_removed_sources(home):
     assert b["enabled"] == 0
 
 
-# HTTP fetching and the RSS crawler ------------------------------------------
+# Fetching and RSS -------------------------------------------------------------
 
 @both
 def test_a_feed_is_crawled_into_the_queue(home, server):
@@ -903,97 +2362,285 @@ def test_one_request_at_a_time_per_host_with_the_delay_and_hosts_in_parallel(hom
             srv.close()
 
 
-# Canonical URLs ----------------------------------------------------------------
+# Fetching: the network policy and slow peers ----------------------------------
 
-URL_VECTORS = json.loads((CORPUS / "urls" / "vectors.json").read_text(encoding="utf-8"))
-
-# Where the sources disagree, VESTI sides with the ones that keep the link an
-# editor clicks intact: parameters keep their order and spelling (DuckDuckGo,
-# miniflux, url-normalize), a fragment is dropped (w3lib, courlan strict) since
-# feeds use it for tracking (#tk.rss_all) far more often than to tell entries
-# apart (that case is handled per feed: see test_fragment_only_links_*), an
-# empty path becomes "/", and tracker names match case-insensitively (miniflux).
-# Rows that decide the other way on one of these, or that test parameter
-# allow-lists, blank-value rewriting or component-level functions, are skipped
-# by the reason below.
-def _url_vector_skip(v):
-    function, categories = v["function"], v["category"].split(";")
-    source = v["source"].split("@")[0]
-    if v["level"] != "url":
-        return "component-level function"
-    if "://" not in v["input"]:
-        return "relative input: VESTI resolves links against the feed first"
-    if "query_order" in categories or "query_encoding" in categories:
-        return "we keep parameter order and encoding"
-    if "query_blank" in categories or "whitespace" in categories:
-        return "blank values and junk are left as they are"
-    if "filter_params=True" in function or "url_query_cleaner" in function or (
-            "query_filter" in categories and "tracking" not in categories):
-        return "allow-list filtering is not tracking removal"
-    if source == "niksite/url-normalize" and "utm_" in v["input"]:
-        return "url-normalize with filtering off keeps trackers; we drop them"
-    if "keep_fragments=True" in function or ("fragment" in categories and (
-            source in ("miniflux/v2", "niksite/url-normalize")
-            or (source == "adbar/courlan" and "strict=True" not in function))):
-        return "we drop fragments"
-    if "strict=True" in function and "fragment" not in categories:
-        return "courlan strict drops non-tracking parameters"
-    if "allowlisted" in v["input"] + v["options"] or "bad." in v["input"]:
-        return "DuckDuckGo exception config"
-    if source.startswith("duckduckgo") and "msclkid" in v["input"]:
-        return "DuckDuckGo's 26-name list keeps utm_id and msclkid; we drop them"
-    if "FBCLID" in v["input"]:
-        return "we match tracker names case-insensitively (as miniflux does)"
-    if v["expected"] == "" or "ref=" in v["input"]:
-        return "ref= is kept: miniflux drops it only for the site's own host"
-    if source == "adbar/courlan" and re.search(r"aff|_source", v["input"]):
-        return "courlan's name patterns (*affiliate*, *_source) would drop content parameters"
-    return None
+def finishes_within(seconds, function):
+    """Run function in a thread; (True, result) if it returned within
+    `seconds`, which is only an upper bound against hanging for good."""
+    outcome = {}
+    thread = threading.Thread(target=lambda: outcome.setdefault("result", function()),
+                              daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive(), outcome.get("result")
 
 
-def same_url(result, expected, ignore_order):
-    """Equal as resources: an empty path is "/", a query compares decoded."""
-    a, b = urllib.parse.urlsplit(result), urllib.parse.urlsplit(expected)
-    qa, qb = (urllib.parse.parse_qsl(x.query, keep_blank_values=True) for x in (a, b))
-    if ignore_order:
-        qa, qb = sorted(qa), sorted(qb)
-    return (a.scheme, a.netloc, a.path or "/", qa, a.fragment) == \
-        (b.scheme, b.netloc, b.path or "/", qb, b.fragment)
+def test_a_feed_that_drips_its_headers_cannot_hold_the_crawl(home, server):
+    drip = DripServer("127.0.0.3")
+    try:
+        server.feed("/feed", rss(items(2, host=server.url)))
+        s, db = intake(home, [rss_source("slow", drip.url + "/feed"),
+                              rss_source("fast", server.url + "/feed", priority=1)],
+                       RSS_TIMEOUT=0.5)
+        finished, result = finishes_within(10, lambda: crawl(s, db))
+    finally:
+        drip.close()
+    assert finished
+    assert drip.connections == 1
+    assert source_row(db, "slow")["last_error"] == "response took longer than 1.5 s"
+    assert [r["status"] for r in runs_of(db, "slow")] == ["error"]
+    assert len(posts_of(db, "fast")) == 2
 
 
-CHECKED_URL_VECTORS = [v for v in URL_VECTORS if not _url_vector_skip(v)]
+def test_rss_all_with_a_dripping_feed_exits_0_and_records_the_error(home):
+    drip = DripServer("127.0.0.3")
+    try:
+        write_sources(home / "sources.yaml", [rss_source("slow", drip.url + "/feed")])
+        result = cli("rss", "--all", cwd=home, env={"RSS_TIMEOUT": "0.5"}, timeout=20)
+    finally:
+        drip.close()
+    assert result.returncode == 0, result.stderr
+    conn = sqlite3.connect(home / "vesti.db")
+    assert conn.execute("SELECT last_error FROM sources WHERE slug = 'slow'").fetchone() == \
+        ("response took longer than 1.5 s",)
+    conn.close()
 
 
-@pytest.mark.parametrize("vector", CHECKED_URL_VECTORS, ids=[str(v["id"]) for v in CHECKED_URL_VECTORS])
-def test_canonical_url_against_the_corpus_vectors(vector):
-    result = vesti.canonical_url(vector["input"])
-    assert same_url(result, vector["expected"], "ignoring query order" in vector["note"]), \
-        (result, vector["expected"], vector["source"])
+def test_a_host_busy_longer_than_the_patience_gives_host_busy():
+    gate = vesti.HostGate(0)
+    entered = threading.Event()
+    leave = threading.Event()
+
+    def hold():
+        with gate.turn("http://slow.example/a"):
+            entered.set()
+            leave.wait(5)
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        assert entered.wait(5)
+        with pytest.raises(vesti.HostBusy) as busy:
+            with gate.turn("http://slow.example/b", patience=0.2):
+                pass
+        assert isinstance(busy.value, vesti.FetchError)
+        with gate.turn("http://other.example/", patience=0.2):   # another host is not held
+            pass
+    finally:
+        leave.set()
+        holder.join(5)
+    with gate.turn("http://slow.example/c", patience=0.2):       # free again once released
+        pass
 
 
-def test_enough_url_vectors_are_checked():
-    categories = {c for v in CHECKED_URL_VECTORS for c in v["category"].split(";")}
-    assert len(CHECKED_URL_VECTORS) >= 50
-    assert {"tracking", "fragment", "host_case", "default_port", "no_change"} <= categories
+@pytest.mark.slow
+@both
+def test_articles_on_a_dripping_host_do_not_stall_the_workers(home):
+    page = (CORPUS / "html" / "bbc.com.52241221.html").read_bytes()
+    expected = json.loads((CORPUS / "html" / "expected.json").read_text())["pages"]
+    snippet = expected["bbc.com.52241221.html"]["with"][0]
+    fast, drip = FeedServer("127.0.0.2"), DripServer("127.0.0.3")
+    try:
+        s, db, registry = worker_home(home, "", RSS_TIMEOUT=0.5, VESTI_ALLOW_PRIVATE_NETWORKS=1)
+        add_posts(db.conn(), 12)
+        for k in range(12):
+            fast.routes[f"/a/{k}"] = lambda request: (200, {"Content-Type": "text/html"}, page)
+            url = f"{fast.url}/a/{k}" if k % 2 else f"{drip.url}/a/{k}"
+            db.conn().execute("UPDATE posts SET url = ?, content_type = 'summary' WHERE title = ?",
+                              (url, f"Post {k}"))
+        finished, _ = finishes_within(
+            20, lambda: vesti.run_workers(db, s, registry, workers=4, quiet=True))
+    finally:
+        drip.close()
+        fast.close()
+    assert finished
+    posts = db.conn().execute("SELECT * FROM posts ORDER BY id").fetchall()
+    assert [p["classified"] for p in posts] == [1] * 12
+    tarpit = [p for p in posts if p["url"].startswith(drip.url)]
+    served = [p for p in posts if p["url"].startswith(fast.url)]
+    assert [(p["content_type"], p["text"]) for p in tarpit] == \
+        [("summary", "News about the Linux kernel.")] * 6
+    assert [p["content_type"] for p in served] == ["full"] * 6
+    assert all(snippet in p["text"] for p in served)
+    assert drip.connections < 6         # the busy tarpit host was given up on, not queued for
 
 
-@pytest.mark.parametrize("url,expected", [
-    ("https://news.example/a?yclid=123&id=7", "https://news.example/a?id=7"),
-    ("https://news.example/a?_openstat=ZGlyZWN0&id=7&ysclid=lq1", "https://news.example/a?id=7"),
-    ("HTTPS://News.Example:443/a#comments", "https://news.example/a"),
-    ("http://news.example:8080/a?UTM_SOURCE=x", "http://news.example:8080/a"),
-    ("https://www.heise.de/news/x.html?wt_mc=rss.red.ho.ho.rdf.beitrag.beitrag",
-     "https://www.heise.de/news/x.html"),
-    ("https://www.dailymail.co.uk/a.html?ITO=1490&ns_mchannel=rss&ns_campaign=1490",
-     "https://www.dailymail.co.uk/a.html"),
-    ("https://medium.com/p/abc?source=rss----5517fd7b58a6---4", "https://medium.com/p/abc"),
-    ("https://shop.example/list?source=catalog&id=2", "https://shop.example/list?source=catalog&id=2"),
-])
-def test_canonical_url_drops_yandex_and_openstat_trackers(url, expected):
-    assert vesti.canonical_url(url) == expected
+
+@pytest.mark.slow
+@both
+def test_articles_of_different_hosts_are_fetched_side_by_side(home, monkeypatch):
+    """Posts are stored feed by feed, so the oldest pending ones are one
+    host's: two workers still fetch two hosts' articles at a time, each
+    host at its own pace, instead of queueing for the first host. Their
+    texts are extracted one at a time (trafilatura crashes the process
+    now and then when two extractions overlap)."""
+    page = (CORPUS / "html" / "bbc.com.52241221.html").read_bytes()
+    trafilatura = pytest.importorskip("trafilatura")
+    extracting, overlaps, real_extract = [], [], trafilatura.extract
+
+    def extract(*args, **kwargs):
+        extracting.append(1)
+        overlaps.append(len(extracting))
+        time.sleep(0.02)            # long enough for another worker to arrive
+        try:
+            return real_extract(*args, **kwargs)
+        finally:
+            extracting.pop()
+    monkeypatch.setattr(trafilatura, "extract", extract)
+    hosts = [FeedServer("127.0.0.2"), FeedServer("127.0.0.3")]
+    try:
+        s, db, registry = worker_home(home, "", RSS_HOST_DELAY=0.2,
+                                      VESTI_ALLOW_PRIVATE_NETWORKS=1)
+        add_posts(db.conn(), 12, content_type="summary")
+        for k in range(12):
+            host = hosts[k // 6]
+            host.routes[f"/a/{k}"] = lambda request: (200, {"Content-Type": "text/html"}, page)
+            db.conn().execute("UPDATE posts SET url = ? WHERE title = ?",
+                              (f"{host.url}/a/{k}", f"Post {k}"))
+        vesti.run_workers(db, s, registry, workers=2, quiet=True)
+    finally:
+        for host in hosts:
+            host.close()
+    assert queue_of(db) == {1: 12}
+    order = [host for _, host in sorted((at, k) for k, host in enumerate(hosts)
+                                        for _, _, at in host.requests)]
+    assert len(order) == 12
+    # One host after the other would fetch the first host's six articles
+    # first; side by side, the second host's begin while the first's go on
+    # (how closely they alternate depends on how loaded the machine is).
+    assert order[:6].count(1) >= 2 and order[6:].count(0) >= 1, order
+    assert len(overlaps) == 12 and max(overlaps) == 1
+
+# The network policy: article links and redirects come from third parties.
+
+def everything_stored(db):
+    """Every value of every post, as one text."""
+    rows = db.conn().execute("SELECT * FROM posts").fetchall()
+    return "\n".join(str(value) for row in rows for value in tuple(row))
 
 
-# The corpus through the crawler ----------------------------------------------
+def teaser_feed(links):
+    return rss([{"guid": f"t{k}", "link": link, "title": f"Teaser {k}",
+                 "text": "Short teaser about the Linux kernel."} for k, link in enumerate(links)])
+
+
+def test_entry_links_to_an_internal_host_are_fetched_only_when_allowed(home, server, internal):
+    internal.routes["/secret2"] = internal.routes["/secret"]
+    server.feed("/feed", teaser_feed([internal.url + "/secret"]), etag='"1"')
+    s, db = intake(home, [rss_source("x", server.url + "/feed")])
+    crawl(s, db)
+    vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=1, quiet=True)
+    assert internal.requests == []
+    assert internal.secret not in everything_stored(db)
+    post = posts_of(db, "x")[0]
+    assert (post["classified"], post["content_type"], post["text"]) == \
+        (1, "summary", "Short teaser about the Linux kernel.")     # the post's own text stands
+
+    allowed = make_settings(home, VESTI_ALLOW_PRIVATE_NETWORKS=1)
+    server.feed("/feed", teaser_feed([internal.url + "/secret", internal.url + "/secret2"]),
+                etag='"2"')
+    crawl(allowed, db)
+    vesti.run_workers(db, allowed, vesti.load_registry(s.sources), workers=1, quiet=True)
+    assert [path for path, *_ in internal.requests] == ["/secret2"]
+    post = posts_of(db, "x")[1]
+    assert (post["classified"], post["content_type"]) == (1, "full")
+    assert internal.secret in post["text"]
+
+
+def test_a_feed_redirect_to_an_internal_host_is_refused_unless_allowed(home, server, internal):
+    internal.feed("/feed", rss(items(2, host=internal.url)))
+    server.redirect("/feed", 302, internal.url + "/feed")
+    s, db = intake(home, [rss_source("x", server.url + "/feed")])
+    crawl(s, db)
+    assert internal.requests == []
+    error = source_row(db, "x")["last_error"]
+    assert "127.0.0.2" in error and "VESTI_ALLOW_PRIVATE_NETWORKS" in error
+    assert posts_of(db, "x") == []
+
+    crawl(make_settings(home, VESTI_ALLOW_PRIVATE_NETWORKS=1), db)
+    assert len(internal.sent("/feed")) == 1
+    assert source_row(db, "x")["last_error"] is None
+    assert len(posts_of(db, "x")) == 2
+
+
+@pytest.mark.parametrize("scheme, target", [("file", "file:///etc/passwd"),
+                                            ("ftp", "ftp://127.0.0.1:{ftp}/x"),
+                                            ("data", "data:text/plain,hello")])
+def test_a_redirect_to_a_scheme_other_than_http_is_refused(home, server, scheme, target):
+    ftp = TcpListener()
+    try:
+        server.redirect("/feed", 302, target.format(ftp=ftp.port))
+        s, db = intake(home, [rss_source("x", server.url + "/feed")])
+        crawl(s, db)
+    finally:
+        ftp.close()
+    assert not ftp.connected.is_set()
+    error = source_row(db, "x")["last_error"]
+    assert error and f"{scheme}:" in error and "refused" in error
+    assert posts_of(db, "x") == []
+
+
+def test_an_article_redirect_to_an_internal_host_is_refused_unless_allowed(home, server,
+                                                                          internal):
+    server.feed("/feed", teaser_feed([server.url + "/article"]), etag='"1"')
+    server.redirect("/article", 302, internal.url + "/secret")
+    s, db = intake(home, [rss_source("x", server.url + "/feed")])
+    crawl(s, db)
+    vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=1, quiet=True)
+    assert len(server.sent("/article")) == 1                # the source's own host is fine
+    assert internal.requests == []
+    assert internal.secret not in everything_stored(db)
+    assert [(p["classified"], p["content_type"]) for p in posts_of(db, "x")] == [(1, "summary")]
+
+    allowed = make_settings(home, VESTI_ALLOW_PRIVATE_NETWORKS=1)
+    server.redirect("/article2", 302, internal.url + "/secret")
+    server.feed("/feed", teaser_feed([server.url + "/article", server.url + "/article2"]),
+                etag='"2"')
+    crawl(allowed, db)
+    vesti.run_workers(db, allowed, vesti.load_registry(s.sources), workers=1, quiet=True)
+    assert len(internal.sent("/secret")) == 1
+    post = posts_of(db, "x")[1]
+    assert (post["classified"], post["content_type"]) == (1, "full")
+    assert internal.secret in post["text"]
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "10.1.2.3", "169.254.1.1", "::1", "fc00::1",
+                                     "::ffff:127.0.0.1", "0.0.0.0", "224.0.0.1", "100.64.0.1"])
+def test_loopback_private_and_reserved_addresses_are_refused(address):
+    assert vesti.why_refused(address)
+
+
+@pytest.mark.parametrize("address", ["93.184.216.34", "2606:4700::1"])
+def test_public_addresses_are_allowed(address):
+    assert vesti.why_refused(address) is None
+
+
+def test_a_dripping_feed_does_not_hold_the_crawls_of_other_priorities(home, server):
+    drip = DripServer("127.0.0.3", lifetime=10)
+    stop = threading.Event()
+    try:
+        server.feed("/feed", rss(items(3, host=server.url)))
+        s, db = intake(home, [rss_source("slow", drip.url + "/feed", priority=0),
+                              rss_source("fast", server.url + "/feed", priority=1)],
+                       RSS_TIMEOUT=5, VESTI_CRAWL_EVERY="10m,1h")
+        now = [time.time()]
+        scheduler = vesti.Scheduler(db, s, vesti.load_registry(s.sources), stop,
+                                    clock=lambda: now[0])
+        assert scheduler.tick() == [0, 1]
+        assert wait_for(lambda: len(posts_of(db, "fast")) == 3, timeout=10)
+        assert wait_for(lambda: drip.connections == 1, timeout=5)
+        assert [r["status"] for r in runs_of(db, "slow")] == ["running"]
+        now[0] += 901                                       # priority 0 is due again
+        assert scheduler.tick() == []                       # but still running: not restarted
+        assert drip.connections == 1
+    finally:
+        stop.set()
+        drip.close()
+    assert scheduler.join(10)
+    run = runs_of(db, "slow")[0]
+    assert run["status"] == "error" and run["finished_at"]      # the cut-off crawl is closed
+
+
+# RSS: the corpus through the crawler ------------------------------------------
 
 def serve_files(server, paths, root):
     sources = []
@@ -1047,7 +2694,7 @@ def test_every_illformed_feed_is_stored_whole_or_recorded_as_an_error(home, serv
     assert conn.execute("SELECT count(*) FROM runs WHERE status = 'running'").fetchone()[0] == 0
 
 
-# The fast parse path against feedparser ----------------------------------------
+# RSS: the fast parse path against feedparser ----------------------------------
 
 # Where the fast path and feedparser may read a real feed differently, each
 # with its reason. None: the fast path reads only what it reads exactly as
@@ -1227,635 +2874,7 @@ def test_a_healthy_feed_served_as_text_xml_without_a_charset_has_no_warning(home
     assert title in [p["title"] for p in posts_of(db, "x")]
 
 
-# Command line (phase 1) ------------------------------------------------------
-
-def test_rss_command_and_its_shim_crawl_and_report(home, server):
-    server.feed("/feed", rss(items(3, host=server.url)))
-    write_sources(home / "sources.yaml", [rss_source("lwn", server.url + "/feed", direction="linux"),
-                                          rss_source("other", server.url + "/missing")])
-    env = {"RSS_HOST_DELAY": "0", "PYTHONPATH": str(ROOT)}
-    result = cli("rss", "--source", "lwn", "--trigger", "cron", cwd=home, env=env)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("rss: 1 sources (1 ok, 0 failed, 0 deferred), 3 new posts in ")
-    shim = subprocess.run([sys.executable, "-m", "crawler.rss_crawler", "--all", "--db",
-                           str(home / "vesti.db")], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "RSS_HOST_DELAY": "0",
-                               "VESTI_SOURCES": str(home / "sources.yaml")}, timeout=60)
-    assert shim.returncode == 0, shim.stderr             # a failing source is not a failing run
-    assert "2 sources (1 ok, 1 failed" in shim.stdout
-    status = json.loads(cli("--db", "vesti.db", "status", "--json", cwd=home).stdout)
-    assert status["queue"] == {"pending": 3, "processing": 0, "done_today": 0, "failed": 0}
-    health = {s["slug"]: s for s in status["sources"]}
-    assert health["other"]["last_error"] == "HTTP 404 Not Found"
-    assert health["lwn"]["etag"] == '"v1"'
-    conn = sqlite3.connect(home / "vesti.db")
-    assert conn.execute("SELECT trigger FROM runs ORDER BY id LIMIT 1").fetchone()[0] == "cron"
-    text = cli("status", cwd=home).stdout
-    assert "pending 3" in text and "HTTP 404 Not Found" in text
-
-
-@both
-def test_rss_by_direction_takes_only_that_direction(home, server):
-    server.feed("/a", rss(items(1, host=server.url + "/a")))
-    server.feed("/b", rss(items(1, host=server.url + "/b")))
-    s, db = intake(home, [rss_source("a", server.url + "/a", direction="linux"),
-                          rss_source("b", server.url + "/b", direction="space")])
-    crawl(s, db, ("direction", "space"))
-    assert [p for p, *_ in server.requests] == ["/b"]
-
-
-@pytest.mark.parametrize("args,message", [
-    (["rss", "--source", "nope"], "unknown source 'nope'"),
-    (["rss", "--direction", "sport"], "unknown direction 'sport'"),
-    (["rss"], "one of the arguments --all --direction --source is required"),
-])
-def test_rss_usage_errors_exit_2(home, args, message):
-    write_sources(home / "sources.yaml", [rss_source("a", "http://127.0.0.1:9/a")])
-    result = cli(*args, cwd=home)
-    assert result.returncode == 2 and message in result.stderr
-
-
-def test_init_is_idempotent_and_reports_the_sources(home):
-    write_sources(home / "sources.yaml", [rss_source("a", "http://127.0.0.1:9/a")])
-    for _ in range(2):
-        result = cli("init", "--db", "data.db", cwd=home)
-        assert result.returncode == 0 and "1 enabled sources" in result.stdout
-    assert (home / "data.db").exists()
-
-
-# Classification --------------------------------------------------------------
-
-DIRECTIONS = {"linux": vesti.Direction("linux", "Linux", ("linux", "kernel", "ядр*")),
-              "space": vesti.Direction("space", "Space", ("rocket", "open orbit"))}
-
-
-def test_keywords_match_whole_words_case_insensitively_cyrillic_included():
-    index = vesti.KeywordIndex(DIRECTIONS)
-    assert index.matches("The LINUX Kernel") == {"linux": ["kernel", "linux"]}
-    assert index.matches("Linuxoid kernels") == {}
-    assert index.matches("Новое ядро и ядра") == {"linux": ["ядра", "ядро"]}
-    assert index.matches("An open  orbit rocket, kernel") == \
-        {"space": ["open  orbit", "rocket"], "linux": ["kernel"]}
-
-
-def test_no_keyword_hit_is_not_relevant_and_never_asks_the_llm(ollama):
-    s = vesti.load_settings(environ={"OLLAMA_URL": ollama.url}, env_file=None)
-    verdict = vesti.classify_text("Football results. The home team won.", DIRECTIONS, s,
-                                  title="Sports")
-    assert verdict == vesti.Verdict(direction=None, relevance=0, interest=0,
-                                    summary="Football results. The home team won.", keywords=None)
-    assert ollama.requests == []
-
-
-def test_a_keyword_hit_asks_ollama_exactly_as_the_contract_says(ollama):
-    s = vesti.load_settings(environ={"OLLAMA_URL": ollama.url, "OLLAMA_MODEL": "m:1"},
-                            env_file=None)
-    verdict = vesti.classify_text("A new kernel is out.", DIRECTIONS, s, title="Kernel 7.0")
-    assert verdict.llm_seconds >= 0
-    assert dataclasses.replace(verdict, llm_seconds=None) == vesti.Verdict(
-        direction="linux", relevance=8, interest=6, summary="Summary: Kernel 7.0", reason=None,
-        keywords="kernel")
-    path, body = ollama.requests[0]
-    assert path == "/api/chat"
-    assert (body["model"], body["stream"], body["options"]) == ("m:1", False, {"temperature": 0})
-    schema = body["format"]
-    assert schema["properties"]["direction"]["enum"] == ["linux", "space", None]
-    assert set(schema["required"]) == {"direction", "relevance", "interest", "summary"}
-    assert schema["properties"]["reason"] == {"type": "string"}      # optional
-    assert body["messages"][-1]["role"] == "user" and "A new kernel is out." in body["messages"][-1]["content"]
-
-
-def test_without_ollama_keywords_alone_decide():
-    s = vesti.load_settings(environ={"OLLAMA_URL": ""}, env_file=None)
-    verdict = vesti.classify_text("Linux 7.0 has a new kernel scheduler. It is fast. More later.",
-                                  DIRECTIONS, s, title="Linux news")
-    assert verdict.direction == "linux"
-    assert 0 < verdict.relevance <= 10 and 0 < verdict.interest <= 10
-    assert verdict.summary.startswith("Linux 7.0 has a new kernel scheduler.")
-
-
-@pytest.mark.parametrize("mode,error", [("500", "Ollama answered HTTP 500"),
-                                        ("garbage", "no JSON"),
-                                        ("bad-verdict", "unknown direction 'sport'")])
-def test_a_bad_ollama_answer_is_a_classify_error(mode, error):
-    fake = FakeOllama(mode)
-    try:
-        s = vesti.load_settings(environ={"OLLAMA_URL": fake.url}, env_file=None)
-        with pytest.raises(vesti.ClassifyError, match=error):
-            vesti.classify_text("kernel", DIRECTIONS, s)
-    finally:
-        fake.close()
-
-
-@pytest.mark.parametrize("content,error", [
-    ('{"direction": "linux", "relevance": 11, "interest": 1, "summary": "s"}', "relevance=11"),
-    ('{"direction": "linux", "relevance": 5, "interest": "high", "summary": "s"}', "interest='high'"),
-    ('{"direction": "linux", "relevance": 5, "interest": 5}', "no summary"),
-    ('not json', "not a JSON verdict"),
-    ('[1, 2]', "not an object"),
-])
-def test_verdicts_out_of_contract_are_rejected(content, error):
-    with pytest.raises(vesti.ClassifyError, match=re.escape(error)):
-        vesti.parse_verdict({"message": {"content": content}}, DIRECTIONS)
-
-
-@both
-def test_a_summary_only_post_is_classified_on_its_article_text(home, server, ollama):
-    page = CORPUS / "html" / "bbc.com.52241221.html"
-    expected = json.loads((CORPUS / "html" / "expected.json").read_text())["pages"]
-    snippet = expected["bbc.com.52241221.html"]["with"][0]
-    server.routes["/article"] = lambda request: (200, {"Content-Type": "text/html"},
-                                                 page.read_bytes())
-    s = make_settings(home, OLLAMA_URL="")
-    health = {"health": vesti.Direction("health", "Health", ("coronavirus", "outbreak"))}
-    classify = vesti.Classifier(vesti.Registry("x", {**DIRECTIONS, **health}, ()), s)
-    post = {"id": 1, "title": "New York", "text": "Drone footage from the city.",
-            "content_type": "summary", "url": server.url + "/article",
-            "source_url": server.url + "/feed"}
-    verdict = classify(post)
-    assert verdict.direction == "health"            # found only in the article's text
-    assert snippet in verdict.text
-    assert len(verdict.text) > 1000
-    assert server.sent("/article")[0]["User-Agent"] == s.user_agent
-
-
-def test_when_the_article_cannot_be_read_the_summary_is_used(home, server):
-    server.status("/article", 404)
-    s = make_settings(home, OLLAMA_URL="")
-    classify = vesti.Classifier(vesti.Registry("x", DIRECTIONS, ()), s)
-    post = {"id": 1, "title": "Kernel news", "text": "Kernel teaser about linux.",
-            "content_type": "summary", "url": server.url + "/article",
-            "source_url": server.url + "/feed"}
-    verdict = classify(post)
-    assert verdict.text is None and verdict.direction == "linux"
-
-
-# Worker ----------------------------------------------------------------------
-
-def add_posts(conn, count, source_id=1, text="News about the Linux kernel.", start=0, **columns):
-    conn.execute("INSERT INTO sources (id, slug, url) VALUES (?, ?, 'http://x/') "
-                 "ON CONFLICT DO NOTHING", (source_id, f"s{source_id}"))
-    names = ", ".join(["source_id", "title", "text", "url", "classified", *columns])
-    marks = ", ".join("?" * (5 + len(columns)))
-    conn.executemany(f"INSERT INTO posts ({names}) VALUES ({marks})",
-                     [(source_id, f"Post {k}", text, f"http://x/{k}", 0, *columns.values())
-                      for k in range(start, start + count)])
-
-
-def queue_of(db):
-    return dict(db.conn().execute("SELECT classified, count(*) FROM posts GROUP BY 1").fetchall())
-
-
-def worker_home(home, ollama_url, **settings):
-    write_sources(home / "sources.yaml", [])
-    s = make_settings(home, OLLAMA_URL=ollama_url, **settings)
-    registry, db = vesti.open_intake(s)
-    return s, db, registry
-
-
-@pytest.mark.slow
-@both
-def test_seed_100_posts_with_8_workers_are_each_classified_once(home, ollama):
-    """Seed 000: 100 posts, `python -m crawler.worker --workers 8 --limit 200`."""
-    s, db, _ = worker_home(home, ollama.url)
-    add_posts(db.conn(), 100)
-    result = subprocess.run([sys.executable, "-m", "crawler.worker", "--workers", "8",
-                             "--limit", "200", "--db", s.db, "--sources", s.sources],
-                            cwd=ROOT, capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "OLLAMA_URL": ollama.url})
-    assert result.returncode == 0, result.stderr
-    assert queue_of(db) == {1: 100}
-    titles = ollama.titles()
-    assert sorted(titles) == sorted(f"Post {k}" for k in range(100))       # each exactly once
-    row = db.conn().execute("SELECT * FROM posts WHERE title = 'Post 7'").fetchone()
-    assert (row["direction"], row["relevance"], row["interest"], row["summary"], row["attempts"]) == \
-        ("linux", 8, 6, "Summary: Post 7", 1)
-    assert "100 processed (100 done, 0 returned to the queue, 0 failed)" in result.stdout
-
-
-def test_seed_a_post_whose_classification_raises_returns_to_the_queue(home):
-    """Seed 000: the post goes back (classified=0), the worker goes on, the run exits 0."""
-    fake = FakeOllama(fails_on="BROKEN")
-    try:
-        s, db, _ = worker_home(home, fake.url)
-        add_posts(db.conn(), 5)
-        db.conn().execute("UPDATE posts SET title = 'BROKEN post' WHERE id = 3")
-        result = cli("worker", "--workers", "2", cwd=home, env={"OLLAMA_URL": fake.url})
-    finally:
-        fake.close()
-    assert result.returncode == 0, result.stderr
-    broken = db.conn().execute("SELECT * FROM posts WHERE id = 3").fetchone()
-    assert (broken["classified"], broken["attempts"]) == (0, 1)
-    assert "HTTP 500" in broken["error"] and broken["next_attempt_at"] > vesti.utc_text()
-    assert queue_of(db) == {1: 4, 0: 1}
-    assert "(4 done, 1 returned to the queue, 0 failed)" in result.stdout
-
-
-@pytest.mark.parametrize("mode,error", [("500", "HTTP 500"), ("garbage", "no JSON"),
-                                        ("hang", "did not answer within 0.5 s")])
-def test_a_misbehaving_ollama_costs_attempts_until_the_post_fails(home, mode, error):
-    fake = FakeOllama(mode)
-    try:
-        s, db, registry = worker_home(home, fake.url, OLLAMA_TIMEOUT=0.5, VESTI_MAX_ATTEMPTS=3,
-                                      VESTI_RETRY_DELAY=60)
-        add_posts(db.conn(), 1)
-        for attempt in (1, 2, 3):
-            db.conn().execute("UPDATE posts SET next_attempt_at = NULL")    # the backoff passed
-            vesti.run_workers(db, s, registry, workers=1, quiet=True)
-            post = db.conn().execute("SELECT * FROM posts").fetchone()
-            assert post["attempts"] == attempt and error in post["error"]
-            assert post["classified"] == (0 if attempt < 3 else -2)
-        assert vesti.queue_sizes(db.conn())["failed"] == 1
-    finally:
-        fake.close()
-
-
-@both
-def test_one_run_does_not_burn_all_attempts_on_one_post(home):
-    fake = FakeOllama("500")
-    try:
-        s, db, registry = worker_home(home, fake.url, VESTI_RETRY_DELAY=60)
-        add_posts(db.conn(), 1)
-        stats, _ = vesti.run_workers(db, s, registry, workers=2, quiet=True)
-    finally:
-        fake.close()
-    post = db.conn().execute("SELECT * FROM posts").fetchone()
-    assert (post["classified"], post["attempts"], stats.returned) == (0, 1, 1)
-    assert len(fake.requests) == 1
-
-
-def test_an_unreachable_ollama_stops_the_workers_instead_of_cycling_the_queue(home):
-    s, db, _ = worker_home(home, "http://127.0.0.1:9")
-    add_posts(db.conn(), 50)
-    result = cli("worker", "--workers", "1", cwd=home, env={"OLLAMA_URL": "http://127.0.0.1:9"})
-    assert result.returncode == 0
-    said = [line for line in result.stderr.splitlines() if "stopped claiming" in line]
-    assert len(said) == 1
-    assert "Ollama unreachable at http://127.0.0.1:9/api/chat: connection refused; " \
-        "stopped claiming after 3 connection failures" in said[0]
-    touched = db.conn().execute("SELECT count(*) FROM posts WHERE error LIKE '%refused%'").fetchone()[0]
-    assert touched == 3 and queue_of(db) == {0: 50}
-    assert db.conn().execute("SELECT max(attempts) FROM posts").fetchone()[0] == 0
-
-
-def test_each_worker_asks_its_questions_on_one_kept_connection(home):
-    """Ollama keeps connections open: a worker asks every question on one,
-    with no connection set-up per post."""
-    fake = FakeOllama(keep_alive=True)
-    try:
-        s, db, registry = worker_home(home, fake.url)
-        add_posts(db.conn(), 12)
-        stats, _ = vesti.run_workers(db, s, registry, workers=2, quiet=True)
-        assert stats.done == 12 and queue_of(db) == {1: 12}
-        assert sorted(fake.titles()) == sorted(f"Post {k}" for k in range(12))
-        assert len(set(fake.connections)) <= 2
-    finally:
-        fake.close()
-
-
-def test_a_kept_connection_the_server_closed_is_replaced_and_the_question_asked_once(home):
-    fake = FakeOllama(keep_alive=True, drops=True)
-    try:
-        s, db, registry = worker_home(home, fake.url)
-        add_posts(db.conn(), 6)
-        stats, _ = vesti.run_workers(db, s, registry, workers=1, quiet=True)
-        assert (stats.done, stats.failed, stats.returned) == (6, 0, 0)
-        assert queue_of(db) == {1: 6}
-        assert sorted(fake.titles()) == sorted(f"Post {k}" for k in range(6))    # once each
-        assert len(set(fake.connections)) == 6
-    finally:
-        fake.close()
-
-
-@both
-def test_a_long_ollama_outage_never_marks_posts_failed(home):
-    s, db, registry = worker_home(home, "http://127.0.0.1:9", VESTI_MAX_ATTEMPTS=2,
-                                  VESTI_RETRY_DELAY=60)
-    add_posts(db.conn(), 1)
-    for _ in range(4):
-        db.conn().execute("UPDATE posts SET next_attempt_at = NULL")
-        vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    post = db.conn().execute("SELECT * FROM posts").fetchone()
-    assert (post["classified"], post["attempts"]) == (0, 0)      # the claims were given back
-    assert "connection refused" in post["error"]
-    fake = FakeOllama("500")                 # then a real failure counts as the first one
-    try:
-        db.conn().execute("UPDATE posts SET next_attempt_at = NULL")
-        vesti.run_workers(db, s.replace(ollama_url=fake.url), registry, workers=1, quiet=True)
-    finally:
-        fake.close()
-    post = db.conn().execute("SELECT * FROM posts").fetchone()
-    assert (post["classified"], post["attempts"]) == (0, 1)
-
-
-@both
-def test_the_page_says_ollama_is_down_until_it_answers_again(home, caplog):
-    s, db, registry = worker_home(home, "http://127.0.0.1:9")
-    add_posts(db.conn(), 10)
-    page = vesti.Page("en", "", {})
-
-    def said():
-        return vesti.banners(db.conn(), s, page)
-
-    vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    assert "Ollama has been unreachable since" in said() and "connection refused" in said()
-    fake = FakeOllama()
-    try:
-        db.conn().execute("UPDATE posts SET next_attempt_at = NULL")
-        with caplog.at_level(logging.WARNING, logger="vesti"):
-            vesti.run_workers(db, s.replace(ollama_url=fake.url), registry, workers=2, quiet=True)
-    finally:
-        fake.close()
-    assert queue_of(db) == {1: 10}
-    assert "unreachable" not in said()
-    assert [r.getMessage() for r in caplog.records].count("Ollama answers again") == 1
-
-
-@both
-def test_expired_leases_go_back_to_pending_or_to_failed(home):
-    s, db, registry = worker_home(home, "", VESTI_LEASE_SECONDS=60, VESTI_MAX_ATTEMPTS=2)
-    conn = db.conn()
-    add_posts(conn, 4)
-    old, fresh = vesti.utc_text(time.time() - 120), vesti.utc_text()
-    conn.execute("UPDATE posts SET classified = -1, claimed_at = ?, attempts = 1, claim_token = 't' "
-                 "WHERE id = 1", (old,))
-    conn.execute("UPDATE posts SET classified = -1, claimed_at = ?, attempts = 2, claim_token = 't' "
-                 "WHERE id = 2", (old,))
-    conn.execute("UPDATE posts SET classified = -1, claimed_at = ?, attempts = 1, claim_token = 't' "
-                 "WHERE id = 3", (fresh,))
-    assert vesti.queue_sizes(conn) == {"pending": 1, "processing": 3, "done_today": 0, "failed": 0}
-    vesti.run_workers(db, s, registry, workers=2, quiet=True)
-    states = dict(conn.execute("SELECT id, classified FROM posts").fetchall())
-    assert states == {1: 1, 2: -2, 3: -1, 4: 1}          # the live claim is left alone
-    assert "lease expired" in conn.execute("SELECT error FROM posts WHERE id = 2").fetchone()[0]
-
-
-@both
-def test_a_forever_worker_takes_back_expired_leases_while_it_runs(home):
-    s, db, registry = worker_home(home, "", VESTI_LEASE_SECONDS=1)
-    stop = threading.Event()
-    result = {}
-    runner = threading.Thread(target=lambda: result.update(
-        out=vesti.run_workers(db, s, registry, workers=2, forever=True, stop=stop, quiet=True)))
-    runner.start()
-    try:
-        time.sleep(0.3)                        # past the check every worker makes at start
-        add_posts(db.conn(), 1)
-        db.conn().execute("UPDATE posts SET classified = -1, attempts = 1, claim_token = 'dead', "
-                          "claimed_at = ?", (ago(10),))
-        assert wait_for(lambda: queue_of(db) == {1: 1}, timeout=10)
-    finally:
-        stop.set()
-        runner.join()
-    assert db.conn().execute("SELECT attempts FROM posts").fetchone()[0] == 2
-
-
-@both
-def test_a_write_after_the_lease_was_taken_back_is_refused(home):
-    s, db, _ = worker_home(home, "")
-    conn = db.conn()
-    add_posts(conn, 1)
-    first = vesti.claim_post(conn)
-    conn.execute("UPDATE posts SET claimed_at = '2000-01-01 00:00:00'")
-    vesti.expire_leases(conn, 60, 5)
-    second = vesti.claim_post(conn)
-    verdict = vesti.Verdict(direction=None, relevance=0, interest=0, summary="late")
-    assert not vesti.complete_post(conn, first["id"], first["claim_token"], verdict)
-    assert vesti.release_post(conn, first["id"], first["claim_token"], "x", 5, 0) is None
-    assert vesti.complete_post(conn, second["id"], second["claim_token"],
-                               dataclasses.replace(verdict, summary="ok"))
-    row = conn.execute("SELECT classified, summary, attempts FROM posts").fetchone()
-    assert tuple(row) == (1, "ok", 2)
-
-
-@both
-def test_the_full_text_found_for_a_summary_post_is_kept(home, server):
-    page = (CORPUS / "html" / "bbc.com.52241221.html").read_bytes()
-    server.routes["/a"] = lambda request: (200, {"Content-Type": "text/html"}, page)
-    s, db, registry = worker_home(home, "")
-    add_posts(db.conn(), 1, content_type="summary")
-    db.conn().execute("UPDATE posts SET url = ?", (server.url + "/a",))
-    db.conn().execute("UPDATE sources SET url = ?", (server.url + "/feed",))
-    vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    post = db.conn().execute("SELECT * FROM posts").fetchone()
-    assert (post["classified"], post["content_type"]) == (1, "full")
-    assert len(post["text"]) > 1000
-
-
-def worker_process(home, ollama_url, *args, env=None):
-    return subprocess.Popen([*VESTI, "worker", *args],
-                            cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OLLAMA_URL": ollama_url,
-                                 **({"VESTI_DB": BACKEND["db"]} if BACKEND["db"] else {}),
-                                 **(env or {})})
-
-
-@pytest.mark.slow
-@both
-def test_a_killed_worker_is_finished_by_the_next_one_after_the_lease(home):
-    fake = FakeOllama(latency=0.2)
-    try:
-        s, db, _ = worker_home(home, fake.url)
-        add_posts(db.conn(), 30)
-        process = worker_process(home, fake.url, "--workers", "4")
-        assert wait_for(lambda: queue_of(db).get(1, 0) >= 8)
-        process.kill()
-        process.communicate()
-        in_flight = {r[0] for r in db.conn().execute("SELECT title FROM posts WHERE classified = -1")}
-        done_before = {r[0] for r in db.conn().execute("SELECT title FROM posts WHERE classified = 1")}
-        assert in_flight and len(in_flight) <= 2 * 4    # asked, and the next one ready
-        time.sleep(1.1)
-        result = cli("worker", "--workers", "4", cwd=home,
-                     env={"OLLAMA_URL": fake.url, "VESTI_LEASE_SECONDS": "1"})
-        assert result.returncode == 0
-        assert queue_of(db) == {1: 30}
-        asked = {}
-        for title in fake.titles():
-            asked[title] = asked.get(title, 0) + 1
-        redone = {t for t, n in asked.items() if n > 1}
-        assert redone <= in_flight                   # only posts in flight were redone
-        assert not redone & done_before
-        assert set(asked) == {f"Post {k}" for k in range(30)}
-    finally:
-        fake.close()
-
-
-@pytest.mark.slow
-@both
-def test_sigterm_stops_the_worker_cleanly(home):
-    fake = FakeOllama(latency=0.3)
-    try:
-        s, db, _ = worker_home(home, fake.url)
-        add_posts(db.conn(), 40)
-        process = worker_process(home, fake.url, "--workers", "4")
-        assert wait_for(lambda: queue_of(db).get(1, 0) >= 4)
-        process.send_signal(signal.SIGTERM)
-        out, err = process.communicate(timeout=10)
-        assert process.returncode == 0, err
-        queue = queue_of(db)
-        assert -1 not in queue and queue.get(1, 0) < 40
-        assert queue.get(0, 0) + queue[1] == 40
-    finally:
-        fake.close()
-
-
-@both
-def test_a_claim_that_lands_after_a_stop_is_given_back(home, monkeypatch):
-    s, db, registry = worker_home(home, "")
-    add_posts(db.conn(), 1)
-    stop = threading.Event()
-    pool = vesti.WorkerPool(db, s, vesti.Classifier(registry, s), stop)
-    real_claim = vesti.claim_posts
-
-    def claim_while_stopping(conn, limit, *args):
-        stop.set()                       # SIGTERM arrives while the claim waits for the lock
-        return real_claim(conn, limit, *args)
-    monkeypatch.setattr(vesti, "claim_posts", claim_while_stopping)
-    assert pool.take_turn(db.conn(), [], 1) == []
-    assert tuple(db.conn().execute("SELECT classified, attempts FROM posts").fetchone()) == (0, 0)
-    assert pool.release_unfinished(wait=1) == 0
-
-
-@both
-def test_fast_posts_are_claimed_in_batches_and_the_limit_still_holds(home, monkeypatch):
-    """Keyword-only posts: many verdicts share one transaction with the next
-    claim, and --limit still counts single posts, none left claimed."""
-    s, db, registry = worker_home(home, "")
-    add_posts(db.conn(), 400)
-    turns = []
-    real_turn = vesti.complete_and_claim
-
-    def counted_turn(conn, completions, claims, **options):
-        turns.append(len(completions))
-        return real_turn(conn, completions, claims, **options)
-    monkeypatch.setattr(vesti, "complete_and_claim", counted_turn)
-    stats, finished = vesti.run_workers(db, s, registry, workers=4, limit=150, quiet=True)
-    assert finished and stats.done == 150
-    assert queue_of(db) == {1: 150, 0: 250}
-    attempts = dict(db.conn().execute("SELECT classified, max(attempts) FROM posts GROUP BY 1"))
-    assert attempts == {1: 1, 0: 0}              # the posts not taken kept their attempts
-    assert max(turns) > 1 and len(turns) < 150 / 2
-
-
-@pytest.mark.slow
-@both
-def test_a_post_waiting_for_the_llm_does_not_hold_the_posts_claimed_with_it(home):
-    """A batch of quick posts with one that needs the LLM: the rest of the
-    batch goes back to the queue, and another worker does it meanwhile."""
-    fake = FakeOllama(latency=3)
-    try:
-        s, db, registry = worker_home(home, fake.url)
-        conn = db.conn()
-        add_posts(conn, 40, text="Weather in the mountains.")
-        add_posts(conn, 1, text="News about the Linux kernel.", start=40)
-        add_posts(conn, 40, text="Weather in the mountains.", start=41)
-        result = {}
-        worker = threading.Thread(target=lambda: result.update(
-            stats=vesti.run_workers(db, s, registry, workers=2, quiet=True)[0]))
-        worker.start()
-        try:
-            assert wait_for(lambda: queue_of(db) == {1: 80, -1: 1}, timeout=2.5,
-                            state=lambda: queue_of(db))
-        finally:
-            worker.join(timeout=20)
-        assert queue_of(db) == {1: 81}
-        assert fake.titles() == ["Post 40"]
-        assert result["stats"].done == 81
-        assert db.conn().execute("SELECT max(attempts) FROM posts").fetchone()[0] == 1
-    finally:
-        fake.close()
-
-
-@both
-def test_a_worker_writes_and_claims_while_the_llm_answers(home):
-    """While Ollama thinks about a post, its worker writes the verdict before
-    it and claims and prepares the post after it: the LLM never waits for the
-    database."""
-    queue_when_answered = {}
-
-    class Watching(FakeOllama):
-        def answer(self, body):                  # after the thinking time
-            title = body["messages"][-1]["content"].splitlines()[0]
-            queue_when_answered[title] = queue_of(db)
-            return super().answer(body)
-    fake = Watching(latency=0.3)
-    try:
-        s, db, registry = worker_home(home, fake.url)
-        add_posts(db.conn(), 4)
-        stats, _ = vesti.run_workers(db, s, registry, workers=1, quiet=True)
-        assert stats.done == 4 and queue_of(db) == {1: 4}
-        assert fake.titles() == ["Post 0", "Post 1", "Post 2", "Post 3"]
-        # Post 1 answered: post 0 written, posts 1 and 2 held, post 3 waiting.
-        assert queue_when_answered["Post 1"] == {1: 1, -1: 2, 0: 1}
-        assert queue_when_answered["Post 2"] == {1: 2, -1: 2}
-    finally:
-        fake.close()
-
-
-@both
-def test_a_stop_in_the_middle_of_a_batch_writes_what_is_done_and_gives_back_the_rest(home):
-    s, db, registry = worker_home(home, "")
-    add_posts(db.conn(), 200)
-    stop = threading.Event()
-    classifier = vesti.Classifier(registry, s)
-    seen = []
-
-    def classify(post):
-        seen.append(post["id"])
-        if len(seen) == 60:
-            stop.set()                   # SIGTERM with a batch in hand
-        return classifier(post)
-    stats, finished = vesti.run_workers(db, s, registry, workers=1, classify=classify,
-                                        stop=stop, quiet=True)
-    assert finished and stats.done == 60
-    assert queue_of(db) == {1: 60, 0: 140}
-    assert db.conn().execute("SELECT max(attempts) FROM posts WHERE classified = 0").fetchone()[0] == 0
-
-
-def test_sigterm_releases_a_post_stuck_in_a_long_llm_call(home):
-    fake = FakeOllama(latency=30)
-    try:
-        s, db, _ = worker_home(home, fake.url)
-        add_posts(db.conn(), 1)
-        process = worker_process(home, fake.url, "--workers", "1",
-                                 env={"OLLAMA_TIMEOUT": "60", "VESTI_STOP_GRACE": "1"})
-        assert wait_for(lambda: queue_of(db).get(-1, 0) == 1)
-        fake_started = time.monotonic()
-        process.send_signal(signal.SIGTERM)
-        out, err = process.communicate(timeout=15)
-        assert process.returncode == 0, err
-        assert time.monotonic() - fake_started < 4
-        post = db.conn().execute("SELECT classified, attempts FROM posts").fetchone()
-        assert tuple(post) == (0, 0)                  # back, its attempt not counted
-        assert "1 put back unfinished" in out
-    finally:
-        fake.close()
-
-
-@pytest.mark.slow
-@both
-def test_16_workers_and_a_crawl_at_once_never_see_database_is_locked(home, server):
-    feeds = []
-    for n in range(10):
-        server.feed(f"/f{n}", rss(items(50, start=100 * n, host=server.url)))
-        feeds.append(rss_source(f"f{n}", f"{server.url}/f{n}"))
-    s, db = intake(home, feeds, OLLAMA_URL="")
-    registry = vesti.load_registry(s.sources)
-    add_posts(db.conn(), 750, text="Linux kernel news. " * 5)
-    db.conn().execute("UPDATE posts SET text = text || ' Item ' || id")     # each its own story
-    crawl_result = {}
-    crawler = threading.Thread(target=lambda: crawl_result.update(summary=crawl(s, db)))
-    crawler.start()
-    vesti.run_workers(db, s, registry, workers=16, forever=False, quiet=True)
-    crawler.join()
-    vesti.run_workers(db, s, registry, workers=16, quiet=True)   # what the crawl added meanwhile
-    assert crawl_result["summary"].count("ok") == 10
-    assert queue_of(db) == {1: 1250}
-    errors = db.conn().execute("SELECT count(*) FROM posts WHERE error IS NOT NULL").fetchone()[0]
-    assert errors == 0
-
-
-# Telegram crawler ------------------------------------------------------------
+# Telegram ---------------------------------------------------------------------
 
 
 
@@ -2434,7 +3453,1033 @@ def test_crawl_by_priority_takes_exactly_that_priority(home, server):
     assert empty.returncode == 0 and "no enabled source has priority 7" in empty.stderr
 
 
-# Web -------------------------------------------------------------------------
+# Crawling many sources: silence, figures, polite polling ----------------------
+
+def crawlers_row(page, slug):
+    return re.search(rf'<tr id="source-{slug}">.*?</tr>', page)[0]
+
+
+@both
+def test_a_source_that_goes_quiet_for_longer_than_its_rhythm_turns_silent(home, caplog):
+    s, db = intake(home, [rss_source("wire", "http://127.0.0.1:9/wire"),
+                          rss_source("steady", "http://127.0.0.1:9/steady")])
+    conn = db.conn()
+    wire, steady = source_row(db, "wire"), source_row(db, "steady")
+    start = time.time() - 40 * 3600
+    for hour in range(0, 8, 2):                      # new posts every two hours
+        vesti.record_success(conn, wire, 3, now=start + hour * 3600)
+        vesti.record_success(conn, steady, 1, now=start + hour * 3600)
+    for hour in range(8, 14):                        # six hours of nothing: still its rhythm...
+        vesti.record_success(conn, wire, 0, now=start + hour * 3600)
+    assert source_row(db, "wire")["silent_since"] is None   # ...and too little history yet
+    for hour in range(14, 20, 2):
+        vesti.record_success(conn, wire, 2, now=start + hour * 3600)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vesti"):
+        for hour in (23, 25, 27, 30):                 # twice its longest gap (8 h) is 16 h
+            vesti.record_success(conn, wire, 0, now=start + hour * 3600)
+        assert source_row(db, "wire")["silent_since"] is None
+        for hour in (37, 38, 39):
+            vesti.record_success(conn, wire, 0, now=start + hour * 3600)
+    assert source_row(db, "wire")["silent_since"] is not None
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == ["source wire is silent: no new post for 19 h (it usually brings some "
+                        "every 2 h)"]                # once, not at every fetch
+    report = vesti.status_report(conn)
+    states = {src["slug"]: src["state"] for src in report["sources"]}
+    assert states == {"wire": "silent", "steady": "alive"}
+    assert [src["slug"] for src in report["sources"]][0] == "wire"          # shown first
+    w = Web(home, settings=s)
+    try:
+        page = w.get("/crawlers")[2]
+        metrics = metric_samples(w.get("/metrics")[2])[1]
+    finally:
+        w.close()
+    assert page.index('id="source-wire"') < page.index('id="source-steady"')
+    assert 'class="silent">silent<br><span class="small">no new post for 22 h</span>' in \
+        crawlers_row(page, "wire")
+    assert metrics[("vesti_sources", (("crawler", "rss"), ("status", "silent")))] == 1
+    assert metrics[("vesti_sources", (("crawler", "rss"), ("status", "alive")))] == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vesti"):
+        vesti.record_success(conn, source_row(db, "wire"), 4, now=time.time())
+    assert [r.getMessage() for r in caplog.records] == [
+        "source wire speaks again: 4 new posts after 22 h of silence"]
+    assert source_row(db, "wire")["silent_since"] is None
+
+
+@both
+def test_the_crawlers_page_and_status_show_each_sources_figures(home, server):
+    server.feed("/feed", rss(items(4, host=server.url)))
+    server.feed("/other", rss([{"guid": f"o{k}", "link": f"{server.url}/o/{k}",
+                                "title": f"Gardening note {k}",
+                                "text": f"Roses and tulips, note {k}. " + "Soil. " * 20}
+                               for k in range(2)]))
+    s, db = intake(home, [rss_source("lwn", server.url + "/feed", direction="linux"),
+                          rss_source("garden", server.url + "/other")])
+    crawl(s, db)
+    vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=2, quiet=True)
+    w = Web(home, settings=s)
+    try:
+        assert w.post("/posts/1/status", {"status": "approved", "token": w.token()})[0] == 303
+        crawl(s, db)                                  # the figures follow each run
+        page = w.get("/crawlers")[2]
+    finally:
+        w.close()
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", crawlers_row(page, "lwn"))
+    assert cells[7:12] == ["4", "4", source_row(db, "lwn")["last_new_at"], "100%", "1"]
+    garden = re.findall(r"<td[^>]*>(.*?)</td>", crawlers_row(page, "garden"))
+    assert garden[7:12] == ["2", "2", source_row(db, "garden")["last_new_at"], "0%", "0"]
+    assert "new posts, 7 days" in page and "last new post (UTC)" in page
+    report = json.loads(cli("status", "--json", cwd=home,
+                            env={"RSS_HOST_DELAY": "0"}).stdout)
+    lwn_report = next(src for src in report["sources"] if src["slug"] == "lwn")
+    assert (lwn_report["week_posts"], lwn_report["relevant_share"], lwn_report["approved"]) == (4, 1.0, 1)
+    assert lwn_report["last_new_at"] == source_row(db, "lwn")["last_new_at"]
+
+
+def cached_feed(server, path, headers, body):
+    def handler(request):
+        return 200, {"Content-Type": "application/rss+xml", **headers}, body
+    server.routes[path] = handler
+
+
+@pytest.mark.parametrize("headers, ttl, wait", [
+    ({"Cache-Control": "public, max-age=7200"}, None, 7200),
+    ({"Expires": "Tue, 01 Dec 2026 14:00:00 GMT", "Date": "Tue, 01 Dec 2026 12:00:00 GMT"}, None, 7200),
+    ({}, 120, 7200),                                  # <ttl> is in minutes
+    ({"Cache-Control": "max-age=999999999"}, None, 86400),   # a silly value: a day at most
+])
+def test_the_scheduler_never_polls_sooner_than_the_feed_allows(home, server, headers, ttl, wait,
+                                                               monkeypatch):
+    body = rss(items(2, host=server.url))
+    if ttl:
+        body = body.replace(b"<channel>", f"<channel><ttl>{ttl}</ttl>".encode())
+    cached_feed(server, "/feed", headers, body)
+    server.feed("/plain", rss(items(2, start=10, host=server.url)), etag=None, modified=None)
+    s, db = intake(home, [rss_source("cached", server.url + "/feed"),
+                          rss_source("plain", server.url + "/plain")], VESTI_CRAWL_EVERY="10m")
+    start = time.time()
+    now = [start]
+    monkeypatch.setattr(time, "time", lambda: now[0])   # the wall clock, moved by the test
+    scheduler = vesti.Scheduler(db, s, vesti.load_registry(s.sources), threading.Event(),
+                                clock=lambda: now[0])
+    fetched = lambda: (len(server.sent("/feed")), len(server.sent("/plain")))  # noqa: E731
+    assert scheduler.tick() == [0] and scheduler.join(10)
+    assert fetched() == (1, 1)
+    for minutes in range(15, wait // 60, 15):          # every 15 minutes until it allows
+        now[0] = start + minutes * 60
+        scheduler.tick()
+        assert scheduler.join(10)
+    assert fetched()[0] == 1 and fetched()[1] >= 2      # the plain feed kept its interval
+    now[0] = start + wait + 15 * 60
+    scheduler.tick()
+    assert scheduler.join(10)
+    assert fetched()[0] == 2
+    crawl(s, db, ("all", None))                          # cron's --all waits as well
+    assert fetched()[0] == 2
+    crawl(s, db, ("source", "cached"))                   # --source is the operator asking
+    assert fetched()[0] == 3
+
+
+@both
+def test_run_spreads_a_prioritys_sources_over_its_interval(home, server, monkeypatch):
+    slugs = [f"feed{k:02d}" for k in range(12)]
+    for slug in slugs:
+        server.feed(f"/{slug}", rss(items(1, host=f"{server.url}/{slug}")))
+    s, db = intake(home, [rss_source(slug, f"{server.url}/{slug}") for slug in slugs],
+                   VESTI_CRAWL_EVERY="10m")
+    start = 1_900_000_000.0                             # a fixed moment: the same slots every run
+    now = [start]
+    monkeypatch.setattr(time, "time", lambda: now[0])
+    scheduler = vesti.Scheduler(db, s, vesti.load_registry(s.sources), threading.Event(),
+                                clock=lambda: now[0])
+    assert scheduler.tick() == [0] and scheduler.join(10)
+    assert len(server.requests) == 12                   # the first round: everything at once
+    rounds = []
+    for second in range(0, 15 * 60 + 1, 30):           # then a tick every 30 s for 15 minutes
+        now[0] = start + second
+        before = len(server.requests)
+        scheduler.tick()
+        assert scheduler.join(10)
+        rounds.append(len(server.requests) - before)
+    per_feed = collections.Counter(path for path, *_ in server.requests)
+    assert set(per_feed.values()) == {2}                # each once more, at its own slot
+    assert sum(1 for n in rounds if n) >= 6             # spread over many ticks, not one
+    assert max(rounds) <= 4
+
+
+OPML = ROOT / "tests" / "fixtures" / "opml"
+
+
+def test_an_opml_export_is_added_to_sources_yaml_keeping_every_comment(home):
+    shipped = (ROOT / "sources.yaml").read_text(encoding="utf-8")
+    (home / "sources.yaml").write_text(shipped, encoding="utf-8")
+    result = cli("opml-import", str(OPML / "feedly.opml"), "--direction", "linux", cwd=home)
+    assert result.returncode == 0, result.stderr
+    assert "3 feeds added" in result.stdout and "1 skipped" in result.stdout   # lwn is there
+    text = (home / "sources.yaml").read_text(encoding="utf-8")
+    remaining = iter(text.splitlines())                 # every shipped line, in its order
+    assert all(line in remaining for line in shipped.splitlines())
+    assert "# - slug: durov" in text and "# VESTI source registry" in text
+    registry = vesti.load_registry(str(home / "sources.yaml"))
+    added = {s.slug: s for s in registry.sources if s.slug != "lwn"}
+    assert sorted(added) == ["nasa-breaking-news", "opennet-novosti", "phoronix"]   # by title
+    assert added["opennet-novosti"].name == "OpenNET: новости"
+    assert added["nasa-breaking-news"].direction == "linux"          # --direction, not "Space"
+    assert added["phoronix"].priority == 1
+    again = cli("opml-import", str(OPML / "freshrss.opml"), cwd=home)
+    assert "1 feeds added" in again.stdout and "2 skipped" in again.stdout   # phoronix, ftp
+    slugs = [s.slug for s in vesti.load_registry(str(home / "sources.yaml")).sources]
+    assert slugs[-1] == "habr-co" and len(slugs) == len(set(slugs)) == 5
+    rows = sqlite3.connect(home / "vesti.db").execute("SELECT count(*) FROM sources").fetchone()
+    assert rows[0] == 5                                     # synced at once
+
+
+EDITOR_DIRECTIONS = """\
+directions:
+  linux:
+    title: Linux and open source
+    keywords: [linux]
+  space:
+    title: Космос
+    keywords: [orbit]
+sources:
+  - slug: lwn-net
+    name: LWN
+    crawler: rss
+    url: https://lwn.net/headlines/rss
+"""
+
+
+def test_opml_folders_named_like_directions_put_their_feeds_there(home):
+    (home / "sources.yaml").write_text(EDITOR_DIRECTIONS, encoding="utf-8")
+    result = cli("opml-import", str(OPML / "inoreader.opml"), cwd=home)
+    assert result.returncode == 0, result.stderr
+    assert "9 feeds added" in result.stdout and "1 skipped" in result.stdout
+    assert "folders matching no direction: Podcasts, Podcasts / Security; " \
+        "their feeds were added without a direction" in result.stdout
+    added = {s.slug: s.direction for s in vesti.load_registry(str(home / "sources.yaml")).sources}
+    assert added == {"lwn-net": None, "lwn-net-2": "linux", "opennet-novosti": "linux",
+                     "khabr-vse-publikatsii": "linux", "nasa-breaking-news": "space",
+                     "radio-t": None, "risky-business": None, "hacker-news": None,
+                     "feeds-feedburner": None, "nhk": None}
+    (home / "other").mkdir()
+    (home / "other" / "sources.yaml").write_text(EDITOR_DIRECTIONS, encoding="utf-8")
+    chosen = cli("opml-import", str(OPML / "inoreader.opml"), "--direction", "space",
+                 cwd=home / "other")
+    assert chosen.returncode == 0 and "folders" not in chosen.stdout, chosen.stderr
+    registry = vesti.load_registry(str(home / "other" / "sources.yaml"))
+    assert {s.direction for s in registry.sources if s.slug != "lwn-net"} == {"space"}
+
+
+def test_a_folders_name_cannot_drive_the_terminal(home):
+    """U+009B (CSI) is allowed in XML and starts a terminal's control
+    sequence on many terminals: said escaped, as in the log."""
+    (home / "sources.yaml").write_text(EDITOR_DIRECTIONS, encoding="utf-8")
+    (home / "evil.opml").write_text(
+        '<opml version="2.0"><body><outline text="News\u009b2J\u009b31m">'
+        '<outline type="rss" text="Feed" xmlUrl="https://feed.example/rss"/>'
+        '</outline></body></opml>', encoding="utf-8")
+    result = cli("opml-import", "evil.opml", cwd=home)
+    assert result.returncode == 0, result.stderr
+    assert "\u009b" not in result.stdout and "News\\x9b2J\\x9b31m" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_broken_opml_file_changes_nothing(home):
+    write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss")])
+    before = (home / "sources.yaml").read_bytes()
+    for name in ("broken.opml", "missing.opml"):
+        result = cli("opml-import", str(OPML / name), cwd=home)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert "Traceback" not in result.stderr and name in result.stderr
+    (home / "bomb.opml").write_text('<?xml version="1.0"?><!DOCTYPE x [<!ENTITY a "aaaa">]>'
+                                    '<opml><body><outline xmlUrl="&a;"/></body></opml>')
+    assert cli("opml-import", "bomb.opml", cwd=home).returncode == 2
+    deep = ('<outline text="f">' * 150 + '<outline xmlUrl="https://x.example/rss"/>'
+            + "</outline>" * 150)
+    (home / "deep.opml").write_text(f"<opml><body>{deep}</body></opml>")
+    nested = cli("opml-import", "deep.opml", cwd=home)
+    assert nested.returncode == 2 and "nested deeper" in nested.stderr, nested.stderr
+    assert (home / "sources.yaml").read_bytes() == before
+
+
+def test_opml_export_is_opml_2_that_imports_back(home):
+    write_sources(home / "sources.yaml", [
+        rss_source("lwn", "https://lwn.net/headlines/rss", name="LWN <&> news", direction="linux"),
+        rss_source("nasa", "https://www.nasa.gov/rss/dyn/breaking_news.rss"),
+        {"slug": "chan", "crawler": "telegram", "url": "@linuxnews"}])
+    result = cli("opml-export", cwd=home)
+    assert result.returncode == 0, result.stderr
+    root = ElementTree.fromstring(result.stdout.encode("utf-8"))
+    assert root.tag == "opml" and root.get("version") == "2.0" and root.find("head/title") is not None
+    feeds = {o.get("xmlUrl"): o.get("text") for o in root.iter("outline") if o.get("xmlUrl")}
+    assert feeds == {"https://lwn.net/headlines/rss": "LWN <&> news",
+                     "https://www.nasa.gov/rss/dyn/breaking_news.rss": "nasa"}
+    (home / "export.opml").write_text(result.stdout, encoding="utf-8")
+    (home / "other").mkdir()
+    (home / "other" / "sources.yaml").write_text("sources: []\n", encoding="utf-8")
+    back = cli("opml-import", str(home / "export.opml"), cwd=home / "other")
+    assert "2 feeds added" in back.stdout, back.stderr
+    urls = {s.url for s in vesti.load_registry(str(home / "other" / "sources.yaml")).sources}
+    assert urls == set(feeds)
+
+
+FAST = {"RSS_HOST_DELAY": "0"}
+
+
+@pytest.mark.slow
+def test_discover_finds_a_sites_feeds_and_writes_their_entries(home, server):
+    server.feed("/news/rss", rss(items(2, host=server.url), title="Kernel News"))
+    server.feed("/feed", rss(items(1, host=server.url), title="Path Feed"))
+    server.status("/", 200, {"Content-Type": "text/html"}, (
+        '<html><head><title>Site</title>'
+        '<link rel="alternate" type="application/rss+xml" title="Kernel news" href="/news/rss">'
+        '<link rel="alternate" type="application/atom+xml" href="/missing.atom">'
+        '<link rel="stylesheet" href="/style.css"></head><body>hi</body></html>').encode())
+    write_sources(home / "sources.yaml", [rss_source("kernel-news", "https://example.org/rss")])
+    result = cli("discover", server.url + "/", cwd=home, env=FAST)
+    assert result.returncode == 0, result.stderr
+    assert f'# "Kernel News": "{server.url}/news/rss"' in result.stdout
+    assert "missing.atom" not in result.stdout                 # named, but not a feed
+    entry = yaml.safe_load(result.stdout)
+    assert entry[0]["slug"] == "kernel-news-2" and entry[0]["url"] == server.url + "/news/rss"
+    server.status("/plain", 200, {"Content-Type": "text/html"}, b"<html>no links</html>")
+    server.routes["/"] = server.routes["/plain"]
+    result = cli("discover", server.url + "/", cwd=home, env=FAST)       # no <link>: the common paths
+    assert result.returncode == 0 and f"{server.url}/feed" in result.stdout
+    server.routes.pop("/feed")
+    result = cli("discover", server.url + "/", cwd=home, env=FAST)
+    assert result.returncode == 1 and result.stderr.strip() == \
+        f"vesti: discover: no feed found at {server.url}/"
+
+
+def site_naming(server, *feeds):
+    """The site's page on `server`, naming these feed URLs."""
+    links = "".join(f'<link rel="alternate" type="application/rss+xml" href="{url}">'
+                    for url in feeds)
+    server.status("/", 200, {"Content-Type": "text/html"},
+                  f"<html><head>{links}</head><body>hi</body></html>".encode())
+
+
+@pytest.mark.slow
+def test_discover_says_why_the_feeds_it_found_could_not_be_read(home, server, internal):
+    internal.feed("/feed", rss(items(1, host=internal.url), title="Internal News"))
+    site_naming(server, internal.url + "/feed")
+    write_sources(home / "sources.yaml", [])
+    result = cli("discover", server.url + "/", cwd=home, env=FAST)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    said = result.stderr
+    assert "no feed found" not in said and "network policy" in said
+    assert "127.0.0.2" in said and "VESTI_ALLOW_PRIVATE_NETWORKS=1" in said
+    assert internal.requests == [] and result.stdout == ""
+    allowed = cli("discover", server.url + "/", cwd=home,
+                  env={**FAST, "VESTI_ALLOW_PRIVATE_NETWORKS": "1"})
+    assert allowed.returncode == 0 and f'# "Internal News": "{internal.url}/feed"' in allowed.stdout
+    for named, what in [(server.url + "/gone.rss", "HTTP 404"),
+                        ("http://127.0.0.1:9/feed", "connection refused")]:
+        site_naming(server, named)
+        result = cli("discover", server.url + "/", cwd=home, env=FAST)
+        assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+        assert what in result.stderr and named in result.stderr
+    result = cli("discover", "http://127.0.0.1:9/", cwd=home, env=FAST)     # the site itself
+    assert result.returncode == 1
+    assert result.stderr == "vesti: discover: http://127.0.0.1:9/: connection refused\n"
+
+
+def test_discover_marks_the_feeds_that_are_already_sources(home, server):
+    server.feed("/news/rss", rss(items(2, host=server.url), title="Kernel News"))
+    server.feed("/blog/rss", rss(items(1, host=server.url), title="Kernel Blog"))
+    site_naming(server, "/news/rss", "/blog/rss")
+    write_sources(home / "sources.yaml",
+                  [rss_source("kernel", server.url.upper() + "/news/rss?utm_source=vesti")])
+    result = cli("discover", server.url + "/", cwd=home, env=FAST)
+    assert result.returncode == 0, result.stderr
+    assert f'# "Kernel News": "{server.url}/news/rss" (already a source: kernel)' in result.stdout
+    entries = yaml.safe_load(result.stdout)
+    assert [entry["url"] for entry in entries] == [server.url + "/blog/rss"]
+    assert entries[0]["slug"] != "kernel"
+
+
+# A feed title that, printed as it is, would write sources.yaml entries of its
+# own: line breaks YAML knows (\n, U+2028, NEL) and entries after them.
+YAML_TITLE = ("Evil\n  - slug: injected\n    crawler: rss\n    url: http://evil.example/x\n"
+              "\u2028  - slug: injected-too\u0085    crawler: rss\u2029    url: http://evil.example/y")
+
+
+def test_discover_prints_a_feed_title_as_one_quoted_line_of_yaml(home, server):
+    server.feed("/evil.rss", rss(items(1, host=server.url), title=html.escape(YAML_TITLE)))
+    server.feed("/known.rss", rss(items(1, host=server.url),
+                                  title=html.escape(YAML_TITLE.replace("injected", "known"))))
+    site_naming(server, "/evil.rss", "/known.rss")
+    write_sources(home / "sources.yaml", [rss_source("known", server.url + "/known.rss")])
+    result = cli("discover", server.url + "/", cwd=home, env=FAST)
+    assert result.returncode == 0, result.stderr
+    pasted = home / "sources.yaml"
+    pasted.write_text(pasted.read_text(encoding="utf-8") + result.stdout, encoding="utf-8")
+    registry = vesti.load_registry(str(pasted))
+    assert [s.url for s in registry.sources] == [server.url + "/known.rss", server.url + "/evil.rss"]
+    assert registry.sources[1].name.startswith("Evil")
+
+
+@pytest.mark.slow
+def test_discover_checks_at_most_twenty_of_a_pages_feed_links(home, server, monkeypatch):
+    links = "".join(f'<link rel="alternate" type="application/rss+xml" href="/f{k}">'
+                    for k in range(10_000))
+    page = f"<html><head>{links}</head><body>{'<p>Some text.</p>' * 200_000}</body></html>"
+    server.status("/", 200, {"Content-Type": "text/html"}, page.encode())
+    server.feed("/f3", rss(items(1, host=server.url), title="Third"))
+    read = []                                           # the bytes each feedparser run reads
+    feedparser_run = vesti.run_feedparser
+    monkeypatch.setattr(vesti, "run_feedparser",
+                        lambda body, *args: read.append(len(body)) or feedparser_run(body, *args))
+    found = vesti.discover_feeds(server.url + "/", make_settings(home))
+    assert len(server.requests) == 1 + 20
+    assert [feed for _, feed, _ in found.feeds] == [server.url + "/f3"]
+    assert len(page) > 3_000_000 and max(read) <= 1_000_000
+    write_sources(home / "sources.yaml", [])
+    result = cli("discover", server.url + "/", cwd=home, env=FAST)
+    assert result.returncode == 0, result.stderr
+    assert "# … and 9,980 more links not checked" in result.stdout
+    assert [entry["url"] for entry in yaml.safe_load(result.stdout)] == [server.url + "/f3"]
+    server.routes.pop("/f3")
+    result = cli("discover", server.url + "/", cwd=home, env=FAST)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert "and 9,980 more links not checked" in result.stderr
+    assert len(server.requests) == 3 * (1 + 20)
+
+
+def test_opml_import_keeps_the_line_endings_and_bom_of_sources_yaml(home):
+    text = ("sources:\n  - slug: lwn\n    crawler: rss\n    url: https://lwn.net/headlines/rss\n"
+            "\ndirections:\n  linux:\n    title: Linux\n    keywords: [linux]\n")
+    before = b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode("utf-8")
+    (home / "sources.yaml").write_bytes(before)
+    result = cli("opml-import", str(OPML / "feedly.opml"), cwd=home)
+    assert result.returncode == 0, result.stderr
+    after = (home / "sources.yaml").read_bytes()
+    assert after.startswith(before[:before.index(b"\r\n\r\ndirections")])
+    assert after.startswith(b"\xef\xbb\xbf") and after.count(b"\n") == after.count(b"\r\n")
+    registry = vesti.load_registry(str(home / "sources.yaml"))
+    assert [s.slug for s in registry.sources] == \
+        ["lwn", "phoronix", "opennet-novosti", "nasa-breaking-news"]
+    assert list(registry.directions) == ["linux"]
+
+
+class CountingSet(set):
+    """A set that counts the look-ups made in it."""
+    checks = 0
+
+    def __contains__(self, item):
+        self.checks += 1
+        return super().__contains__(item)
+
+
+def test_many_feeds_of_one_title_get_their_slugs_without_trying_every_number_before():
+    taken = CountingSet({"news"})
+    slugs = [vesti.slug_for("News", f"https://site{k}.example/rss", taken) for k in range(2000)]
+    assert slugs[:3] == ["news-2", "news-3", "news-4"] and len(set(slugs)) == 2000
+    assert taken.checks < 2000 * 30             # one per feed before it would be 2,000,000
+
+
+def test_reset_dead_command_does_what_the_button_does(home):
+    write_sources(home / "sources.yaml", [rss_source("a", "http://127.0.0.1:9/a")])
+    cli("init", cwd=home)
+    conn = sqlite3.connect(home / "vesti.db")
+    conn.execute("UPDATE sources SET status = 'dead', error_count = 7, last_error = 'x'")
+    conn.commit()
+    result = cli("reset-dead", cwd=home)
+    assert result.returncode == 0 and "1 dead sources reset" in result.stdout
+    assert conn.execute("SELECT status, error_count, last_error FROM sources").fetchone() == \
+        ("alive", 0, None)
+
+
+def test_requests_and_crawls_leave_no_database_connections_behind(web, server):
+    def open_files():
+        return len(os.listdir("/proc/self/fd"))
+    web.get("/api/queue")
+    before = open_files()
+    for _ in range(200):
+        assert web.get("/api/queue")[0] == 200
+    server.feed("/feed", rss(items(1, host=server.url)))
+    for _ in range(20):
+        vesti.crawl_everything(web.db, web.settings, ("all", None), quiet=True)
+    assert open_files() - before < 10
+
+
+# Classification ---------------------------------------------------------------
+
+DIRECTIONS = {"linux": vesti.Direction("linux", "Linux", ("linux", "kernel", "ядр*")),
+              "space": vesti.Direction("space", "Space", ("rocket", "open orbit"))}
+
+
+def test_keywords_match_whole_words_case_insensitively_cyrillic_included():
+    index = vesti.KeywordIndex(DIRECTIONS)
+    assert index.matches("The LINUX Kernel") == {"linux": ["kernel", "linux"]}
+    assert index.matches("Linuxoid kernels") == {}
+    assert index.matches("Новое ядро и ядра") == {"linux": ["ядра", "ядро"]}
+    assert index.matches("An open  orbit rocket, kernel") == \
+        {"space": ["open  orbit", "rocket"], "linux": ["kernel"]}
+
+
+def test_no_keyword_hit_is_not_relevant_and_never_asks_the_llm(ollama):
+    s = vesti.load_settings(environ={"OLLAMA_URL": ollama.url}, env_file=None)
+    verdict = vesti.classify_text("Football results. The home team won.", DIRECTIONS, s,
+                                  title="Sports")
+    assert verdict == vesti.Verdict(direction=None, relevance=0, interest=0,
+                                    summary="Football results. The home team won.", keywords=None)
+    assert ollama.requests == []
+
+
+def test_a_keyword_hit_asks_ollama_exactly_as_the_contract_says(ollama):
+    s = vesti.load_settings(environ={"OLLAMA_URL": ollama.url, "OLLAMA_MODEL": "m:1"},
+                            env_file=None)
+    verdict = vesti.classify_text("A new kernel is out.", DIRECTIONS, s, title="Kernel 7.0")
+    assert verdict.llm_seconds >= 0
+    assert dataclasses.replace(verdict, llm_seconds=None) == vesti.Verdict(
+        direction="linux", relevance=8, interest=6, summary="Summary: Kernel 7.0", reason=None,
+        keywords="kernel")
+    path, body = ollama.requests[0]
+    assert path == "/api/chat"
+    assert (body["model"], body["stream"], body["options"]) == ("m:1", False, {"temperature": 0})
+    schema = body["format"]
+    assert schema["properties"]["direction"]["enum"] == ["linux", "space", None]
+    assert set(schema["required"]) == {"direction", "relevance", "interest", "summary"}
+    assert schema["properties"]["reason"] == {"type": "string"}      # optional
+    assert body["messages"][-1]["role"] == "user" and "A new kernel is out." in body["messages"][-1]["content"]
+
+
+def test_without_ollama_keywords_alone_decide():
+    s = vesti.load_settings(environ={"OLLAMA_URL": ""}, env_file=None)
+    verdict = vesti.classify_text("Linux 7.0 has a new kernel scheduler. It is fast. More later.",
+                                  DIRECTIONS, s, title="Linux news")
+    assert verdict.direction == "linux"
+    assert 0 < verdict.relevance <= 10 and 0 < verdict.interest <= 10
+    assert verdict.summary.startswith("Linux 7.0 has a new kernel scheduler.")
+
+
+@pytest.mark.parametrize("mode,error", [("500", "Ollama answered HTTP 500"),
+                                        ("garbage", "no JSON"),
+                                        ("bad-verdict", "unknown direction 'sport'")])
+def test_a_bad_ollama_answer_is_a_classify_error(mode, error):
+    fake = FakeOllama(mode)
+    try:
+        s = vesti.load_settings(environ={"OLLAMA_URL": fake.url}, env_file=None)
+        with pytest.raises(vesti.ClassifyError, match=error):
+            vesti.classify_text("kernel", DIRECTIONS, s)
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("content,error", [
+    ('{"direction": "linux", "relevance": 11, "interest": 1, "summary": "s"}', "relevance=11"),
+    ('{"direction": "linux", "relevance": 5, "interest": "high", "summary": "s"}', "interest='high'"),
+    ('{"direction": "linux", "relevance": 5, "interest": 5}', "no summary"),
+    ('not json', "not a JSON verdict"),
+    ('[1, 2]', "not an object"),
+])
+def test_verdicts_out_of_contract_are_rejected(content, error):
+    with pytest.raises(vesti.ClassifyError, match=re.escape(error)):
+        vesti.parse_verdict({"message": {"content": content}}, DIRECTIONS)
+
+
+@both
+def test_a_summary_only_post_is_classified_on_its_article_text(home, server, ollama):
+    page = CORPUS / "html" / "bbc.com.52241221.html"
+    expected = json.loads((CORPUS / "html" / "expected.json").read_text())["pages"]
+    snippet = expected["bbc.com.52241221.html"]["with"][0]
+    server.routes["/article"] = lambda request: (200, {"Content-Type": "text/html"},
+                                                 page.read_bytes())
+    s = make_settings(home, OLLAMA_URL="")
+    health = {"health": vesti.Direction("health", "Health", ("coronavirus", "outbreak"))}
+    classify = vesti.Classifier(vesti.Registry("x", {**DIRECTIONS, **health}, ()), s)
+    post = {"id": 1, "title": "New York", "text": "Drone footage from the city.",
+            "content_type": "summary", "url": server.url + "/article",
+            "source_url": server.url + "/feed"}
+    verdict = classify(post)
+    assert verdict.direction == "health"            # found only in the article's text
+    assert snippet in verdict.text
+    assert len(verdict.text) > 1000
+    assert server.sent("/article")[0]["User-Agent"] == s.user_agent
+
+
+def test_when_the_article_cannot_be_read_the_summary_is_used(home, server):
+    server.status("/article", 404)
+    s = make_settings(home, OLLAMA_URL="")
+    classify = vesti.Classifier(vesti.Registry("x", DIRECTIONS, ()), s)
+    post = {"id": 1, "title": "Kernel news", "text": "Kernel teaser about linux.",
+            "content_type": "summary", "url": server.url + "/article",
+            "source_url": server.url + "/feed"}
+    verdict = classify(post)
+    assert verdict.text is None and verdict.direction == "linux"
+
+
+# Worker -----------------------------------------------------------------------
+
+def add_posts(conn, count, source_id=1, text="News about the Linux kernel.", start=0, **columns):
+    conn.execute("INSERT INTO sources (id, slug, url) VALUES (?, ?, 'http://x/') "
+                 "ON CONFLICT DO NOTHING", (source_id, f"s{source_id}"))
+    names = ", ".join(["source_id", "title", "text", "url", "classified", *columns])
+    marks = ", ".join("?" * (5 + len(columns)))
+    conn.executemany(f"INSERT INTO posts ({names}) VALUES ({marks})",
+                     [(source_id, f"Post {k}", text, f"http://x/{k}", 0, *columns.values())
+                      for k in range(start, start + count)])
+
+
+def queue_of(db):
+    return dict(db.conn().execute("SELECT classified, count(*) FROM posts GROUP BY 1").fetchall())
+
+
+def worker_home(home, ollama_url, **settings):
+    write_sources(home / "sources.yaml", [])
+    s = make_settings(home, OLLAMA_URL=ollama_url, **settings)
+    registry, db = vesti.open_intake(s)
+    return s, db, registry
+
+
+@pytest.mark.slow
+@both
+def test_seed_100_posts_with_8_workers_are_each_classified_once(home, ollama):
+    """Seed 000: 100 posts, `python -m crawler.worker --workers 8 --limit 200`."""
+    s, db, _ = worker_home(home, ollama.url)
+    add_posts(db.conn(), 100)
+    result = subprocess.run([sys.executable, "-m", "crawler.worker", "--workers", "8",
+                             "--limit", "200", "--db", s.db, "--sources", s.sources],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "OLLAMA_URL": ollama.url})
+    assert result.returncode == 0, result.stderr
+    assert queue_of(db) == {1: 100}
+    titles = ollama.titles()
+    assert sorted(titles) == sorted(f"Post {k}" for k in range(100))       # each exactly once
+    row = db.conn().execute("SELECT * FROM posts WHERE title = 'Post 7'").fetchone()
+    assert (row["direction"], row["relevance"], row["interest"], row["summary"], row["attempts"]) == \
+        ("linux", 8, 6, "Summary: Post 7", 1)
+    assert "100 processed (100 done, 0 returned to the queue, 0 failed)" in result.stdout
+
+
+def test_seed_a_post_whose_classification_raises_returns_to_the_queue(home):
+    """Seed 000: the post goes back (classified=0), the worker goes on, the run exits 0."""
+    fake = FakeOllama(fails_on="BROKEN")
+    try:
+        s, db, _ = worker_home(home, fake.url)
+        add_posts(db.conn(), 5)
+        db.conn().execute("UPDATE posts SET title = 'BROKEN post' WHERE id = 3")
+        result = cli("worker", "--workers", "2", cwd=home, env={"OLLAMA_URL": fake.url})
+    finally:
+        fake.close()
+    assert result.returncode == 0, result.stderr
+    broken = db.conn().execute("SELECT * FROM posts WHERE id = 3").fetchone()
+    assert (broken["classified"], broken["attempts"]) == (0, 1)
+    assert "HTTP 500" in broken["error"] and broken["next_attempt_at"] > vesti.utc_text()
+    assert queue_of(db) == {1: 4, 0: 1}
+    assert "(4 done, 1 returned to the queue, 0 failed)" in result.stdout
+
+
+@pytest.mark.parametrize("mode,error", [("500", "HTTP 500"), ("garbage", "no JSON"),
+                                        ("hang", "did not answer within 0.5 s")])
+def test_a_misbehaving_ollama_costs_attempts_until_the_post_fails(home, mode, error):
+    fake = FakeOllama(mode)
+    try:
+        s, db, registry = worker_home(home, fake.url, OLLAMA_TIMEOUT=0.5, VESTI_MAX_ATTEMPTS=3,
+                                      VESTI_RETRY_DELAY=60)
+        add_posts(db.conn(), 1)
+        for attempt in (1, 2, 3):
+            db.conn().execute("UPDATE posts SET next_attempt_at = NULL")    # the backoff passed
+            vesti.run_workers(db, s, registry, workers=1, quiet=True)
+            post = db.conn().execute("SELECT * FROM posts").fetchone()
+            assert post["attempts"] == attempt and error in post["error"]
+            assert post["classified"] == (0 if attempt < 3 else -2)
+        assert vesti.queue_sizes(db.conn())["failed"] == 1
+    finally:
+        fake.close()
+
+
+@both
+def test_one_run_does_not_burn_all_attempts_on_one_post(home):
+    fake = FakeOllama("500")
+    try:
+        s, db, registry = worker_home(home, fake.url, VESTI_RETRY_DELAY=60)
+        add_posts(db.conn(), 1)
+        stats, _ = vesti.run_workers(db, s, registry, workers=2, quiet=True)
+    finally:
+        fake.close()
+    post = db.conn().execute("SELECT * FROM posts").fetchone()
+    assert (post["classified"], post["attempts"], stats.returned) == (0, 1, 1)
+    assert len(fake.requests) == 1
+
+
+def test_an_unreachable_ollama_stops_the_workers_instead_of_cycling_the_queue(home):
+    s, db, _ = worker_home(home, "http://127.0.0.1:9")
+    add_posts(db.conn(), 50)
+    result = cli("worker", "--workers", "1", cwd=home, env={"OLLAMA_URL": "http://127.0.0.1:9"})
+    assert result.returncode == 0
+    said = [line for line in result.stderr.splitlines() if "stopped claiming" in line]
+    assert len(said) == 1
+    assert "Ollama unreachable at http://127.0.0.1:9/api/chat: connection refused; " \
+        "stopped claiming after 3 connection failures" in said[0]
+    touched = db.conn().execute("SELECT count(*) FROM posts WHERE error LIKE '%refused%'").fetchone()[0]
+    assert touched == 3 and queue_of(db) == {0: 50}
+    assert db.conn().execute("SELECT max(attempts) FROM posts").fetchone()[0] == 0
+
+
+def test_each_worker_asks_its_questions_on_one_kept_connection(home):
+    """Ollama keeps connections open: a worker asks every question on one,
+    with no connection set-up per post."""
+    fake = FakeOllama(keep_alive=True)
+    try:
+        s, db, registry = worker_home(home, fake.url)
+        add_posts(db.conn(), 12)
+        stats, _ = vesti.run_workers(db, s, registry, workers=2, quiet=True)
+        assert stats.done == 12 and queue_of(db) == {1: 12}
+        assert sorted(fake.titles()) == sorted(f"Post {k}" for k in range(12))
+        assert len(set(fake.connections)) <= 2
+    finally:
+        fake.close()
+
+
+def test_a_kept_connection_the_server_closed_is_replaced_and_the_question_asked_once(home):
+    fake = FakeOllama(keep_alive=True, drops=True)
+    try:
+        s, db, registry = worker_home(home, fake.url)
+        add_posts(db.conn(), 6)
+        stats, _ = vesti.run_workers(db, s, registry, workers=1, quiet=True)
+        assert (stats.done, stats.failed, stats.returned) == (6, 0, 0)
+        assert queue_of(db) == {1: 6}
+        assert sorted(fake.titles()) == sorted(f"Post {k}" for k in range(6))    # once each
+        assert len(set(fake.connections)) == 6
+    finally:
+        fake.close()
+
+
+@both
+def test_a_long_ollama_outage_never_marks_posts_failed(home):
+    s, db, registry = worker_home(home, "http://127.0.0.1:9", VESTI_MAX_ATTEMPTS=2,
+                                  VESTI_RETRY_DELAY=60)
+    add_posts(db.conn(), 1)
+    for _ in range(4):
+        db.conn().execute("UPDATE posts SET next_attempt_at = NULL")
+        vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    post = db.conn().execute("SELECT * FROM posts").fetchone()
+    assert (post["classified"], post["attempts"]) == (0, 0)      # the claims were given back
+    assert "connection refused" in post["error"]
+    fake = FakeOllama("500")                 # then a real failure counts as the first one
+    try:
+        db.conn().execute("UPDATE posts SET next_attempt_at = NULL")
+        vesti.run_workers(db, s.replace(ollama_url=fake.url), registry, workers=1, quiet=True)
+    finally:
+        fake.close()
+    post = db.conn().execute("SELECT * FROM posts").fetchone()
+    assert (post["classified"], post["attempts"]) == (0, 1)
+
+
+@both
+def test_the_page_says_ollama_is_down_until_it_answers_again(home, caplog):
+    s, db, registry = worker_home(home, "http://127.0.0.1:9")
+    add_posts(db.conn(), 10)
+    page = vesti.Page("en", "", {})
+
+    def said():
+        return vesti.banners(db.conn(), s, page)
+
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    assert "Ollama has been unreachable since" in said() and "connection refused" in said()
+    fake = FakeOllama()
+    try:
+        db.conn().execute("UPDATE posts SET next_attempt_at = NULL")
+        with caplog.at_level(logging.WARNING, logger="vesti"):
+            vesti.run_workers(db, s.replace(ollama_url=fake.url), registry, workers=2, quiet=True)
+    finally:
+        fake.close()
+    assert queue_of(db) == {1: 10}
+    assert "unreachable" not in said()
+    assert [r.getMessage() for r in caplog.records].count("Ollama answers again") == 1
+
+
+@both
+def test_expired_leases_go_back_to_pending_or_to_failed(home):
+    s, db, registry = worker_home(home, "", VESTI_LEASE_SECONDS=60, VESTI_MAX_ATTEMPTS=2)
+    conn = db.conn()
+    add_posts(conn, 4)
+    old, fresh = vesti.utc_text(time.time() - 120), vesti.utc_text()
+    conn.execute("UPDATE posts SET classified = -1, claimed_at = ?, attempts = 1, claim_token = 't' "
+                 "WHERE id = 1", (old,))
+    conn.execute("UPDATE posts SET classified = -1, claimed_at = ?, attempts = 2, claim_token = 't' "
+                 "WHERE id = 2", (old,))
+    conn.execute("UPDATE posts SET classified = -1, claimed_at = ?, attempts = 1, claim_token = 't' "
+                 "WHERE id = 3", (fresh,))
+    assert vesti.queue_sizes(conn) == {"pending": 1, "processing": 3, "done_today": 0, "failed": 0}
+    vesti.run_workers(db, s, registry, workers=2, quiet=True)
+    states = dict(conn.execute("SELECT id, classified FROM posts").fetchall())
+    assert states == {1: 1, 2: -2, 3: -1, 4: 1}          # the live claim is left alone
+    assert "lease expired" in conn.execute("SELECT error FROM posts WHERE id = 2").fetchone()[0]
+
+
+@both
+def test_a_forever_worker_takes_back_expired_leases_while_it_runs(home):
+    s, db, registry = worker_home(home, "", VESTI_LEASE_SECONDS=1)
+    stop = threading.Event()
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(
+        out=vesti.run_workers(db, s, registry, workers=2, forever=True, stop=stop, quiet=True)))
+    runner.start()
+    try:
+        time.sleep(0.3)                        # past the check every worker makes at start
+        add_posts(db.conn(), 1)
+        db.conn().execute("UPDATE posts SET classified = -1, attempts = 1, claim_token = 'dead', "
+                          "claimed_at = ?", (ago(10),))
+        assert wait_for(lambda: queue_of(db) == {1: 1}, timeout=10)
+    finally:
+        stop.set()
+        runner.join()
+    assert db.conn().execute("SELECT attempts FROM posts").fetchone()[0] == 2
+
+
+@both
+def test_a_write_after_the_lease_was_taken_back_is_refused(home):
+    s, db, _ = worker_home(home, "")
+    conn = db.conn()
+    add_posts(conn, 1)
+    first = vesti.claim_post(conn)
+    conn.execute("UPDATE posts SET claimed_at = '2000-01-01 00:00:00'")
+    vesti.expire_leases(conn, 60, 5)
+    second = vesti.claim_post(conn)
+    verdict = vesti.Verdict(direction=None, relevance=0, interest=0, summary="late")
+    assert not vesti.complete_post(conn, first["id"], first["claim_token"], verdict)
+    assert vesti.release_post(conn, first["id"], first["claim_token"], "x", 5, 0) is None
+    assert vesti.complete_post(conn, second["id"], second["claim_token"],
+                               dataclasses.replace(verdict, summary="ok"))
+    row = conn.execute("SELECT classified, summary, attempts FROM posts").fetchone()
+    assert tuple(row) == (1, "ok", 2)
+
+
+@both
+def test_the_full_text_found_for_a_summary_post_is_kept(home, server):
+    page = (CORPUS / "html" / "bbc.com.52241221.html").read_bytes()
+    server.routes["/a"] = lambda request: (200, {"Content-Type": "text/html"}, page)
+    s, db, registry = worker_home(home, "")
+    add_posts(db.conn(), 1, content_type="summary")
+    db.conn().execute("UPDATE posts SET url = ?", (server.url + "/a",))
+    db.conn().execute("UPDATE sources SET url = ?", (server.url + "/feed",))
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    post = db.conn().execute("SELECT * FROM posts").fetchone()
+    assert (post["classified"], post["content_type"]) == (1, "full")
+    assert len(post["text"]) > 1000
+
+
+def worker_process(home, ollama_url, *args, env=None):
+    return subprocess.Popen([*VESTI, "worker", *args],
+                            cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OLLAMA_URL": ollama_url,
+                                 **({"VESTI_DB": BACKEND["db"]} if BACKEND["db"] else {}),
+                                 **(env or {})})
+
+
+@pytest.mark.slow
+@both
+def test_a_killed_worker_is_finished_by_the_next_one_after_the_lease(home):
+    fake = FakeOllama(latency=0.2)
+    try:
+        s, db, _ = worker_home(home, fake.url)
+        add_posts(db.conn(), 30)
+        process = worker_process(home, fake.url, "--workers", "4")
+        assert wait_for(lambda: queue_of(db).get(1, 0) >= 8)
+        process.kill()
+        process.communicate()
+        in_flight = {r[0] for r in db.conn().execute("SELECT title FROM posts WHERE classified = -1")}
+        done_before = {r[0] for r in db.conn().execute("SELECT title FROM posts WHERE classified = 1")}
+        assert in_flight and len(in_flight) <= 2 * 4    # asked, and the next one ready
+        time.sleep(1.1)
+        result = cli("worker", "--workers", "4", cwd=home,
+                     env={"OLLAMA_URL": fake.url, "VESTI_LEASE_SECONDS": "1"})
+        assert result.returncode == 0
+        assert queue_of(db) == {1: 30}
+        asked = {}
+        for title in fake.titles():
+            asked[title] = asked.get(title, 0) + 1
+        redone = {t for t, n in asked.items() if n > 1}
+        assert redone <= in_flight                   # only posts in flight were redone
+        assert not redone & done_before
+        assert set(asked) == {f"Post {k}" for k in range(30)}
+    finally:
+        fake.close()
+
+
+@pytest.mark.slow
+@both
+def test_sigterm_stops_the_worker_cleanly(home):
+    fake = FakeOllama(latency=0.3)
+    try:
+        s, db, _ = worker_home(home, fake.url)
+        add_posts(db.conn(), 40)
+        process = worker_process(home, fake.url, "--workers", "4")
+        assert wait_for(lambda: queue_of(db).get(1, 0) >= 4)
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=10)
+        assert process.returncode == 0, err
+        queue = queue_of(db)
+        assert -1 not in queue and queue.get(1, 0) < 40
+        assert queue.get(0, 0) + queue[1] == 40
+    finally:
+        fake.close()
+
+
+@both
+def test_a_claim_that_lands_after_a_stop_is_given_back(home, monkeypatch):
+    s, db, registry = worker_home(home, "")
+    add_posts(db.conn(), 1)
+    stop = threading.Event()
+    pool = vesti.WorkerPool(db, s, vesti.Classifier(registry, s), stop)
+    real_claim = vesti.claim_posts
+
+    def claim_while_stopping(conn, limit, *args):
+        stop.set()                       # SIGTERM arrives while the claim waits for the lock
+        return real_claim(conn, limit, *args)
+    monkeypatch.setattr(vesti, "claim_posts", claim_while_stopping)
+    assert pool.take_turn(db.conn(), [], 1) == []
+    assert tuple(db.conn().execute("SELECT classified, attempts FROM posts").fetchone()) == (0, 0)
+    assert pool.release_unfinished(wait=1) == 0
+
+
+@both
+def test_fast_posts_are_claimed_in_batches_and_the_limit_still_holds(home, monkeypatch):
+    """Keyword-only posts: many verdicts share one transaction with the next
+    claim, and --limit still counts single posts, none left claimed."""
+    s, db, registry = worker_home(home, "")
+    add_posts(db.conn(), 400)
+    turns = []
+    real_turn = vesti.complete_and_claim
+
+    def counted_turn(conn, completions, claims, **options):
+        turns.append(len(completions))
+        return real_turn(conn, completions, claims, **options)
+    monkeypatch.setattr(vesti, "complete_and_claim", counted_turn)
+    stats, finished = vesti.run_workers(db, s, registry, workers=4, limit=150, quiet=True)
+    assert finished and stats.done == 150
+    assert queue_of(db) == {1: 150, 0: 250}
+    attempts = dict(db.conn().execute("SELECT classified, max(attempts) FROM posts GROUP BY 1"))
+    assert attempts == {1: 1, 0: 0}              # the posts not taken kept their attempts
+    assert max(turns) > 1 and len(turns) < 150 / 2
+
+
+@pytest.mark.slow
+@both
+def test_a_post_waiting_for_the_llm_does_not_hold_the_posts_claimed_with_it(home):
+    """A batch of quick posts with one that needs the LLM: the rest of the
+    batch goes back to the queue, and another worker does it meanwhile."""
+    fake = FakeOllama(latency=3)
+    try:
+        s, db, registry = worker_home(home, fake.url)
+        conn = db.conn()
+        add_posts(conn, 40, text="Weather in the mountains.")
+        add_posts(conn, 1, text="News about the Linux kernel.", start=40)
+        add_posts(conn, 40, text="Weather in the mountains.", start=41)
+        result = {}
+        worker = threading.Thread(target=lambda: result.update(
+            stats=vesti.run_workers(db, s, registry, workers=2, quiet=True)[0]))
+        worker.start()
+        try:
+            assert wait_for(lambda: queue_of(db) == {1: 80, -1: 1}, timeout=2.5,
+                            state=lambda: queue_of(db))
+        finally:
+            worker.join(timeout=20)
+        assert queue_of(db) == {1: 81}
+        assert fake.titles() == ["Post 40"]
+        assert result["stats"].done == 81
+        assert db.conn().execute("SELECT max(attempts) FROM posts").fetchone()[0] == 1
+    finally:
+        fake.close()
+
+
+@both
+def test_a_worker_writes_and_claims_while_the_llm_answers(home):
+    """While Ollama thinks about a post, its worker writes the verdict before
+    it and claims and prepares the post after it: the LLM never waits for the
+    database."""
+    queue_when_answered = {}
+
+    class Watching(FakeOllama):
+        def answer(self, body):                  # after the thinking time
+            title = body["messages"][-1]["content"].splitlines()[0]
+            queue_when_answered[title] = queue_of(db)
+            return super().answer(body)
+    fake = Watching(latency=0.3)
+    try:
+        s, db, registry = worker_home(home, fake.url)
+        add_posts(db.conn(), 4)
+        stats, _ = vesti.run_workers(db, s, registry, workers=1, quiet=True)
+        assert stats.done == 4 and queue_of(db) == {1: 4}
+        assert fake.titles() == ["Post 0", "Post 1", "Post 2", "Post 3"]
+        # Post 1 answered: post 0 written, posts 1 and 2 held, post 3 waiting.
+        assert queue_when_answered["Post 1"] == {1: 1, -1: 2, 0: 1}
+        assert queue_when_answered["Post 2"] == {1: 2, -1: 2}
+    finally:
+        fake.close()
+
+
+@both
+def test_a_stop_in_the_middle_of_a_batch_writes_what_is_done_and_gives_back_the_rest(home):
+    s, db, registry = worker_home(home, "")
+    add_posts(db.conn(), 200)
+    stop = threading.Event()
+    classifier = vesti.Classifier(registry, s)
+    seen = []
+
+    def classify(post):
+        seen.append(post["id"])
+        if len(seen) == 60:
+            stop.set()                   # SIGTERM with a batch in hand
+        return classifier(post)
+    stats, finished = vesti.run_workers(db, s, registry, workers=1, classify=classify,
+                                        stop=stop, quiet=True)
+    assert finished and stats.done == 60
+    assert queue_of(db) == {1: 60, 0: 140}
+    assert db.conn().execute("SELECT max(attempts) FROM posts WHERE classified = 0").fetchone()[0] == 0
+
+
+def test_sigterm_releases_a_post_stuck_in_a_long_llm_call(home):
+    fake = FakeOllama(latency=30)
+    try:
+        s, db, _ = worker_home(home, fake.url)
+        add_posts(db.conn(), 1)
+        process = worker_process(home, fake.url, "--workers", "1",
+                                 env={"OLLAMA_TIMEOUT": "60", "VESTI_STOP_GRACE": "1"})
+        assert wait_for(lambda: queue_of(db).get(-1, 0) == 1)
+        fake_started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=15)
+        assert process.returncode == 0, err
+        assert time.monotonic() - fake_started < 4
+        post = db.conn().execute("SELECT classified, attempts FROM posts").fetchone()
+        assert tuple(post) == (0, 0)                  # back, its attempt not counted
+        assert "1 put back unfinished" in out
+    finally:
+        fake.close()
+
+
+@pytest.mark.slow
+@both
+def test_16_workers_and_a_crawl_at_once_never_see_database_is_locked(home, server):
+    feeds = []
+    for n in range(10):
+        server.feed(f"/f{n}", rss(items(50, start=100 * n, host=server.url)))
+        feeds.append(rss_source(f"f{n}", f"{server.url}/f{n}"))
+    s, db = intake(home, feeds, OLLAMA_URL="")
+    registry = vesti.load_registry(s.sources)
+    add_posts(db.conn(), 750, text="Linux kernel news. " * 5)
+    db.conn().execute("UPDATE posts SET text = text || ' Item ' || id")     # each its own story
+    crawl_result = {}
+    crawler = threading.Thread(target=lambda: crawl_result.update(summary=crawl(s, db)))
+    crawler.start()
+    vesti.run_workers(db, s, registry, workers=16, forever=False, quiet=True)
+    crawler.join()
+    vesti.run_workers(db, s, registry, workers=16, quiet=True)   # what the crawl added meanwhile
+    assert crawl_result["summary"].count("ok") == 10
+    assert queue_of(db) == {1: 1250}
+    errors = db.conn().execute("SELECT count(*) FROM posts WHERE error IS NOT NULL").fetchone()[0]
+    assert errors == 0
+
+
+# Web pages --------------------------------------------------------------------
 
 def card(page, name):
     match = re.search(rf'id="queue-{name}"><span>[^<]*</span><b>(\d+)</b>', page)
@@ -2714,7 +4759,7 @@ def test_an_editor_approves_and_rejects_candidates(web):
     assert web.post("/posts/1/status", {"token": web.token(), "status": "published"})[0] == 400
 
 
-# The editor's desk -------------------------------------------------------------
+# Web pages: the editor's desk -------------------------------------------------
 
 def desk_post(conn, source_id, k, relevance=7, interest=4, direction="linux", status="new",
               title=None, text=None, minute=None):
@@ -3614,461 +5659,7 @@ def test_metrics_speak_prometheus_and_count_what_happened(home, server, ollama):
     assert metric_samples(restarted)[1][("vesti_llm_calls_total", ())] == 3
 
 
-# Operating many sources: silence, figures, polite polling ---------------------
-
-def crawlers_row(page, slug):
-    return re.search(rf'<tr id="source-{slug}">.*?</tr>', page)[0]
-
-
-@both
-def test_a_source_that_goes_quiet_for_longer_than_its_rhythm_turns_silent(home, caplog):
-    s, db = intake(home, [rss_source("wire", "http://127.0.0.1:9/wire"),
-                          rss_source("steady", "http://127.0.0.1:9/steady")])
-    conn = db.conn()
-    wire, steady = source_row(db, "wire"), source_row(db, "steady")
-    start = time.time() - 40 * 3600
-    for hour in range(0, 8, 2):                      # new posts every two hours
-        vesti.record_success(conn, wire, 3, now=start + hour * 3600)
-        vesti.record_success(conn, steady, 1, now=start + hour * 3600)
-    for hour in range(8, 14):                        # six hours of nothing: still its rhythm...
-        vesti.record_success(conn, wire, 0, now=start + hour * 3600)
-    assert source_row(db, "wire")["silent_since"] is None   # ...and too little history yet
-    for hour in range(14, 20, 2):
-        vesti.record_success(conn, wire, 2, now=start + hour * 3600)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="vesti"):
-        for hour in (23, 25, 27, 30):                 # twice its longest gap (8 h) is 16 h
-            vesti.record_success(conn, wire, 0, now=start + hour * 3600)
-        assert source_row(db, "wire")["silent_since"] is None
-        for hour in (37, 38, 39):
-            vesti.record_success(conn, wire, 0, now=start + hour * 3600)
-    assert source_row(db, "wire")["silent_since"] is not None
-    warnings = [r.getMessage() for r in caplog.records]
-    assert warnings == ["source wire is silent: no new post for 19 h (it usually brings some "
-                        "every 2 h)"]                # once, not at every fetch
-    report = vesti.status_report(conn)
-    states = {src["slug"]: src["state"] for src in report["sources"]}
-    assert states == {"wire": "silent", "steady": "alive"}
-    assert [src["slug"] for src in report["sources"]][0] == "wire"          # shown first
-    w = Web(home, settings=s)
-    try:
-        page = w.get("/crawlers")[2]
-        metrics = metric_samples(w.get("/metrics")[2])[1]
-    finally:
-        w.close()
-    assert page.index('id="source-wire"') < page.index('id="source-steady"')
-    assert 'class="silent">silent<br><span class="small">no new post for 22 h</span>' in \
-        crawlers_row(page, "wire")
-    assert metrics[("vesti_sources", (("crawler", "rss"), ("status", "silent")))] == 1
-    assert metrics[("vesti_sources", (("crawler", "rss"), ("status", "alive")))] == 1
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="vesti"):
-        vesti.record_success(conn, source_row(db, "wire"), 4, now=time.time())
-    assert [r.getMessage() for r in caplog.records] == [
-        "source wire speaks again: 4 new posts after 22 h of silence"]
-    assert source_row(db, "wire")["silent_since"] is None
-
-
-@both
-def test_the_crawlers_page_and_status_show_each_sources_figures(home, server):
-    server.feed("/feed", rss(items(4, host=server.url)))
-    server.feed("/other", rss([{"guid": f"o{k}", "link": f"{server.url}/o/{k}",
-                                "title": f"Gardening note {k}",
-                                "text": f"Roses and tulips, note {k}. " + "Soil. " * 20}
-                               for k in range(2)]))
-    s, db = intake(home, [rss_source("lwn", server.url + "/feed", direction="linux"),
-                          rss_source("garden", server.url + "/other")])
-    crawl(s, db)
-    vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=2, quiet=True)
-    w = Web(home, settings=s)
-    try:
-        assert w.post("/posts/1/status", {"status": "approved", "token": w.token()})[0] == 303
-        crawl(s, db)                                  # the figures follow each run
-        page = w.get("/crawlers")[2]
-    finally:
-        w.close()
-    cells = re.findall(r"<td[^>]*>(.*?)</td>", crawlers_row(page, "lwn"))
-    assert cells[7:12] == ["4", "4", source_row(db, "lwn")["last_new_at"], "100%", "1"]
-    garden = re.findall(r"<td[^>]*>(.*?)</td>", crawlers_row(page, "garden"))
-    assert garden[7:12] == ["2", "2", source_row(db, "garden")["last_new_at"], "0%", "0"]
-    assert "new posts, 7 days" in page and "last new post (UTC)" in page
-    report = json.loads(cli("status", "--json", cwd=home,
-                            env={"RSS_HOST_DELAY": "0"}).stdout)
-    lwn_report = next(src for src in report["sources"] if src["slug"] == "lwn")
-    assert (lwn_report["week_posts"], lwn_report["relevant_share"], lwn_report["approved"]) == (4, 1.0, 1)
-    assert lwn_report["last_new_at"] == source_row(db, "lwn")["last_new_at"]
-
-
-def cached_feed(server, path, headers, body):
-    def handler(request):
-        return 200, {"Content-Type": "application/rss+xml", **headers}, body
-    server.routes[path] = handler
-
-
-@pytest.mark.parametrize("headers, ttl, wait", [
-    ({"Cache-Control": "public, max-age=7200"}, None, 7200),
-    ({"Expires": "Tue, 01 Dec 2026 14:00:00 GMT", "Date": "Tue, 01 Dec 2026 12:00:00 GMT"}, None, 7200),
-    ({}, 120, 7200),                                  # <ttl> is in minutes
-    ({"Cache-Control": "max-age=999999999"}, None, 86400),   # a silly value: a day at most
-])
-def test_the_scheduler_never_polls_sooner_than_the_feed_allows(home, server, headers, ttl, wait,
-                                                               monkeypatch):
-    body = rss(items(2, host=server.url))
-    if ttl:
-        body = body.replace(b"<channel>", f"<channel><ttl>{ttl}</ttl>".encode())
-    cached_feed(server, "/feed", headers, body)
-    server.feed("/plain", rss(items(2, start=10, host=server.url)), etag=None, modified=None)
-    s, db = intake(home, [rss_source("cached", server.url + "/feed"),
-                          rss_source("plain", server.url + "/plain")], VESTI_CRAWL_EVERY="10m")
-    start = time.time()
-    now = [start]
-    monkeypatch.setattr(time, "time", lambda: now[0])   # the wall clock, moved by the test
-    scheduler = vesti.Scheduler(db, s, vesti.load_registry(s.sources), threading.Event(),
-                                clock=lambda: now[0])
-    fetched = lambda: (len(server.sent("/feed")), len(server.sent("/plain")))  # noqa: E731
-    assert scheduler.tick() == [0] and scheduler.join(10)
-    assert fetched() == (1, 1)
-    for minutes in range(15, wait // 60, 15):          # every 15 minutes until it allows
-        now[0] = start + minutes * 60
-        scheduler.tick()
-        assert scheduler.join(10)
-    assert fetched()[0] == 1 and fetched()[1] >= 2      # the plain feed kept its interval
-    now[0] = start + wait + 15 * 60
-    scheduler.tick()
-    assert scheduler.join(10)
-    assert fetched()[0] == 2
-    crawl(s, db, ("all", None))                          # cron's --all waits as well
-    assert fetched()[0] == 2
-    crawl(s, db, ("source", "cached"))                   # --source is the operator asking
-    assert fetched()[0] == 3
-
-
-@both
-def test_run_spreads_a_prioritys_sources_over_its_interval(home, server, monkeypatch):
-    slugs = [f"feed{k:02d}" for k in range(12)]
-    for slug in slugs:
-        server.feed(f"/{slug}", rss(items(1, host=f"{server.url}/{slug}")))
-    s, db = intake(home, [rss_source(slug, f"{server.url}/{slug}") for slug in slugs],
-                   VESTI_CRAWL_EVERY="10m")
-    start = 1_900_000_000.0                             # a fixed moment: the same slots every run
-    now = [start]
-    monkeypatch.setattr(time, "time", lambda: now[0])
-    scheduler = vesti.Scheduler(db, s, vesti.load_registry(s.sources), threading.Event(),
-                                clock=lambda: now[0])
-    assert scheduler.tick() == [0] and scheduler.join(10)
-    assert len(server.requests) == 12                   # the first round: everything at once
-    rounds = []
-    for second in range(0, 15 * 60 + 1, 30):           # then a tick every 30 s for 15 minutes
-        now[0] = start + second
-        before = len(server.requests)
-        scheduler.tick()
-        assert scheduler.join(10)
-        rounds.append(len(server.requests) - before)
-    per_feed = collections.Counter(path for path, *_ in server.requests)
-    assert set(per_feed.values()) == {2}                # each once more, at its own slot
-    assert sum(1 for n in rounds if n) >= 6             # spread over many ticks, not one
-    assert max(rounds) <= 4
-
-
-OPML = ROOT / "tests" / "fixtures" / "opml"
-
-
-def test_an_opml_export_is_added_to_sources_yaml_keeping_every_comment(home):
-    shipped = (ROOT / "sources.yaml").read_text(encoding="utf-8")
-    (home / "sources.yaml").write_text(shipped, encoding="utf-8")
-    result = cli("opml-import", str(OPML / "feedly.opml"), "--direction", "linux", cwd=home)
-    assert result.returncode == 0, result.stderr
-    assert "3 feeds added" in result.stdout and "1 skipped" in result.stdout   # lwn is there
-    text = (home / "sources.yaml").read_text(encoding="utf-8")
-    remaining = iter(text.splitlines())                 # every shipped line, in its order
-    assert all(line in remaining for line in shipped.splitlines())
-    assert "# - slug: durov" in text and "# VESTI source registry" in text
-    registry = vesti.load_registry(str(home / "sources.yaml"))
-    added = {s.slug: s for s in registry.sources if s.slug != "lwn"}
-    assert sorted(added) == ["nasa-breaking-news", "opennet-novosti", "phoronix"]   # by title
-    assert added["opennet-novosti"].name == "OpenNET: новости"
-    assert added["nasa-breaking-news"].direction == "linux"          # --direction, not "Space"
-    assert added["phoronix"].priority == 1
-    again = cli("opml-import", str(OPML / "freshrss.opml"), cwd=home)
-    assert "1 feeds added" in again.stdout and "2 skipped" in again.stdout   # phoronix, ftp
-    slugs = [s.slug for s in vesti.load_registry(str(home / "sources.yaml")).sources]
-    assert slugs[-1] == "habr-co" and len(slugs) == len(set(slugs)) == 5
-    rows = sqlite3.connect(home / "vesti.db").execute("SELECT count(*) FROM sources").fetchone()
-    assert rows[0] == 5                                     # synced at once
-
-
-EDITOR_DIRECTIONS = """\
-directions:
-  linux:
-    title: Linux and open source
-    keywords: [linux]
-  space:
-    title: Космос
-    keywords: [orbit]
-sources:
-  - slug: lwn-net
-    name: LWN
-    crawler: rss
-    url: https://lwn.net/headlines/rss
-"""
-
-
-def test_opml_folders_named_like_directions_put_their_feeds_there(home):
-    (home / "sources.yaml").write_text(EDITOR_DIRECTIONS, encoding="utf-8")
-    result = cli("opml-import", str(OPML / "inoreader.opml"), cwd=home)
-    assert result.returncode == 0, result.stderr
-    assert "9 feeds added" in result.stdout and "1 skipped" in result.stdout
-    assert "folders matching no direction: Podcasts, Podcasts / Security; " \
-        "their feeds were added without a direction" in result.stdout
-    added = {s.slug: s.direction for s in vesti.load_registry(str(home / "sources.yaml")).sources}
-    assert added == {"lwn-net": None, "lwn-net-2": "linux", "opennet-novosti": "linux",
-                     "khabr-vse-publikatsii": "linux", "nasa-breaking-news": "space",
-                     "radio-t": None, "risky-business": None, "hacker-news": None,
-                     "feeds-feedburner": None, "nhk": None}
-    (home / "other").mkdir()
-    (home / "other" / "sources.yaml").write_text(EDITOR_DIRECTIONS, encoding="utf-8")
-    chosen = cli("opml-import", str(OPML / "inoreader.opml"), "--direction", "space",
-                 cwd=home / "other")
-    assert chosen.returncode == 0 and "folders" not in chosen.stdout, chosen.stderr
-    registry = vesti.load_registry(str(home / "other" / "sources.yaml"))
-    assert {s.direction for s in registry.sources if s.slug != "lwn-net"} == {"space"}
-
-
-def test_a_folders_name_cannot_drive_the_terminal(home):
-    """U+009B (CSI) is allowed in XML and starts a terminal's control
-    sequence on many terminals: said escaped, as in the log."""
-    (home / "sources.yaml").write_text(EDITOR_DIRECTIONS, encoding="utf-8")
-    (home / "evil.opml").write_text(
-        '<opml version="2.0"><body><outline text="News\u009b2J\u009b31m">'
-        '<outline type="rss" text="Feed" xmlUrl="https://feed.example/rss"/>'
-        '</outline></body></opml>', encoding="utf-8")
-    result = cli("opml-import", "evil.opml", cwd=home)
-    assert result.returncode == 0, result.stderr
-    assert "\u009b" not in result.stdout and "News\\x9b2J\\x9b31m" in result.stdout
-
-
-@pytest.mark.slow
-def test_a_broken_opml_file_changes_nothing(home):
-    write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss")])
-    before = (home / "sources.yaml").read_bytes()
-    for name in ("broken.opml", "missing.opml"):
-        result = cli("opml-import", str(OPML / name), cwd=home)
-        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-        assert "Traceback" not in result.stderr and name in result.stderr
-    (home / "bomb.opml").write_text('<?xml version="1.0"?><!DOCTYPE x [<!ENTITY a "aaaa">]>'
-                                    '<opml><body><outline xmlUrl="&a;"/></body></opml>')
-    assert cli("opml-import", "bomb.opml", cwd=home).returncode == 2
-    deep = ('<outline text="f">' * 150 + '<outline xmlUrl="https://x.example/rss"/>'
-            + "</outline>" * 150)
-    (home / "deep.opml").write_text(f"<opml><body>{deep}</body></opml>")
-    nested = cli("opml-import", "deep.opml", cwd=home)
-    assert nested.returncode == 2 and "nested deeper" in nested.stderr, nested.stderr
-    assert (home / "sources.yaml").read_bytes() == before
-
-
-def test_opml_export_is_opml_2_that_imports_back(home):
-    write_sources(home / "sources.yaml", [
-        rss_source("lwn", "https://lwn.net/headlines/rss", name="LWN <&> news", direction="linux"),
-        rss_source("nasa", "https://www.nasa.gov/rss/dyn/breaking_news.rss"),
-        {"slug": "chan", "crawler": "telegram", "url": "@linuxnews"}])
-    result = cli("opml-export", cwd=home)
-    assert result.returncode == 0, result.stderr
-    root = ElementTree.fromstring(result.stdout.encode("utf-8"))
-    assert root.tag == "opml" and root.get("version") == "2.0" and root.find("head/title") is not None
-    feeds = {o.get("xmlUrl"): o.get("text") for o in root.iter("outline") if o.get("xmlUrl")}
-    assert feeds == {"https://lwn.net/headlines/rss": "LWN <&> news",
-                     "https://www.nasa.gov/rss/dyn/breaking_news.rss": "nasa"}
-    (home / "export.opml").write_text(result.stdout, encoding="utf-8")
-    (home / "other").mkdir()
-    (home / "other" / "sources.yaml").write_text("sources: []\n", encoding="utf-8")
-    back = cli("opml-import", str(home / "export.opml"), cwd=home / "other")
-    assert "2 feeds added" in back.stdout, back.stderr
-    urls = {s.url for s in vesti.load_registry(str(home / "other" / "sources.yaml")).sources}
-    assert urls == set(feeds)
-
-
-FAST = {"RSS_HOST_DELAY": "0"}
-
-
-@pytest.mark.slow
-def test_discover_finds_a_sites_feeds_and_writes_their_entries(home, server):
-    server.feed("/news/rss", rss(items(2, host=server.url), title="Kernel News"))
-    server.feed("/feed", rss(items(1, host=server.url), title="Path Feed"))
-    server.status("/", 200, {"Content-Type": "text/html"}, (
-        '<html><head><title>Site</title>'
-        '<link rel="alternate" type="application/rss+xml" title="Kernel news" href="/news/rss">'
-        '<link rel="alternate" type="application/atom+xml" href="/missing.atom">'
-        '<link rel="stylesheet" href="/style.css"></head><body>hi</body></html>').encode())
-    write_sources(home / "sources.yaml", [rss_source("kernel-news", "https://example.org/rss")])
-    result = cli("discover", server.url + "/", cwd=home, env=FAST)
-    assert result.returncode == 0, result.stderr
-    assert f'# "Kernel News": "{server.url}/news/rss"' in result.stdout
-    assert "missing.atom" not in result.stdout                 # named, but not a feed
-    entry = yaml.safe_load(result.stdout)
-    assert entry[0]["slug"] == "kernel-news-2" and entry[0]["url"] == server.url + "/news/rss"
-    server.status("/plain", 200, {"Content-Type": "text/html"}, b"<html>no links</html>")
-    server.routes["/"] = server.routes["/plain"]
-    result = cli("discover", server.url + "/", cwd=home, env=FAST)       # no <link>: the common paths
-    assert result.returncode == 0 and f"{server.url}/feed" in result.stdout
-    server.routes.pop("/feed")
-    result = cli("discover", server.url + "/", cwd=home, env=FAST)
-    assert result.returncode == 1 and result.stderr.strip() == \
-        f"vesti: discover: no feed found at {server.url}/"
-
-
-def site_naming(server, *feeds):
-    """The site's page on `server`, naming these feed URLs."""
-    links = "".join(f'<link rel="alternate" type="application/rss+xml" href="{url}">'
-                    for url in feeds)
-    server.status("/", 200, {"Content-Type": "text/html"},
-                  f"<html><head>{links}</head><body>hi</body></html>".encode())
-
-
-@pytest.mark.slow
-def test_discover_says_why_the_feeds_it_found_could_not_be_read(home, server, internal):
-    internal.feed("/feed", rss(items(1, host=internal.url), title="Internal News"))
-    site_naming(server, internal.url + "/feed")
-    write_sources(home / "sources.yaml", [])
-    result = cli("discover", server.url + "/", cwd=home, env=FAST)
-    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
-    said = result.stderr
-    assert "no feed found" not in said and "network policy" in said
-    assert "127.0.0.2" in said and "VESTI_ALLOW_PRIVATE_NETWORKS=1" in said
-    assert internal.requests == [] and result.stdout == ""
-    allowed = cli("discover", server.url + "/", cwd=home,
-                  env={**FAST, "VESTI_ALLOW_PRIVATE_NETWORKS": "1"})
-    assert allowed.returncode == 0 and f'# "Internal News": "{internal.url}/feed"' in allowed.stdout
-    for named, what in [(server.url + "/gone.rss", "HTTP 404"),
-                        ("http://127.0.0.1:9/feed", "connection refused")]:
-        site_naming(server, named)
-        result = cli("discover", server.url + "/", cwd=home, env=FAST)
-        assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
-        assert what in result.stderr and named in result.stderr
-    result = cli("discover", "http://127.0.0.1:9/", cwd=home, env=FAST)     # the site itself
-    assert result.returncode == 1
-    assert result.stderr == "vesti: discover: http://127.0.0.1:9/: connection refused\n"
-
-
-def test_discover_marks_the_feeds_that_are_already_sources(home, server):
-    server.feed("/news/rss", rss(items(2, host=server.url), title="Kernel News"))
-    server.feed("/blog/rss", rss(items(1, host=server.url), title="Kernel Blog"))
-    site_naming(server, "/news/rss", "/blog/rss")
-    write_sources(home / "sources.yaml",
-                  [rss_source("kernel", server.url.upper() + "/news/rss?utm_source=vesti")])
-    result = cli("discover", server.url + "/", cwd=home, env=FAST)
-    assert result.returncode == 0, result.stderr
-    assert f'# "Kernel News": "{server.url}/news/rss" (already a source: kernel)' in result.stdout
-    entries = yaml.safe_load(result.stdout)
-    assert [entry["url"] for entry in entries] == [server.url + "/blog/rss"]
-    assert entries[0]["slug"] != "kernel"
-
-
-# A feed title that, printed as it is, would write sources.yaml entries of its
-# own: line breaks YAML knows (\n, U+2028, NEL) and entries after them.
-YAML_TITLE = ("Evil\n  - slug: injected\n    crawler: rss\n    url: http://evil.example/x\n"
-              "\u2028  - slug: injected-too\u0085    crawler: rss\u2029    url: http://evil.example/y")
-
-
-def test_discover_prints_a_feed_title_as_one_quoted_line_of_yaml(home, server):
-    server.feed("/evil.rss", rss(items(1, host=server.url), title=html.escape(YAML_TITLE)))
-    server.feed("/known.rss", rss(items(1, host=server.url),
-                                  title=html.escape(YAML_TITLE.replace("injected", "known"))))
-    site_naming(server, "/evil.rss", "/known.rss")
-    write_sources(home / "sources.yaml", [rss_source("known", server.url + "/known.rss")])
-    result = cli("discover", server.url + "/", cwd=home, env=FAST)
-    assert result.returncode == 0, result.stderr
-    pasted = home / "sources.yaml"
-    pasted.write_text(pasted.read_text(encoding="utf-8") + result.stdout, encoding="utf-8")
-    registry = vesti.load_registry(str(pasted))
-    assert [s.url for s in registry.sources] == [server.url + "/known.rss", server.url + "/evil.rss"]
-    assert registry.sources[1].name.startswith("Evil")
-
-
-@pytest.mark.slow
-def test_discover_checks_at_most_twenty_of_a_pages_feed_links(home, server, monkeypatch):
-    links = "".join(f'<link rel="alternate" type="application/rss+xml" href="/f{k}">'
-                    for k in range(10_000))
-    page = f"<html><head>{links}</head><body>{'<p>Some text.</p>' * 200_000}</body></html>"
-    server.status("/", 200, {"Content-Type": "text/html"}, page.encode())
-    server.feed("/f3", rss(items(1, host=server.url), title="Third"))
-    read = []                                           # the bytes each feedparser run reads
-    feedparser_run = vesti.run_feedparser
-    monkeypatch.setattr(vesti, "run_feedparser",
-                        lambda body, *args: read.append(len(body)) or feedparser_run(body, *args))
-    found = vesti.discover_feeds(server.url + "/", make_settings(home))
-    assert len(server.requests) == 1 + 20
-    assert [feed for _, feed, _ in found.feeds] == [server.url + "/f3"]
-    assert len(page) > 3_000_000 and max(read) <= 1_000_000
-    write_sources(home / "sources.yaml", [])
-    result = cli("discover", server.url + "/", cwd=home, env=FAST)
-    assert result.returncode == 0, result.stderr
-    assert "# … and 9,980 more links not checked" in result.stdout
-    assert [entry["url"] for entry in yaml.safe_load(result.stdout)] == [server.url + "/f3"]
-    server.routes.pop("/f3")
-    result = cli("discover", server.url + "/", cwd=home, env=FAST)
-    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
-    assert "and 9,980 more links not checked" in result.stderr
-    assert len(server.requests) == 3 * (1 + 20)
-
-
-def test_opml_import_keeps_the_line_endings_and_bom_of_sources_yaml(home):
-    text = ("sources:\n  - slug: lwn\n    crawler: rss\n    url: https://lwn.net/headlines/rss\n"
-            "\ndirections:\n  linux:\n    title: Linux\n    keywords: [linux]\n")
-    before = b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode("utf-8")
-    (home / "sources.yaml").write_bytes(before)
-    result = cli("opml-import", str(OPML / "feedly.opml"), cwd=home)
-    assert result.returncode == 0, result.stderr
-    after = (home / "sources.yaml").read_bytes()
-    assert after.startswith(before[:before.index(b"\r\n\r\ndirections")])
-    assert after.startswith(b"\xef\xbb\xbf") and after.count(b"\n") == after.count(b"\r\n")
-    registry = vesti.load_registry(str(home / "sources.yaml"))
-    assert [s.slug for s in registry.sources] == \
-        ["lwn", "phoronix", "opennet-novosti", "nasa-breaking-news"]
-    assert list(registry.directions) == ["linux"]
-
-
-class CountingSet(set):
-    """A set that counts the look-ups made in it."""
-    checks = 0
-
-    def __contains__(self, item):
-        self.checks += 1
-        return super().__contains__(item)
-
-
-def test_many_feeds_of_one_title_get_their_slugs_without_trying_every_number_before():
-    taken = CountingSet({"news"})
-    slugs = [vesti.slug_for("News", f"https://site{k}.example/rss", taken) for k in range(2000)]
-    assert slugs[:3] == ["news-2", "news-3", "news-4"] and len(set(slugs)) == 2000
-    assert taken.checks < 2000 * 30             # one per feed before it would be 2,000,000
-
-
-def test_reset_dead_command_does_what_the_button_does(home):
-    write_sources(home / "sources.yaml", [rss_source("a", "http://127.0.0.1:9/a")])
-    cli("init", cwd=home)
-    conn = sqlite3.connect(home / "vesti.db")
-    conn.execute("UPDATE sources SET status = 'dead', error_count = 7, last_error = 'x'")
-    conn.commit()
-    result = cli("reset-dead", cwd=home)
-    assert result.returncode == 0 and "1 dead sources reset" in result.stdout
-    assert conn.execute("SELECT status, error_count, last_error FROM sources").fetchone() == \
-        ("alive", 0, None)
-
-
-def test_requests_and_crawls_leave_no_database_connections_behind(web, server):
-    def open_files():
-        return len(os.listdir("/proc/self/fd"))
-    web.get("/api/queue")
-    before = open_files()
-    for _ in range(200):
-        assert web.get("/api/queue")[0] == 200
-    server.feed("/feed", rss(items(1, host=server.url)))
-    for _ in range(20):
-        vesti.crawl_everything(web.db, web.settings, ("all", None), quiet=True)
-    assert open_files() - before < 10
-
-
-# The page in a real browser ---------------------------------------------------
+# Web pages: in a real browser -------------------------------------------------
 
 def test_the_crawlers_page_in_a_real_browser(web, browser):
     conn = web.db.conn()
@@ -4402,638 +5993,7 @@ def test_the_crawlers_page_fits_a_laptop_and_a_phone_with_errors_readable(web, b
     assert phone["height"] < 27 * 180, phone               # a short card per source
 
 
-# run: everything at once -------------------------------------------------------
-
-def run_process(home, *args, env=None):
-    """`vesti.py run` in its own process, with the page on a free port and
-    the password "pw"; returns (process, port)."""
-    process = subprocess.Popen(
-        [*VESTI, "run", *args], cwd=home, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env={**os.environ, "VESTI_WEB_PORT": "0", "RSS_HOST_DELAY": "0",
-             "VESTI_WEB_PASSWORD": "pw", **(env or {})})
-    line = process.stdout.readline()
-    return process, int(re.search(r"http://127\.0\.0\.1:(\d+)/", line)[1])
-
-
-def stop_process(process):
-    process.send_signal(signal.SIGTERM)
-    try:
-        return process.communicate(timeout=15)
-    finally:
-        if process.poll() is None:
-            process.kill()
-
-
-@pytest.mark.slow
-def test_run_crawls_classifies_serves_and_stops_on_sigterm(home, server, ollama):
-    server.feed("/feed", rss(items(5, host=server.url)))
-    write_sources(home / "sources.yaml", [rss_source("lwn", server.url + "/feed", direction="linux")])
-    process, port = run_process(home, env={"OLLAMA_URL": ollama.url})
-    try:
-        auth = {"Authorization": "Basic " + base64.b64encode(b"admin:pw").decode()}
-
-        def candidates():
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            conn.request("GET", "/", headers=auth)
-            return conn.getresponse().read().decode()
-        assert wait_for(lambda: candidates().count('class="post"') == 5, timeout=15)
-        page = candidates()
-        assert "Summary: Post number 0" in page and "relevance <b>8</b>" in page
-    finally:
-        out, err = stop_process(process)
-    assert process.returncode == 0, err
-    assert "pw" not in out + err
-    # A line per crawl and per spell of work on the console, none per page asked.
-    assert re.search(r"^crawl: priority 0: 1 sources \(1 ok.*5 new posts in [0-9.]+ s$", out, re.M)
-    spells = re.findall(r"^worker: (\d+) processed \(.* in [0-9.]+ s; nothing left to claim$",
-                        out, re.M)
-    assert sum(map(int, spells)) == 5
-    assert "GET /" not in err
-    conn = sqlite3.connect(home / "vesti.db")
-    assert conn.execute("SELECT count(*) FROM posts WHERE classified = -1").fetchone()[0] == 0
-    assert conn.execute("SELECT trigger FROM runs").fetchone()[0] == "schedule"
-
-
-@pytest.mark.slow
-def test_run_makes_one_story_of_four_outlets_copies_and_asks_the_llm_once(home, server, ollama):
-    wrappers = ("", "From our correspondent: ", "Repost: ", "Breaking: ")
-    for k, prefix in enumerate(wrappers):
-        server.feed(f"/{k}", rss([{"guid": f"budget-{k}", "link": f"{server.url}/{k}/budget",
-                                   "title": f"Budget, as outlet {k} tells it",
-                                   "text": prefix + STORY + " The kernel of the plan is buses."}]))
-    write_sources(home / "sources.yaml", [rss_source(f"outlet{k}", f"{server.url}/{k}",
-                                                     direction="linux") for k in range(4)])
-    process, _ = run_process(home, "--workers", "1", env={"OLLAMA_URL": ollama.url})
-    try:
-        conn = sqlite3.connect(home / "vesti.db")
-        assert wait_for(lambda: conn.execute("SELECT count(*) FROM posts WHERE classified = 1")
-                        .fetchone()[0] == 4, timeout=20)
-    finally:
-        out, err = stop_process(process)
-    assert process.returncode == 0, err
-    assert len(ollama.titles()) == 1
-    stories = {row[0] for row in conn.execute("SELECT story_id FROM posts")}
-    assert len(stories) == 1 and None not in stories
-
-
-@both
-def test_run_picks_up_new_directions_when_sources_yaml_changes(home, server):
-    s, db = intake(home, [rss_source("a", server.url + "/a")])
-    registry = vesti.load_registry(s.sources)
-    classifier = vesti.Classifier(registry, s)
-    seen = []
-    scheduler = vesti.Scheduler(db, s, registry, threading.Event(),
-                                listeners=(classifier.use, seen.append))
-    post = {"title": "A rocket reached orbit", "text": "The rocket flew.", "url": None,
-            "content_type": "full"}
-    assert classifier(post).direction == "space"
-    text = (home / "sources.yaml").read_text().replace("keywords: [rocket, orbit]",
-                                                       "keywords: [rocket, orbit]\n  sea:\n"
-                                                       "    title: Sea\n    keywords: [flew, orbit, reached]")
-    (home / "sources.yaml").write_text(text)
-    os.utime(home / "sources.yaml", (time.time() + 5, time.time() + 5))
-    scheduler.reload_sources()
-    assert "sea" in seen[0].directions
-    assert classifier(post).direction == "sea"
-
-
-@both
-def test_a_rejected_sources_yaml_edit_is_on_every_page_until_a_good_one_loads(home):
-    s, db = intake(home, [rss_source("a", "http://127.0.0.1:9/a")], VESTI_WEB_PASSWORD="pw")
-    web = Web(home, password="pw", settings=s)       # `serve`, beside `run`'s scheduler
-    scheduler = vesti.Scheduler(db, s, vesti.load_registry(s.sources), threading.Event())
-    good = (home / "sources.yaml").read_text()
-
-    def edit(text):
-        (home / "sources.yaml").write_text(text)
-        os.utime(home / "sources.yaml", (time.time() + 5, time.time() + 5))
-        scheduler.reload_sources()
-    try:
-        edit(good + "  - {slug: b, crawler: atom, url: 'http://x/'}\n")
-        for path in ("/", "/crawlers", "/?lang=ru"):
-            banner = re.search(r'<p class="banner"[^>]*>([^<]*sources\.yaml[^<]*)</p>',
-                               web.get(path)[2])
-            assert banner and "source &#x27;b&#x27;: unknown crawler &#x27;atom&#x27;" in banner[1]
-        assert "The sources are as they were" in web.get("/")[2]
-        assert "Источники остались прежними" in web.get("/?lang=ru")[2]
-        assert [r[0] for r in db.conn().execute("SELECT slug FROM sources")] == ["a"]
-        edit(good.replace("slug: a", "slug: c"))
-        assert "unknown crawler" not in web.get("/")[2]
-        assert "unknown crawler" not in web.get("/crawlers")[2]
-        edit(good + "  - {slug: b, crawler: atom, url: 'http://x/'}\n")
-        (home / "sources.yaml").write_text(good)
-        vesti.open_intake(s)[1].close()                 # any command that loads it
-        assert "unknown crawler" not in web.get("/")[2]
-    finally:
-        web.close()
-
-
-@pytest.mark.slow
-def test_sigterm_stops_a_crawl_and_closes_its_runs(home):
-    srv = FeedServer()
-    try:
-        release = threading.Event()
-        srv.routes["/slow"] = lambda request: release.wait(30) and None
-        write_sources(home / "sources.yaml", [rss_source("slow", srv.url + "/slow")] +
-                      [rss_source(f"s{k}", f"{srv.url}/slow?{k}") for k in range(3)])
-        process = subprocess.Popen([*VESTI, "rss", "--all"],
-                                   cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True, env={**os.environ, "RSS_TIMEOUT": "30",
-                                                   "VESTI_STOP_GRACE": "1"})
-        assert wait_for(lambda: len(srv.requests) == 1)
-        started = time.monotonic()
-        process.send_signal(signal.SIGTERM)
-        out, err = process.communicate(timeout=20)
-        release.set()
-    finally:
-        srv.close()
-    assert process.returncode == 128 + signal.SIGTERM, err
-    assert time.monotonic() - started < 4
-    assert "interrupted; 1 unfinished runs recorded as interrupted" in err
-    runs = sqlite3.connect(home / "vesti.db").execute("SELECT status FROM runs").fetchall()
-    assert runs == [("interrupted",)]                   # the other sources were never started
-    assert len(srv.requests) == 1
-
-
-@both
-def test_runs_left_running_by_a_dead_process_are_closed(home):
-    s, db = intake(home, [rss_source("a", "http://127.0.0.1:9/a")])
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    db.conn().execute("INSERT INTO runs (source_id, task, status, pid) VALUES (1, 'rss', 'running', ?)",
-                      (gone.pid,))
-    db.conn().execute("INSERT INTO runs (source_id, task, status, pid) VALUES (1, 'rss', 'running', ?)",
-                      (os.getpid(),))
-    vesti.open_intake(s)
-    statuses = [r[0] for r in db.conn().execute("SELECT status FROM runs ORDER BY id")]
-    assert statuses == ["interrupted", "running"]
-
-
-@both
-def test_the_scheduler_crawls_each_priority_on_its_interval(home, server):
-    for slug in "abc":
-        server.feed(f"/{slug}", rss(items(1, host=server.url + "/" + slug)))
-    s, db = intake(home, [rss_source("a", server.url + "/a", priority=0),
-                          rss_source("b", server.url + "/b", priority=1),
-                          rss_source("c", server.url + "/c", priority=5)],
-                   VESTI_CRAWL_EVERY="10m,1h")
-    start = time.time()
-    now = [start]
-    scheduler = vesti.Scheduler(db, s, vesti.load_registry(s.sources), threading.Event(),
-                                clock=lambda: now[0])
-    assert scheduler.tick() == [0, 1, 5]
-    assert scheduler.join(10)
-    now[0] = start + 901                          # every slot of 0 has come, none of 1
-    assert scheduler.tick() == [0]
-    assert scheduler.join(10)
-    now[0] = start + 5401
-    assert scheduler.tick() == [0, 1, 5]          # priority 5 takes the last interval
-    assert scheduler.join(10)
-
-
-# Network policy and slow peers -------------------------------------------------
-
-def finishes_within(seconds, function):
-    """Run function in a thread; (True, result) if it returned within
-    `seconds`, which is only an upper bound against hanging for good."""
-    outcome = {}
-    thread = threading.Thread(target=lambda: outcome.setdefault("result", function()),
-                              daemon=True)
-    thread.start()
-    thread.join(seconds)
-    return not thread.is_alive(), outcome.get("result")
-
-
-def test_a_feed_that_drips_its_headers_cannot_hold_the_crawl(home, server):
-    drip = DripServer("127.0.0.3")
-    try:
-        server.feed("/feed", rss(items(2, host=server.url)))
-        s, db = intake(home, [rss_source("slow", drip.url + "/feed"),
-                              rss_source("fast", server.url + "/feed", priority=1)],
-                       RSS_TIMEOUT=0.5)
-        finished, result = finishes_within(10, lambda: crawl(s, db))
-    finally:
-        drip.close()
-    assert finished
-    assert drip.connections == 1
-    assert source_row(db, "slow")["last_error"] == "response took longer than 1.5 s"
-    assert [r["status"] for r in runs_of(db, "slow")] == ["error"]
-    assert len(posts_of(db, "fast")) == 2
-
-
-def test_rss_all_with_a_dripping_feed_exits_0_and_records_the_error(home):
-    drip = DripServer("127.0.0.3")
-    try:
-        write_sources(home / "sources.yaml", [rss_source("slow", drip.url + "/feed")])
-        result = cli("rss", "--all", cwd=home, env={"RSS_TIMEOUT": "0.5"}, timeout=20)
-    finally:
-        drip.close()
-    assert result.returncode == 0, result.stderr
-    conn = sqlite3.connect(home / "vesti.db")
-    assert conn.execute("SELECT last_error FROM sources WHERE slug = 'slow'").fetchone() == \
-        ("response took longer than 1.5 s",)
-    conn.close()
-
-
-def test_a_host_busy_longer_than_the_patience_gives_host_busy():
-    gate = vesti.HostGate(0)
-    entered = threading.Event()
-    leave = threading.Event()
-
-    def hold():
-        with gate.turn("http://slow.example/a"):
-            entered.set()
-            leave.wait(5)
-    holder = threading.Thread(target=hold, daemon=True)
-    holder.start()
-    try:
-        assert entered.wait(5)
-        with pytest.raises(vesti.HostBusy) as busy:
-            with gate.turn("http://slow.example/b", patience=0.2):
-                pass
-        assert isinstance(busy.value, vesti.FetchError)
-        with gate.turn("http://other.example/", patience=0.2):   # another host is not held
-            pass
-    finally:
-        leave.set()
-        holder.join(5)
-    with gate.turn("http://slow.example/c", patience=0.2):       # free again once released
-        pass
-
-
-@pytest.mark.slow
-@both
-def test_articles_on_a_dripping_host_do_not_stall_the_workers(home):
-    page = (CORPUS / "html" / "bbc.com.52241221.html").read_bytes()
-    expected = json.loads((CORPUS / "html" / "expected.json").read_text())["pages"]
-    snippet = expected["bbc.com.52241221.html"]["with"][0]
-    fast, drip = FeedServer("127.0.0.2"), DripServer("127.0.0.3")
-    try:
-        s, db, registry = worker_home(home, "", RSS_TIMEOUT=0.5, VESTI_ALLOW_PRIVATE_NETWORKS=1)
-        add_posts(db.conn(), 12)
-        for k in range(12):
-            fast.routes[f"/a/{k}"] = lambda request: (200, {"Content-Type": "text/html"}, page)
-            url = f"{fast.url}/a/{k}" if k % 2 else f"{drip.url}/a/{k}"
-            db.conn().execute("UPDATE posts SET url = ?, content_type = 'summary' WHERE title = ?",
-                              (url, f"Post {k}"))
-        finished, _ = finishes_within(
-            20, lambda: vesti.run_workers(db, s, registry, workers=4, quiet=True))
-    finally:
-        drip.close()
-        fast.close()
-    assert finished
-    posts = db.conn().execute("SELECT * FROM posts ORDER BY id").fetchall()
-    assert [p["classified"] for p in posts] == [1] * 12
-    tarpit = [p for p in posts if p["url"].startswith(drip.url)]
-    served = [p for p in posts if p["url"].startswith(fast.url)]
-    assert [(p["content_type"], p["text"]) for p in tarpit] == \
-        [("summary", "News about the Linux kernel.")] * 6
-    assert [p["content_type"] for p in served] == ["full"] * 6
-    assert all(snippet in p["text"] for p in served)
-    assert drip.connections < 6         # the busy tarpit host was given up on, not queued for
-
-
-
-@pytest.mark.slow
-@both
-def test_articles_of_different_hosts_are_fetched_side_by_side(home, monkeypatch):
-    """Posts are stored feed by feed, so the oldest pending ones are one
-    host's: two workers still fetch two hosts' articles at a time, each
-    host at its own pace, instead of queueing for the first host. Their
-    texts are extracted one at a time (trafilatura crashes the process
-    now and then when two extractions overlap)."""
-    page = (CORPUS / "html" / "bbc.com.52241221.html").read_bytes()
-    trafilatura = pytest.importorskip("trafilatura")
-    extracting, overlaps, real_extract = [], [], trafilatura.extract
-
-    def extract(*args, **kwargs):
-        extracting.append(1)
-        overlaps.append(len(extracting))
-        time.sleep(0.02)            # long enough for another worker to arrive
-        try:
-            return real_extract(*args, **kwargs)
-        finally:
-            extracting.pop()
-    monkeypatch.setattr(trafilatura, "extract", extract)
-    hosts = [FeedServer("127.0.0.2"), FeedServer("127.0.0.3")]
-    try:
-        s, db, registry = worker_home(home, "", RSS_HOST_DELAY=0.2,
-                                      VESTI_ALLOW_PRIVATE_NETWORKS=1)
-        add_posts(db.conn(), 12, content_type="summary")
-        for k in range(12):
-            host = hosts[k // 6]
-            host.routes[f"/a/{k}"] = lambda request: (200, {"Content-Type": "text/html"}, page)
-            db.conn().execute("UPDATE posts SET url = ? WHERE title = ?",
-                              (f"{host.url}/a/{k}", f"Post {k}"))
-        vesti.run_workers(db, s, registry, workers=2, quiet=True)
-    finally:
-        for host in hosts:
-            host.close()
-    assert queue_of(db) == {1: 12}
-    order = [host for _, host in sorted((at, k) for k, host in enumerate(hosts)
-                                        for _, _, at in host.requests)]
-    assert len(order) == 12
-    # One host after the other would fetch the first host's six articles
-    # first; side by side, the second host's begin while the first's go on
-    # (how closely they alternate depends on how loaded the machine is).
-    assert order[:6].count(1) >= 2 and order[6:].count(0) >= 1, order
-    assert len(overlaps) == 12 and max(overlaps) == 1
-
-# The network policy: article links and redirects come from third parties.
-
-def everything_stored(db):
-    """Every value of every post, as one text."""
-    rows = db.conn().execute("SELECT * FROM posts").fetchall()
-    return "\n".join(str(value) for row in rows for value in tuple(row))
-
-
-def teaser_feed(links):
-    return rss([{"guid": f"t{k}", "link": link, "title": f"Teaser {k}",
-                 "text": "Short teaser about the Linux kernel."} for k, link in enumerate(links)])
-
-
-def test_entry_links_to_an_internal_host_are_fetched_only_when_allowed(home, server, internal):
-    internal.routes["/secret2"] = internal.routes["/secret"]
-    server.feed("/feed", teaser_feed([internal.url + "/secret"]), etag='"1"')
-    s, db = intake(home, [rss_source("x", server.url + "/feed")])
-    crawl(s, db)
-    vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=1, quiet=True)
-    assert internal.requests == []
-    assert internal.secret not in everything_stored(db)
-    post = posts_of(db, "x")[0]
-    assert (post["classified"], post["content_type"], post["text"]) == \
-        (1, "summary", "Short teaser about the Linux kernel.")     # the post's own text stands
-
-    allowed = make_settings(home, VESTI_ALLOW_PRIVATE_NETWORKS=1)
-    server.feed("/feed", teaser_feed([internal.url + "/secret", internal.url + "/secret2"]),
-                etag='"2"')
-    crawl(allowed, db)
-    vesti.run_workers(db, allowed, vesti.load_registry(s.sources), workers=1, quiet=True)
-    assert [path for path, *_ in internal.requests] == ["/secret2"]
-    post = posts_of(db, "x")[1]
-    assert (post["classified"], post["content_type"]) == (1, "full")
-    assert internal.secret in post["text"]
-
-
-def test_a_feed_redirect_to_an_internal_host_is_refused_unless_allowed(home, server, internal):
-    internal.feed("/feed", rss(items(2, host=internal.url)))
-    server.redirect("/feed", 302, internal.url + "/feed")
-    s, db = intake(home, [rss_source("x", server.url + "/feed")])
-    crawl(s, db)
-    assert internal.requests == []
-    error = source_row(db, "x")["last_error"]
-    assert "127.0.0.2" in error and "VESTI_ALLOW_PRIVATE_NETWORKS" in error
-    assert posts_of(db, "x") == []
-
-    crawl(make_settings(home, VESTI_ALLOW_PRIVATE_NETWORKS=1), db)
-    assert len(internal.sent("/feed")) == 1
-    assert source_row(db, "x")["last_error"] is None
-    assert len(posts_of(db, "x")) == 2
-
-
-@pytest.mark.parametrize("scheme, target", [("file", "file:///etc/passwd"),
-                                            ("ftp", "ftp://127.0.0.1:{ftp}/x"),
-                                            ("data", "data:text/plain,hello")])
-def test_a_redirect_to_a_scheme_other_than_http_is_refused(home, server, scheme, target):
-    ftp = TcpListener()
-    try:
-        server.redirect("/feed", 302, target.format(ftp=ftp.port))
-        s, db = intake(home, [rss_source("x", server.url + "/feed")])
-        crawl(s, db)
-    finally:
-        ftp.close()
-    assert not ftp.connected.is_set()
-    error = source_row(db, "x")["last_error"]
-    assert error and f"{scheme}:" in error and "refused" in error
-    assert posts_of(db, "x") == []
-
-
-def test_an_article_redirect_to_an_internal_host_is_refused_unless_allowed(home, server,
-                                                                          internal):
-    server.feed("/feed", teaser_feed([server.url + "/article"]), etag='"1"')
-    server.redirect("/article", 302, internal.url + "/secret")
-    s, db = intake(home, [rss_source("x", server.url + "/feed")])
-    crawl(s, db)
-    vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=1, quiet=True)
-    assert len(server.sent("/article")) == 1                # the source's own host is fine
-    assert internal.requests == []
-    assert internal.secret not in everything_stored(db)
-    assert [(p["classified"], p["content_type"]) for p in posts_of(db, "x")] == [(1, "summary")]
-
-    allowed = make_settings(home, VESTI_ALLOW_PRIVATE_NETWORKS=1)
-    server.redirect("/article2", 302, internal.url + "/secret")
-    server.feed("/feed", teaser_feed([server.url + "/article", server.url + "/article2"]),
-                etag='"2"')
-    crawl(allowed, db)
-    vesti.run_workers(db, allowed, vesti.load_registry(s.sources), workers=1, quiet=True)
-    assert len(internal.sent("/secret")) == 1
-    post = posts_of(db, "x")[1]
-    assert (post["classified"], post["content_type"]) == (1, "full")
-    assert internal.secret in post["text"]
-
-
-@pytest.mark.parametrize("address", ["127.0.0.1", "10.1.2.3", "169.254.1.1", "::1", "fc00::1",
-                                     "::ffff:127.0.0.1", "0.0.0.0", "224.0.0.1", "100.64.0.1"])
-def test_loopback_private_and_reserved_addresses_are_refused(address):
-    assert vesti.why_refused(address)
-
-
-@pytest.mark.parametrize("address", ["93.184.216.34", "2606:4700::1"])
-def test_public_addresses_are_allowed(address):
-    assert vesti.why_refused(address) is None
-
-
-def test_a_dripping_feed_does_not_hold_the_crawls_of_other_priorities(home, server):
-    drip = DripServer("127.0.0.3", lifetime=10)
-    stop = threading.Event()
-    try:
-        server.feed("/feed", rss(items(3, host=server.url)))
-        s, db = intake(home, [rss_source("slow", drip.url + "/feed", priority=0),
-                              rss_source("fast", server.url + "/feed", priority=1)],
-                       RSS_TIMEOUT=5, VESTI_CRAWL_EVERY="10m,1h")
-        now = [time.time()]
-        scheduler = vesti.Scheduler(db, s, vesti.load_registry(s.sources), stop,
-                                    clock=lambda: now[0])
-        assert scheduler.tick() == [0, 1]
-        assert wait_for(lambda: len(posts_of(db, "fast")) == 3, timeout=10)
-        assert wait_for(lambda: drip.connections == 1, timeout=5)
-        assert [r["status"] for r in runs_of(db, "slow")] == ["running"]
-        now[0] += 901                                       # priority 0 is due again
-        assert scheduler.tick() == []                       # but still running: not restarted
-        assert drip.connections == 1
-    finally:
-        stop.set()
-        drip.close()
-    assert scheduler.join(10)
-    run = runs_of(db, "slow")[0]
-    assert run["status"] == "error" and run["finished_at"]      # the cut-off crawl is closed
-
-
-# Resilience of long runs: a locked database, a full disk ---------------------
-
-LOCK_HOLDER = """
-import select, sqlite3, sys
-conn = sqlite3.connect(sys.argv[1], isolation_level=None)
-conn.execute("BEGIN IMMEDIATE")
-conn.execute("UPDATE sources SET name = name")       # a long manual UPDATE
-print("locked", flush=True)
-select.select([sys.stdin], [], [], 30)                # until told (or 30 s)
-conn.execute("COMMIT")
-"""
-
-
-@contextlib.contextmanager
-def write_lock_held(path):
-    """Another process holds the database's write lock until release()."""
-    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(path)], text=True,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE)
-    holder.release = lambda: (holder.stdin.write("\n"), holder.stdin.flush())
-    try:
-        assert holder.stdout.readline() == "locked\n", holder.stderr.read()
-        yield holder
-    finally:
-        if holder.poll() is None:
-            holder.kill()
-        holder.communicate()
-
-
-class Output:
-    """The lines a child process writes to a pipe, read as they come."""
-
-    def __init__(self, pipe):
-        self.lines = []
-        self.thread = threading.Thread(target=lambda: self.lines.extend(pipe), daemon=True)
-        self.thread.start()
-
-    def text(self, timeout=None):
-        self.thread.join(timeout)
-        return "".join(self.lines)
-
-
-def locked_warnings(text):
-    return [line for line in text.splitlines() if "is locked" in line]
-
-
-def wait_out_the_lock(holder, child, err):
-    """Keep the lock until the child says it is waiting for it (it has waited
-    out its busy timeout), a little longer still, then let go."""
-    assert wait_for(lambda: locked_warnings(err.text(0)) or child.poll() is not None, 10)
-    if child.poll() is None:
-        time.sleep(1)
-    holder.release()
-    assert holder.wait(timeout=10) == 0
-
-
-@pytest.mark.slow
-def test_a_forever_worker_waits_out_a_database_locked_past_the_busy_timeout(home):
-    s, db, _ = worker_home(home, "")
-    add_posts(db.conn(), 40)
-    worker = None
-    try:
-        with write_lock_held(home / "vesti.db") as holder:
-            worker = worker_process(home, "", "--forever", "--workers", "2",
-                                    env={"VESTI_BUSY_TIMEOUT": "1"})
-            out, err = Output(worker.stdout), Output(worker.stderr)
-            wait_out_the_lock(holder, worker, err)
-        assert worker.poll() is None, err.text()             # still running after the lock
-        assert wait_for(lambda: queue_of(db) == {1: 40}, state=lambda: queue_of(db))
-        worker.send_signal(signal.SIGTERM)
-        assert worker.wait(timeout=15) == 0, err.text()
-        assert -1 not in queue_of(db)
-        assert "(40 done" in out.text(), out.text()
-        assert len(locked_warnings(err.text())) == 1, err.text()   # one warning per episode
-        assert "Traceback" not in err.text()
-    finally:
-        if worker is not None and worker.poll() is None:
-            worker.kill()
-            worker.wait()
-
-
-@pytest.mark.slow
-def test_a_crawl_started_while_the_database_is_locked_waits_and_stores_its_posts(home, server):
-    server.feed("/a", rss(items(5, host=server.url)))
-    server.feed("/b", rss(items(5, start=100, host=server.url)))
-    s, db = intake(home, [rss_source("a", server.url + "/a"), rss_source("b", server.url + "/b")])
-    crawl = None
-    try:
-        with write_lock_held(home / "vesti.db") as holder:
-            crawl = subprocess.Popen(
-                [*VESTI, "rss", "--all"], cwd=home, text=True,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                env={**os.environ, "VESTI_BUSY_TIMEOUT": "0.5", "RSS_HOST_DELAY": "0"})
-            out, err = Output(crawl.stdout), Output(crawl.stderr)
-            wait_out_the_lock(holder, crawl, err)
-        assert crawl.wait(timeout=30) == 0, err.text()
-        assert "2 sources (2 ok" in out.text(), out.text()
-    finally:
-        if crawl is not None and crawl.poll() is None:
-            crawl.kill()
-            crawl.wait()
-    assert db.conn().execute("SELECT count(*) FROM posts").fetchone()[0] == 10
-    assert len(locked_warnings(err.text())) == 1, err.text()
-    assert "Traceback" not in err.text()
-    assert {source_row(db, slug)["error_count"] for slug in ("a", "b")} == {0}
-
-
-def run_on_a_small_disk(home, *args, env=None, timeout=60):
-    """vesti.py as `cli` runs it, but no file it writes may grow past a bit
-    more than the database is now: a disk that is about to be full."""
-    files = [home / name for name in ("vesti.db", "vesti.db-wal", "vesti.db-shm")]
-    limit = max([f.stat().st_size for f in files if f.exists()] + [32768]) + 256 * 1024
-
-    def small_disk():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)      # a write fails with EFBIG instead
-    full_env = {k: v for k, v in os.environ.items()
-                if not k.startswith(("VESTI_", "RSS_", "OLLAMA_", "TG_"))}
-    full_env.update(env or {})
-    return subprocess.run([*VESTI, *args], cwd=home,
-                          env=full_env, capture_output=True, text=True, timeout=timeout,
-                          preexec_fn=small_disk)
-
-
-def big_feed(start, host):
-    return rss([{**entry, "text": entry["text"] + " Long paragraph of the article. " * 100}
-                for entry in items(200, start=start, host=host)])
-
-
-@pytest.mark.slow
-def test_a_full_disk_ends_the_crawl_with_one_line_and_blames_no_source(home):
-    servers = [FeedServer(f"127.0.0.{n}") for n in (1, 2, 3)]     # three hosts, crawled at once
-    try:
-        for n, feeds in enumerate(servers):
-            feeds.feed("/feed", big_feed(1000 * n, feeds.url))
-        write_sources(home / "sources.yaml", [rss_source(f"s{n}", f"{feeds.url}/feed")
-                                              for n, feeds in enumerate(servers)])
-        assert cli("init", cwd=home).returncode == 0
-        result = run_on_a_small_disk(home, "rss", "--all", env={"RSS_HOST_DELAY": "0"})
-    finally:
-        for feeds in servers:
-            feeds.close()
-    assert result.returncode == 1, (result.stdout, result.stderr)
-    assert result.stderr.startswith("vesti: ") and result.stderr.count("\n") == 1, result.stderr
-    assert "vesti.db" in result.stderr and "Traceback" not in result.stderr
-    conn = sqlite3.connect(home / "vesti.db")
-    health = conn.execute("SELECT slug, status, error_count FROM sources ORDER BY slug").fetchall()
-    assert health == [("s0", "alive", 0), ("s1", "alive", 0), ("s2", "alive", 0)]
-
-
-def test_a_full_disk_ends_the_worker_with_one_line(home):
-    s, db, _ = worker_home(home, "")
-    add_posts(db.conn(), 500)
-    db.close()                               # checkpointed: the posts are in vesti.db
-    result = run_on_a_small_disk(home, "worker", "--workers", "2", env={"OLLAMA_URL": ""})
-    assert result.returncode == 1, (result.stdout, result.stderr)
-    assert result.stderr.startswith("vesti: ") and result.stderr.count("\n") == 1, result.stderr
-    assert "vesti.db" in result.stderr and "Traceback" not in result.stderr
-    queue = dict(sqlite3.connect(home / "vesti.db")
-                 .execute("SELECT classified, count(*) FROM posts GROUP BY 1").fetchall())
-    assert 0 < queue.get(0, 0) < 500 and -2 not in queue   # stopped part-way; nothing failed
-
-
-# Web: slow clients, the access log, posts that do not exist -------------------
+# Web server: slow clients, the access log, posts that do not exist ------------
 
 def test_a_client_that_drips_its_request_is_dropped_while_others_are_served(web, monkeypatch):
     monkeypatch.setattr(vesti.WebHandler, "request_deadline", 1)
@@ -5343,427 +6303,253 @@ def test_deciding_on_a_post_that_does_not_exist_is_404(web, post_id):
     assert [tuple(r) for r in conn.execute("SELECT id, status FROM posts")] == [(1, "new")]
 
 
-# Configuration: hostile or absurd values -------------------------------------
+# Scheduler: run, everything at once -------------------------------------------
 
-def alias_bomb(levels=7):
-    """The "billion laughs" shape: each anchor is nine aliases of the last."""
-    nested = ["&x0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
-    nested += [f"&x{n} [" + ", ".join([f"*x{n - 1}"] * 9) + "]" for n in range(1, levels)]
-    return "[" + ", ".join(nested) + "]"
-
-
-A_SOURCE = '  - slug: a\n    crawler: rss\n    url: "http://x.test/feed"\n'
-
-
-@pytest.mark.parametrize("extra", [
-    f"    name: {alias_bomb()}\n",
-    "    ? [a, b]\n    : x\n",
-    "    name: " + "[" * 5000 + "]" * 5000 + "\n",
-    "    name: " + "[" * 200000 + "]" * 200000 + "\n",
-    "    name: &n x\n    direction: *n\n",
-    "    priority: 100000000000000000000000\n",
-], ids=["alias-bomb", "non-scalar-key", "5000-deep", "200000-deep", "one-alias", "huge-priority"])
-def test_a_hostile_sources_yaml_is_a_one_line_error(home, extra):
-    (home / "sources.yaml").write_text(SOURCES_YAML.format(sources=A_SOURCE + extra))
-    result = cli("status", cwd=home, timeout=30)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert result.stderr.count("\n") == 1 and "sources.yaml" in result.stderr
-    assert "Traceback" not in result.stderr
+def run_process(home, *args, env=None):
+    """`vesti.py run` in its own process, with the page on a free port and
+    the password "pw"; returns (process, port)."""
+    process = subprocess.Popen(
+        [*VESTI, "run", *args], cwd=home, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "VESTI_WEB_PORT": "0", "RSS_HOST_DELAY": "0",
+             "VESTI_WEB_PASSWORD": "pw", **(env or {})})
+    line = process.stdout.readline()
+    return process, int(re.search(r"http://127\.0\.0\.1:(\d+)/", line)[1])
 
 
-def test_a_url_that_does_not_parse_is_a_one_line_error(home):
-    (home / "sources.yaml").write_text(SOURCES_YAML.format(
-        sources='  - slug: a\n    crawler: rss\n    url: "http://[::1"\n'))
-    result = cli("status", cwd=home)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert result.stderr.count("\n") == 1 and "source 'a'" in result.stderr
-    assert "Traceback" not in result.stderr
-
-
-@pytest.mark.parametrize("name,value", [("VESTI_DB", ""), ("VESTI_LEASE_SECONDS", "1e308"),
-                                        ("VESTI_WEB_USER", "a:b"), ("RSS_TIMEOUT", "1e308"),
-                                        ("VESTI_CRAWL_EVERY", "0s")])
-def test_an_absurd_setting_stops_the_command_with_one_line_and_exit_2(home, name, value):
-    write_sources(home / "sources.yaml", [rss_source("a", "http://x.test/feed")])
-    result = cli("status", cwd=home, env={name: value})
-    assert result.returncode == 2, (result.stdout, result.stderr)
-    assert result.stderr.count("\n") == 1 and name in result.stderr
-    assert "Traceback" not in result.stderr
-
-
-@pytest.mark.parametrize("args,env,named", [
-    (("status",), {"VESTI_DB": ":memory:"}, "VESTI_DB"),
-    (("run", "--workers", "1"), {"VESTI_DB": ":memory:", "VESTI_WEB_PORT": "0"}, "VESTI_DB"),
-    (("status", "--db", ":memory:"), {}, "--db"),
-    (("copy-db", "--to", ":memory:"), {}, "--to"),
-], ids=["status", "run", "--db", "copy-db"])
-def test_an_in_memory_database_is_refused_with_one_line_and_exit_2(home, args, env, named):
-    """Each connection (every thread, the page, the workers) would open
-    another, empty database."""
-    write_sources(home / "sources.yaml", [rss_source("a", "http://x.test/feed")])
-    result = cli(*args, cwd=home, env=env)
-    assert result.returncode == 2, (result.stdout, result.stderr[-2000:])
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"vesti: {named}: ") and \
-        ":memory:" in lines[0] and "connection" in lines[0], lines
-    assert "Traceback" not in result.stderr
-
-
-def test_a_nul_byte_in_the_env_file_is_one_line_naming_the_file_and_line(home):
-    write_sources(home / "sources.yaml", [rss_source("a", "http://x.test/feed")])
-    (home / ".env").write_bytes(b"RSS_TIMEOUT=5\nVESTI_DB=ves\x00ti.db\n")
-    result = cli("status", cwd=home)
-    assert result.returncode == 2, (result.stdout, result.stderr[-2000:])
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and ".env:2:" in lines[0] and "NUL" in lines[0], lines
-    assert "Traceback" not in result.stderr
-
-
-def test_an_opml_feed_whose_url_does_not_parse_is_skipped_with_a_note(home):
-    write_sources(home / "sources.yaml", [rss_source("a", "http://x.test/feed")])
-    (home / "bad.opml").write_text(
-        '<?xml version="1.0"?><opml version="2.0"><body>'
-        '<outline text="Broken" xmlUrl="http://[::1/x"/>'
-        '<outline text="Good" xmlUrl="https://good.example/feed"/></body></opml>')
-    result = cli("opml-import", "bad.opml", cwd=home)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "1 feeds added" in result.stdout and "1 skipped" in result.stdout
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "http://[::1/x" in lines[0] and "skipped" in lines[0], lines
-    assert "Traceback" not in result.stderr
-    assert [s.url for s in vesti.load_registry(str(home / "sources.yaml")).sources] == \
-        ["http://x.test/feed", "https://good.example/feed"]
-
-
-# Migration: posts claimed before leases existed --------------------------------
-
-def test_posts_left_processing_by_a_database_from_before_leases_are_classified(home):
-    old = sqlite3.connect(home / "vesti.db")
-    old.execute("CREATE TABLE posts (id INTEGER PRIMARY KEY, source_id INTEGER, text TEXT, "
-                "classified INTEGER)")
-    old.executemany("INSERT INTO posts (source_id, text, classified) VALUES (1, ?, ?)",
-                    [(f"Old news {k} about the Linux kernel.", -1 if k < 5 else 0)
-                     for k in range(8)])
-    old.commit()
-    old.close()
-    s, db = intake(home, [rss_source("old", "http://x.test/feed")])
-    columns = {r["name"] for r in db.conn().execute("PRAGMA table_info(posts)")}
-    assert {"claimed_at", "claim_token", "attempts", "next_attempt_at"} <= columns
-    vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=2, quiet=True)
-    assert queue_of(db) == {1: 8}
-    assert {r[0] for r in db.conn().execute("SELECT direction FROM posts")} == {"linux"}
-
-
-# PostgreSQL: one queue for many machines ----------------------------------------
-
-def test_the_postgresql_schema_is_made_from_the_same_table_definitions():
-    sqlite_tables = {(t, c) for t, c, _, _ in vesti.schema_columns()}
-    objects = {name: create for name, _, create in vesti.postgres_schema()}
-    for table in {t for t, _ in sqlite_tables}:
-        columns = re.findall(r"^\s+(\w+) ", objects[table], re.M)
-        assert {(table, c) for c in columns if c not in ("PRIMARY",)} == \
-            {(t, c) for t, c in sqlite_tables if t == table}
-    indexes = {s.split()[5] for s in vesti.schema_statements() if s.startswith("CREATE INDEX")}
-    assert indexes <= set(objects)
-    assert "datetime(" not in " ".join(objects.values()) and "WITHOUT ROWID" not in str(objects)
-
-
-@postgres_only
-def test_a_postgresql_database_has_every_table_column_and_index(home, backend):
-    s, db = intake(home, [])
-    conn = db.conn()
-    columns = {(r[0], r[1]) for r in conn.execute(
-        "SELECT table_name, column_name FROM information_schema.columns "
-        "WHERE table_schema = current_schema()")}
-    assert {(t, c) for t, c, _, _ in vesti.schema_columns()} <= columns
-    indexes = {r[0] for r in conn.execute("SELECT indexname FROM pg_indexes "
-                                          "WHERE schemaname = current_schema()")}
-    assert {s.split()[5] for s in vesti.schema_statements() if s.startswith("CREATE INDEX")} <= indexes
-    started = time.monotonic()
-    vesti.Database(backend).close()                      # up to date: opens at once
-    assert time.monotonic() - started < 1
-
-
-def test_without_psycopg_a_postgresql_url_is_one_line_and_exit_2(home):
-    write_sources(home / "sources.yaml", [])
-    (home / "sitecustomize.py").write_text(
-        "import sys\nclass Block:\n    def find_spec(self, name, *args):\n"
-        "        if name == 'psycopg':\n            raise ImportError(name)\n"
-        "sys.meta_path.insert(0, Block())\n")
-    result = cli("status", cwd=home, env={"VESTI_DB": "postgresql://u:secret@127.0.0.1:9/x",
-                                          "PYTHONPATH": str(home)})
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        "vesti: a PostgreSQL database needs the 'psycopg[binary]' package: "
-        "pip install psycopg[binary]"]
-
-
-def test_an_unreachable_postgresql_is_one_line_and_exit_2_without_the_password(home):
-    pytest.importorskip("psycopg")
-    write_sources(home / "sources.yaml", [])
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    result = cli("status", cwd=home, env={"VESTI_DB": f"postgresql://u:s3cret@127.0.0.1:{port}/x"})
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "cannot open the database" in lines[0]
-    assert f"postgresql://u:***@127.0.0.1:{port}/x" in lines[0] and "s3cret" not in result.stderr
-
-
-@pytest.mark.slow
-@postgres_only
-def test_copy_db_moves_everything_to_postgresql_and_back_and_twice_changes_nothing(home, backend):
-    file_db = str(home / "vesti.db")
-    write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss",
-                                                     direction="linux")])
-    s = make_settings(home).replace(db=file_db)
-    registry, db = vesti.open_intake(s)
-    conn = db.conn()
-    for k in range(1, 8):
-        desk_post(conn, 1, k, title=f"Post {k} «кириллица»", relevance=k)
-    vesti.set_decision(conn, 3, "approved", "editor")
-    conn.execute("INSERT INTO runs (source_id, task, status) VALUES (1, 'rss', 'ok')")
-    vesti.set_meta(conn, "web_secret", "kept")
-    first = cli("copy-db", "--to", backend, cwd=home, env={"VESTI_DB": file_db})
-    assert first.returncode == 0, first.stderr
-    assert re.search(r"copy-db: 1 sources, .*7 posts, 0 runs|copy-db: 1 sources, .*7 posts, 1 runs",
-                     first.stdout), first.stdout
-    again = cli("copy-db", "--to", backend, cwd=home, env={"VESTI_DB": file_db})
-    assert again.returncode == 0, again.stderr
-    pg = vesti.Database(backend).conn()
-
-    def rows(c, sql):
-        return [tuple(r) for r in c.execute(sql)]
-    for sql in ("SELECT id, title, status, decided_by, relevance, published_at FROM posts ORDER BY id",
-                "SELECT id, slug, url, direction FROM sources ORDER BY id",
-                "SELECT id, source_id, status FROM runs ORDER BY id"):
-        assert rows(pg, sql) == rows(conn, sql)
-    assert vesti.get_meta(pg, "web_secret")[0] == "kept"
-    assert counts_match_posts(pg)
-    page = Web(home, settings=s.replace(db=backend, web_password="pw"), password="pw")
+def stop_process(process):
+    process.send_signal(signal.SIGTERM)
     try:
-        assert "Post 3" in page.get("/?status=approved&min=0")[2]
-        found = page.get(f"/?q={urllib.parse.quote('кириллица')}&min=0&status=any")[2]
-        assert len(card_ids(found)) == 7
+        return process.communicate(timeout=15)
     finally:
-        page.close()
-    new_id = pg.execute("INSERT INTO posts (source_id, title) VALUES (1, 'after the copy') "
-                        "RETURNING id").fetchone()[0]
-    assert new_id == 8                                   # ids go on after the copied ones
-    back = cli("copy-db", "--to", str(home / "back.db"), cwd=home, env={"VESTI_DB": backend})
-    assert back.returncode == 0, back.stderr
-    assert len(rows(sqlite3.connect(home / "back.db"), "SELECT id FROM posts")) == 8
-    conn.execute("DELETE FROM runs")                     # a later copy brings the target up to date
-    assert cli("copy-db", "--to", backend, cwd=home, env={"VESTI_DB": file_db}).returncode == 0
-    assert rows(pg, "SELECT count(*) FROM runs") == [(0,)] and \
-        rows(pg, "SELECT count(*) FROM posts") == [(7,)]
-    other = cli("copy-db", "--to", str(home / "back.db"), cwd=home, env={"VESTI_DB": file_db})
-    assert other.returncode == 2                         # back.db is a copy of the other one
-    assert other.stderr.strip().endswith("holds 8 posts that are not a copy of "
-                                         f"{file_db}; copy into an empty database")
-
-
-@postgres_only
-@pytest.mark.parametrize("to_postgresql", [True, False], ids=["to-postgresql", "to-sqlite"])
-def test_an_interrupted_copy_db_is_completed_by_running_it_again(home, backend, monkeypatch,
-                                                                 to_postgresql):
-    file_db = str(home / "vesti.db")
-    source_db, target_db = (file_db, backend) if to_postgresql else (backend, file_db)
-    write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss",
-                                                     direction="linux")])
-    _, db = vesti.open_intake(make_settings(home).replace(db=source_db))
-    conn = db.conn()
-    for k in range(1, 11):
-        desk_post(conn, 1, k, title=f"Wombat {k}", relevance=k % 10)
-    vesti.set_decision(conn, 3, "approved", "editor")
-    conn.executemany("INSERT INTO runs (source_id, task, status) VALUES (1, 'rss', ?)",
-                     [("ok",), ("error",), ("ok",)])
-    conn.executemany("INSERT INTO story_keys (key, post_id) VALUES (?, ?)",
-                     [(k * 7, k) for k in range(1, 11)])
-    target = vesti.Database(target_db).conn()
-    monkeypatch.setattr(vesti, "COPY_CHUNK", 4)
-    step = vesti.Progress.step
-    for killed_after in ("posts 4", "posts 10"):          # amid the posts; before the runs
-        def kill(progress, note="", count=1, killed_after=killed_after):
-            step(progress, note, count)
-            if note == killed_after:
-                raise KeyboardInterrupt
-        monkeypatch.setattr(vesti.Progress, "step", kill)
-        with pytest.raises(KeyboardInterrupt):
-            vesti.copy_database(conn, target, quiet=True)
-    monkeypatch.setattr(vesti.Progress, "step", step)
-    counts = vesti.copy_database(conn, target, quiet=True)
-    assert (counts["posts"], counts["runs"], counts["story_keys"]) == (10, 3, 10)
-
-    def rows(c, sql):
-        return [tuple(r) for r in c.execute(sql)]
-    for sql in ("SELECT id, title, status, relevance, published_at FROM posts ORDER BY id",
-                "SELECT id, slug, url FROM sources ORDER BY id",
-                "SELECT id, source_id, status FROM runs ORDER BY id",
-                "SELECT key, post_id FROM story_keys ORDER BY key"):
-        assert rows(target, sql) == rows(conn, sql), sql
-    assert counts_match_posts(target) and \
-        rows(target, "SELECT sum(n) FROM post_counts") == [(10,)]
-    found = vesti.desk_posts(target, vesti.DeskQuery(q="wombat", status="any", min=0))
-    assert [post["id"] for post in found] == list(range(10, 0, -1))
-
-
-@pytest.mark.slow
-@postgres_only
-def test_two_worker_processes_share_the_queue_and_survive_a_kill_9(home, backend):
-    fake, workers = FakeOllama(latency=0.1), []
-    try:
-        s, db, _ = worker_home(home, fake.url)
-        add_posts(db.conn(), 60)
-        # Long enough that a live worker's post never outlasts its lease
-        # (a re-ask then would be right, but not the killed worker's).
-        env = {"VESTI_LEASE_SECONDS": "5"}
-        workers = [worker_process(home, fake.url, "--workers", "4", "--forever", env=env)
-                   for _ in range(2)]
-        one, two = workers
-        assert wait_for(lambda: queue_of(db).get(1, 0) >= 10)
-        one.kill()
-        one.communicate()
-        held = {row[0] for row in db.conn().execute(
-            "SELECT title FROM posts WHERE classified = -1 AND claim_token LIKE ?",
-            (f"{one.pid}-%",))}
-        assert wait_for(lambda: queue_of(db) == {1: 60}, timeout=30,
-                        state=lambda: (queue_of(db), two.poll()), patient=True)
-        two.send_signal(signal.SIGTERM)
-        _, err = two.communicate(timeout=15)
-        assert two.returncode == 0, err
-        asked = collections.Counter(fake.titles())
-        assert set(asked) == {f"Post {k}" for k in range(60)}
-        assert {title for title, n in asked.items() if n > 1} <= held   # only what the killed one held
-        assert len(held) <= 2 * 4                            # asked, and the next one ready
-    finally:
-        for process in workers:
-            if process.poll() is None:
-                process.kill()
-        fake.close()
-
-
-@postgres_only
-def test_two_overlapping_crawls_store_each_entry_once(home, backend, server):
-    body = rss(items(40))
-
-    def slow(request):
-        time.sleep(0.3)
-        return 200, {"Content-Type": "application/rss+xml"}, body
-    server.routes["/feed"] = slow
-    intake(home, [rss_source("slow", server.url + "/feed")])
-    crawls = [subprocess.Popen([*VESTI, "rss", "--all"], cwd=home,
-                               env={**os.environ, "VESTI_DB": backend}, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    for crawl_process in crawls:
-        _, err = crawl_process.communicate(timeout=60)
-        assert crawl_process.returncode == 0, err
-    db = vesti.Database(backend)
-    assert db.conn().execute("SELECT count(*), count(DISTINCT canonical_url) FROM posts").fetchone() \
-        == (40, 40)
-    assert [r["status"] for r in runs_of(db, "slow")] == ["ok", "ok"]
-
-
-@pytest.mark.slow
-@restarts_postgres
-def test_a_worker_rides_out_a_postgresql_restart_and_loses_nothing(home, backend, postgres_server):
-    fake, process = FakeOllama(latency=0.05), None
-    try:
-        s, db, _ = worker_home(home, fake.url)
-        add_posts(db.conn(), 120)
-        db.close()
-        process = worker_process(home, fake.url, "--workers", "4", "--forever")
-        check = vesti.Database(backend)
-        assert wait_for(lambda: queue_of(check).get(1, 0) >= 20)
-        check.close()
-        postgres_server.stop()
-        time.sleep(1.5)                                  # the workers find it gone
-        postgres_server.start()
-        check = vesti.Database(backend)
-        assert wait_for(lambda: queue_of(check) == {1: 120}, timeout=30,
-                        state=lambda: (queue_of(check), process.poll()), patient=True)
-        process.send_signal(signal.SIGTERM)
-        _, err = process.communicate(timeout=15)
-        assert process.returncode == 0, err
-        assert err.count("database server cannot be reached; waiting for it") == 1, err
-        assert set(fake.titles()) == {f"Post {k}" for k in range(120)}
-        assert check.conn().execute("SELECT count(*) FROM posts WHERE error IS NOT NULL").fetchone()[0] == 0
-    finally:
-        if process is not None and process.poll() is None:
+        if process.poll() is None:
             process.kill()
-        fake.close()
 
 
 @pytest.mark.slow
-@restarts_postgres
-def test_two_workers_and_a_crawler_on_postgresql_survive_a_kill_9_and_a_restart(
-        home, backend, postgres_server, server):
-    """The README's set-up: `run --workers 0` crawls and serves, two `worker
-    --forever` processes classify; one is killed with kill -9 and the
-    database server restarts (for well under a lease, so no live worker's
-    post outlasts its lease); every post is classified, none twice but what
-    the killed one held."""
-    fake = FakeOllama(latency=0.05)
-    entries = [40]
-    server.routes["/feed"] = lambda request: (200, {"Content-Type": "application/rss+xml"},
-                                              rss(items(entries[0], host="http://news.example")))
-    write_sources(home / "sources.yaml", [rss_source("wire", server.url + "/feed",
-                                                     direction="linux")])
-    env = {**os.environ, "VESTI_DB": backend, "OLLAMA_URL": fake.url,
-           "RSS_HOST_DELAY": "0", "VESTI_CRAWL_EVERY": "1s", "VESTI_LEASE_SECONDS": "12",
-           "VESTI_WEB_PORT": "0", "VESTI_WEB_PASSWORD": "pw"}
-
-    def start(*args):
-        return subprocess.Popen([*VESTI, *args], cwd=home,
-                                env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    crawler = start("run", "--workers", "0")
-    port = int(re.search(r"http://127\.0\.0\.1:(\d+)/", crawler.stdout.readline())[1])
-    workers = [start("worker", "--forever", "--workers", "4") for _ in range(2)]
-    db = vesti.Database(backend)
-
-    def queue():
-        with contextlib.suppress(Exception):
-            return queue_of(db)
-        return None
+def test_run_crawls_classifies_serves_and_stops_on_sigterm(home, server, ollama):
+    server.feed("/feed", rss(items(5, host=server.url)))
+    write_sources(home / "sources.yaml", [rss_source("lwn", server.url + "/feed", direction="linux")])
+    process, port = run_process(home, env={"OLLAMA_URL": ollama.url})
     try:
-        assert wait_for(lambda: (queue() or {}).get(1, 0) >= 10, timeout=30, state=queue,
-                        patient=True)
-        workers[0].kill()
-        workers[0].communicate()
-        held = {row[0] for row in db.conn().execute(
-            "SELECT title FROM posts WHERE classified = -1 AND claim_token LIKE ?",
-            (f"{workers[0].pid}-%",))}
-        postgres_server.stop()
-        time.sleep(1.5)
-        postgres_server.start()
-        entries[0] = 60                                  # the feed gains 20 entries
-        assert wait_for(lambda: queue() == {1: 60}, timeout=30, patient=True,
-                        state=lambda: (queue(), crawler.poll(), workers[1].poll()))
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-        conn.request("GET", "/api/queue", headers={
-            "Authorization": "Basic " + base64.b64encode(b"admin:pw").decode()})
-        assert json.loads(conn.getresponse().read())["failed"] == 0
-        for process in (crawler, workers[1]):
-            process.send_signal(signal.SIGTERM)
-        for process in (crawler, workers[1]):
-            _, err = process.communicate(timeout=20)
-            assert process.returncode == 0, err
-            assert "pw" not in err
+        auth = {"Authorization": "Basic " + base64.b64encode(b"admin:pw").decode()}
+
+        def candidates():
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/", headers=auth)
+            return conn.getresponse().read().decode()
+        assert wait_for(lambda: candidates().count('class="post"') == 5, timeout=15)
+        page = candidates()
+        assert "Summary: Post number 0" in page and "relevance <b>8</b>" in page
     finally:
-        for process in (crawler, *workers):
-            if process.poll() is None:
-                process.kill()
-        fake.close()
-    asked = collections.Counter(fake.titles())
-    assert set(asked) == {f"Post number {k}" for k in range(60)}
-    assert {title for title, n in asked.items() if n > 1} <= held   # only what the killed one held
-    assert len(held) <= 2 * 4                           # asked, and the next one ready
-    stored = db.conn().execute("SELECT count(*), count(DISTINCT url) FROM posts").fetchone()
-    assert tuple(stored) == (60, 60)
+        out, err = stop_process(process)
+    assert process.returncode == 0, err
+    assert "pw" not in out + err
+    # A line per crawl and per spell of work on the console, none per page asked.
+    assert re.search(r"^crawl: priority 0: 1 sources \(1 ok.*5 new posts in [0-9.]+ s$", out, re.M)
+    spells = re.findall(r"^worker: (\d+) processed \(.* in [0-9.]+ s; nothing left to claim$",
+                        out, re.M)
+    assert sum(map(int, spells)) == 5
+    assert "GET /" not in err
+    conn = sqlite3.connect(home / "vesti.db")
+    assert conn.execute("SELECT count(*) FROM posts WHERE classified = -1").fetchone()[0] == 0
+    assert conn.execute("SELECT trigger FROM runs").fetchone()[0] == "schedule"
 
 
-# The repository ----------------------------------------------------------------
+@pytest.mark.slow
+def test_run_makes_one_story_of_four_outlets_copies_and_asks_the_llm_once(home, server, ollama):
+    wrappers = ("", "From our correspondent: ", "Repost: ", "Breaking: ")
+    for k, prefix in enumerate(wrappers):
+        server.feed(f"/{k}", rss([{"guid": f"budget-{k}", "link": f"{server.url}/{k}/budget",
+                                   "title": f"Budget, as outlet {k} tells it",
+                                   "text": prefix + STORY + " The kernel of the plan is buses."}]))
+    write_sources(home / "sources.yaml", [rss_source(f"outlet{k}", f"{server.url}/{k}",
+                                                     direction="linux") for k in range(4)])
+    process, _ = run_process(home, "--workers", "1", env={"OLLAMA_URL": ollama.url})
+    try:
+        conn = sqlite3.connect(home / "vesti.db")
+        assert wait_for(lambda: conn.execute("SELECT count(*) FROM posts WHERE classified = 1")
+                        .fetchone()[0] == 4, timeout=20)
+    finally:
+        out, err = stop_process(process)
+    assert process.returncode == 0, err
+    assert len(ollama.titles()) == 1
+    stories = {row[0] for row in conn.execute("SELECT story_id FROM posts")}
+    assert len(stories) == 1 and None not in stories
+
+
+@both
+def test_run_picks_up_new_directions_when_sources_yaml_changes(home, server):
+    s, db = intake(home, [rss_source("a", server.url + "/a")])
+    registry = vesti.load_registry(s.sources)
+    classifier = vesti.Classifier(registry, s)
+    seen = []
+    scheduler = vesti.Scheduler(db, s, registry, threading.Event(),
+                                listeners=(classifier.use, seen.append))
+    post = {"title": "A rocket reached orbit", "text": "The rocket flew.", "url": None,
+            "content_type": "full"}
+    assert classifier(post).direction == "space"
+    text = (home / "sources.yaml").read_text().replace("keywords: [rocket, orbit]",
+                                                       "keywords: [rocket, orbit]\n  sea:\n"
+                                                       "    title: Sea\n    keywords: [flew, orbit, reached]")
+    (home / "sources.yaml").write_text(text)
+    os.utime(home / "sources.yaml", (time.time() + 5, time.time() + 5))
+    scheduler.reload_sources()
+    assert "sea" in seen[0].directions
+    assert classifier(post).direction == "sea"
+
+
+@both
+def test_a_rejected_sources_yaml_edit_is_on_every_page_until_a_good_one_loads(home):
+    s, db = intake(home, [rss_source("a", "http://127.0.0.1:9/a")], VESTI_WEB_PASSWORD="pw")
+    web = Web(home, password="pw", settings=s)       # `serve`, beside `run`'s scheduler
+    scheduler = vesti.Scheduler(db, s, vesti.load_registry(s.sources), threading.Event())
+    good = (home / "sources.yaml").read_text()
+
+    def edit(text):
+        (home / "sources.yaml").write_text(text)
+        os.utime(home / "sources.yaml", (time.time() + 5, time.time() + 5))
+        scheduler.reload_sources()
+    try:
+        edit(good + "  - {slug: b, crawler: atom, url: 'http://x/'}\n")
+        for path in ("/", "/crawlers", "/?lang=ru"):
+            banner = re.search(r'<p class="banner"[^>]*>([^<]*sources\.yaml[^<]*)</p>',
+                               web.get(path)[2])
+            assert banner and "source &#x27;b&#x27;: unknown crawler &#x27;atom&#x27;" in banner[1]
+        assert "The sources are as they were" in web.get("/")[2]
+        assert "Источники остались прежними" in web.get("/?lang=ru")[2]
+        assert [r[0] for r in db.conn().execute("SELECT slug FROM sources")] == ["a"]
+        edit(good.replace("slug: a", "slug: c"))
+        assert "unknown crawler" not in web.get("/")[2]
+        assert "unknown crawler" not in web.get("/crawlers")[2]
+        edit(good + "  - {slug: b, crawler: atom, url: 'http://x/'}\n")
+        (home / "sources.yaml").write_text(good)
+        vesti.open_intake(s)[1].close()                 # any command that loads it
+        assert "unknown crawler" not in web.get("/")[2]
+    finally:
+        web.close()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_crawl_and_closes_its_runs(home):
+    srv = FeedServer()
+    try:
+        release = threading.Event()
+        srv.routes["/slow"] = lambda request: release.wait(30) and None
+        write_sources(home / "sources.yaml", [rss_source("slow", srv.url + "/slow")] +
+                      [rss_source(f"s{k}", f"{srv.url}/slow?{k}") for k in range(3)])
+        process = subprocess.Popen([*VESTI, "rss", "--all"],
+                                   cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env={**os.environ, "RSS_TIMEOUT": "30",
+                                                   "VESTI_STOP_GRACE": "1"})
+        assert wait_for(lambda: len(srv.requests) == 1)
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=20)
+        release.set()
+    finally:
+        srv.close()
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert time.monotonic() - started < 4
+    assert "interrupted; 1 unfinished runs recorded as interrupted" in err
+    runs = sqlite3.connect(home / "vesti.db").execute("SELECT status FROM runs").fetchall()
+    assert runs == [("interrupted",)]                   # the other sources were never started
+    assert len(srv.requests) == 1
+
+
+@both
+def test_runs_left_running_by_a_dead_process_are_closed(home):
+    s, db = intake(home, [rss_source("a", "http://127.0.0.1:9/a")])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    db.conn().execute("INSERT INTO runs (source_id, task, status, pid) VALUES (1, 'rss', 'running', ?)",
+                      (gone.pid,))
+    db.conn().execute("INSERT INTO runs (source_id, task, status, pid) VALUES (1, 'rss', 'running', ?)",
+                      (os.getpid(),))
+    vesti.open_intake(s)
+    statuses = [r[0] for r in db.conn().execute("SELECT status FROM runs ORDER BY id")]
+    assert statuses == ["interrupted", "running"]
+
+
+@both
+def test_the_scheduler_crawls_each_priority_on_its_interval(home, server):
+    for slug in "abc":
+        server.feed(f"/{slug}", rss(items(1, host=server.url + "/" + slug)))
+    s, db = intake(home, [rss_source("a", server.url + "/a", priority=0),
+                          rss_source("b", server.url + "/b", priority=1),
+                          rss_source("c", server.url + "/c", priority=5)],
+                   VESTI_CRAWL_EVERY="10m,1h")
+    start = time.time()
+    now = [start]
+    scheduler = vesti.Scheduler(db, s, vesti.load_registry(s.sources), threading.Event(),
+                                clock=lambda: now[0])
+    assert scheduler.tick() == [0, 1, 5]
+    assert scheduler.join(10)
+    now[0] = start + 901                          # every slot of 0 has come, none of 1
+    assert scheduler.tick() == [0]
+    assert scheduler.join(10)
+    now[0] = start + 5401
+    assert scheduler.tick() == [0, 1, 5]          # priority 5 takes the last interval
+    assert scheduler.join(10)
+
+
+# Command line -----------------------------------------------------------------
+
+def test_rss_command_and_its_shim_crawl_and_report(home, server):
+    server.feed("/feed", rss(items(3, host=server.url)))
+    write_sources(home / "sources.yaml", [rss_source("lwn", server.url + "/feed", direction="linux"),
+                                          rss_source("other", server.url + "/missing")])
+    env = {"RSS_HOST_DELAY": "0", "PYTHONPATH": str(ROOT)}
+    result = cli("rss", "--source", "lwn", "--trigger", "cron", cwd=home, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("rss: 1 sources (1 ok, 0 failed, 0 deferred), 3 new posts in ")
+    shim = subprocess.run([sys.executable, "-m", "crawler.rss_crawler", "--all", "--db",
+                           str(home / "vesti.db")], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "RSS_HOST_DELAY": "0",
+                               "VESTI_SOURCES": str(home / "sources.yaml")}, timeout=60)
+    assert shim.returncode == 0, shim.stderr             # a failing source is not a failing run
+    assert "2 sources (1 ok, 1 failed" in shim.stdout
+    status = json.loads(cli("--db", "vesti.db", "status", "--json", cwd=home).stdout)
+    assert status["queue"] == {"pending": 3, "processing": 0, "done_today": 0, "failed": 0}
+    health = {s["slug"]: s for s in status["sources"]}
+    assert health["other"]["last_error"] == "HTTP 404 Not Found"
+    assert health["lwn"]["etag"] == '"v1"'
+    conn = sqlite3.connect(home / "vesti.db")
+    assert conn.execute("SELECT trigger FROM runs ORDER BY id LIMIT 1").fetchone()[0] == "cron"
+    text = cli("status", cwd=home).stdout
+    assert "pending 3" in text and "HTTP 404 Not Found" in text
+
+
+@both
+def test_rss_by_direction_takes_only_that_direction(home, server):
+    server.feed("/a", rss(items(1, host=server.url + "/a")))
+    server.feed("/b", rss(items(1, host=server.url + "/b")))
+    s, db = intake(home, [rss_source("a", server.url + "/a", direction="linux"),
+                          rss_source("b", server.url + "/b", direction="space")])
+    crawl(s, db, ("direction", "space"))
+    assert [p for p, *_ in server.requests] == ["/b"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["rss", "--source", "nope"], "unknown source 'nope'"),
+    (["rss", "--direction", "sport"], "unknown direction 'sport'"),
+    (["rss"], "one of the arguments --all --direction --source is required"),
+])
+def test_rss_usage_errors_exit_2(home, args, message):
+    write_sources(home / "sources.yaml", [rss_source("a", "http://127.0.0.1:9/a")])
+    result = cli(*args, cwd=home)
+    assert result.returncode == 2 and message in result.stderr
+
+
+def test_init_is_idempotent_and_reports_the_sources(home):
+    write_sources(home / "sources.yaml", [rss_source("a", "http://127.0.0.1:9/a")])
+    for _ in range(2):
+        result = cli("init", "--db", "data.db", cwd=home)
+        assert result.returncode == 0 and "1 enabled sources" in result.stdout
+    assert (home / "data.db").exists()
+
+
+# The repository ---------------------------------------------------------------
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, marker", [
@@ -5838,789 +6624,3 @@ def test_env_example_names_every_setting():
     example = (ROOT / ".env.example").read_text(encoding="utf-8")
     for name, *_ in vesti.SETTINGS:
         assert f"#{name}=" in example
-
-
-# Stories ----------------------------------------------------------------------
-
-sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
-import story_set  # noqa: E402
-
-
-@pytest.mark.slow
-def test_stories_on_the_labelled_set_keep_precision_and_recall(tmp_path):
-    """Pairs built from the real corpus: rewrites, teasers and reposts are one
-    story; template releases, other stories of one feed and digests are not."""
-    pairs = story_set.labelled_pairs(str(CORPUS))
-    kinds = {kind for kind, _, _, _ in pairs}
-    assert {"teaser", "repost", "release template", "same-day digests"} <= kinds
-    assert sum(same for _, same, _, _ in pairs) > 200 and sum(not s for _, s, _, _ in pairs) > 200
-    precision, recall, by_kind = story_set.measure(pairs, str(tmp_path / "stories.db"))
-    assert precision >= 0.99, by_kind            # reached: 1.0
-    # Reached: 0.952; a changed sentence that brings a link of its own (a
-    # video's) is classified on its own (see vesti.adds_to).
-    assert recall >= 0.95, by_kind
-
-
-STORY = ("The city council approved the new budget for public transport on Tuesday evening "
-         "after a long debate. The plan adds forty buses, extends two tram lines to the "
-         "northern districts and freezes ticket prices until the end of next year. "
-         "Opposition members said the money should have gone to road repairs instead.")
-OTHER = ("A rare comet will be visible to the naked eye this weekend in the northern "
-         "hemisphere, astronomers said. The best time to look is one hour before dawn, "
-         "low above the eastern horizon, far from city lights.")
-
-
-def story_home(home, ollama_url, **settings):
-    sources = [rss_source(slug, f"http://{slug}.example/feed", name=name) for slug, name in
-               (("wire", "City Wire"), ("daily", "The Daily"), ("radio", "Radio One"))]
-    write_sources(home / "sources.yaml", sources)
-    text = (home / "sources.yaml").read_text().replace("keywords: [", "keywords: [budget, comet, ")
-    (home / "sources.yaml").write_text(text)
-    s = make_settings(home, OLLAMA_URL=ollama_url, **settings)
-    registry, db = vesti.open_intake(s)
-    return s, db, registry
-
-
-def add_copy(conn, source_slug, title, text, published):
-    source = conn.execute("SELECT id FROM sources WHERE slug = ?", (source_slug,)).fetchone()[0]
-    return conn.execute("""INSERT INTO posts (source_id, title, text, url, canonical_url,
-                           published_at, classified) VALUES (?, ?, ?, ?, ?, ?, 0) RETURNING id""",
-                        (source, title, text, f"http://{source_slug}.example/{published}",
-                         f"http://{source_slug}.example/{published}", published)).fetchone()[0]
-
-
-@both
-def test_copies_of_one_story_cost_one_llm_call_and_make_one_card(home):
-    fake = FakeOllama()
-    try:
-        s, db, registry = story_home(home, fake.url)
-        conn = db.conn()
-        first = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
-        add_copy(conn, "daily", "Forty new buses for the city",
-                 "From our correspondent: " + STORY + " Read more on our site.", "2026-12-01 08:30:00")
-        add_copy(conn, "radio", "", STORY[:300] + "\n\nИсточник: @citywire", "2026-12-01 09:00:00")
-        comet = add_copy(conn, "radio", "Comet this weekend", OTHER, "2026-12-01 09:30:00")
-        stats, _ = vesti.run_workers(db, s, registry, workers=1, quiet=True)
-        assert stats.done == 4
-        assert sorted(fake.titles()) == ["Comet this weekend", "Council approves transport budget"]
-        rows = conn.execute("SELECT id, story_id, direction, relevance, summary FROM posts "
-                            "ORDER BY id").fetchall()
-        assert [r["story_id"] for r in rows] == [first, first, first, comet]
-        assert len({(r["direction"], r["relevance"], r["summary"]) for r in rows[:3]}) == 1
-        report = vesti.status_report(conn)
-        assert report["stories"] == {"stories": 1, "joined": 2, "llm_calls_saved": 2}
-        web = Web(home, settings=s.replace(web_password="s3cret"))
-        try:
-            page = web.get("/?min=0")[2]
-            assert card_ids(page) == [comet, first]                      # one card per story
-            story = re.search(rf'id="post-{first}".*?</article>', page, re.S)[0]
-            assert "+2 sources" in story and story.index("The Daily") < story.index("Radio One")
-            every = re.search(r'href="(/\?[^"]*story=\d+[^"]*)"', story)[1]
-            assert card_ids(web.get(html.unescape(every))[2]) == [first + 2, first + 1, first]
-            status, _, body = web.post(f"/posts/{first}/status",
-                                       {"status": "approved", "token": web.token()},
-                                       headers={"Accept": "application/json"})
-            assert status == 200 and json.loads(body)["status"] == "approved"
-            assert [r[0] for r in conn.execute("SELECT status FROM posts ORDER BY id")] == \
-                ["approved", "approved", "approved", "new"]
-            metrics = web.get("/metrics")[2]
-            assert "vesti_llm_calls_saved_total 2" in metrics and "vesti_stories 1" in metrics
-            page = web.get("/?min=0&status=any")[2]
-            assert facet(page, "statuses", "approved") == 1 and facet(page, "statuses", "to decide") == 1
-            assert counts_match_posts(conn)
-        finally:
-            web.close()
-    finally:
-        fake.close()
-
-
-@both
-def test_a_sources_list_shows_its_copies_and_a_copy_decides_its_story(home):
-    s, db, registry = story_home(home, "")
-    conn = db.conn()
-    first = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
-    copy = add_copy(conn, "daily", "Forty new buses", "Our correspondent: " + STORY,
-                    "2026-12-01 08:30:00")
-    other = add_copy(conn, "daily", "Comet this weekend", OTHER, "2026-12-01 09:30:00")
-    vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    assert conn.execute("SELECT story_id FROM posts WHERE id = ?", (copy,)).fetchone()[0] == first
-    web = Web(home, settings=s.replace(web_password="s3cret"))
-    try:
-        page = web.get("/?min=0&source=daily")[2]
-        assert card_ids(page) == [other, copy]                 # the copy is the daily's post
-        assert facet(page, "statuses", "to decide") == 2
-        card = re.search(rf'id="post-{copy}".*?</article>', page, re.S)[0]
-        assert "+1 source:" in card and "City Wire" in card
-        status, _, _ = web.post(f"/posts/{copy}/status", {"status": "approved",
-                                                          "token": web.token()})
-        assert status == 303
-        assert [r[0] for r in conn.execute("SELECT status FROM posts ORDER BY id")] == \
-            ["approved", "approved", "new"]
-        feed = json.loads(web.get("/approved.json")[2])
-        assert [item["title"] for item in feed["items"]] == ["Council approves transport budget"]
-        crawlers = web.get("/crawlers")[2]
-        assert counts_match_posts(conn)
-        approved = dict(conn.execute("SELECT slug, approved FROM sources"))
-        assert approved == {"wire": 1, "daily": 1, "radio": 0} and "The Daily" in crawlers
-    finally:
-        web.close()
-
-
-@both
-def test_a_post_edited_out_of_an_approved_story_leaves_it_and_the_story_keeps_its_words(home):
-    channels = {"wirechan": STORY, "dailychan": "From our correspondent: " + STORY,
-                "radiochan": STORY[:300] + "\n\nИсточник: @citywire"}
-    write_sources(home / "sources.yaml", [{"slug": name[:-4], "crawler": "telegram",
-                                           "url": f"@{name}", "priority": k}
-                                          for k, name in enumerate(channels)])
-    text = (home / "sources.yaml").read_text().replace("keywords: [", "keywords: [budget, ")
-    (home / "sources.yaml").write_text(text)
-    web = Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret"))
-    s, db, conn = web.settings, web.db, web.db.conn()
-    try:
-        posted = recent(60)
-        fake = FakeTelegram(channels={name: [tg.Message(id=1, peer_id=tg.PeerChannel(1001),
-                                                        date=posted, message=message)]
-                                      for name, message in channels.items()})
-        crawl_tg(s, db, fake)
-        vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
-        lead, copy, other = [r[0] for r in conn.execute("SELECT id FROM posts ORDER BY id")]
-        assert {r[0] for r in conn.execute("SELECT story_id FROM posts")} == {lead}
-        web.post(f"/posts/{lead}/status", {"token": web.token(), "status": "approved"})
-
-        def approved():
-            return [item["url"] for item in json.loads(web.get("/approved.json")[2])["items"]]
-        assert approved() == ["https://t.me/wirechan/1"]
-        # Other words in the same story: a card of its own all the same, to decide again.
-        fake.channels["radiochan"] = [tg_edited(1, channels["radiochan"] + ", обновлено",
-                                                posted, 5)]
-        crawl_tg(s, db, fake)
-        vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
-        story = card_of(web.get("/?status=approved")[2], lead)
-        assert "+1 source:" in story and "radio" not in story
-        assert approved() == ["https://t.me/wirechan/1"]
-        assert "Edited after your decision" in card_of(web.get("/")[2], other)
-        spam = "Budget tip: cheap pills and casino bonuses at https://spam.example, order today!"
-        fake.channels["wirechan"] = [tg_edited(1, spam, posted, 6)]
-        crawl_tg(s, db, fake)
-        vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
-        assert approved() == ["https://t.me/dailychan/1"]     # the copy's own words
-        assert tuple(conn.execute("SELECT status, story_id FROM posts WHERE id = ?",
-                                  (copy,)).fetchone()) == ("approved", copy)
-        page = web.get("/")[2]
-        assert {lead, other} <= set(card_ids(page)) and "+1 source" not in page
-        assert "Edited after your decision" in card_of(page, lead)
-        assert counts_match_posts(conn)
-    finally:
-        web.close()
-
-
-@both
-def test_copies_in_one_batch_of_keyword_verdicts_make_one_story(home):
-    """Batches grow 1, 2, 4 posts: the three copies (posts 4-6) are written
-    in one transaction, and still end in one story, counted as one card."""
-    s, db, registry = story_home(home, "")
-    conn = db.conn()
-    ids = [add_copy(conn, "wire", f"Comet {k}", f"{OTHER} Observation {k}.", f"2026-12-01 0{k}:00:00")
-           for k in range(3)]
-    ids += [add_copy(conn, slug, "Budget", prefix + STORY, f"2026-12-01 0{k}:30:00")
-            for k, (slug, prefix) in enumerate((("wire", ""), ("daily", "Our correspondent: "),
-                                                ("radio", "Repost: ")))]
-    vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    stories = [r[0] for r in conn.execute("SELECT story_id FROM posts ORDER BY id")]
-    assert stories == ids[:4] + [ids[3], ids[3]]
-    assert vesti.story_figures(conn)["joined"] == 2 and counts_match_posts(conn)
-
-
-@both
-def test_two_copies_classified_at_once_make_one_story_and_one_llm_call(home):
-    fake = FakeOllama(latency=0.5)
-    try:
-        s, db, registry = story_home(home, fake.url)
-        conn = db.conn()
-        first = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
-        add_copy(conn, "daily", "Budget approved", STORY + " Subscribe to our newsletter.",
-                 "2026-12-01 08:01:00")
-        stats, _ = vesti.run_workers(db, s, registry, workers=2, limit=2, quiet=True)
-        assert queue_of(db) == {1: 2} and len(fake.titles()) == 1      # the copy waited
-        assert stats.done == 2 and stats.returned == 0
-        rows = conn.execute("SELECT id, story_id FROM posts ORDER BY id").fetchall()
-        leader = rows[0]["story_id"]                    # whichever worker got there first
-        assert leader in (first, first + 1) and [r["story_id"] for r in rows] == [leader, leader]
-    finally:
-        fake.close()
-
-
-@both
-def test_a_copy_waiting_for_its_story_is_claimable_once_the_story_has_its_verdict(home):
-    s, db, registry = story_home(home, "")
-    conn = db.conn()
-    lead = add_copy(conn, "wire", "Budget", STORY, "2026-12-01 08:00:00")
-    copy = add_copy(conn, "daily", "Budget", "Repost: " + STORY, "2026-12-01 08:01:00")
-    later = vesti.utc_text(time.time() + 60)
-    conn.execute("UPDATE posts SET story_id = ?, next_attempt_at = ? WHERE id = ?",
-                 (lead, later, copy))
-    assert vesti.wake_story_copies(conn, [copy]) == []          # the story has no verdict yet
-    conn.execute("UPDATE posts SET classified = 1 WHERE id = ?", (lead,))
-    assert vesti.wake_story_copies(conn, [copy]) == [copy]
-    assert vesti.claim_posts(conn, 5)[0]["id"] == copy
-
-
-@both
-def test_a_different_release_from_one_template_is_another_story(home):
-    s, db, registry = story_home(home, "")
-    conn = db.conn()
-    text = ("QEMU {v} released. The QEMU team is pleased to announce version {v}, with new "
-            "devices, faster migration on Linux hosts and many fixes; see the changelog for "
-            "details on {v}.")
-    one = add_copy(conn, "wire", "QEMU 10.0.0", text.format(v="10.0.0"), "2026-12-01 08:00:00")
-    two = add_copy(conn, "daily", "QEMU 10.1.0", text.format(v="10.1.0"), "2026-12-01 09:00:00")
-    vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    assert [r[0] for r in conn.execute("SELECT story_id FROM posts ORDER BY id")] == [one, two]
-
-
-@both
-def test_posts_of_no_direction_and_stories_turned_off_make_no_story(home):
-    s, db, registry = story_home(home, "")
-    conn = db.conn()
-    noise = "Weather: a dry and sunny day with light winds from the west, " * 3
-    add_copy(conn, "wire", "Weather", noise, "2026-12-01 08:00:00")
-    add_copy(conn, "daily", "Weather", noise + "More tomorrow.", "2026-12-01 08:10:00")
-    vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    assert [r[0] for r in conn.execute("SELECT story_id FROM posts ORDER BY id")] == [None, None]
-    assert conn.execute("SELECT count(*) FROM story_keys").fetchone()[0] == 0
-    off = s.replace(story_hours=0)
-    add_copy(conn, "wire", "Budget", STORY, "2026-12-01 09:00:00")
-    add_copy(conn, "daily", "Budget", STORY + " More soon.", "2026-12-01 09:10:00")
-    vesti.run_workers(db, off, registry, workers=1, quiet=True)
-    assert queue_of(db) == {1: 4}
-    assert [r[0] for r in conn.execute("SELECT story_id FROM posts ORDER BY id")] == [None] * 4
-
-
-@both
-def test_a_teaser_whose_article_another_feed_carries_joins_that_story(home, server):
-    page = CORPUS / "html" / "bbc.com.52241221.html"
-    server.routes["/article"] = lambda request: (200, {"Content-Type": "text/html"},
-                                                 page.read_bytes())
-    article = vesti.extract_article(page.read_bytes(), server.url + "/article")
-    s, db = intake(home, [rss_source("wire", "http://wire.example/feed"),
-                          rss_source("daily", server.url + "/feed")])
-    conn = db.conn()
-    full = add_copy(conn, "wire", "New York from above", article, "2026-12-01 08:00:00")
-    teaser = conn.execute("""INSERT INTO posts (source_id, title, text, url, content_type,
-                             published_at, classified) VALUES (2, 'Drone over the city',
-                             'Drone footage from the city.', ?, 'summary', '2026-12-01 09:00:00', 0)
-                             RETURNING id""", (server.url + "/article",)).fetchone()[0]
-    sources = home / "sources.yaml"           # the article is news of a direction
-    sources.write_text(sources.read_text().replace("[rocket, orbit]", "[rocket, orbit, coronavirus]"))
-    vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=1, quiet=True)
-    assert server.sent("/article")                          # the teaser's article was read
-    rows = {r["id"]: r for r in conn.execute("SELECT * FROM posts")}
-    assert rows[teaser]["story_id"] == full
-    assert (rows[teaser]["relevance"], rows[teaser]["summary"]) == \
-        (rows[full]["relevance"], rows[full]["summary"])
-
-
-# A copy's own words: as many sentences again as the story's (an advert).
-ADVERT = (" Our partners also want you to know that the best mortgage rates in town are "
-          "waiting at the agency on the main square, where friendly advisers will help you "
-          "choose a plan and sign the papers in one visit, with no fees this month only.")
-
-
-@both
-@pytest.mark.parametrize("asked", ["llm", "keywords"])
-def test_a_copy_that_adds_a_link_or_sentences_is_classified_on_its_own(home, asked):
-    """A copy with a link of its own or much text of its own is no copy: it
-    is classified on its own words and is a card of its own, which deciding
-    the story leaves alone. Wrappers, a link to the story's own site and a
-    Telegram repost's source link still join."""
-    fake = FakeOllama()
-    try:
-        s, db, registry = story_home(home, fake.url if asked == "llm" else "")
-        conn = db.conn()
-        first = add_copy(conn, "wire", "Council approves transport budget", STORY,
-                         "2026-12-01 08:00:00")
-        joining = [add_copy(conn, slug, "Budget", text, f"2026-12-01 08:{n}0:00")
-                   for n, (slug, text) in enumerate([
-                       ("daily", f"From our correspondent: {STORY} Read more on our site."),
-                       ("radio", f"{STORY[:300]} Full story: https://wire.example/budget"),
-                       ("daily", f"{STORY}\n\nИсточник: @citywire https://t.me/citywire/4821")], 1)]
-        own = [add_copy(conn, slug, title, text, f"2026-12-01 09:{n}0:00")
-               for n, (slug, title, text) in enumerate([
-                   ("daily", "Budget news", f"{STORY} Cheap loans: https://loans.example/offer"),
-                   ("radio", "Budget and mortgages", STORY + ADVERT)])]
-        vesti.run_workers(db, s, registry, workers=1, quiet=True)
-        stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
-        assert [stories[post] for post in [first, *joining, *own]] == [first] * 4 + own
-        if asked == "llm":
-            assert sorted(fake.titles()) == ["Budget and mortgages", "Budget news",
-                                             "Council approves transport budget"]
-        web = Web(home, settings=s.replace(web_password="s3cret"))
-        try:
-            page = web.get("/?min=0")[2]
-            assert card_ids(page) == [*reversed(own), first]
-            assert "+3 sources" in re.search(rf'id="post-{first}".*?</article>', page, re.S)[0]
-            web.post(f"/posts/{first}/status", {"status": "approved", "token": web.token()})
-            assert dict(conn.execute("SELECT id, status FROM posts")) == \
-                {**{post: "approved" for post in [first, *joining]}, **{post: "new" for post in own}}
-            assert counts_match_posts(conn)
-        finally:
-            web.close()
-    finally:
-        fake.close()
-
-
-@both
-def test_a_copy_of_a_cut_short_post_or_a_telegram_post_with_a_link_of_its_own_stands_alone(home):
-    """A first post cut short ("…") lets its article go on where it stops,
-    and a repost links to the channel it names as its source, or to the
-    story's own: a copy that adds a link to another site, or to another
-    channel's post, is classified on its own all the same."""
-    s, db, registry = story_home(home, "")
-    conn = db.conn()
-    teaser = add_copy(conn, "wire", "Budget", STORY[:180] + "…", "2026-12-01 08:00:00")
-    told = add_copy(conn, "wire", "Comet this weekend", OTHER, "2026-12-01 08:01:00")
-    conn.execute("UPDATE posts SET url = 'https://t.me/skywire/7' WHERE id = ?", (told,))
-    joining = {teaser: [add_copy(conn, "daily", "Budget", STORY, "2026-12-01 08:10:00")],
-               told: [add_copy(conn, slug, "Comet", text, f"2026-12-01 08:{n}0:00")
-                      for n, (slug, text) in enumerate([
-                          ("daily", f"{OTHER}\n\nhttps://t.me/skywire/7"),
-                          ("radio", f"{OTHER}\n\nИсточник: @skynews https://t.me/skynews/12")], 2)]}
-    own = [add_copy(conn, slug, "Budget or comet", text, f"2026-12-01 09:{n}0:00")
-           for n, (slug, text) in enumerate([
-               ("radio", f"{STORY[:180]}… Cheap loans: https://loans.example/offer"),
-               ("daily", f"{OTHER}\n\nПодписывайтесь: @casino https://t.me/casino/77"),
-               ("radio", f"{OTHER}\n\nИсточник: @skynews https://t.me/bonus/5")])]
-    vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
-    assert {post: stories[post] for post in [teaser, told, *own]} == \
-        {post: post for post in [teaser, told, *own]}
-    assert {post: stories[post] for story, posts in joining.items() for post in posts} == \
-        {post: story for story, posts in joining.items() for post in posts}
-    vesti.set_decisions(conn, [teaser, told], "approved", "editor")
-    statuses = dict(conn.execute("SELECT id, status FROM posts"))
-    assert [statuses[post] for post in own] == ["new"] * len(own)
-
-
-def read_for_a_month(conn, *slugs):
-    """Sources with a month of history: an established source's first post
-    was fetched weeks ago (the others of story_home are new)."""
-    month_ago = vesti.utc_text(time.time() - 30 * 86400)
-    for slug in slugs:
-        old = add_copy(conn, slug, "Weather", "Sunny and dry all day.", "2026-11-01 08:00:00")
-        conn.execute("UPDATE posts SET fetched_at = ? WHERE id = ?", (month_ago, old))
-
-
-@both
-@pytest.mark.parametrize("asked", ["llm", "keywords"])
-def test_a_story_is_led_by_its_copy_from_an_established_source(home, asked):
-    """A story a new source told first is led by the copy of a source read
-    for weeks, while nobody has decided it: its card and the approved feed
-    show the established source's post. A decided story keeps its card."""
-    fake = FakeOllama()
-    try:
-        s, db, registry = story_home(home, fake.url if asked == "llm" else "")
-        conn = db.conn()
-        read_for_a_month(conn, "wire", "radio")
-        first = add_copy(conn, "daily", "Budget approved", STORY, "2026-12-01 08:00:00")
-        decided = add_copy(conn, "daily", "Comet this weekend", OTHER, "2026-12-01 08:10:00")
-        vesti.run_workers(db, s, registry, workers=1, quiet=True)
-        vesti.set_decisions(conn, [decided], "rejected", "editor")
-        copy = add_copy(conn, "wire", "Council approves transport budget",
-                        "Our correspondent: " + STORY, "2026-12-01 08:30:00")
-        later = add_copy(conn, "radio", "Comet", "Repost: " + OTHER, "2026-12-01 08:40:00")
-        vesti.run_workers(db, s, registry, workers=1, quiet=True)
-        stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
-        assert [stories[post] for post in (first, copy, decided, later)] == \
-            [copy, copy, decided, decided]
-        if asked == "llm":
-            assert sorted(fake.titles()) == ["Budget approved", "Comet this weekend"]
-        assert vesti.story_figures(conn)["joined"] == 2 and counts_match_posts(conn)
-        web = Web(home, settings=s.replace(web_password="s3cret"))
-        try:
-            page = web.get("/?min=0")[2]
-            assert copy in card_ids(page) and first not in card_ids(page)
-            card = re.search(rf'id="post-{copy}".*?</article>', page, re.S)[0]
-            assert "+1 source:" in card and "The Daily" in card
-            web.post(f"/posts/{copy}/status", {"status": "approved", "token": web.token()})
-            feed = json.loads(web.get("/approved.json")[2])
-            assert [item["title"] for item in feed["items"]] == ["Council approves transport budget"]
-        finally:
-            web.close()
-    finally:
-        fake.close()
-
-
-@both
-def test_an_established_sources_post_does_not_join_a_new_sources_post_that_adds_to_it(home):
-    """A new source's post with a link of its own around the story (told
-    before the established source's) is not a story the established post
-    joins, takes the verdict of or is decided with."""
-    s, db, registry = story_home(home, "")
-    conn = db.conn()
-    read_for_a_month(conn, "wire")
-    advert = add_copy(conn, "daily", "Budget news",
-                      f"{STORY} Cheap loans: https://loans.example/offer", "2026-12-01 08:00:00")
-    vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    told = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:30:00")
-    vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
-    assert (stories[advert], stories[told]) == (advert, told)
-    vesti.set_decisions(conn, [advert], "rejected", "editor")
-    assert conn.execute("SELECT status FROM posts WHERE id = ?", (told,)).fetchone()[0] == "new"
-
-
-@both
-@pytest.mark.parametrize("second", ["established", "new"])
-def test_a_story_taken_over_while_a_copy_joins_it_stays_one_card(home, ollama, monkeypatch,
-                                                                  second):
-    """Two copies of a new source's story classified at once: the second
-    copy enters the story and takes it over (an established source) after
-    the first entered it and before the first takes the story's verdict.
-    The story is one card all the same, every copy under it, decided as one."""
-    s, db, registry = story_home(home, ollama.url)
-    conn = db.conn()
-    read_for_a_month(conn, "radio", *(["wire"] if second == "established" else []))
-    first = add_copy(conn, "daily", "Budget approved", STORY, "2026-12-01 08:00:00")
-    vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    copies = [add_copy(conn, slug, "Budget", f"{prefix}: {STORY}", f"2026-12-01 08:{n}0:00")
-              for n, (slug, prefix) in enumerate((("wire", "Our correspondent"),
-                                                  ("radio", "Repost")), 1)]
-    vesti.catch_up_index(conn)                                  # as a worker does
-    early, late = sorted(vesti.claim_posts(conn, 2), key=lambda post: post["id"])
-    classify, verdicts = vesti.Classifier(registry, s, db=db), {}
-    lead_now = vesti.lead_now
-
-    def late_copy_first(conn, story, post_id, verdict):
-        if post_id == early["id"] and late["id"] not in verdicts:
-            verdicts[late["id"]] = classify.prepare(late)
-        return lead_now(conn, story, post_id, verdict)
-    monkeypatch.setattr(vesti, "lead_now", late_copy_first)
-    verdicts[early["id"]] = classify.prepare(early)
-    vesti.complete_and_claim(conn, [(post, verdicts[post["id"]]) for post in (early, late)], 0)
-    assert len(ollama.titles()) == 1                            # the first post's
-    lead = copies[1]                                            # the radio's, read for a month
-    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
-    assert [stories[post] for post in (first, *copies)] == [lead] * 3
-    assert sorted(r[0] for r in conn.execute(f"SELECT id FROM posts WHERE {vesti.copies_of()}",
-                                             (lead,))) == [first, copies[0]]
-    assert counts_match_posts(conn)
-    web = Web(home, settings=s.replace(web_password="s3cret"))
-    try:
-        page = web.get("/?min=0")[2]
-        assert set(card_ids(page)) & {first, *copies} == {lead}
-        assert "+2 sources" in card_of(page, lead)
-        web.post(f"/posts/{lead}/status", {"status": "approved", "token": web.token()})
-        assert {r[0] for r in conn.execute("SELECT status FROM posts WHERE id IN (?, ?, ?)",
-                                           (first, *copies))} == {"approved"}
-        assert counts_match_posts(conn)
-    finally:
-        web.close()
-
-
-@both
-def test_a_copy_joining_a_story_whose_first_post_is_edited_meanwhile_goes_on_with_it(
-        home, ollama, monkeypatch):
-    """The story's first post is edited (out of its story, see leave_story)
-    after a copy entered the story and before the copy takes its verdict:
-    the copy goes on with the story, under its other copy's card, not under
-    the edited post."""
-    s, db, registry = story_home(home, ollama.url)
-    conn = db.conn()
-    first = add_copy(conn, "wire", "Budget approved", STORY, "2026-12-01 08:00:00")
-    older = add_copy(conn, "daily", "Budget", f"Repost: {STORY}", "2026-12-01 08:10:00")
-    vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    vesti.set_decisions(conn, [first], "approved", "editor")
-    copy = add_copy(conn, "radio", "Budget", f"Our correspondent: {STORY}", "2026-12-01 08:20:00")
-    vesti.catch_up_index(conn)                                  # as a worker does
-    post, = vesti.claim_posts(conn, 1)
-    lead_now = vesti.lead_now
-
-    def edited_meanwhile(conn, story, post_id, verdict):
-        row = conn.execute("SELECT * FROM posts WHERE id = ?", (first,)).fetchone()
-        vesti.leave_story(conn, row)
-        conn.execute("""UPDATE posts SET status = 'new', old_decision = status, text = ?,
-                        story_id = id WHERE id = ?""", ("Budget tip: casino bonuses!", first))
-        return lead_now(conn, story, post_id, verdict)
-    monkeypatch.setattr(vesti, "lead_now", edited_meanwhile)
-    vesti.complete_and_claim(conn, [(post, vesti.Classifier(registry, s, db=db).prepare(post))], 0)
-    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
-    assert [stories[p] for p in (first, older, copy)] == [first, older, older]
-    assert counts_match_posts(conn)
-
-
-@both
-def test_a_post_edited_after_its_decision_stays_its_card_when_a_copy_joins_it(home):
-    """A post edited after a decision is on the desk to be decided again,
-    marked: an established source's copy joining its story does not take
-    it over, which would hide it under that copy's card."""
-    s, db, registry = story_home(home, "")
-    conn = db.conn()
-    read_for_a_month(conn, "wire")
-    edited = add_copy(conn, "daily", "Budget approved", STORY, "2026-12-01 08:00:00")
-    vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    vesti.set_decisions(conn, [edited], "approved", "editor")
-    # As an edit in other words leaves it (see reword_post), classified again.
-    conn.execute("""UPDATE posts SET status = 'new', old_decision = status, old_decided_at =
-                    decided_at, old_decided_by = decided_by, old_title = title, old_text = text,
-                    decided_at = NULL, decided_by = NULL, text = ?, story_id = id
-                    WHERE id = ?""", (STORY + " Updated.", edited))
-    copy = add_copy(conn, "wire", "Council approves transport budget",
-                    f"Our correspondent: {STORY} Updated.", "2026-12-01 08:30:00")
-    vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
-    assert (stories[edited], stories[copy]) == (edited, edited)
-    web = Web(home, settings=s.replace(web_password="s3cret"))
-    try:
-        card = card_of(web.get("/?min=0")[2], edited)
-        assert "Edited after your decision" in card and "+1 source" in card
-        assert counts_match_posts(conn)
-    finally:
-        web.close()
-
-
-@both
-def test_a_story_of_many_copies_names_ten_of_them_and_counts_the_rest(home):
-    """A card names the first ten other posts of its story and counts the
-    rest; its "every copy" page pages as the desk does."""
-    s, db, registry = story_home(home, "")
-    conn = db.conn()
-    first = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
-    copies = [add_copy(conn, ("daily", "radio")[n % 2], "Budget", "Repost: " + STORY,
-                       f"2026-12-01 09:{n:02}:00") for n in range(60)]
-    vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    assert {row[0] for row in conn.execute("SELECT story_id FROM posts")} == {first}
-    web = Web(home, settings=s.replace(web_password="s3cret"))
-    try:
-        line = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0")[2], re.S)[1]
-        assert line.startswith("+60 sources: ") and " and 50 more · " in line, line[-300:]
-        named = re.findall(r'<a href="(http[^"]*)"', line)
-        assert named == [f"http://{('daily', 'radio')[n % 2]}.example/2026-12-01 09:{n:02}:00"
-                         for n in range(10)]
-        russian = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0&lang=ru")[2],
-                            re.S)[1]
-        assert russian.startswith("ещё 60 источников: ") and " и ещё 50 · " in russian, \
-            russian[-300:]
-        # A copy's card, in its source's list, names the story's first post first.
-        radio = web.get("/?min=0&source=radio")[2]
-        card = re.search(rf'id="post-{copies[1]}".*?</article>', radio, re.S)[0]
-        assert "+60 sources: " in card and " and 50 more" in card
-        assert card.index("wire.example") < card.index("daily.example")
-        every = html.unescape(re.search(r'href="(/\?[^"]*story=\d+[^"]*)"', line)[1])
-        story = web.get(every)[2]
-        assert len(card_ids(story)) == vesti.PAGE_SIZE
-        older = html.unescape(re.search(r'href="([^"]*)" rel="next"', story)[1])
-        assert sorted(card_ids(story) + card_ids(web.get(older)[2])) == [first, *copies]
-    finally:
-        web.close()
-
-
-def database_work(conn, call, table="story_keys"):
-    """What `call` costs the database, in a unit that grows with the rows it
-    reads: SQLite's virtual machine steps (in hundreds); PostgreSQL's rows
-    of `table` its statements read, as EXPLAIN ANALYZE counts them."""
-    if conn.dialect is vesti.SQLITE:
-        steps = [0]
-        conn.set_progress_handler(lambda: steps.__setitem__(0, steps[0] + 1), 100)
-        try:
-            call()
-        finally:
-            conn.set_progress_handler(None, 0)
-        return steps[0]
-    statements, execute = [], conn.execute
-    conn.execute = lambda sql, parameters=(): statements.append((sql, parameters)) or \
-        execute(sql, parameters)
-    try:
-        call()
-    finally:
-        del conn.execute
-
-    def rows_read(node):
-        own = node["Actual Rows"] * node["Actual Loops"] \
-            if node.get("Relation Name") == table else 0
-        return own + sum(map(rows_read, node.get("Plans", ())))
-
-    def plan(sql, parameters):
-        return execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", parameters).fetchone()[0][0]["Plan"]
-    return sum(rows_read(plan(sql, parameters)) for sql, parameters in statements
-               if table in sql)
-
-
-@pytest.mark.slow
-@both
-def test_a_key_thousands_of_posts_share_costs_a_look_up_no_more_than_a_rare_one(home):
-    """A flood of near-identical posts: a look-up reads the newest few posts
-    of each of its keys, however many share it, and a copy still finds its
-    story."""
-    s, db, registry = story_home(home, "")
-    conn = db.conn()
-    lead = add_copy(conn, "wire", "Budget", STORY, "2026-12-01 08:00:00")
-    keys = vesti.story_keys(vesti.story_words("Budget", STORY))
-    work = {}
-    for flood in (50, 2000):
-        for n in range(len(work) and 50, flood):
-            copy = conn.execute("INSERT INTO posts (source_id, title, text, story_id, classified) "
-                                "VALUES (3, 'Budget', ?, ?, 1) RETURNING id",
-                                (f"{STORY} Flooded.", lead)).fetchone()[0]
-            conn.dialect.store_story_keys(conn, [(key, copy) for key in keys])
-        post = add_copy(conn, "daily", "Budget", STORY + " Copied.", f"2026-12-01 09:{len(work)}0:00")
-        entry = vesti.StoryEntry(post, "Budget", STORY + " Copied.", keys, vesti.story_since(72))
-        found = {}
-        work[flood] = database_work(conn, lambda: found.update(vesti.find_stories(conn, [entry])))
-        assert found == {post: lead}
-    assert work[2000] < 1.5 * work[50], work
-
-
-@both
-def test_a_story_of_thousands_of_copies_costs_its_card_what_one_of_a_thousand_does(home):
-    """A card counts its story's copies up to a thousand ("+1000+ sources"):
-    past that, more copies cost its card nothing more."""
-    s, db, registry = story_home(home, "")
-    conn = db.conn()
-    lead = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
-    conn.execute("UPDATE posts SET classified = 1, direction = 'linux', relevance = 8, "
-                 "story_id = id WHERE id = ?", (lead,))
-    work = {}
-    for copies in (1000, 4000):
-        vesti.insert_rows(conn, "posts (source_id, title, text, url, story_id, classified)",
-                          [(2 + n % 2, "Budget", "Repost", f"http://daily.example/{n}", lead, 0)
-                           for n in range(len(work) and 1000, copies)])
-        if conn.dialect is vesti.POSTGRES:
-            conn.execute("ANALYZE posts")           # as autovacuum does: plans from real figures
-        card = conn.execute("SELECT id, story_id FROM posts WHERE id = ?", (lead,)).fetchall()
-        lines = {}
-        work[copies] = database_work(conn, lambda: lines.update(vesti.story_copies(conn, card)),
-                                     "posts")
-        assert len(lines[lead].named) == vesti.STORY_NAMED
-    assert work[4000] < 1.5 * work[1000], work
-    web = Web(home, settings=s.replace(web_password="s3cret"))
-    try:
-        line = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0")[2], re.S)[1]
-        assert line.startswith("+1000+ sources: ") and " and 990+ more · " in line, line[-300:]
-        russian = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0&lang=ru")[2],
-                            re.S)[1]
-        assert russian.startswith("ещё 1000+ источников: ") and " и ещё 990+ · " in russian, \
-            russian[-300:]
-    finally:
-        web.close()
-
-
-# Story keys in a helper process ------------------------------------------------
-
-def told_twice(conn, stories):
-    """`stories` stories (one route each, named first: other numbers, other
-    stories), each told by the wire and then, in other words around it, by
-    the daily; returns {copy's id: the first telling's id}."""
-    firsts = [add_copy(conn, "wire", f"Budget {k}", f"Route {k}. {STORY}", f"2026-12-01 08:{k:02}:00")
-              for k in range(stories)]
-    return {add_copy(conn, "daily", f"Buses {k}", f"Route {k}. Our correspondent: {STORY} More soon.",
-                     f"2026-12-01 09:{k:02}:00"): first for k, first in enumerate(firsts)}
-
-
-def stories_told(conn, copies):
-    """The stories the posts of told_twice ended in, one per telling: which
-    telling leads is a matter of which worker wrote first."""
-    story = {post: found or post for post, found in conn.execute("SELECT id, story_id FROM posts")}
-    return [{story[copy], story[first]} for copy, first in copies.items()]
-
-
-def test_the_story_key_helper_answers_each_line_with_its_posts_keys():
-    posts = [["Budget", STORY], [None, "Photo of the day"], ["Комета", OTHER + " Комета видна."]]
-    answers = io.BytesIO()
-    vesti.serve_story_keys(io.BytesIO(json.dumps(posts).encode() + b"\n" +
-                                      json.dumps(posts[:1]).encode() + b"\n"), answers)
-    expected = [vesti.story_keys(vesti.story_words(title, text)) for title, text in posts]
-    assert [json.loads(line) for line in answers.getvalue().splitlines()] == [expected, expected[:1]]
-    assert expected[0] and expected[1] == [] and expected[2]
-
-
-def test_a_batch_of_keyword_verdicts_has_its_story_keys_worked_out_by_a_helper(home, monkeypatch,
-                                                                             caplog):
-    """With keywords alone deciding, the worker process leaves most keys to
-    its helper process; the stories are the same as without it."""
-    s, db, registry = story_home(home, "")
-    conn = db.conn()
-    copies = told_twice(conn, 60)
-    worked_out_here = []
-    real_keys = vesti.story_keys
-    monkeypatch.setattr(vesti, "story_keys", lambda words: worked_out_here.append(1) or real_keys(words))
-    monkeypatch.setattr(vesti, "usable_cores", lambda: 2)
-    monkeypatch.setattr(vesti, "KEY_HELPER_BATCH", 4)
-    with caplog.at_level(logging.WARNING, logger="vesti"):
-        stats, finished = vesti.run_workers(db, s, registry, workers=2, quiet=True)
-    assert finished and stats.done == 120 and queue_of(db) == {1: 120}
-    told = stories_told(conn, copies)
-    assert all(len(story) == 1 for story in told) and len(set().union(*told)) == 60
-    assert len(worked_out_here) < 120 / 4, len(worked_out_here)
-    assert not caplog.records, [r.getMessage() for r in caplog.records]
-
-
-@pytest.mark.parametrize("command, said", [
-    (["/nonexistent/python3"], "did not start"),
-    ([sys.executable, "-c", "import sys; sys.exit(3)"], "stopped (exit code 3)"),
-    ([sys.executable, "-c", "import sys; sys.stdin.readline(); print('[1, 2'); sys.stdin.read()"],
-     "answered out of turn"),
-])
-def test_a_helper_that_fails_leaves_the_keys_to_the_worker(home, monkeypatch, caplog,
-                                                          command, said):
-    """A helper that cannot start, dies, or answers nonsense: one warning,
-    the worker works the keys out itself, and the stories are right."""
-    s, db, registry = story_home(home, "")
-    conn = db.conn()
-    copies = told_twice(conn, 40)
-    monkeypatch.setattr(vesti.KeyHelper, "command", command)
-    monkeypatch.setattr(vesti, "usable_cores", lambda: 2)
-    monkeypatch.setattr(vesti, "KEY_HELPER_BATCH", 4)
-    with caplog.at_level(logging.WARNING, logger="vesti"):
-        stats, finished = vesti.run_workers(db, s, registry, workers=2, quiet=True)
-    assert finished and queue_of(db) == {1: 80}
-    told = stories_told(conn, copies)
-    assert all(len(story) == 1 for story in told) and len(set().union(*told)) == 40
-    warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1 and said in warnings[0], warnings
-    assert "story keys are worked out in the worker from now on" in warnings[0]
-
-
-def helper_of(pid):
-    """The pid of the story key helper a process started, or None."""
-    for entry in os.listdir("/proc"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
-            cmdline = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes()
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"serve_story_keys" in cmdline:
-                return int(entry)
-    return None
-
-
-def gone(pid):
-    with contextlib.suppress(OSError):
-        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    return True
-
-
-@pytest.mark.skipif(not pathlib.Path("/proc/self/stat").exists(), reason="needs /proc")
-@pytest.mark.parametrize("stop", ["sigterm to the group", "kill -9"])
-def test_the_story_key_helper_ends_with_its_worker(home, stop):
-    """Stopped as systemd or a terminal stops it (SIGTERM to the whole
-    group), the worker exits 0 and its helper with it, saying nothing; killed
-    with kill -9, it leaves no helper behind either."""
-    s, db, registry = story_home(home, "")
-    told_twice(db.conn(), 40)
-    # One worker: its batches grow to 32 posts, and the helper starts.
-    process = subprocess.Popen([*VESTI, "worker", "--forever", "--workers", "1"],
-                               cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True, env={**os.environ, "OLLAMA_URL": ""})
-    try:
-        assert wait_for(lambda: helper_of(process.pid) is not None and queue_of(db) == {1: 80})
-        helper = helper_of(process.pid)
-        if stop == "kill -9":
-            process.kill()
-        else:
-            os.killpg(process.pid, signal.SIGTERM)
-        _, err = process.communicate(timeout=30)
-        assert wait_for(lambda: gone(helper), timeout=10)
-        if stop != "kill -9":
-            assert process.returncode == 0 and "Traceback" not in err, err
-    finally:
-        if process.poll() is None:
-            process.kill()
