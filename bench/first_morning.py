@@ -116,7 +116,7 @@ FULL_TEXT_MAX = 2500
 FULL_TEXT_MIN = getattr(vesti, "FULL_TEXT_MIN", 600)
 NO_DATE_EVERY = 5
 FIGURES = (("first", "first post"), ("crawled", "all crawled"), ("full", "full desk"))
-SMOKE = {"feeds": 6, "entries": 2, "rounds": 1}
+SMOKE = {"feeds": 6, "entries": 1, "rounds": 1}
 
 # (file in feeds/real, slug, language, full text or teaser, priority, direction).
 # The first six (--smoke) mix both kinds, three languages and three priorities.

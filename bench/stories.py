@@ -520,7 +520,7 @@ def main(argv=None):
     windows = args.window or ([2000] if args.smoke else [100_000, 1_000_000])
     probes = 40 if args.smoke else args.probes
     if {"quality", "lookup", "llm"} & set(sections):
-        pairs = story_set.labelled_pairs(CORPUS, feeds=20 if args.smoke else None)
+        pairs = story_set.labelled_pairs(CORPUS, feeds=8 if args.smoke else None)
         rng = random.Random(5)
         texts = [post for _, _, a, b in pairs for post in (a, b)]
         texts = [texts[i] for i in sorted(rng.sample(range(len(texts)), min(probes, len(texts))))]
