@@ -71,7 +71,15 @@ CREATE TABLE IF NOT EXISTS posts (
     old_decided_at TEXT,
     old_decided_by TEXT,
     old_title TEXT,
-    old_text TEXT
+    old_text TEXT,
+    -- The chance (0-1) that an editor approves it in its direction, from the
+    -- direction's learned model; NULL while the direction has none.
+    likely REAL,
+    -- What its decision counts as in its direction's learned model (the
+    -- decision, the direction), NULL when it counts as nothing: a story's
+    -- decision counts once, as its first post (see learn_decisions).
+    learned_as TEXT,
+    learned_in TEXT
 );
 -- The queue: each state has its own small index, so a claim or a completion
 -- touches only the indexes of the states it leaves and enters, and each
@@ -91,6 +99,7 @@ CREATE INDEX IF NOT EXISTS posts_source_time ON posts(source_id, published_at);
 CREATE INDEX IF NOT EXISTS posts_desk ON posts(status, published_at, id) WHERE classified = 1;
 CREATE INDEX IF NOT EXISTS posts_desk_relevance ON posts(status, relevance, published_at, id) WHERE classified = 1;
 CREATE INDEX IF NOT EXISTS posts_desk_interest ON posts(status, interest, published_at, id) WHERE classified = 1;
+CREATE INDEX IF NOT EXISTS posts_desk_likely ON posts(status, (coalesce(likely, relevance / 10.0)), published_at, id) WHERE classified = 1;
 CREATE INDEX IF NOT EXISTS posts_decided ON posts(status, decided_at);
 
 CREATE TABLE IF NOT EXISTS rss_state (
@@ -166,17 +175,43 @@ CREATE TABLE IF NOT EXISTS post_counts (
     status TEXT NOT NULL,
     direction TEXT NOT NULL,
     relevance INTEGER NOT NULL,
+    liked INTEGER NOT NULL,
     n INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (status, direction, relevance)
+    PRIMARY KEY (status, direction, relevance, liked)
 );
 CREATE TABLE IF NOT EXISTS source_post_counts (
     source_id INTEGER NOT NULL,
     status TEXT NOT NULL,
     direction TEXT NOT NULL,
     relevance INTEGER NOT NULL,
+    liked INTEGER NOT NULL,
     n INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (source_id, status, direction, relevance)
+    PRIMARY KEY (source_id, status, direction, relevance, liked)
 );
+-- Each direction's model learned from the editors' decisions (see Learning
+-- in vesti.py): the decisions it learned from, and per feature (a word, a
+-- pair of words, a source) in how many approved and rejected posts it was.
+-- version grows with every change and marks the features it changed, so a
+-- process reads only what changed since it last read; epoch grows with
+-- each rebuild.
+CREATE TABLE IF NOT EXISTS learners (
+    direction TEXT PRIMARY KEY,
+    approved INTEGER NOT NULL DEFAULT 0,
+    rejected INTEGER NOT NULL DEFAULT 0,
+    version INTEGER NOT NULL DEFAULT 0,
+    epoch INTEGER NOT NULL DEFAULT 1,
+    since TEXT,
+    updated_at TEXT
+);
+CREATE TABLE IF NOT EXISTS learned_words (
+    direction TEXT NOT NULL,
+    feature TEXT NOT NULL,
+    approved INTEGER NOT NULL DEFAULT 0,
+    rejected INTEGER NOT NULL DEFAULT 0,
+    version INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (direction, feature)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS learned_words_version ON learned_words(direction, version);
 -- The triggers that keep them are made from one description of what they
 -- count (COUNT_EVENTS in vesti.py).
 CREATE TRIGGER IF NOT EXISTS posts_completed AFTER UPDATE OF classified ON posts
@@ -187,15 +222,17 @@ BEGIN
     WHERE new.classified = 1 AND (new.story_id IS NULL OR new.story_id = new.id)
       AND status = new.status
       AND direction = coalesce(new.direction, '')
-      AND relevance = coalesce(new.relevance, 0);
+      AND relevance = coalesce(new.relevance, 0)
+      AND liked = (CASE WHEN new.likely IS NULL THEN -1 WHEN new.likely >= 0.5 THEN 1 ELSE 0 END);
     UPDATE source_post_counts SET n = n + 1
     WHERE new.classified = 1
       AND source_id = coalesce(new.source_id, 0)
       AND status = new.status
       AND direction = coalesce(new.direction, '')
-      AND relevance = coalesce(new.relevance, 0);
+      AND relevance = coalesce(new.relevance, 0)
+      AND liked = (CASE WHEN new.likely IS NULL THEN -1 WHEN new.likely >= 0.5 THEN 1 ELSE 0 END);
 END;
-CREATE TRIGGER IF NOT EXISTS posts_recounted AFTER UPDATE OF classified, status, direction, relevance, source_id, story_id ON posts
+CREATE TRIGGER IF NOT EXISTS posts_recounted AFTER UPDATE OF classified, status, direction, relevance, source_id, likely, story_id ON posts
 WHEN ((old.classified = 1 OR new.classified = 1) AND NOT (new.classified = 1 AND coalesce(old.classified, 0) != 1 AND new.status = 'new'))
     AND old.id <= (SELECT CAST(value AS BIGINT) FROM meta WHERE key = 'indexed_to')
 BEGIN
@@ -203,21 +240,23 @@ BEGIN
     WHERE old.classified = 1 AND (old.story_id IS NULL OR old.story_id = old.id)
       AND status = old.status
       AND direction = coalesce(old.direction, '')
-      AND relevance = coalesce(old.relevance, 0);
+      AND relevance = coalesce(old.relevance, 0)
+      AND liked = (CASE WHEN old.likely IS NULL THEN -1 WHEN old.likely >= 0.5 THEN 1 ELSE 0 END);
     UPDATE source_post_counts SET n = n - 1
     WHERE old.classified = 1
       AND source_id = coalesce(old.source_id, 0)
       AND status = old.status
       AND direction = coalesce(old.direction, '')
-      AND relevance = coalesce(old.relevance, 0);
-    INSERT INTO post_counts (status, direction, relevance, n)
-    SELECT new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1
+      AND relevance = coalesce(old.relevance, 0)
+      AND liked = (CASE WHEN old.likely IS NULL THEN -1 WHEN old.likely >= 0.5 THEN 1 ELSE 0 END);
+    INSERT INTO post_counts (status, direction, relevance, liked, n)
+    SELECT new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), (CASE WHEN new.likely IS NULL THEN -1 WHEN new.likely >= 0.5 THEN 1 ELSE 0 END), 1
     WHERE new.classified = 1 AND (new.story_id IS NULL OR new.story_id = new.id)
-    ON CONFLICT (status, direction, relevance) DO UPDATE SET n = post_counts.n + 1;
-    INSERT INTO source_post_counts (source_id, status, direction, relevance, n)
-    SELECT coalesce(new.source_id, 0), new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), 1
+    ON CONFLICT (status, direction, relevance, liked) DO UPDATE SET n = post_counts.n + 1;
+    INSERT INTO source_post_counts (source_id, status, direction, relevance, liked, n)
+    SELECT coalesce(new.source_id, 0), new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), (CASE WHEN new.likely IS NULL THEN -1 WHEN new.likely >= 0.5 THEN 1 ELSE 0 END), 1
     WHERE new.classified = 1
-    ON CONFLICT (source_id, status, direction, relevance) DO UPDATE SET n = source_post_counts.n + 1;
+    ON CONFLICT (source_id, status, direction, relevance, liked) DO UPDATE SET n = source_post_counts.n + 1;
 END;
 CREATE TRIGGER IF NOT EXISTS posts_uncounted AFTER DELETE ON posts
 WHEN (old.classified = 1)
@@ -227,13 +266,15 @@ BEGIN
     WHERE old.classified = 1 AND (old.story_id IS NULL OR old.story_id = old.id)
       AND status = old.status
       AND direction = coalesce(old.direction, '')
-      AND relevance = coalesce(old.relevance, 0);
+      AND relevance = coalesce(old.relevance, 0)
+      AND liked = (CASE WHEN old.likely IS NULL THEN -1 WHEN old.likely >= 0.5 THEN 1 ELSE 0 END);
     UPDATE source_post_counts SET n = n - 1
     WHERE old.classified = 1
       AND source_id = coalesce(old.source_id, 0)
       AND status = old.status
       AND direction = coalesce(old.direction, '')
-      AND relevance = coalesce(old.relevance, 0);
+      AND relevance = coalesce(old.relevance, 0)
+      AND liked = (CASE WHEN old.likely IS NULL THEN -1 WHEN old.likely >= 0.5 THEN 1 ELSE 0 END);
 END;
 
 -- Full-text search over title and text (SQLite FTS5; where a Python build

@@ -1905,6 +1905,127 @@ def test_the_story_key_helper_ends_with_its_worker(home, stop):
             process.kill()
 
 
+# Learning ---------------------------------------------------------------------
+
+KERNEL = "The Linux kernel maintainers merged the new scheduler patch for the next release."
+GARDEN = "The gardening club meets to discuss roses and tulips at the spring show."
+# What an editor of a space channel approves (missions) and rejects (a video
+# game that shares the keyword "rocket").
+MISSIONS = ["NASA launched a rocket carrying a weather satellite from Florida.",
+            "The spacecraft reached the Moon after a rocket burn, the space agency said.",
+            "A rocket lifted the new space telescope; astronomers await first images.",
+            "The space agency delayed the crewed rocket launch to the station by a week.",
+            "Engineers tested the rocket engine for the Mars lander mission of the agency.",
+            "The satellite separated from the rocket and unfolded its solar panels in space."]
+GAMES = ["Rocket League players crowded the esports arena for the weekend tournament.",
+         "The video game studio patched Rocket League cars and the ranked playlist.",
+         "A teenager won the Rocket League esports final and a prize of ten thousand dollars.",
+         "Gamers complained that the Rocket League update broke the online matchmaking.",
+         "The esports team signed two Rocket League players before the season.",
+         "Rocket League adds a new arena and car skins in the game's winter update."]
+
+
+def learned(conn, direction="linux"):
+    """(approved, rejected) of a direction's model, and its counted features."""
+    row = conn.execute("SELECT approved, rejected FROM learners WHERE direction = ?",
+                       (direction,)).fetchone()
+    words = {r[0]: (r[1], r[2]) for r in conn.execute(
+        "SELECT feature, approved, rejected FROM learned_words WHERE direction = ? "
+        "AND (approved != 0 OR rejected != 0)", (direction,))}
+    return (tuple(row) if row else (0, 0)), words
+
+
+@both
+def test_each_decision_teaches_its_direction_and_an_undo_takes_it_back(home):
+    s, db = intake(home, [rss_source("wire", "http://wire.example/feed")])
+    conn = db.conn()
+    wire = source_row(db, "wire")["id"]
+    kernel = [desk_post(conn, wire, k, text=KERNEL) for k in range(3)]
+    garden = [desk_post(conn, wire, 10 + k, text=GARDEN) for k in range(2)]
+    vesti.set_decisions(conn, kernel, "approved", "ed")
+    vesti.set_decisions(conn, garden, "rejected", "ed")
+    counts, words = learned(conn)
+    assert counts == (3, 2)
+    assert (words["kernel"], words["linux kernel"], words["roses"]) == ((3, 0), (3, 0), (0, 2))
+    assert words[f"@{wire}"] == (3, 2)                  # the source weighs too
+    vesti.set_decisions(conn, kernel[:1], "new", "ed")  # an undo
+    counts, words = learned(conn)
+    assert counts == (2, 2) and words["kernel"] == (2, 0)
+    vesti.set_decisions(conn, garden[:1], "approved", "ed")     # a change of mind
+    assert learned(conn)[0] == (3, 1)
+    before = learned(conn)
+    assert vesti.rebuild_learning(conn) == {"linux": (3, 1)}
+    assert learned(conn) == before
+
+
+@both
+def test_a_storys_decision_counts_once_whichever_of_its_posts_is_decided(home):
+    s, db = intake(home, [rss_source("wire", "http://wire.example/feed")])
+    conn = db.conn()
+    wire = source_row(db, "wire")["id"]
+    lead = desk_post(conn, wire, 1, text=KERNEL)
+    copies = [desk_post(conn, wire, k, text=KERNEL + " Source: a wire.") for k in (2, 3)]
+    conn.execute("UPDATE posts SET story_id = ? WHERE id IN (?, ?, ?)", (lead, lead, *copies))
+    vesti.set_decisions(conn, [copies[0]], "approved", "ed")
+    assert {r[0] for r in conn.execute("SELECT status FROM posts")} == {"approved"}
+    counts, words = learned(conn)
+    assert counts == (1, 0) and words["kernel"] == (1, 0)
+    vesti.set_decisions(conn, [lead], "rejected", "ed")
+    assert learned(conn)[0] == (0, 1)
+    # Another post now leads the story: it counts, the one before no longer.
+    conn.execute("UPDATE posts SET story_id = ? WHERE id IN (?, ?, ?)", (copies[1], *copies, lead))
+    vesti.set_decisions(conn, [lead], "rejected", "ed")
+    assert learned(conn)[0] == (0, 1)
+    assert [r[0] for r in conn.execute("SELECT id FROM posts WHERE learned_as IS NOT NULL")] == \
+        [copies[1]]
+
+
+def space_home(home, **settings):
+    s, db = intake(home, [rss_source("wire", "http://wire.example/feed")], **settings)
+    return s, db, vesti.load_registry(s.sources), source_row(db, "wire")["id"]
+
+
+def decided_space(conn, wire, approved, rejected):
+    """Classified posts of direction space, decided by an editor."""
+    ids = []
+    for k, text in enumerate(approved + rejected):
+        ids.append(desk_post(conn, wire, 100 + k, text=text, title=text[:30], direction="space"))
+    vesti.set_decisions(conn, ids[:len(approved)], "approved", "ed")
+    vesti.set_decisions(conn, ids[len(approved):], "rejected", "ed")
+
+
+@both
+def test_a_direction_that_learned_enough_judges_its_posts_and_lifts_what_keywords_missed(home):
+    s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10)
+    conn = db.conn()
+    decided_space(conn, wire, MISSIONS[:4], GAMES[:4])          # 8: not enough yet
+    add_posts(conn, 1, source_id=wire, text="The space agency tested a new rocket.", start=200)
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    assert conn.execute("SELECT likely FROM posts WHERE title = 'Post 200'").fetchone()[0] is None
+    decided_space(conn, wire, MISSIONS[4:], GAMES[4:])          # 12, 6 of each
+    add_posts(conn, 1, source_id=wire, start=300,
+              text="The space agency said the satellite reached the Moon.")  # no keyword
+    add_posts(conn, 1, source_id=wire, start=301,
+              text="Rocket League esports players won the game tournament.")
+    add_posts(conn, 1, source_id=wire, start=302, text="The gardening club shows roses.")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    posts = {r["title"]: r for r in conn.execute(
+        "SELECT title, direction, relevance, keywords, likely FROM posts WHERE title LIKE 'Post 30%'")}
+    mission, game, garden = posts["Post 300"], posts["Post 301"], posts["Post 302"]
+    assert (mission["direction"], mission["keywords"]) == ("space", None) and mission["likely"] > 0.5
+    assert game["direction"] == "space" and game["likely"] < 0.5
+    assert garden["direction"] is None and garden["likely"] is None
+    ids = {r["title"]: r["id"] for r in conn.execute("SELECT id, title FROM posts")}
+    shown = [p["id"] for p in vesti.desk_posts(conn, vesti.DeskQuery(direction="space"))]
+    assert ids["Post 300"] in shown and ids["Post 301"] not in shown
+    everything = vesti.DeskQuery(direction="space", min=0, chosen=True)
+    assert ids["Post 301"] in [p["id"] for p in vesti.desk_posts(conn, everything)]
+    by_likely = vesti.desk_posts(conn, vesti.DeskQuery(direction="space", sort="likely", min=0,
+                                                       chosen=True))
+    assert [p["id"] for p in by_likely][:1] == [ids["Post 300"]]
+    assert counts_match_posts(conn)
+
+
 # Sources ----------------------------------------------------------------------
 
 def test_registry_loads_directions_and_sources(home):
@@ -4886,11 +5007,12 @@ def counts_match_posts(conn):
     of a source, and a story once overall."""
     def rows(sql):
         return {tuple(r[:-1]): r[-1] for r in conn.execute(sql)}
-    columns = "status, coalesce(direction, ''), coalesce(relevance, 0)"
+    columns = ("status, coalesce(direction, ''), coalesce(relevance, 0), "
+               "CASE WHEN likely IS NULL THEN -1 WHEN likely >= 0.5 THEN 1 ELSE 0 END")
     by_source = rows(f"SELECT source_id, {columns}, count(*) FROM posts WHERE classified = 1 "
-                     f"GROUP BY 1, 2, 3, 4")
+                     f"GROUP BY 1, 2, 3, 4, 5")
     cards = rows(f"SELECT {columns}, count(*) FROM posts WHERE classified = 1 "
-                 f"AND (story_id IS NULL OR story_id = id) GROUP BY 1, 2, 3")
+                 f"AND (story_id IS NULL OR story_id = id) GROUP BY 1, 2, 3, 4")
     return rows("SELECT * FROM source_post_counts WHERE n != 0") == by_source and \
         rows("SELECT * FROM post_counts WHERE n != 0") == cards
 

@@ -40,6 +40,10 @@ start reading):
   Queue: posts in, claims, verdicts out: the queue's states and transitions.
       PENDING/PROCESSING/DONE/FAILED, store_posts, claim_posts,
       complete_and_claim, release_post, expire_leases, wake_story_copies
+  Learning: each direction's model of what its editors approve, learned
+      from their decisions.
+      post_features, Model, Learners, learn_decisions, rebuild_learning,
+      rescore_direction
   Records: runs, health, feed and channel state, Telegram edits.
       start_run, record_success, record_failure, note_rhythm, save_rss_state,
       update_edited_post, reword_post
@@ -425,6 +429,7 @@ SETTINGS = [
     ("VESTI_MIN_RELEVANCE", "min_relevance", _number(int, 10), "3"),
     ("VESTI_LANG", "lang", _choice("auto", "en", "ru"), "auto"),
     ("VESTI_STORY_HOURS", "story_hours", _number(float, 30 * 24), "72"),
+    ("VESTI_LEARN_MIN", "learn_min", _positive(int, 1_000_000), "30"),
 ]
 
 
@@ -462,6 +467,7 @@ class Settings:
     min_relevance: int
     lang: str
     story_hours: float
+    learn_min: int
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
@@ -1802,14 +1808,23 @@ def ollama_down(state, settings):
 # copies are counted with its first post); source_post_counts every post of
 # a source.
 CountTable = collections.namedtuple("CountTable", "name key cards_only")
-COUNT_TABLES = (CountTable("post_counts", ("status", "direction", "relevance"), True),
-                CountTable("source_post_counts", ("source_id", "status", "direction", "relevance"),
-                           False))
+COUNT_TABLES = (CountTable("post_counts", ("status", "direction", "relevance", "liked"), True),
+                CountTable("source_post_counts",
+                           ("source_id", "status", "direction", "relevance", "liked"), False))
+# A post an editor would more likely approve than not (posts.likely) is
+# above the desk's default floor in a direction that has learned a model.
+LIKELY_FLOOR = 0.5
 # A post's value in each key column: no direction, relevance or source
-# counts as '' or 0.
+# counts as '' or 0; liked is 1 above LIKELY_FLOOR, 0 below, -1 with no
+# likely.
 COUNTED_AS = {"status": "{row}status", "direction": "coalesce({row}direction, '')",
               "relevance": "coalesce({row}relevance, 0)",
-              "source_id": "coalesce({row}source_id, 0)"}
+              "source_id": "coalesce({row}source_id, 0)",
+              "liked": f"(CASE WHEN {{row}}likely IS NULL THEN -1 "
+                       f"WHEN {{row}}likely >= {LIKELY_FLOOR} THEN 1 ELSE 0 END)"}
+# The column of posts each key column is worked out from.
+COUNTED_FROM = {"liked": "likely"}
+LIKED = (-1, 0, 1)
 # Posts up to this id are counted in post_counts and searchable in posts_fts.
 INDEXED_TO = "indexed_to"
 
@@ -1854,7 +1869,7 @@ CountEvent = collections.namedtuple("CountEvent", "trigger change when steps")
 # A post classified into 'new' just now.
 COMPLETION = "new.classified = 1 AND coalesce(old.classified, 0) != 1 AND new.status = 'new'"
 # The columns of posts a count depends on.
-COUNTED_COLUMNS = ("classified", *COUNTED_AS, "story_id")
+COUNTED_COLUMNS = ("classified", *(COUNTED_FROM.get(key, key) for key in COUNTED_AS), "story_id")
 COUNT_EVENTS = (
     CountEvent("posts_completed", "UPDATE OF classified",
                f"{COMPLETION} AND old.claim_token IS NULL", ("ready",)),
@@ -1991,7 +2006,15 @@ CREATE TABLE IF NOT EXISTS posts (
     old_decided_at TEXT,
     old_decided_by TEXT,
     old_title TEXT,
-    old_text TEXT
+    old_text TEXT,
+    -- The chance (0-1) that an editor approves it in its direction, from the
+    -- direction's learned model; NULL while the direction has none.
+    likely REAL,
+    -- What its decision counts as in its direction's learned model (the
+    -- decision, the direction), NULL when it counts as nothing: a story's
+    -- decision counts once, as its first post (see learn_decisions).
+    learned_as TEXT,
+    learned_in TEXT
 );
 -- The queue: each state has its own small index, so a claim or a completion
 -- touches only the indexes of the states it leaves and enters, and each
@@ -2011,6 +2034,7 @@ CREATE INDEX IF NOT EXISTS posts_source_time ON posts(source_id, published_at);
 CREATE INDEX IF NOT EXISTS posts_desk ON posts(status, published_at, id) WHERE classified = 1;
 CREATE INDEX IF NOT EXISTS posts_desk_relevance ON posts(status, relevance, published_at, id) WHERE classified = 1;
 CREATE INDEX IF NOT EXISTS posts_desk_interest ON posts(status, interest, published_at, id) WHERE classified = 1;
+CREATE INDEX IF NOT EXISTS posts_desk_likely ON posts(status, (coalesce(likely, relevance / 10.0)), published_at, id) WHERE classified = 1;
 CREATE INDEX IF NOT EXISTS posts_decided ON posts(status, decided_at);
 
 CREATE TABLE IF NOT EXISTS rss_state (
@@ -2086,17 +2110,43 @@ CREATE TABLE IF NOT EXISTS post_counts (
     status TEXT NOT NULL,
     direction TEXT NOT NULL,
     relevance INTEGER NOT NULL,
+    liked INTEGER NOT NULL,
     n INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (status, direction, relevance)
+    PRIMARY KEY (status, direction, relevance, liked)
 );
 CREATE TABLE IF NOT EXISTS source_post_counts (
     source_id INTEGER NOT NULL,
     status TEXT NOT NULL,
     direction TEXT NOT NULL,
     relevance INTEGER NOT NULL,
+    liked INTEGER NOT NULL,
     n INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (source_id, status, direction, relevance)
+    PRIMARY KEY (source_id, status, direction, relevance, liked)
 );
+-- Each direction's model learned from the editors' decisions (see Learning
+-- in vesti.py): the decisions it learned from, and per feature (a word, a
+-- pair of words, a source) in how many approved and rejected posts it was.
+-- version grows with every change and marks the features it changed, so a
+-- process reads only what changed since it last read; epoch grows with
+-- each rebuild.
+CREATE TABLE IF NOT EXISTS learners (
+    direction TEXT PRIMARY KEY,
+    approved INTEGER NOT NULL DEFAULT 0,
+    rejected INTEGER NOT NULL DEFAULT 0,
+    version INTEGER NOT NULL DEFAULT 0,
+    epoch INTEGER NOT NULL DEFAULT 1,
+    since TEXT,
+    updated_at TEXT
+);
+CREATE TABLE IF NOT EXISTS learned_words (
+    direction TEXT NOT NULL,
+    feature TEXT NOT NULL,
+    approved INTEGER NOT NULL DEFAULT 0,
+    rejected INTEGER NOT NULL DEFAULT 0,
+    version INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (direction, feature)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS learned_words_version ON learned_words(direction, version);
 -- The triggers that keep them are made from one description of what they
 -- count (COUNT_EVENTS in vesti.py).
 """ + sqlite_count_triggers() + """
@@ -2205,6 +2255,10 @@ def migrate(conn):
     existing = dict(conn.execute("SELECT name, sql FROM sqlite_master"))
     recount = False
     with transaction(conn):
+        if "post_counts" in existing and not key_columns_counted(
+                {row[1] for row in conn.execute("PRAGMA table_info(post_counts)")}):
+            drop_count_tables(conn)
+            recount = True
         for statement in tables:
             conn.execute(statement)
         for missing in list(missing_columns(conn)):
@@ -2344,6 +2398,11 @@ def migrate_postgres(conn):
     with transaction(conn):
         fresh = None in conn.execute("SELECT to_regclass('post_counts'), "
                                      "to_regclass('post_words')").fetchone()
+        recount = not fresh and not key_columns_counted({row[0] for row in conn.execute(
+            "SELECT column_name FROM information_schema.columns "
+            "WHERE table_schema = current_schema() AND table_name = 'post_counts'")})
+        if recount:
+            drop_count_tables(conn)
         for statement in POSTGRES_OBSOLETE:
             conn.execute(statement)
         for _, _, create in objects:
@@ -2369,7 +2428,23 @@ def migrate_postgres(conn):
             reindex_posts(conn)
         elif get_meta(conn, INDEXED_TO)[0] is None:
             set_meta(conn, INDEXED_TO, conn.execute("SELECT coalesce(max(id), 0) FROM posts").fetchone()[0])
+        if recount:
+            count_again(conn)
         set_meta(conn, "pg_schema", version)
+
+
+def key_columns_counted(columns):
+    """Whether count tables of these columns count by every key column (an
+    older database's count by fewer)."""
+    return set(COUNT_TABLES[0].key) <= columns
+
+
+def drop_count_tables(conn):
+    """Count tables of an older key go, to be made and counted again (and
+    their zero rows made ready again, see ready_counts)."""
+    for table in COUNT_TABLES:
+        conn.execute(f"DROP TABLE IF EXISTS {table.name}")
+    conn.execute("DELETE FROM meta WHERE key = 'count_keys'")
 
 
 def reindex_posts(conn):
@@ -2378,8 +2453,9 @@ def reindex_posts(conn):
     for table in COUNT_TABLES:
         conn.execute(f"UPDATE {table.name} SET n = 0")
     conn.dialect.clear_search(conn)
-    conn.executemany("INSERT INTO post_counts (status, direction, relevance, n) "
-                     "VALUES ('new', '', ?, 0) ON CONFLICT DO NOTHING", [(r,) for r in RELEVANCES])
+    conn.executemany("INSERT INTO post_counts (status, direction, relevance, liked, n) "
+                     "VALUES ('new', '', ?, ?, 0) ON CONFLICT DO NOTHING",
+                     [(r, liked) for r in RELEVANCES for liked in LIKED])
     set_meta(conn, INDEXED_TO, 0)
     index_new_posts(conn)
 
@@ -2459,12 +2535,12 @@ def ready_counts(conn, directions):
     if get_meta(conn, "count_keys")[0] == signature:
         return
     with transaction(conn):
-        conn.executemany("""INSERT INTO post_counts (status, direction, relevance, n)
-                            VALUES ('new', ?, ?, 0) ON CONFLICT DO NOTHING""",
-                         [(d, r) for d in directions for r in RELEVANCES])
+        conn.executemany("""INSERT INTO post_counts (status, direction, relevance, liked, n)
+                            VALUES ('new', ?, ?, ?, 0) ON CONFLICT DO NOTHING""",
+                         [(d, r, liked) for d in directions for r in RELEVANCES for liked in LIKED])
         conn.execute("""INSERT INTO source_post_counts
-                            (source_id, status, direction, relevance, n)
-                        SELECT s.id, 'new', k.direction, k.relevance, 0
+                            (source_id, status, direction, relevance, liked, n)
+                        SELECT s.id, 'new', k.direction, k.relevance, k.liked, 0
                         FROM sources s JOIN post_counts k ON k.status = 'new'
                         WHERE true ON CONFLICT DO NOTHING""")
         set_meta(conn, "count_keys", signature)
@@ -2473,8 +2549,9 @@ def ready_counts(conn, directions):
 def ready_source_counts(conn, first, last):
     """The zero rows of the sources of posts first..last that have none yet
     (a source added without a sync, a post with no source)."""
-    conn.execute("""INSERT INTO source_post_counts (source_id, status, direction, relevance, n)
-                    SELECT b.source_id, 'new', k.direction, k.relevance, 0
+    conn.execute("""INSERT INTO source_post_counts
+                        (source_id, status, direction, relevance, liked, n)
+                    SELECT b.source_id, 'new', k.direction, k.relevance, k.liked, 0
                     FROM (SELECT DISTINCT coalesce(source_id, 0) AS source_id FROM posts
                           WHERE id >= ? AND id <= ?) b
                     JOIN post_counts k ON k.status = 'new'
@@ -2949,6 +3026,7 @@ class Verdict:
     summary: str = ""
     keywords: str = None        # the keywords found (matched_keywords)
     reason: str = None          # the LLM's word on why it scored so
+    likely: float = None        # the chance an editor approves it (posts.likely)
     text: str = None            # the article's full text, stored over the summary
     story: int = None           # the story it leads, written as its story_id
     story_entry: StoryEntry = None  # its story, entered as the verdict is written
@@ -2957,7 +3035,7 @@ class Verdict:
     llm_saved: bool = False     # it took its story's verdict: no LLM call (llm_calls_saved)
 
 
-VERDICT_FIELDS = ("direction", "relevance", "interest", "summary", "keywords", "reason")
+VERDICT_FIELDS = ("direction", "relevance", "interest", "summary", "keywords", "reason", "likely")
 
 
 def story_verdict(conn, story):
@@ -3407,13 +3485,13 @@ def complete_post(conn, post_id, token, verdict):
     cursor = conn.execute(f"""
         UPDATE posts SET classified = {DONE}, direction = :direction, relevance = :relevance,
                          interest = :interest, summary = :summary, keywords = :keywords,
-                         reason = :reason, error = NULL, claim_token = NULL,
+                         reason = :reason, likely = :likely, error = NULL, claim_token = NULL,
                          story_id = coalesce(:story, story_id){article}
         WHERE id = :id AND classified = {PROCESSING} AND claim_token = :token
         RETURNING {COMPLETED}
     """, {"direction": verdict.direction, "relevance": verdict.relevance,
           "interest": verdict.interest, "summary": verdict.summary,
-          "keywords": verdict.keywords, "reason": verdict.reason,
+          "keywords": verdict.keywords, "reason": verdict.reason, "likely": verdict.likely,
           "text": verdict.text, "story": verdict.story, "id": post_id,
           "token": token})
     return cursor.fetchone()
@@ -3429,17 +3507,18 @@ def complete_posts(conn, completions):
         chunk = plain[first:first + 100]
         values = [(post["id"], post["claim_token"], verdict.direction, verdict.relevance,
                    verdict.interest, verdict.summary, verdict.keywords,
-                   verdict.reason, verdict.story) for post, verdict in chunk]
+                   verdict.reason, verdict.story, verdict.likely) for post, verdict in chunk]
         # VALUES names its columns column1, column2, … in both dialects; the
         # casts tell PostgreSQL the types of parameters that may all be NULL.
-        marks = "(CAST(? AS INTEGER), ?, ?, ?, ?, ?, ?, ?, ?)"
+        marks = "(CAST(? AS INTEGER), ?, ?, ?, ?, ?, ?, ?, ?, ?)"
         rows = conn.execute(f"""
             UPDATE posts SET classified = {DONE}, direction = v.column3,
                              relevance = CAST(v.column4 AS INTEGER),
                              interest = CAST(v.column5 AS INTEGER), summary = v.column6,
                              keywords = v.column7, reason = v.column8, error = NULL,
                              claim_token = NULL,
-                             story_id = coalesce(CAST(v.column9 AS INTEGER), posts.story_id)
+                             story_id = coalesce(CAST(v.column9 AS INTEGER), posts.story_id),
+                             likely = CAST(v.column10 AS REAL)
             FROM (VALUES {", ".join([marks] * len(values))}) AS v
             WHERE posts.id = v.column1 AND posts.classified = {PROCESSING}
               AND posts.claim_token = v.column2
@@ -3716,6 +3795,277 @@ def insert_new_posts(conn, source_id, direction, drafts, fetched_at=None):
         conn.execute("UPDATE sources SET post_count = post_count + ? WHERE id = ?",
                      (new, source_id))
     return new
+
+
+###############################################################################
+# Learning ####################################################################
+###############################################################################
+# Each direction learns what its editors want from their decisions: approved
+# in the direction is wanted, rejected is not, a story counts once (as its
+# first post), and posts nobody decided teach nothing. The model is naive
+# Bayes over the distinct words, word pairs and source of a post's lead,
+# kept as counts in the database (learners, learned_words): a decision adds
+# its post's features to its side and an undo takes exactly them back, so
+# every process and machine judges by the same counts, and `learn --rebuild`
+# counts them again from the decisions. A direction's model is used once it
+# has VESTI_LEARN_MIN decisions, at least LEARN_EACH of each kind.
+
+LEARN_WORDS = 150       # words of a post's title and text it is judged by
+LEARN_CHARS = 2000      # characters of its text read for them
+LEARN_EACH = 5
+LEARN_REFRESH = 1.0     # seconds a process judges by the counts it read
+LEARN_REASONS = 4       # features a card names as what weighed most
+LEARN_WORD = re.compile(r"\w+")
+
+
+def post_features(title, text, source_id):
+    """What a post is learned and judged by: the distinct words of its lead
+    (two letters or more, not bare numbers), each pair of words that follow
+    each other, and its source (as '@' and the source's id)."""
+    lead = f"{title or ''}\n{(text or '')[:LEARN_CHARS]}".casefold()
+    words = [w for w in LEARN_WORD.findall(lead) if len(w) > 1 and not w.isdigit()][:LEARN_WORDS]
+    features = set(words)
+    features.update(f"{a} {b}" for a, b in zip(words, words[1:]))
+    if source_id is not None:
+        features.add(f"@{source_id}")
+    return features
+
+
+class Model:
+    """One direction's learned model as a process holds it: how many
+    approved and rejected decisions it learned from, and in how many of each
+    every feature was."""
+
+    def __init__(self, direction):
+        self.direction = direction
+        self.approved = self.rejected = self.version = 0
+        self.epoch, self.since = None, None
+        self.counts = {}                # feature: (approved, rejected)
+        self.totals = [0, 0]
+
+    def set(self, feature, approved, rejected):
+        old = self.counts.pop(feature, None)
+        if old:
+            self.totals[0] -= old[0]
+            self.totals[1] -= old[1]
+        if approved or rejected:
+            self.counts[feature] = (approved, rejected)
+            self.totals[0] += approved
+            self.totals[1] += rejected
+
+    def ready(self, learn_min):
+        return self.approved + self.rejected >= learn_min and \
+            min(self.approved, self.rejected) >= LEARN_EACH
+
+    def weights(self, features):
+        """(weight, feature) of the features it has seen: how much each
+        speaks for approval (log of its odds in approved against rejected
+        posts, smoothed by one)."""
+        vocabulary = len(self.counts)
+        approved = math.log(self.totals[0] + vocabulary)
+        rejected = math.log(self.totals[1] + vocabulary)
+        found = []
+        for feature in features:
+            seen = self.counts.get(feature)
+            if seen:
+                found.append((math.log(seen[0] + 1) - approved - math.log(seen[1] + 1) + rejected,
+                              feature))
+        return found
+
+    def likely(self, features):
+        """The chance that an editor approves a post of these features. The
+        features' evidence is taken at the square root of their number: naive
+        Bayes counts words that come together as if each were news, and is
+        sure of itself far beyond what it knows."""
+        weights = self.weights(features)
+        prior = math.log((self.approved + 1) / (self.rejected + 1))
+        evidence = sum(weight for weight, _ in weights) / max(1.0, math.sqrt(len(weights)))
+        return round(1 / (1 + math.exp(-max(-30.0, min(30.0, prior + evidence)))), 4)
+
+    def reasons(self, features, likely):
+        """The features that weighed most toward its verdict, heaviest first."""
+        toward = 1 if likely >= LIKELY_FLOOR else -1
+        weights = sorted(((toward * w, f) for w, f in self.weights(features) if toward * w > 0),
+                         reverse=True)
+        return [feature for _, feature in weights[:LEARN_REASONS]]
+
+
+class Learners:
+    """Every direction's learned model as this process holds it, brought up
+    to date from the database at most every LEARN_REFRESH seconds (or when
+    asked to), reading only the counts changed since it last did."""
+
+    def __init__(self, learn_min):
+        self.learn_min = learn_min
+        self.models = {}
+        self.checked = -math.inf
+        self.lock = threading.Lock()
+
+    def refresh(self, conn, now=False):
+        with self.lock:
+            if not now and time.monotonic() - self.checked < LEARN_REFRESH:
+                return self
+            self.checked = time.monotonic()
+            for row in conn.execute("SELECT direction, approved, rejected, version, epoch, since "
+                                    "FROM learners").fetchall():
+                model = self.models.get(row["direction"])
+                if model is None or model.epoch != row["epoch"]:
+                    model = self.models[row["direction"]] = Model(row["direction"])
+                    model.epoch = row["epoch"]
+                if model.version != row["version"]:
+                    for feature, approved, rejected in conn.execute(
+                            "SELECT feature, approved, rejected FROM learned_words "
+                            "WHERE direction = ? AND version > ?", (model.direction, model.version)):
+                        model.set(feature, approved, rejected)
+                model.approved, model.rejected = row["approved"], row["rejected"]
+                model.version, model.since = row["version"], row["since"]
+        return self
+
+    def model(self, direction):
+        """The direction's model when it is ready to be used, else None."""
+        model = self.models.get(direction)
+        return model if model is not None and model.ready(self.learn_min) else None
+
+    def likely(self, direction, features):
+        model = self.model(direction)
+        return None if model is None else model.likely(features)
+
+    def wanted(self, features):
+        """(direction, likely) of the direction whose model most wants a post
+        of these features, when one wants it (LIKELY_FLOOR); else None."""
+        best = max(((model.likely(features), direction) for direction in list(self.models)
+                    if (model := self.model(direction)) is not None), default=None)
+        return (best[1], best[0]) if best and best[0] >= LIKELY_FLOOR else None
+
+
+# A post's decision counts in its direction's model when the post is a card
+# of the desk (in no story, or its story's first post), approved or rejected
+# in a direction.
+LEARNED_ROW = f"""SELECT p.id, p.title, substr(p.text, 1, {LEARN_CHARS}) AS text, p.source_id,
+                         p.status, p.direction, p.story_id, p.learned_as, p.learned_in
+                  FROM posts p"""
+
+
+def counts_as(row):
+    """(decision, direction) the post's decision should count as, or (None, None)."""
+    card_of_desk = row["story_id"] is None or row["story_id"] == row["id"]
+    if card_of_desk and row["status"] in ("approved", "rejected") and row["direction"]:
+        return row["status"], row["direction"]
+    return None, None
+
+
+def learn_decisions(conn, post_ids):
+    """Bring the learned counts in step with the decisions on these posts'
+    stories, in the caller's transaction: a story's first post counts as its
+    decision now says, any other post of it (one that led it before) as
+    nothing. Returns the directions whose counts changed."""
+    changes = []
+    for post_id in sorted(set(post_ids)):
+        lead = conn.execute("SELECT coalesce(story_id, id) FROM posts WHERE id = ?",
+                            (post_id,)).fetchone()
+        if lead is None:
+            continue
+        rows = conn.execute(f"{LEARNED_ROW} WHERE p.id = ? OR (p.learned_as IS NOT NULL AND "
+                            f"{copies_of('p.')})", (lead[0], lead[0])).fetchall()
+        for row in rows:
+            now = counts_as(row)
+            if now != (row["learned_as"], row["learned_in"]):
+                changes.append((row, now))
+    return count_decisions(conn, changes)
+
+
+def count_decisions(conn, changes):
+    """Apply (post row, what it counts as now) to the counts and the posts'
+    marks; returns the directions changed."""
+    deltas = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0]))
+    decisions = collections.defaultdict(lambda: [0, 0])
+    for row, (decision, direction) in changes:
+        features = post_features(row["title"], row["text"], row["source_id"])
+        for sign, was, where in ((-1, row["learned_as"], row["learned_in"]), (1, decision, direction)):
+            if was is None:
+                continue
+            side = 0 if was == "approved" else 1
+            decisions[where][side] += sign
+            for feature in features:
+                deltas[where][feature][side] += sign
+        conn.execute("UPDATE posts SET learned_as = ?, learned_in = ? WHERE id = ?",
+                     (decision, direction, row["id"]))
+    now = utc_text()
+    for direction in sorted(decisions):
+        approved, rejected = decisions[direction]
+        version = conn.execute(
+            """INSERT INTO learners (direction, approved, rejected, version, epoch, since, updated_at)
+               VALUES (?, ?, ?, 1, 1, ?, ?)
+               ON CONFLICT (direction) DO UPDATE SET approved = learners.approved + excluded.approved,
+                   rejected = learners.rejected + excluded.rejected, version = learners.version + 1,
+                   since = coalesce(learners.since, excluded.since), updated_at = excluded.updated_at
+               RETURNING version""", (direction, approved, rejected, now, now)).fetchone()[0]
+        insert_rows(conn, "learned_words (direction, feature, approved, rejected, version)",
+                    [(direction, feature, a, r, version)
+                     for feature, (a, r) in sorted(deltas[direction].items()) if a or r],
+                    """ON CONFLICT (direction, feature) DO UPDATE SET
+                           approved = learned_words.approved + excluded.approved,
+                           rejected = learned_words.rejected + excluded.rejected,
+                           version = excluded.version""")
+    return sorted(decisions)
+
+
+LEARN_BATCH = 500
+
+
+@redoable
+def rebuild_learning(conn, progress=None):
+    """Count every direction's model again from the stored decisions (in one
+    transaction; a process holding a model reads it anew). Returns
+    {direction: (approved, rejected)}."""
+    with transaction(conn):
+        conn.execute("DELETE FROM learned_words")
+        conn.execute("UPDATE learners SET approved = 0, rejected = 0, version = 0, "
+                     "epoch = epoch + 1, since = NULL")
+        conn.execute("UPDATE posts SET learned_as = NULL, learned_in = NULL "
+                     "WHERE learned_as IS NOT NULL")
+        last = 0
+        while True:
+            rows = conn.execute(f"""{LEARNED_ROW} WHERE p.id > ? AND p.status IN ('approved', 'rejected')
+                                    AND p.direction IS NOT NULL AND {card('p.')}
+                                    ORDER BY p.id LIMIT ?""", (last, LEARN_BATCH)).fetchall()
+            if not rows:
+                break
+            count_decisions(conn, [(row, counts_as(row)) for row in rows])
+            last = rows[-1]["id"]
+            if progress:
+                progress.step(count=len(rows))
+        conn.execute("""UPDATE learners SET since = (SELECT min(decided_at) FROM posts p
+                            WHERE p.learned_in = learners.direction)""")
+        return {row[0]: (row[1], row[2]) for row in conn.execute(
+            "SELECT direction, approved, rejected FROM learners ORDER BY direction")}
+
+
+# After a decision, the undecided cards of its direction, newest first, are
+# judged again by the model it changed, so the desk's next page reflects it.
+RESCORE_LIMIT = 2000
+
+
+def rescore_direction(conn, learners, direction, limit=RESCORE_LIMIT):
+    """Judge the newest undecided cards of a direction again (likely, or none
+    while its model is not ready); returns how many changed."""
+    model = learners.model(direction)
+    rows = conn.execute(f"""SELECT p.id, p.title, substr(p.text, 1, {LEARN_CHARS}) AS text,
+                                   p.source_id, p.likely FROM posts p
+                            WHERE p.status = 'new' AND p.classified = {DONE}
+                              AND p.direction = ? AND {card('p.')}
+                            ORDER BY p.published_at DESC, p.id DESC LIMIT ?""",
+                        (direction, limit)).fetchall()
+    changed = []
+    for row in rows:
+        likely = None if model is None else \
+            model.likely(post_features(row["title"], row["text"], row["source_id"]))
+        if likely != row["likely"]:
+            changed.append((likely, row["id"]))
+    if changed:
+        with transaction(conn):
+            conn.executemany("UPDATE posts SET likely = ? WHERE id = ?", changed)
+    return len(changed)
 
 
 ###############################################################################
@@ -4043,8 +4393,9 @@ def reword_post(conn, row, draft, before, words):
                        old_decision=row["status"], old_decided_at=row["decided_at"],
                        old_decided_by=row["decided_by"], old_title=row["title"],
                        old_text=row["text"])
-    leave_story(conn, row)
+    heir = leave_story(conn, row)
     store_edit(conn, row["id"], changes)
+    learn_decisions(conn, [row["id"], *([heir] if heir else [])])
     if row["classified"] == PROCESSING:
         take_claim_back(conn, row["id"])
     return 1
@@ -4069,14 +4420,17 @@ def leave_story(conn, post):
     The edited post is a card of its own (Classifier.prepare keeps it out of
     every story until it is decided again), so it cannot slip back under an
     approved story's card either. A first post still being classified has
-    no story_id yet (its verdict writes it), but may have copies already."""
+    no story_id yet (its verdict writes it), but may have copies already.
+    Returns the copy that leads the story now, or None."""
     if post["story_id"] not in (None, post["id"]):
-        return
+        return None
     heir = conn.execute(f"""SELECT id FROM posts WHERE {copies_of()}
                             ORDER BY CASE WHEN classified = {DONE} THEN 0 ELSE 1 END, id
                             LIMIT 1""", (post["id"],)).fetchone()
-    if heir is not None:
-        conn.execute(f"UPDATE posts SET story_id = ? WHERE {copies_of()}", (heir[0], post["id"]))
+    if heir is None:
+        return None
+    conn.execute(f"UPDATE posts SET story_id = ? WHERE {copies_of()}", (heir[0], post["id"]))
+    return heir[0]
 
 
 def defer_telegram(conn, seconds, now=None):
@@ -4206,6 +4560,7 @@ def set_decisions(conn, post_ids, decision, editor, seen=None):
         conn.executemany("""UPDATE sources SET approved = (SELECT coalesce(sum(n), 0)
                                 FROM source_post_counts WHERE source_id = :id AND status = 'approved')
                             WHERE id = :id""", [{"id": i} for i in sources])
+        learn_decisions(conn, post_ids)
     return found
 
 
@@ -6569,6 +6924,7 @@ class Classifier(ClassifyStep):
         self.use(registry)
         self.helper, self.cores = KeyHelper(), usable_cores()
         self.ahead = {}     # post id: (the Future of its keys, its place in the answer)
+        self.learners = Learners(settings.learn_min)
 
     def use(self, registry):
         """Classify with these directions from now on (sources.yaml changed)."""
@@ -6582,6 +6938,14 @@ class Classifier(ClassifyStep):
         full_text = self.article(post)
         text = full_text or post["text"]
         matches = keywords.matches(f"{post['title']}\n{text}")
+        learners = self.learned()
+        features = post_features(post["title"], text, post["source_id"]) if learners else None
+        if not matches and learners:
+            # A post the keywords missed but a direction's model wants is
+            # classified as that direction's keyword hit would be.
+            wanted = learners.wanted(features)
+            if wanted:
+                matches = {wanted[0]: []}
         entry, leads = None, None
         # No story for a post that is not relevant (no LLM call to save, no
         # card on the desk to merge), nor with stories off, nor for one
@@ -6600,10 +6964,18 @@ class Classifier(ClassifyStep):
                 leads = post["id"]
 
         def verdict():
+            found = classify_text(text, directions, self.settings, post["title"], matches=matches)
             return dataclasses.replace(
-                classify_text(text, directions, self.settings, post["title"], matches=matches),
-                text=full_text, story_entry=entry, story=leads)
+                found, text=full_text, story_entry=entry, story=leads,
+                likely=learners.likely(found.direction, features) if learners else None)
         return verdict if matches and self.settings.ollama_url else verdict()
+
+    def learned(self):
+        """The directions' learned models, when any direction has one."""
+        if self.db is None:
+            return None
+        learners = self.learners.refresh(self.db.conn())
+        return learners if learners.models else None
 
     def look_ahead(self, posts):
         """Have the helper work out the story keys of a batch of quick posts
@@ -7240,7 +7612,11 @@ PAGE_SIZE = 50
 MAX_REQUEST_BODY = 64 * 1024
 REFRESH_SECONDS = 5
 DECISIONS = ("new", "approved", "rejected")
-SORTS = ("newest", "relevance", "interest")
+SORTS = ("newest", "relevance", "interest", "likely")
+# Each order's score (newest first has none). By likely, a post of a direction
+# with no learned model yet stands as its relevance says (a tenth of it).
+SCORES = {"newest": None, "relevance": "p.relevance", "interest": "p.interest",
+          "likely": "coalesce(p.likely, p.relevance / 10.0)"}
 # A bulk decision takes at most this many posts (a page shows 50).
 MAX_BULK = 500
 # Posts waiting and no worker seen for this long: the page says so.
@@ -7336,6 +7712,7 @@ STRINGS = {
         "all_directions": "all directions", "no_direction": "no direction",
         "all_sources": "all sources", "sort.newest": "newest first",
         "sort.relevance": "most relevant first", "sort.interest": "most interesting first",
+        "sort.likely": "most likely approved first",
         "min": "relevance at least", "search": "Search title and text",
         "show": "Show", "approve": "Approve", "reject": "Reject", "undo": "Undo",
         "reject_shown": ("Reject the {n} post shown", "Reject all {n} shown"),
@@ -7408,7 +7785,8 @@ STRINGS = {
         "status.any": "все решения", "all_directions": "все направления",
         "no_direction": "без направления", "all_sources": "все источники",
         "sort.newest": "сначала новые", "sort.relevance": "сначала релевантные",
-        "sort.interest": "сначала интересные", "min": "релевантность не ниже",
+        "sort.interest": "сначала интересные", "sort.likely": "сначала вероятно одобряемые",
+        "min": "релевантность не ниже",
         "search": "Поиск по заголовку и тексту", "show": "Показать", "approve": "Одобрить",
         "reject": "Отклонить", "undo": "Вернуть",
         "reject_shown": ("Отклонить {n} показанный пост", "Отклонить все {n} показанных поста",
@@ -7725,7 +8103,8 @@ class DeskQuery:
     falls back to the default view."""
     direction: str = None        # a direction id, "none", or None for all
     status: str = "new"          # new | approved | rejected | any
-    min: int = 3
+    min: int = 3                 # the relevance floor
+    chosen: bool = False         # min was asked for; else the default floor (see floor_clause)
     q: str = ""
     source: str = None
     sort: str = "newest"
@@ -7739,12 +8118,12 @@ class DeskQuery:
         status = query.get("status")
         floor = query.get("min", "")
         sort = query.get("sort")
-        desk = cls(direction if direction in directions or direction == "none" else None,
-                   status if status in (*DECISIONS, "any") else "new",
-                   int(floor) if re.fullmatch(r"(?:10|[0-9])", floor) else default_min,
-                   search_words(query.get("q", "")),
-                   query.get("source") or None,
-                   sort if sort in SORTS else "newest")
+        chosen = re.fullmatch(r"(?:10|[0-9])", floor) is not None
+        desk = cls(direction=direction if direction in directions or direction == "none" else None,
+                   status=status if status in (*DECISIONS, "any") else "new",
+                   min=int(floor) if chosen else default_min, chosen=chosen,
+                   q=search_words(query.get("q", "")), source=query.get("source") or None,
+                   sort=sort if sort in SORTS else "newest")
         desk.after = desk.cursor(query.get("after", ""))
         decided, story = query.get("decided", ""), query.get("story", "")
         desk.decided = int(decided) if re.fullmatch(r"[1-9][0-9]{0,17}", decided) else None
@@ -7755,14 +8134,16 @@ class DeskQuery:
         """(score, published_at, id) from 'score~published~id'; None if malformed."""
         parts = text.split("~")
         if len(parts) != 3 or not re.fullmatch(r"[0-9]{1,18}", parts[2]) or \
-                not re.fullmatch(r"(?:[0-9]{1,2})?", parts[0]) or len(parts[1]) > 40:
+                not re.fullmatch(r"(?:[0-9]{1,2}(?:\.[0-9]{1,20})?)?", parts[0]) or len(parts[1]) > 40:
             return None
-        return (int(parts[0]) if parts[0] else None, parts[1], int(parts[2]))
+        score = None if not parts[0] else float(parts[0]) if "." in parts[0] else int(parts[0])
+        return (score, parts[1], int(parts[2]))
 
     def params(self, **changes):
         """The query string of this view (with changes), defaults left out."""
         values = {"direction": self.direction, "status": None if self.status == "new" else self.status,
-                  "min": self.min, "q": self.q or None, "source": self.source,
+                  "min": self.min if self.chosen else None, "q": self.q or None,
+                  "source": self.source,
                   "sort": None if self.sort == "newest" else self.sort, "story": self.story}
         values.update(changes)
         return values
@@ -7772,6 +8153,25 @@ def search_words(text):
     """A search as typed, or "" when it has no word to look for."""
     text = " ".join(text.split())[:200]
     return text if re.search(r"\w", text) else ""
+
+
+def floor_clause(desk, row="", counted=False):
+    """SQL of the desk's floor and its parameters. One asked for (min) is on
+    relevance. The default floor is too, but for a post still to decide in a
+    direction that has learned a model: that is shown when an editor would
+    more likely approve it than not (LIKELY_FLOOR). On posts (`row` their
+    alias and a dot), or on the count tables' rows (`counted`). The relevance
+    is marked not to pick an index (the unary +) unless the order is by
+    relevance."""
+    if not desk.min:
+        return "1 = 1", []
+    relevance = f"{'' if desk.sort == 'relevance' or counted else '+'}{row}relevance >= ?"
+    if desk.chosen:
+        return relevance, [desk.min]
+    liked, unjudged = ("liked = 1", "liked = -1") if counted else \
+        (f"{row}likely >= {LIKELY_FLOOR}", f"{row}likely IS NULL")
+    return (f"({row}status != 'new' AND {relevance} OR {row}status = 'new' "
+            f"AND ({liked} OR {unjudged} AND {relevance}))"), [desk.min, desk.min]
 
 
 def desk_filters(desk):
@@ -7787,8 +8187,9 @@ def desk_filters(desk):
         where.append("p.status = ?")
         params.append(desk.status)
     if desk.min:
-        where.append(f"{'' if desk.sort == 'relevance' else '+'}p.relevance >= ?")
-        params.append(desk.min)
+        clause, values = floor_clause(desk, "p.")
+        where.append(clause)
+        params += values
     if desk.direction == "none":
         where.append("p.direction IS NULL")
     elif desk.direction:
@@ -7809,6 +8210,7 @@ DESK_COLUMNS = """p.id, p.title, p.url, p.summary, p.direction, p.relevance, p.i
                   p.status, p.published_at, p.undated, p.content_type, p.keywords, p.reason,
                   substr(p.text, 1, {card_text}) AS text, p.decided_at, p.decided_by,
                   p.story_id, s.name AS source, s.slug AS source_slug, p.old_decision,
+                  p.likely, p.source_id,
                   p.words_sha256,
                   p.old_decided_at, p.old_decided_by, p.old_title,
                   substr(p.old_text, 1, {card_text}) AS old_text""".format(card_text=CARD_TEXT + 1)
@@ -7830,7 +8232,7 @@ def desk_posts(conn, desk, limit=PAGE_SIZE + 1):
         clause, values = conn.dialect.search_filter(desk.q)
         where.append(clause)
         params += values
-    score = {"newest": None, "relevance": "p.relevance", "interest": "p.interest"}[desk.sort]
+    score = SCORES[desk.sort]
     keys = [score, "p.published_at", "p.id"] if score else ["p.published_at", "p.id"]
     if desk.after:
         values = list(desk.after[1:] if not score else desk.after)
@@ -7899,17 +8301,23 @@ def every_decision(conn, desk, limit):
     index), merged in the chosen order."""
     posts = [post for decision in DECISIONS for post in
              desk_posts(conn, dataclasses.replace(desk, status=decision, decided=None), limit)]
-    score = {"newest": None, "relevance": "relevance", "interest": "interest"}[desk.sort]
-
     def order(post):  # descending, NULLs last, as ORDER BY … DESC has them
-        value = -1 if score is None or post[score] is None else post[score]
-        return value, post["published_at"] or "", post["id"]
+        value = desk_score(desk, post)
+        return -1 if value is None else value, post["published_at"] or "", post["id"]
     return sorted(posts, key=order, reverse=True)[:limit]
 
 
+def desk_score(desk, post):
+    """The post's score in the desk's order (SCORES), or None."""
+    if desk.sort == "likely":
+        return post["likely"] if post["likely"] is not None else \
+            None if post["relevance"] is None else post["relevance"] / 10.0
+    return None if desk.sort == "newest" else post[desk.sort]
+
+
 def next_cursor(desk, post):
-    score = {"newest": "", "relevance": post["relevance"], "interest": post["interest"]}[desk.sort]
-    return f"{'' if score is None else score}~{post['published_at']}~{post['id']}"
+    score = desk_score(desk, post)
+    return f"{'' if score is None else repr(score)}~{post['published_at']}~{post['id']}"
 
 
 def desk_counts(conn, desk):
@@ -7935,10 +8343,11 @@ def desk_counts(conn, desk):
     direction_value = [desk.direction] if desk.direction not in (None, "none") else []
     status = [] if desk.status == "any" else ["status = ?"]
     status_value = [] if desk.status == "any" else [desk.status]
-    by_direction = counted("direction", [*status, "relevance >= ?"], [*status_value, desk.min])
-    by_status = counted("status", [*direction, "relevance >= ?"], [*direction_value, desk.min])
-    below = sum(counted("status", [*direction, *status, "relevance < ?"],
-                        [*direction_value, *status_value, desk.min]).values())
+    floor, floor_values = floor_clause(desk, counted=True)
+    by_direction = counted("direction", [*status, floor], [*status_value, *floor_values])
+    by_status = counted("status", [*direction, floor], [*direction_value, *floor_values])
+    below = sum(counted("status", [*direction, *status, f"NOT {floor}"],
+                        [*direction_value, *status_value, *floor_values]).values())
     return {"direction": {k or None: v for k, v in by_direction.items()},
             "status": by_status, "hidden": below, "capped": False}
 
@@ -7957,13 +8366,14 @@ def search_counts(conn, desk):
     if len(ids) > SEARCH_COUNT_CAP:
         return {"direction": {}, "status": {}, "hidden": 0, "capped": True}
     marks = ",".join("?" * len(ids)) or "NULL"
-    rows = conn.execute(f"""SELECT direction, status, relevance >= ? AS shown, count(*)
+    floor, floor_values = floor_clause(desk, "p.")
+    rows = conn.execute(f"""SELECT direction, status, {floor} AS shown, count(*)
                             FROM posts p WHERE id IN ({marks}) AND +classified = {DONE}
                             {"" if desk.source or desk.story else "AND " + ONE_CARD_PER_STORY}
                             {"AND p.source_id = (SELECT id FROM sources WHERE slug = ?)"
                              if desk.source else ""}
                             GROUP BY 1, 2, 3""",
-                        [desk.min, *ids, *([desk.source] if desk.source else [])]).fetchall()
+                        [*floor_values, *ids, *([desk.source] if desk.source else [])]).fetchall()
     counts = {"direction": {}, "status": {}, "hidden": 0, "capped": False}
     for direction, status, shown, n in rows:
         wanted_direction = desk.direction is None or direction == desk.direction or \
@@ -8022,7 +8432,8 @@ def filter_form(page, desk, sources):
             f'placeholder="{page.t("search")}" aria-label="{page.t("search")}">'
             f'<select name="source" aria-label="{page.t("all_sources")}">{source_options}</select>'
             f'<label class="small">{page.t("min")} <input type="number" name="min" min="0" '
-            f'max="10" value="{desk.min}" style="width:4em"></label>'
+            f'max="10" value="{desk.min if desk.chosen else ""}" placeholder="{desk.min}" '
+            f'style="width:4em"></label>'
             f'<select name="sort" aria-label="sort">{sort_options}</select>'
             f'<button type="submit">{page.t("show")}</button></form>')
 
