@@ -1980,6 +1980,26 @@ def test_a_storys_decision_counts_once_whichever_of_its_posts_is_decided(home):
         [copies[1]]
 
 
+@both
+def test_learn_shows_each_model_and_rebuild_learns_it_again_from_the_decisions(home):
+    s, db = intake(home, [rss_source("wire", "http://wire.example/feed")])
+    conn = db.conn()
+    wire = source_row(db, "wire")["id"]
+    vesti.set_decisions(conn, [desk_post(conn, wire, k, text=KERNEL) for k in range(3)],
+                        "approved", "ed")
+    vesti.set_decisions(conn, [desk_post(conn, wire, 9, text=GARDEN)], "rejected", "ed")
+    result = cli("learn", cwd=home)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^linux: 3 approved, 1 rejected, \d+ features, since 20\d\d-.* UTC; "
+                     r"not used yet \(needs 30 decisions, 5 of each\)$", result.stdout, re.M)
+    before = learned(conn)
+    conn.execute("DELETE FROM learned_words")           # counts lost or damaged by hand
+    result = cli("learn", "--rebuild", cwd=home)
+    assert result.returncode == 0, result.stderr
+    assert "4 decisions learned in 1 directions" in result.stdout
+    assert learned(conn) == before
+
+
 def space_home(home, **settings):
     s, db = intake(home, [rss_source("wire", "http://wire.example/feed")], **settings)
     return s, db, vesti.load_registry(s.sources), source_row(db, "wire")["id"]
@@ -5782,6 +5802,71 @@ def test_metrics_speak_prometheus_and_count_what_happened(home, server, ollama):
     assert samples[("vesti_classified_posts", (("status", "approved"),))] == 1
     restarted = vesti.metrics_text(vesti.Database(s.db).conn())   # counters outlive a restart
     assert metric_samples(restarted)[1][("vesti_llm_calls_total", ())] == 3
+
+
+@both
+def test_the_desk_as_json_pages_through_every_card_once_with_its_story(web):
+    conn = web.db.conn()
+    ids = [desk_post(conn, lwn(web), k, relevance=3 + k % 5) for k in range(1, 8)]
+    conn.execute("UPDATE posts SET story_id = ? WHERE id IN (?, ?)", (ids[6], ids[6], ids[0]))
+    assert web.get("/api/posts", auth=False)[0] == 401
+    seen, after, pages = [], None, 0
+    while True:
+        status, headers, body = web.get("/api/posts?limit=3&sort=relevance"
+                                        + (f"&after={urllib.parse.quote(after)}" if after else ""))
+        assert status == 200 and headers["Content-Type"].startswith("application/json")
+        answer = json.loads(body)
+        seen += answer["posts"]
+        pages += 1
+        after = answer.get("next")
+        if after is None:
+            break
+    assert pages == 2 and len(seen) == 6                # the story's copy is not a card
+    assert [p["relevance"] for p in seen] == sorted([p["relevance"] for p in seen], reverse=True)
+    story = next(p for p in seen if p["id"] == ids[6])
+    assert [c["id"] for c in story["story"]] == [ids[0]] and story["story_count"] == 1
+    assert set(seen[0]) >= {"id", "url", "title", "source", "published_at", "direction",
+                            "relevance", "interest", "likely", "status", "decided_by",
+                            "decided_at", "story"}
+    assert len(json.loads(web.get("/api/posts?limit=9999")[2])["posts"]) == 6
+    by_likely = json.loads(web.get("/api/posts?sort=likely")[2])["posts"]      # nothing learned
+    assert [p["id"] for p in by_likely] == \
+        [p["id"] for p in json.loads(web.get("/api/posts?sort=relevance")[2])["posts"]]
+
+
+@both
+def test_the_desk_sharpens_as_the_editor_decides_and_says_why(home):
+    write_sources(home / "sources.yaml", [rss_source("wire", "http://wire.example/feed")])
+    web = Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret", VESTI_LEARN_MIN=10))
+    try:
+        conn = web.db.conn()
+        wire = source_row(web.db, "wire")["id"]
+        cards = [desk_post(conn, wire, k, text=text, title=text[:40], direction="space",
+                           relevance=4) for k, text in enumerate(MISSIONS + GAMES)]
+        later = desk_post(conn, wire, 50, direction="space", relevance=4,
+                          text="Rocket League esports fans filled the arena for the game.",
+                          title="Esports final")
+        assert later in card_ids(web.get("/?direction=space")[2])
+        for post, text in zip(cards, MISSIONS + GAMES):
+            status, _, body = web.post(f"/posts/{post}/status",
+                                       {"status": "approved" if text in MISSIONS else "rejected",
+                                        "token": web.token()},
+                                       headers={"Accept": "application/json"})
+            assert status == 200, body
+        desk = json.loads(web.get("/api/posts?direction=space&status=any&min=0")[2])["posts"]
+        assert next(p for p in desk if p["id"] == later)["likely"] < 0.5
+        assert later not in card_ids(web.get("/?direction=space")[2])   # below the floor now
+        page = web.get("/?direction=space&min=0")[2]
+        card = page[page.index(f'id="post-{later}"'):]
+        card = card[:card.index("</article>")]
+        assert re.search(r'likely approved <b class="likely">0\.\d\d</b>', card)
+        assert re.search(r"weighed most: [^<]*(esports|league|game)", card)
+        status, _, _ = web.post(f"/posts/{cards[0]}/status", {"status": "new", "token": web.token()},
+                                headers={"Accept": "application/json"})
+        assert status == 200 and tuple(web.db.conn().execute(
+            "SELECT approved, rejected FROM learners WHERE direction = 'space'").fetchone()) == (5, 6)
+    finally:
+        web.close()
 
 
 # Web pages: in a real browser -------------------------------------------------

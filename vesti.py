@@ -4041,6 +4041,14 @@ def rebuild_learning(conn, progress=None):
             "SELECT direction, approved, rejected FROM learners ORDER BY direction")}
 
 
+def decided_directions(conn, post_ids):
+    """The directions of these posts: whose models their decisions changed."""
+    marks = ",".join("?" * len(post_ids))
+    return sorted({row[0] for row in conn.execute(
+        f"SELECT DISTINCT direction FROM posts WHERE id IN ({marks}) AND direction IS NOT NULL",
+        list(post_ids))})
+
+
 # After a decision, the undecided cards of its direction, newest first, are
 # judged again by the model it changed, so the desk's next page reflects it.
 RESCORE_LIMIT = 2000
@@ -7716,7 +7724,8 @@ STRINGS = {
         "min": "relevance at least", "search": "Search title and text",
         "show": "Show", "approve": "Approve", "reject": "Reject", "undo": "Undo",
         "reject_shown": ("Reject the {n} post shown", "Reject all {n} shown"),
-        "relevance": "relevance", "interest": "interest",
+        "relevance": "relevance", "interest": "interest", "likely": "likely approved",
+        "weighed": "weighed most",
         "keywords": "keywords", "reason": "why", "stored_text": "Stored text",
         "more_sources": ("+{count} source", "+{count} sources"), "every_copy": "every copy",
         "more_copies": ("and {count} more", "and {count} more"),
@@ -7792,6 +7801,7 @@ STRINGS = {
         "reject_shown": ("Отклонить {n} показанный пост", "Отклонить все {n} показанных поста",
                          "Отклонить все {n} показанных постов"),
         "relevance": "релевантность", "interest": "интерес", "keywords": "ключевые слова",
+        "likely": "вероятность одобрения", "weighed": "больше всего весили",
         "reason": "почему", "stored_text": "Сохранённый текст", "older": "старше →",
         "next": "дальше →", "to_first": "← в начало",
         "more_sources": ("ещё {count} источник", "ещё {count} источника",
@@ -8512,7 +8522,7 @@ def card_words(lang):
     return {key: said(lang, key) for key in ("untitled", "no_direction", "keywords", "reason",
                                              "stored_text", "utc", "relevance", "interest",
                                              "undated", "edit_texts", "before_edit",
-                                             "after_edit")}
+                                             "after_edit", "likely", "weighed")}
 
 
 def card_time(post, words):
@@ -8543,7 +8553,8 @@ def edited_texts(post, words, text):
             f'{version("now", "after_edit", post["title"], text)}</div></details>')
 
 
-def card_html(post, page, back, story=None):
+def card_html(post, page, back, story=None, weighed=()):
+    """A post's card; `weighed`: what weighed most in its likely (see Model.reasons)."""
     words = card_words(page.lang)
     title = esc(post["title"]) or words["untitled"]
     link = (f'<a href="{esc(post["url"])}" rel="noopener noreferrer" target="_blank">{title}</a>'
@@ -8553,6 +8564,10 @@ def card_html(post, page, back, story=None):
         why.append(f'{words["keywords"]}: {esc(post["keywords"])}')
     if post["reason"]:
         why.append(f'{words["reason"]}: {esc(post["reason"])}')
+    if weighed:
+        why.append(f'{words["weighed"]}: {esc(", ".join(weighed))}')
+    likely = "" if post["likely"] is None else \
+        f' · {words["likely"]} <b class="likely">{post["likely"]:.2f}</b>'
     why_html = f'<p class="why small muted">{" · ".join(why)}</p>' if why else ""
     text = shorten(post["text"], CARD_TEXT)
     if post["old_decision"]:
@@ -8566,7 +8581,7 @@ def card_html(post, page, back, story=None):
             f'<p class="small muted">{esc(post["source"])} · {card_time(post, words)} · '
             f'<span class="badge">{direction}</span> '
             f'{words["relevance"]} <b>{esc(post["relevance"])}</b> · '
-            f'{words["interest"]} <b>{esc(post["interest"])}</b></p>{edited_mark(post, page)}'
+            f'{words["interest"]} <b>{esc(post["interest"])}</b>{likely}</p>{edited_mark(post, page)}'
             f'<p>{esc(post["summary"])}</p>{story_line(post, story, page)}{why_html}{stored}'
             f'{decision_form(post, page, back)}</article>')
 
@@ -8737,7 +8752,48 @@ def source_options(conn):
                    conn.execute("SELECT slug, name FROM sources WHERE enabled = 1 ORDER BY name"))
 
 
-def desk_page(conn, desk, page, directions, settings, sources=None):
+def weighed_most(post, learners):
+    """What weighed most in a card's likely, as a card names it: words, and
+    its source by name."""
+    model = learners.model(post["direction"]) if learners and post["likely"] is not None else None
+    if model is None:
+        return ()
+    features = post_features(post["title"], post["text"], post["source_id"])
+    source = f'@{post["source_id"]}'
+    return tuple(post["source"] or source if feature == source else feature
+                 for feature in model.reasons(features, post["likely"]))
+
+
+# GET /api/posts: this many posts a page unless `limit` says otherwise, and at most this many.
+API_POSTS = 50
+MAX_API_POSTS = 500
+
+
+def desk_answer(conn, desk, limit):
+    """The desk as JSON (GET /api/posts): a page of posts in the desk's
+    order, one per story with its copies, and the cursor of the next page
+    when there is one."""
+    catch_up_index(conn)
+    posts = desk_posts(conn, desk, limit + 1)
+    more, posts = len(posts) > limit, posts[:limit]
+    stories = {} if desk.story else story_copies(conn, posts)
+    answer = {"posts": [api_post(post, stories.get(post["id"])) for post in posts]}
+    if more:
+        answer["next"] = next_cursor(desk, posts[-1])
+    return answer
+
+
+def api_post(post, story):
+    fields = ("id", "url", "title", "source", "published_at", "direction", "relevance",
+              "interest", "likely", "status", "decided_by", "decided_at")
+    answer = {field: post[field] for field in fields}
+    answer["story"] = [{"id": c["id"], "url": c["url"], "source": c["source"]}
+                       for c in (story.named if story else ())]
+    answer["story_count"] = story.count if story else 0
+    return answer
+
+
+def desk_page(conn, desk, page, directions, settings, sources=None, learners=None):
     catch_up_index(conn)
     posts = desk_posts(conn, desk)
     more, posts = len(posts) > PAGE_SIZE, posts[:PAGE_SIZE]
@@ -8745,7 +8801,8 @@ def desk_page(conn, desk, page, directions, settings, sources=None):
     here = page.link("/", **desk.params(after="~".join(
         "" if v is None else str(v) for v in desk.after) if desk.after else None))
     stories = {} if desk.story else story_copies(conn, posts)
-    cards = "".join(card_html(p, page, here, stories.get(p["id"])) for p in posts)
+    cards = "".join(card_html(p, page, here, stories.get(p["id"]), weighed_most(p, learners))
+                    for p in posts)
     if not cards:
         empty = "empty_filtered" if desk.direction or desk.q or desk.source or \
             desk.status != "new" or counts["hidden"] else "empty_none"
@@ -9097,6 +9154,61 @@ def named_wordings(form, ids):
     return {int(i): words for i, _, words in named if POST_ID.fullmatch(i) and int(i) in ids}
 
 
+# A desk page of a direction whose cards are being judged again after a
+# decision waits for that at most this long.
+RESCORE_WAIT = 5.0
+
+
+class Rescorer:
+    """After a decision, the undecided cards of its direction are judged
+    again (rescore_direction) in a thread of its own, so the decision answers
+    at once; a desk page of that direction waits for it first, so the next
+    page reflects the last decision."""
+
+    def __init__(self, db, learners):
+        self.db, self.learners = db, learners
+        self.waiting, self.busy, self.thread = set(), None, None
+        self.changed = threading.Condition()
+
+    def ask(self, directions):
+        with self.changed:
+            self.waiting.update(d for d in directions if d)
+            if self.waiting and self.thread is None:
+                self.thread = threading.Thread(target=self.run, name="rescore", daemon=True)
+                self.thread.start()
+
+    def run(self):
+        with self.db.lent():
+            while True:
+                with self.changed:
+                    if not self.waiting:
+                        self.thread = None
+                        self.changed.notify_all()
+                        return
+                    self.busy = self.waiting.pop()
+                try:
+                    conn = self.db.conn()
+                    rescore_direction(conn, self.learners.refresh(conn, now=True), self.busy)
+                except Exception as e:  # noqa: BLE001 - the page goes on; the worker judges anew
+                    log.warning("judging the cards of %s again failed: %s", self.busy, e)
+                finally:
+                    with self.changed:
+                        self.busy = None
+                        self.changed.notify_all()
+
+    def wait(self, direction=None):
+        """Until the cards of `direction` (None: of every direction) are
+        judged again, for at most RESCORE_WAIT seconds."""
+        def pending():
+            if direction is None:
+                return bool(self.waiting) or self.busy is not None
+            return direction in self.waiting or self.busy == direction
+        deadline = time.monotonic() + RESCORE_WAIT
+        with self.changed:
+            while pending() and time.monotonic() < deadline:
+                self.changed.wait(deadline - time.monotonic())
+
+
 class WebApp:
     """Routes, Basic auth and cross-site protection for the VESTI page."""
 
@@ -9116,8 +9228,11 @@ class WebApp:
         if db.conn().dialect is SQLITE and not FTS5:
             log.warning("this Python's SQLite has no FTS5: the desk searches with LIKE "
                         "(slower on a big database)")
+        self.learners = Learners(settings.learn_min)
+        self.rescorer = Rescorer(db, self.learners)
         self.routes = [
             ("GET", re.compile(r"/"), self.desk),
+            ("GET", re.compile(r"/api/posts"), self.api_posts),
             ("GET", re.compile(r"/crawlers"), self.crawlers),
             ("POST", re.compile(r"/crawlers/reset"), self.reset),
             ("GET", re.compile(r"/api/queue"), self.api_queue),
@@ -9260,8 +9375,19 @@ class WebApp:
     def desk(self, request, query, form):
         desk = DeskQuery.read(query, self.registry.directions, self.settings.min_relevance)
         page = self.page(request, query)
+        self.rescorer.wait(desk.direction)
+        learners = self.learners.refresh(self.db.conn())
         self.html(request, desk_page(self.db.conn(), desk, page, self.registry.directions,
-                                     self.settings, self.source_options()))
+                                     self.settings, self.source_options(), learners))
+
+    def api_posts(self, request, query, form):
+        """The desk as JSON (see desk_answer)."""
+        desk = DeskQuery.read(query, self.registry.directions, self.settings.min_relevance)
+        limit = query.get("limit", "")
+        limit = min(int(limit), MAX_API_POSTS) if re.fullmatch(r"[1-9][0-9]{0,5}", limit) \
+            else API_POSTS
+        self.rescorer.wait(desk.direction)
+        self.json(request, desk_answer(self.db.conn(), desk, limit))
 
     def source_options(self):
         """The source filter's options, built at most once a minute: with
@@ -9328,10 +9454,12 @@ class WebApp:
         decided) when a post changed since the page naming its words was
         loaded."""
         try:
-            return set_decisions(self.db.conn(), ids, status, self.user, seen)
+            found = set_decisions(self.db.conn(), ids, status, self.user, seen)
         except Reworded as e:
             post = "this post" if len(ids) == 1 else f"post {e.post_id}"
             abort(409, f"{post} changed since your page was loaded; reload to see it")
+        self.rescorer.ask(decided_directions(self.db.conn(), ids))
+        return found
 
     def back(self, request, form, post_id=None):
         """To the page the form came from; after one post's decision, to its
@@ -10732,6 +10860,42 @@ def cmd_reset_dead(args, settings):
     return 0
 
 
+def learning_report(conn, learn_min):
+    """Each direction's model as `learn` shows it."""
+    return [{"direction": row["direction"], "approved": row["approved"],
+             "rejected": row["rejected"], "since": row["since"], "updated_at": row["updated_at"],
+             "features": row["features"],
+             "used": row["approved"] + row["rejected"] >= learn_min
+             and min(row["approved"], row["rejected"]) >= LEARN_EACH}
+            for row in conn.execute("""SELECT l.*, (SELECT count(*) FROM learned_words w
+                                           WHERE w.direction = l.direction
+                                             AND (w.approved != 0 OR w.rejected != 0)) AS features
+                                       FROM learners l ORDER BY l.direction""")]
+
+
+def cmd_learn(args, settings):
+    registry, db = open_intake(settings)
+    conn = db.conn()
+    if args.rebuild:
+        decided = conn.execute("SELECT count(*) FROM posts WHERE status IN ('approved', 'rejected')"
+                               ).fetchone()[0]
+        progress = Progress("learn --rebuild", decided)
+        learned = rebuild_learning(conn, progress)
+        learners = Learners(settings.learn_min).refresh(conn, now=True)
+        judged = sum(rescore_direction(conn, learners, direction) for direction in learned)
+        progress.finish(f"{sum(a + r for a, r in learned.values())} decisions learned in "
+                        f"{len(learned)} directions, {judged} undecided posts judged again")
+    report = learning_report(conn, settings.learn_min)
+    if not report:
+        print("no decisions learned yet: approve and reject posts on the desk")
+    for model in report:
+        state = "used" if model["used"] else \
+            f"not used yet (needs {settings.learn_min} decisions, {LEARN_EACH} of each)"
+        print(f"{model['direction']}: {model['approved']} approved, {model['rejected']} rejected, "
+              f"{model['features']} features, since {model['since'] or '-'} UTC; {state}")
+    return 0
+
+
 def status_report(conn):
     """Queue sizes and every source's health, as `status --json` prints them."""
     fields = ("slug", "name", "crawler", "status", "enabled", "priority", "last_fetch",
@@ -10944,6 +11108,10 @@ def build_parser():
     discover = command("discover", cmd_discover,
                        "the feeds a site offers, each with a ready sources.yaml entry")
     discover.add_argument("url", metavar="URL", help="a site's address, e.g. https://lwn.net")
+    learn = command("learn", cmd_learn, "each direction's model learned from the editors' "
+                    "decisions: how many, since when, whether it is used yet")
+    learn.add_argument("--rebuild", action="store_true",
+                       help="learn every model again from all stored decisions")
     status = command("status", cmd_status, "queue sizes and source health")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     export = command("export", cmd_export, "classified posts to stdout (approved by default)")
