@@ -101,6 +101,8 @@ CREATE INDEX IF NOT EXISTS posts_desk_relevance ON posts(status, relevance, publ
 CREATE INDEX IF NOT EXISTS posts_desk_interest ON posts(status, interest, published_at, id) WHERE classified = 1;
 CREATE INDEX IF NOT EXISTS posts_desk_likely ON posts(status, (coalesce(likely, relevance / 10.0)), published_at, id) WHERE classified = 1;
 CREATE INDEX IF NOT EXISTS posts_decided ON posts(status, decided_at);
+-- A direction's latest decisions, shown to the LLM as examples.
+CREATE INDEX IF NOT EXISTS posts_learned ON posts(learned_in, decided_at) WHERE learned_as IS NOT NULL;
 
 CREATE TABLE IF NOT EXISTS rss_state (
     source_id INTEGER PRIMARY KEY,

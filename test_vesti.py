@@ -2046,6 +2046,26 @@ def test_a_direction_that_learned_enough_judges_its_posts_and_lifts_what_keyword
     assert counts_match_posts(conn)
 
 
+@both
+def test_the_llm_is_shown_the_editors_decisions_most_like_the_post(home):
+    fake = FakeOllama()
+    try:
+        s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10, OLLAMA_URL=fake.url)
+        conn = db.conn()
+        decided_space(conn, wire, MISSIONS, GAMES)
+        add_posts(conn, 1, source_id=wire, start=400,
+                  text="Rocket League esports team won the arena tournament final.")
+        vesti.run_workers(db, s, registry, workers=1, quiet=True)
+        [(_, body)] = fake.requests
+        shown = [m["content"] for m in body["messages"] if m["role"] == "system"][1]
+        lines = shown.splitlines()[1:]
+        assert 1 <= len(lines) <= 4 and all(len(line) <= 140 for line in lines)
+        assert lines[0].startswith("- rejected: ") and "Rocket" in lines[0]   # a game, like it
+        assert body["messages"][-1]["content"].startswith("Post 400")
+    finally:
+        fake.close()
+
+
 # Sources ----------------------------------------------------------------------
 
 def test_registry_loads_directions_and_sources(home):

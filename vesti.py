@@ -2036,6 +2036,8 @@ CREATE INDEX IF NOT EXISTS posts_desk_relevance ON posts(status, relevance, publ
 CREATE INDEX IF NOT EXISTS posts_desk_interest ON posts(status, interest, published_at, id) WHERE classified = 1;
 CREATE INDEX IF NOT EXISTS posts_desk_likely ON posts(status, (coalesce(likely, relevance / 10.0)), published_at, id) WHERE classified = 1;
 CREATE INDEX IF NOT EXISTS posts_decided ON posts(status, decided_at);
+-- A direction's latest decisions, shown to the LLM as examples.
+CREATE INDEX IF NOT EXISTS posts_learned ON posts(learned_in, decided_at) WHERE learned_as IS NOT NULL;
 
 CREATE TABLE IF NOT EXISTS rss_state (
     source_id INTEGER PRIMARY KEY,
@@ -3815,6 +3817,12 @@ LEARN_CHARS = 2000      # characters of its text read for them
 LEARN_EACH = 5
 LEARN_REFRESH = 1.0     # seconds a process judges by the counts it read
 LEARN_REASONS = 4       # features a card names as what weighed most
+# The LLM is shown this many of a direction's past decisions most like the
+# post (their titles cut to LEARN_EXAMPLE_CHARS), picked among the latest
+# LEARN_EXAMPLES_FROM of them.
+LEARN_EXAMPLES = 4
+LEARN_EXAMPLE_CHARS = 120
+LEARN_EXAMPLES_FROM = 300
 LEARN_WORD = re.compile(r"\w+")
 
 
@@ -3900,6 +3908,7 @@ class Learners:
         self.models = {}
         self.checked = -math.inf
         self.lock = threading.Lock()
+        self.decided = {}           # direction: (its model's version, [(features, title, decision)])
 
     def refresh(self, conn, now=False):
         with self.lock:
@@ -3929,6 +3938,26 @@ class Learners:
     def likely(self, direction, features):
         model = self.model(direction)
         return None if model is None else model.likely(features)
+
+    def examples(self, conn, direction, features):
+        """[(title, decision)] of the direction's latest decisions most like a
+        post of these features (words in common), when its model is used."""
+        model = self.model(direction)
+        if model is None:
+            return []
+        version, decided = self.decided.get(direction, (None, []))
+        if version != (model.epoch, model.version):
+            decided = [(post_features(row["title"], row["text"], None), row["title"], row["learned_as"])
+                       for row in conn.execute(
+                           f"""SELECT title, substr(text, 1, {LEARN_CHARS}) AS text, learned_as
+                               FROM posts WHERE learned_in = ? AND learned_as IS NOT NULL
+                               ORDER BY decided_at DESC LIMIT ?""",
+                           (direction, LEARN_EXAMPLES_FROM))]
+            self.decided[direction] = ((model.epoch, model.version), decided)
+        alike = sorted(((len(features & seen) / math.sqrt(len(features) * len(seen) or 1), k)
+                        for k, (seen, _, _) in enumerate(decided)), reverse=True)
+        return [(shorten(decided[k][1], LEARN_EXAMPLE_CHARS), decided[k][2])
+                for score, k in alike[:LEARN_EXAMPLES] if score > 0]
 
     def wanted(self, features):
         """(direction, likely) of the direction whose model most wants a post
@@ -6668,9 +6697,14 @@ Topics:
 {topics}"""
 
 
-def ollama_request(title, text, directions, settings):
+OLLAMA_EXAMPLES = ("The editors' past decisions on posts most like this one (titles), "
+                   "to judge its relevance as they would:")
+
+
+def ollama_request(title, text, directions, settings, examples=()):
     """The /api/chat body: the contract's shape, with a JSON schema whose
-    direction enum lists the direction ids."""
+    direction enum lists the direction ids, and the editors' past decisions
+    most like the post ([(title, decision)]), when there are any."""
     ids = list(directions)
     schema = {"type": "object", "required": ["direction", "relevance", "interest", "summary"],
               "properties": {
@@ -6686,6 +6720,9 @@ def ollama_request(title, text, directions, settings):
             "messages": [
                 {"role": "system", "content": OLLAMA_SYSTEM_PROMPT.format(
                     ids=", ".join(ids), topics=topics)},
+                *([{"role": "system", "content": OLLAMA_EXAMPLES + "".join(
+                    f"\n- {decision}: {example}" for example, decision in examples)}]
+                  if examples else []),
                 {"role": "user", "content": f"{title}\n\n{shorten(text, 6000)}".strip()}]}
 
 
@@ -6775,24 +6812,24 @@ def parse_verdict(answer, directions):
                    if isinstance(reason, str) and reason.strip() else None)
 
 
-def ask_ollama(title, text, directions, settings):
+def ask_ollama(title, text, directions, settings, examples=()):
     answer = post_json(f"{settings.ollama_url}/api/chat",
-                       ollama_request(title, text, directions, settings),
+                       ollama_request(title, text, directions, settings, examples),
                        settings.ollama_timeout)
     return parse_verdict(answer, directions)
 
 
-def classify_text(text, directions, settings, title="", keywords=None, matches=None):
+def classify_text(text, directions, settings, title="", keywords=None, matches=None, examples=()):
     """The text's Verdict. Keywords first (title and text): no hit means not
     relevant, and no LLM call. Then Ollama, or with OLLAMA_URL empty the
     keywords alone decide. `matches`: the keywords' matches, when the caller
-    has them already."""
+    has them already; `examples`: past decisions to show the LLM."""
     if matches is None:
         matches = (keywords or KeywordIndex(directions)).matches(f"{title}\n{text}")
     if not matches or not settings.ollama_url:
         return keyword_verdict(title, text, matches)
     started = time.monotonic()
-    verdict = ask_ollama(title, text, directions, settings)
+    verdict = ask_ollama(title, text, directions, settings, examples)
     return dataclasses.replace(verdict, keywords=matched_keywords(matches),
                                llm_seconds=time.monotonic() - started)
 
@@ -6972,7 +7009,10 @@ class Classifier(ClassifyStep):
                 leads = post["id"]
 
         def verdict():
-            found = classify_text(text, directions, self.settings, post["title"], matches=matches)
+            examples = learners.examples(self.db.conn(), next(iter(matches)), features) \
+                if learners and matches and self.settings.ollama_url else ()
+            found = classify_text(text, directions, self.settings, post["title"], matches=matches,
+                                  examples=examples)
             return dataclasses.replace(
                 found, text=full_text, story_entry=entry, story=leads,
                 likely=learners.likely(found.direction, features) if learners else None)
