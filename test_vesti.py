@@ -5889,6 +5889,43 @@ def test_the_desk_sharpens_as_the_editor_decides_and_says_why(home):
         web.close()
 
 
+@both
+def test_the_report_card_says_how_the_classifier_agrees_with_the_editors(home):
+    s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10, VESTI_WEB_PASSWORD="s3cret")
+    conn = db.conn()
+    decided_space(conn, wire, MISSIONS, GAMES)
+    add_posts(conn, 1, source_id=wire, start=500, text="Rocket League <b>esports</b> game final.")
+    add_posts(conn, 1, source_id=wire, start=501, text="The space agency launched a rocket.")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    game, mission = [r[0] for r in conn.execute(
+        "SELECT id FROM posts WHERE title IN ('Post 500', 'Post 501') ORDER BY title")]
+    vesti.set_decisions(conn, [game, mission], "approved", "ed")   # the game against the model
+    result = cli("quality", "--json", cwd=home, env={"VESTI_LEARN_MIN": "10"})
+    assert result.returncode == 0, result.stderr
+    [space] = [card for card in json.loads(result.stdout) if card["direction"] == "space"]
+    assert (space["decisions"], space["approved"], space["model_used"]) == (14, 8, True)
+    assert space["by_relevance"]["7"]["decided"] == 12
+    assert sum(f["decided"] for f in space["by_likely"].values()) == 2
+    assert space["worst"][0]["id"] == game and space["worst"][0]["likely"] < 0.5
+    assert {"esports", "league"} & set(space["worst"][0]["weighed"])
+    low, high = space["sources"]["wire"]["interval"]
+    assert low < 8 / 14 < high and -1 <= space["kappa"] <= 1
+    assert space["precision"]["held_out"] == 3 and space["precision"]["learned"]["p20"] is not None
+    assert space["editors"]["ed"]["decisions"] == 14
+    text = cli("quality", "--direction", "space", cwd=home, env={"VESTI_LEARN_MIN": "10"})
+    assert text.returncode == 0 and text.stdout.startswith("space: 14 decisions")
+    web = Web(home, settings=s)
+    try:
+        assert web.get("/quality", auth=False)[0] == 401
+        status, _, page = web.get("/quality")
+        assert status == 200 and '<svg class="calibration"' in page
+        assert "Post 500" in page and "<b>esports</b>" not in page
+        assert 'href="/quality"' in web.get("/")[2]
+        assert "Качество" in web.get("/quality?lang=ru")[2]
+    finally:
+        web.close()
+
+
 # Web pages: in a real browser -------------------------------------------------
 
 def test_the_crawlers_page_in_a_real_browser(web, browser):

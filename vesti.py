@@ -3861,6 +3861,14 @@ class Model:
             self.totals[0] += approved
             self.totals[1] += rejected
 
+    def learn(self, features, approved):
+        """Count one decision in, as the counts in the database would."""
+        for feature in features:
+            seen = self.counts.get(feature, (0, 0))
+            self.set(feature, seen[0] + approved, seen[1] + (not approved))
+        self.approved += approved
+        self.rejected += not approved
+
     def ready(self, learn_min):
         return self.approved + self.rejected >= learn_min and \
             min(self.approved, self.rejected) >= LEARN_EACH
@@ -4637,6 +4645,133 @@ def decided_posts(conn, status="approved", direction=None, limit=None, since=Non
         FROM posts p LEFT JOIN sources s ON s.id = p.source_id
         WHERE {' AND '.join(where)} ORDER BY {order}{"" if limit is None else " LIMIT ?"}""",
                         params if limit is None else [*params, limit]).fetchall()
+
+
+# The classifier's report card (quality, /quality): per direction, from the
+# stored decisions alone, how well the classifier and the learned model agree
+# with the editors. Precision is measured as the model would have ranked the
+# newest QUALITY_HELD_OUT of the decisions, learning from the older ones only.
+QUALITY_DECISIONS = 5000        # the latest decisions of a direction the report reads
+QUALITY_HELD_OUT = 0.2
+QUALITY_WORST = 10
+Z95 = 1.959964
+
+
+def wilson(approved, decided):
+    """The 95 % Wilson score interval of a share approved/decided."""
+    if not decided:
+        return (0.0, 1.0)
+    share = approved / decided
+    spread = Z95 * math.sqrt(share * (1 - share) / decided + Z95 ** 2 / (4 * decided ** 2))
+    middle = share + Z95 ** 2 / (2 * decided)
+    scale = 1 + Z95 ** 2 / decided
+    return (round(max(0.0, (middle - spread) / scale), 3), round(min(1.0, (middle + spread) / scale), 3))
+
+
+def kappa(pairs):
+    """Cohen's kappa of [(classifier says yes, editor says yes)], or None."""
+    if not pairs:
+        return None
+    n = len(pairs)
+    agreed = sum(a == b for a, b in pairs) / n
+    yes_a, yes_b = sum(a for a, _ in pairs) / n, sum(b for _, b in pairs) / n
+    chance = yes_a * yes_b + (1 - yes_a) * (1 - yes_b)
+    return None if chance == 1 else round((agreed - chance) / (1 - chance), 3)
+
+
+def precision_at(ranked, k):
+    """The share approved among the first k of [approved?] (or of all, when fewer)."""
+    top = ranked[:k]
+    return round(sum(top) / len(top), 3) if top else None
+
+
+def held_out_precision(rows):
+    """Precision at 20 and 50 of the newest QUALITY_HELD_OUT of decisions (rows
+    oldest first), ranked by a model learned from the older ones, and by
+    relevance as the classifier alone ranks them."""
+    split = int(len(rows) * (1 - QUALITY_HELD_OUT))
+    older, newer = rows[:split], rows[split:]
+    model = Model(None)
+    for row in older:
+        model.learn(row["features"], row["status"] == "approved")
+    learned = [row["status"] == "approved" for row in
+               sorted(newer, key=lambda r: -model.likely(r["features"]))]
+    by_relevance = [row["status"] == "approved" for row in
+                    sorted(newer, key=lambda r: -(r["relevance"] or 0))]
+    return {"held_out": len(newer), "learned_from": len(older),
+            "learned": {"p20": precision_at(learned, 20), "p50": precision_at(learned, 50)},
+            "relevance": {"p20": precision_at(by_relevance, 20),
+                          "p50": precision_at(by_relevance, 50)}}
+
+
+def direction_quality(conn, direction, settings, learners):
+    """The report card of one direction (see quality_report)."""
+    rows = [dict(row) for row in conn.execute(
+        f"""SELECT p.id, p.title, p.url, p.status, p.relevance, p.likely, p.decided_by,
+                   p.decided_at, p.keywords, p.source_id, s.name AS source,
+                   substr(p.text, 1, {LEARN_CHARS}) AS text
+            FROM posts p LEFT JOIN sources s ON s.id = p.source_id
+            WHERE p.learned_in = ? AND p.learned_as IS NOT NULL
+            ORDER BY p.decided_at DESC, p.id DESC LIMIT ?""", (direction, QUALITY_DECISIONS))][::-1]
+    for row in rows:
+        row["features"] = post_features(row["title"], row["text"], row["source_id"])
+    approved = sum(row["status"] == "approved" for row in rows)
+    model = learners.model(direction)
+
+    def rates(key):
+        groups = collections.defaultdict(lambda: [0, 0])
+        for row in rows:
+            if key(row) is not None:
+                groups[key(row)][0] += row["status"] == "approved"
+                groups[key(row)][1] += 1
+        return {k: {"approved": a, "decided": n, "rate": round(a / n, 3)}
+                for k, (a, n) in sorted(groups.items())}
+
+    def shown(row):     # what the desk's default floor says of the post
+        if row["likely"] is not None:
+            return row["likely"] >= LIKELY_FLOOR
+        return (row["relevance"] or 0) >= settings.min_relevance
+    sources = rates(lambda row: row["source"] or "-")
+    for figures in sources.values():
+        figures["interval"] = wilson(figures["approved"], figures["decided"])
+    editors = collections.defaultdict(lambda: {"decisions": 0, "approved": 0, "days": set()})
+    for row in rows:
+        editor = editors[row["decided_by"] or "-"]
+        editor["decisions"] += 1
+        editor["approved"] += row["status"] == "approved"
+        editor["days"].add((row["decided_at"] or "")[:10])
+    wrong = sorted((row for row in rows if row["likely"] is not None),
+                   key=lambda row: -abs((row["status"] == "approved") - row["likely"]))
+    missed = conn.execute(f"""SELECT count(*) FROM posts WHERE direction = ? AND keywords IS NULL
+                              AND classified = {DONE} AND likely >= {LIKELY_FLOOR}""",
+                          (direction,)).fetchone()[0]
+    return {
+        "direction": direction, "decisions": len(rows), "approved": approved,
+        "approval_rate": round(approved / len(rows), 3) if rows else None,
+        "model_used": model is not None,
+        "precision": held_out_precision(rows) if len(rows) >= 10 else None,
+        "by_relevance": rates(lambda row: row["relevance"]),
+        "by_likely": rates(lambda row: None if row["likely"] is None else
+                           min(9, int(row["likely"] * 10)) / 10),
+        "kappa": kappa([(shown(row), row["status"] == "approved") for row in rows]),
+        "sources": sources,
+        "keyword_misses": missed,
+        "worst": [{"id": row["id"], "title": row["title"], "url": row["url"],
+                   "decision": row["status"], "likely": row["likely"],
+                   "weighed": model.reasons(row["features"], row["likely"]) if model else []}
+                  for row in wrong[:QUALITY_WORST]],
+        "editors": {name: {"decisions": e["decisions"], "approval_rate":
+                           round(e["approved"] / e["decisions"], 3),
+                           "per_day": round(e["decisions"] / max(1, len(e["days"])), 1)}
+                    for name, e in sorted(editors.items())},
+    }
+
+
+def quality_report(conn, directions, settings, direction=None):
+    """The classifier's report card of every direction (or one)."""
+    learners = Learners(settings.learn_min).refresh(conn, now=True)
+    return [direction_quality(conn, d, settings, learners)
+            for d in directions if direction in (None, d)]
 
 
 def prune_runs(conn, days, now=None):
@@ -7754,6 +7889,17 @@ details.filters>summary{cursor:pointer;font-weight:600;margin-bottom:.5em}
 STRINGS = {
     "en": {
         "desk": "Desk", "crawlers": "Crawlers", "pending": "pending", "processing": "processing",
+        "quality": "Report card", "q.calibration": "Approved, per tenth of likely",
+        "q.decisions": ("{n} decision", "{n} decisions"), "q.approval": "approval rate",
+        "q.misses": ("{n} post no keyword matched that the model wants",
+                     "{n} posts no keyword matched that the model wants"),
+        "q.used": "its learned model is used", "q.unused": "no learned model used yet",
+        "q.learned": "by the learned model", "q.by_relevance": "by relevance alone",
+        "q.held_out": ("on the newest decision, learned from the older ones",
+                       "on the newest {n} decisions, learned from the older ones"),
+        "q.sources": "Approved of decided per source (95 % interval)",
+        "q.worst": "Where the model and the editors disagree most", "q.editors": "Editors",
+        "q.decided": "decisions", "q.per_day": "a day", "q.none": "No direction to report on.",
         "done_today": "done today", "failed": "failed", "reset_dead": "Reset dead sources",
         "dead_count": "{n} dead", "status.new": "to decide", "status.approved": "approved",
         "status.rejected": "rejected", "status.any": "any status",
@@ -7828,6 +7974,20 @@ STRINGS = {
     },
     "ru": {
         "desk": "Отбор", "crawlers": "Источники", "pending": "в очереди",
+        "quality": "Качество", "q.calibration": "Одобрено, по десятым вероятности",
+        "q.decisions": ("{n} решение", "{n} решения", "{n} решений"),
+        "q.approval": "доля одобренных",
+        "q.misses": ("{n} пост без ключевых слов нужен модели",
+                     "{n} поста без ключевых слов нужны модели",
+                     "{n} постов без ключевых слов нужны модели"),
+        "q.used": "обученная модель используется", "q.unused": "обученная модель пока не используется",
+        "q.learned": "по обученной модели", "q.by_relevance": "только по релевантности",
+        "q.held_out": ("на последнем решении, обучено на более ранних",
+                       "на последних {n} решениях, обучено на более ранних",
+                       "на последних {n} решениях, обучено на более ранних"),
+        "q.sources": "Одобрено из решённых по источникам (интервал 95 %)",
+        "q.worst": "Где модель и редакторы расходятся сильнее всего", "q.editors": "Редакторы",
+        "q.decided": "решений", "q.per_day": "в день", "q.none": "Нет направлений для отчёта.",
         "processing": "в работе", "done_today": "готово сегодня", "failed": "ошибки",
         "reset_dead": "Сбросить dead", "dead_count": "мёртвых: {n}",
         "status.new": "к решению", "status.approved": "одобрено", "status.rejected": "отклонено",
@@ -7991,7 +8151,8 @@ def esc(value):
 
 def layout(page, title, body, here, refresh=False):
     nav = "".join(f'<a href="{esc(page.link(href))}"{" class=here" if href == here else ""}>'
-                  f'{page.t(label)}</a>' for href, label in (("/", "desk"), ("/crawlers", "crawlers")))
+                  f'{page.t(label)}</a>' for href, label in (("/", "desk"), ("/crawlers", "crawlers"),
+                                                            ("/quality", "quality")))
     langs = " · ".join(
         f'<a href="{esc(here + "?" + urllib.parse.urlencode({**page.query, "lang": code}))}"'
         f'{" class=here" if code == page.lang else ""}>{code.upper()}</a>' for code in LANGUAGES)
@@ -8868,6 +9029,82 @@ def desk_page(conn, desk, page, directions, settings, sources=None, learners=Non
     return layout(page, page.strings["desk"], body, "/")
 
 
+def calibration_svg(by_likely, page):
+    """Approval rate per tenth of likely as bars beside the honest line (a
+    score of 0.7 approved 7 times in 10), in plain SVG."""
+    bars = []
+    for k in range(10):
+        figures = by_likely.get(k / 10)
+        if figures:
+            height = round(figures["rate"] * 100)
+            bars.append(f'<rect x="{k * 30 + 3}" y="{110 - height}" width="24" height="{height}" '
+                        f'fill="#4a7"><title>{k / 10:.1f}-{(k + 1) / 10:.1f}: '
+                        f'{figures["approved"]}/{figures["decided"]}</title></rect>')
+    return (f'<svg class="calibration" viewBox="0 0 300 125" width="300" height="125" role="img" '
+            f'aria-label="{page.t("q.calibration")}">'
+            f'<line x1="0" y1="110" x2="300" y2="10" stroke="#999" stroke-dasharray="4"/>'
+            f'{"".join(bars)}<line x1="0" y1="110" x2="300" y2="110" stroke="#333"/>'
+            f'<text x="0" y="123" font-size="10">0</text><text x="285" y="123" font-size="10">1</text>'
+            f'</svg>')
+
+
+def figure(value):
+    return "—" if value is None else esc(value)
+
+
+def rate_rows(rates, label):
+    return "".join(f'<tr><td>{label(k)}</td><td>{f["approved"]}/{f["decided"]}</td>'
+                   f'<td>{f["rate"]:.2f}</td></tr>' for k, f in rates.items())
+
+
+def worst_item(worst, page):
+    """One of the worst disagreements: the decision, the score, the post, why."""
+    title = esc(worst["title"]) or "—"
+    if is_web_link(worst["url"]):
+        title = f'<a href="{esc(worst["url"])}" rel="noopener noreferrer" target="_blank">{title}</a>'
+    weighed = (f' <span class="small muted">({page.t("weighed")}: {esc(", ".join(worst["weighed"]))})'
+               f'</span>' if worst["weighed"] else "")
+    return (f'<li>{page.t("status." + worst["decision"])} · {page.t("likely")} '
+            f'{worst["likely"]:.2f} · {title}{weighed}</li>')
+
+
+def quality_section(card, page):
+    """One direction's report card."""
+    precision = card["precision"] or {}
+    learned, relevance = precision.get("learned", {}), precision.get("relevance", {})
+    sources = "".join(f'<tr><td>{esc(name)}</td><td>{f["approved"]}/{f["decided"]}</td>'
+                      f'<td>{f["interval"][0]:.2f}–{f["interval"][1]:.2f}</td></tr>'
+                      for name, f in card["sources"].items())
+    worst = "".join(worst_item(w, page) for w in card["worst"])
+    editors = "".join(f'<tr><td>{esc(name)}</td><td>{e["decisions"]}</td><td>{e["per_day"]}</td>'
+                      f'<td>{e["approval_rate"]:.2f}</td></tr>' for name, e in card["editors"].items())
+    rate = "—" if card["approval_rate"] is None else f'{card["approval_rate"]:.2f}'
+    return (f'<section class="quality"><h2>{esc(card["direction"])}</h2>'
+            f'<p>{page.t("q.decisions", n=card["decisions"])} · {page.t("q.approval")} <b>{rate}</b> · '
+            f'κ <b>{figure(card["kappa"])}</b> · {page.t("q.misses", n=card["keyword_misses"])} · '
+            f'{page.t("q.used" if card["model_used"] else "q.unused")}</p>'
+            f'<table><tr><th></th><th>P@20</th><th>P@50</th></tr>'
+            f'<tr><td>{page.t("q.learned")}</td><td>{figure(learned.get("p20"))}</td>'
+            f'<td>{figure(learned.get("p50"))}</td></tr>'
+            f'<tr><td>{page.t("q.by_relevance")}</td><td>{figure(relevance.get("p20"))}</td>'
+            f'<td>{figure(relevance.get("p50"))}</td></tr></table>'
+            f'<p class="small muted">{page.t("q.held_out", n=precision.get("held_out", 0))}</p>'
+            f'<h3>{page.t("q.calibration")}</h3>{calibration_svg(card["by_likely"], page)}'
+            f'<table>{rate_rows(card["by_likely"], lambda k: f"{k:.1f}–{k + 0.1:.1f}")}</table>'
+            f'<h3>{page.t("relevance")}</h3><table>{rate_rows(card["by_relevance"], str)}</table>'
+            f'<h3>{page.t("q.sources")}</h3><table>{sources}</table>'
+            f'<h3>{page.t("q.worst")}</h3><ol>{worst}</ol>'
+            f'<h3>{page.t("q.editors")}</h3><table><tr><th></th><th>{page.t("q.decided")}</th>'
+            f'<th>{page.t("q.per_day")}</th><th>{page.t("q.approval")}</th></tr>{editors}</table>'
+            f'</section>')
+
+
+def quality_page(report, page):
+    body = "".join(quality_section(card, page) for card in report) or \
+        f'<p class="muted">{page.t("q.none")}</p>'
+    return layout(page, page.strings["quality"], body, "/quality")
+
+
 ###############################################################################
 # Exports and metrics #########################################################
 ###############################################################################
@@ -9273,6 +9510,7 @@ class WebApp:
         self.routes = [
             ("GET", re.compile(r"/"), self.desk),
             ("GET", re.compile(r"/api/posts"), self.api_posts),
+            ("GET", re.compile(r"/quality"), self.quality),
             ("GET", re.compile(r"/crawlers"), self.crawlers),
             ("POST", re.compile(r"/crawlers/reset"), self.reset),
             ("GET", re.compile(r"/api/queue"), self.api_queue),
@@ -9419,6 +9657,10 @@ class WebApp:
         learners = self.learners.refresh(self.db.conn())
         self.html(request, desk_page(self.db.conn(), desk, page, self.registry.directions,
                                      self.settings, self.source_options(), learners))
+
+    def quality(self, request, query, form):
+        report = quality_report(self.db.conn(), self.registry.directions, self.settings)
+        self.html(request, quality_page(report, self.page(request, query)))
 
     def api_posts(self, request, query, form):
         """The desk as JSON (see desk_answer)."""
@@ -10936,6 +11178,39 @@ def cmd_learn(args, settings):
     return 0
 
 
+def cmd_quality(args, settings):
+    registry, db = open_intake(settings)
+    check_direction(registry, args.direction)
+    report = quality_report(db.conn(), registry.directions, settings, args.direction)
+    if args.json:
+        print(json.dumps(report, ensure_ascii=False, indent=2))
+        return 0
+    for card in report:
+        precision = card["precision"] or {}
+        learned, relevance = precision.get("learned", {}), precision.get("relevance", {})
+        print(f"{card['direction']}: {card['decisions']} decisions, approval rate "
+              f"{card['approval_rate']}, kappa {card['kappa']}, "
+              f"model {'used' if card['model_used'] else 'not used yet'}")
+        print(f"  precision on the newest {precision.get('held_out', 0)} decisions: learned "
+              f"P@20 {learned.get('p20')} P@50 {learned.get('p50')}; by relevance "
+              f"P@20 {relevance.get('p20')} P@50 {relevance.get('p50')}")
+        print("  approved per tenth of likely: " + ", ".join(
+            f"{k:.1f} {f['approved']}/{f['decided']}" for k, f in card["by_likely"].items()))
+        print("  approved per relevance: " + ", ".join(
+            f"{k} {f['approved']}/{f['decided']}" for k, f in card["by_relevance"].items()))
+        print(f"  posts no keyword matched that the model wants: {card['keyword_misses']}")
+        for name, f in card["sources"].items():
+            print(f"  source {name}: {f['approved']}/{f['decided']} approved "
+                  f"(95 % {f['interval'][0]:.2f}-{f['interval'][1]:.2f})")
+        for worst in card["worst"]:
+            print(f"  disagreement: {worst['decision']} at likely {worst['likely']:.2f}: "
+                  f"{shorten(worst['title'] or '', 80)} {worst['url'] or ''}")
+        for name, e in card["editors"].items():
+            print(f"  editor {name}: {e['decisions']} decisions, {e['per_day']} a day, "
+                  f"approval rate {e['approval_rate']}")
+    return 0
+
+
 def status_report(conn):
     """Queue sizes and every source's health, as `status --json` prints them."""
     fields = ("slug", "name", "crawler", "status", "enabled", "priority", "last_fetch",
@@ -11152,6 +11427,10 @@ def build_parser():
                     "decisions: how many, since when, whether it is used yet")
     learn.add_argument("--rebuild", action="store_true",
                        help="learn every model again from all stored decisions")
+    quality = command("quality", cmd_quality, "the classifier's report card: how well it and the "
+                      "learned models agree with the editors' decisions, per direction")
+    quality.add_argument("--json", action="store_true", help="machine-readable output")
+    quality.add_argument("--direction", metavar="D", help="one direction only")
     status = command("status", cmd_status, "queue sizes and source health")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     export = command("export", cmd_export, "classified posts to stdout (approved by default)")
