@@ -2024,7 +2024,8 @@ def test_a_direction_that_learned_enough_judges_its_posts_and_lifts_what_keyword
     assert conn.execute("SELECT likely FROM posts WHERE title = 'Post 200'").fetchone()[0] is None
     decided_space(conn, wire, MISSIONS[4:], GAMES[4:])          # 12, 6 of each
     add_posts(conn, 1, source_id=wire, start=300,
-              text="The space agency said the satellite reached the Moon.")  # no keyword
+              text="The space agency said its spacecraft reached the Moon and the satellite "
+                   "unfolded its solar panels.")                                # no keyword
     add_posts(conn, 1, source_id=wire, start=301,
               text="Rocket League esports players won the game tournament.")
     add_posts(conn, 1, source_id=wire, start=302, text="The gardening club shows roses.")
@@ -6828,6 +6829,7 @@ def test_init_is_idempotent_and_reports_the_sources(home):
     ("web", r"GET /api/queue +median +\d+\.\d ms"),
     ("stories", r"median = \d+\.\d+ ms +target < 5 ms"),
     ("first_morning", r"full desk +\d+\.\d"),
+    ("learning", r"mean P@20 = \d\.\d\d +goal >= 0\.9"),
 ])
 def test_every_benchmark_runs_in_smoke_mode(name, marker):
     """Each benchmark runs end to end with tiny sizes, prints its figures and

@@ -3823,6 +3823,17 @@ LEARN_REASONS = 4       # features a card names as what weighed most
 LEARN_EXAMPLES = 4
 LEARN_EXAMPLE_CHARS = 120
 LEARN_EXAMPLES_FROM = 300
+# What news looks like in general is read from this many of the newest
+# classified posts, moved on every BACKGROUND_REFRESH seconds.
+BACKGROUND_POSTS = 2000
+BACKGROUND_REFRESH = 600
+CALIBRATION_PULL = 0.01
+LEARN_SMOOTHING = 100
+# Each keyword a post matched adds this to the evidence of its features.
+KEYWORD_EVIDENCE = 0.05
+# A post no keyword matched is classified into a direction whose model's
+# evidence for it is above this (see Learners.wanted).
+WANTED_EVIDENCE = 0.0
 LEARN_WORD = re.compile(r"\w+")
 
 
@@ -3839,10 +3850,30 @@ def post_features(title, text, source_id):
     return features
 
 
+class Background:
+    """What news looks like in general: in how many of the newest classified
+    posts (BACKGROUND_POSTS, of every direction, up to the id in meta
+    'learn_background') each feature was. Against it a model learns what sets
+    its approved posts apart, not only from the few its editors rejected."""
+
+    def __init__(self, mark=None):
+        self.mark, self.counts, self.docs = mark, collections.Counter(), 0
+
+    @classmethod
+    def read(cls, conn, mark):
+        background = cls(mark)
+        for row in conn.execute(f"""SELECT title, substr(text, 1, {LEARN_CHARS}) AS text, source_id
+                                    FROM posts WHERE id <= ? AND classified = {DONE}
+                                    ORDER BY id DESC LIMIT ?""", (mark, BACKGROUND_POSTS)):
+            background.counts.update(post_features(row["title"], row["text"], row["source_id"]))
+            background.docs += 1
+        return background
+
+
 class Model:
     """One direction's learned model as a process holds it: how many
-    approved and rejected decisions it learned from, and in how many of each
-    every feature was."""
+    approved and rejected decisions it learned from, in how many of each
+    every feature was, and how its scores turn into chances (calibrate)."""
 
     def __init__(self, direction):
         self.direction = direction
@@ -3850,6 +3881,8 @@ class Model:
         self.epoch, self.since = None, None
         self.counts = {}                # feature: (approved, rejected)
         self.totals = [0, 0]
+        self.background = Background()
+        self.scale, self.shift = 1.0, 0.0
 
     def set(self, feature, approved, rejected):
         old = self.counts.pop(feature, None)
@@ -3873,30 +3906,75 @@ class Model:
         return self.approved + self.rejected >= learn_min and \
             min(self.approved, self.rejected) >= LEARN_EACH
 
-    def weights(self, features):
-        """(weight, feature) of the features it has seen: how much each
-        speaks for approval (log of its odds in approved against rejected
-        posts, smoothed by one)."""
-        vocabulary = len(self.counts)
-        approved = math.log(self.totals[0] + vocabulary)
-        rejected = math.log(self.totals[1] + vocabulary)
+    def weights(self, features, own=(0, 0)):
+        """(weight, feature) of the features seen before: how much each speaks
+        for approval, as the log of how much more often it is in approved
+        posts than in rejected and background posts (the share of posts that
+        have it, smoothed toward its share of all posts by LEARN_SMOOTHING
+        posts). `own`: a decided post's own decision, left out when it is
+        judged (calibrate)."""
+        background = self.background
+        approved = self.approved - own[0]
+        other = self.rejected - own[1] + background.docs
+        everything = approved + other
         found = []
         for feature in features:
-            seen = self.counts.get(feature)
-            if seen:
-                found.append((math.log(seen[0] + 1) - approved - math.log(seen[1] + 1) + rejected,
-                              feature))
+            wanted, unwanted = self.counts.get(feature, (0, 0))
+            wanted, unwanted = wanted - own[0], unwanted - own[1] + background.counts.get(feature, 0)
+            if wanted + unwanted <= 0:
+                continue            # never seen but in this post: it says nothing
+            share = (wanted + unwanted + 1) / (everything + 2)
+            found.append((math.log((wanted + LEARN_SMOOTHING * share) / (approved + LEARN_SMOOTHING))
+                          - math.log((unwanted + LEARN_SMOOTHING * share) / (other + LEARN_SMOOTHING)),
+                          feature))
         return found
 
-    def likely(self, features):
-        """The chance that an editor approves a post of these features. The
-        features' evidence is taken at the square root of their number: naive
-        Bayes counts words that come together as if each were news, and is
-        sure of itself far beyond what it knows."""
-        weights = self.weights(features)
-        prior = math.log((self.approved + 1) / (self.rejected + 1))
-        evidence = sum(weight for weight, _ in weights) / max(1.0, math.sqrt(len(weights)))
-        return round(1 / (1 + math.exp(-max(-30.0, min(30.0, prior + evidence)))), 4)
+    def score(self, features, keywords=0, own=(0, 0)):
+        """The evidence of a post's features for approval: their weights'
+        mean (naive Bayes would add them up, counting words that come
+        together as if each were news, and be sure of itself far beyond what
+        it knows), and KEYWORD_EVIDENCE for each of the `keywords` it matched."""
+        weights = self.weights(features, own)
+        return sum(weight for weight, _ in weights) / max(1, len(weights)) + \
+            KEYWORD_EVIDENCE * keywords
+
+    def likely(self, features, keywords=0):
+        """The chance that an editor approves a post of these features."""
+        return chance(self.scale * self.score(features, keywords) + self.shift)
+
+    def calibrate(self, decided):
+        """Fit how scores turn into chances (a logistic curve, by Newton's
+        method, each step halved until it helps) to decided posts
+        [(features, keywords matched, approved)], each judged with its own
+        decision left out,
+        so the chances say how often editors approve."""
+        points = [(self.score(features, keywords, (1, 0) if approved else (0, 1)), approved)
+                  for features, keywords, approved in decided]
+        scale, shift = 1.0, 0.0
+        loss = calibration_loss(points, scale, shift)
+        for _ in range(30):
+            grad_a, grad_b = CALIBRATION_PULL * (scale - 1.0), CALIBRATION_PULL * shift
+            h_aa = h_bb = CALIBRATION_PULL
+            h_ab = 0.0
+            for x, approved in points:
+                p = 1 / (1 + math.exp(-max(-30.0, min(30.0, scale * x + shift))))
+                w = p * (1 - p)
+                grad_a, grad_b = grad_a + (p - approved) * x, grad_b + p - approved
+                h_aa, h_ab, h_bb = h_aa + w * x * x, h_ab + w * x, h_bb + w
+            det = h_aa * h_bb - h_ab * h_ab
+            step_a = (h_bb * grad_a - h_ab * grad_b) / det
+            step_b = (h_aa * grad_b - h_ab * grad_a) / det
+            for _ in range(20):
+                tried = calibration_loss(points, scale - step_a, shift - step_b)
+                if tried <= loss:
+                    break
+                step_a, step_b = step_a / 2, step_b / 2
+            else:
+                break
+            scale, shift, before, loss = scale - step_a, shift - step_b, loss, tried
+            if before - loss < 1e-9:
+                break
+        self.scale, self.shift = max(scale, 0.05), shift
 
     def reasons(self, features, likely):
         """The features that weighed most toward its verdict, heaviest first."""
@@ -3904,6 +3982,25 @@ class Model:
         weights = sorted(((toward * w, f) for w, f in self.weights(features) if toward * w > 0),
                          reverse=True)
         return [feature for _, feature in weights[:LEARN_REASONS]]
+
+
+def calibration_loss(points, scale, shift):
+    """What Model.calibrate makes least: the log loss of its curve on the
+    points, and a pull toward no change (CALIBRATION_PULL)."""
+    loss = CALIBRATION_PULL / 2 * ((scale - 1.0) ** 2 + shift ** 2)
+    for x, approved in points:
+        z = max(-30.0, min(30.0, scale * x + shift))
+        loss += math.log1p(math.exp(-z)) if approved else math.log1p(math.exp(z))
+    return loss
+
+
+def keyword_count(keywords):
+    """How many keywords a post matched (posts.keywords, see matched_keywords)."""
+    return len(keywords.split(", ")) if keywords else 0
+
+
+def chance(log_odds):
+    return round(1 / (1 + math.exp(-max(-30.0, min(30.0, log_odds)))), 4)
 
 
 class Learners:
@@ -3916,6 +4013,7 @@ class Learners:
         self.models = {}
         self.checked = -math.inf
         self.lock = threading.Lock()
+        self.background = Background()
         self.decided = {}           # direction: (its model's version, [(features, title, decision)])
 
     def refresh(self, conn, now=False):
@@ -3923,12 +4021,16 @@ class Learners:
             if not now and time.monotonic() - self.checked < LEARN_REFRESH:
                 return self
             self.checked = time.monotonic()
-            for row in conn.execute("SELECT direction, approved, rejected, version, epoch, since "
-                                    "FROM learners").fetchall():
+            rows = conn.execute("SELECT direction, approved, rejected, version, epoch, since "
+                                "FROM learners").fetchall()
+            if rows:
+                self.read_background(conn)
+            for row in rows:
                 model = self.models.get(row["direction"])
                 if model is None or model.epoch != row["epoch"]:
                     model = self.models[row["direction"]] = Model(row["direction"])
                     model.epoch = row["epoch"]
+                changed = model.version != row["version"] or model.background is not self.background
                 if model.version != row["version"]:
                     for feature, approved, rejected in conn.execute(
                             "SELECT feature, approved, rejected FROM learned_words "
@@ -3936,16 +4038,49 @@ class Learners:
                         model.set(feature, approved, rejected)
                 model.approved, model.rejected = row["approved"], row["rejected"]
                 model.version, model.since = row["version"], row["since"]
+                model.background = self.background
+                if changed and model.ready(self.learn_min):
+                    model.calibrate([(features, keywords, decision == "approved")
+                                     for features, _, keywords, decision in self.latest(conn, model)])
         return self
+
+    def read_background(self, conn):
+        """The background every process judges by: the newest posts up to the
+        mark in meta, moved on to the newest post at most every
+        BACKGROUND_REFRESH seconds by whichever process finds it older."""
+        mark, updated = get_meta(conn, "learn_background")
+        fresh = parse_utc(updated) if updated else None
+        if mark is None or fresh is None or time.time() - fresh > BACKGROUND_REFRESH:
+            with transaction(conn):
+                top = conn.execute(f"SELECT coalesce(max(id), 0) FROM posts "
+                                   f"WHERE classified = {DONE}").fetchone()[0]
+                set_meta(conn, "learn_background", str(top))
+            mark = str(top)
+        if self.background.mark != mark:
+            self.background = Background.read(conn, int(mark))
+
+    def latest(self, conn, model):
+        """[(features, title, keywords matched, decision)] of the direction's
+        latest decisions."""
+        version, decided = self.decided.get(model.direction, (None, []))
+        if version != (model.epoch, model.version):
+            decided = [(post_features(row["title"], row["text"], row["source_id"]), row["title"],
+                        keyword_count(row["keywords"]), row["learned_as"]) for row in conn.execute(
+                f"""SELECT title, substr(text, 1, {LEARN_CHARS}) AS text, source_id, keywords,
+                           learned_as
+                    FROM posts WHERE learned_in = ? AND learned_as IS NOT NULL
+                    ORDER BY decided_at DESC LIMIT ?""", (model.direction, LEARN_EXAMPLES_FROM))]
+            self.decided[model.direction] = ((model.epoch, model.version), decided)
+        return decided
 
     def model(self, direction):
         """The direction's model when it is ready to be used, else None."""
         model = self.models.get(direction)
         return model if model is not None and model.ready(self.learn_min) else None
 
-    def likely(self, direction, features):
+    def likely(self, direction, features, keywords=0):
         model = self.model(direction)
-        return None if model is None else model.likely(features)
+        return None if model is None else model.likely(features, keywords)
 
     def examples(self, conn, direction, features):
         """[(title, decision)] of the direction's latest decisions most like a
@@ -3953,26 +4088,23 @@ class Learners:
         model = self.model(direction)
         if model is None:
             return []
-        version, decided = self.decided.get(direction, (None, []))
-        if version != (model.epoch, model.version):
-            decided = [(post_features(row["title"], row["text"], None), row["title"], row["learned_as"])
-                       for row in conn.execute(
-                           f"""SELECT title, substr(text, 1, {LEARN_CHARS}) AS text, learned_as
-                               FROM posts WHERE learned_in = ? AND learned_as IS NOT NULL
-                               ORDER BY decided_at DESC LIMIT ?""",
-                           (direction, LEARN_EXAMPLES_FROM))]
-            self.decided[direction] = ((model.epoch, model.version), decided)
+        decided = self.latest(conn, model)
         alike = sorted(((len(features & seen) / math.sqrt(len(features) * len(seen) or 1), k)
-                        for k, (seen, _, _) in enumerate(decided)), reverse=True)
-        return [(shorten(decided[k][1], LEARN_EXAMPLE_CHARS), decided[k][2])
+                        for k, (seen, _, _, _) in enumerate(decided)), reverse=True)
+        return [(shorten(decided[k][1], LEARN_EXAMPLE_CHARS), decided[k][3])
                 for score, k in alike[:LEARN_EXAMPLES] if score > 0]
 
     def wanted(self, features):
         """(direction, likely) of the direction whose model most wants a post
-        of these features, when one wants it (LIKELY_FLOOR); else None."""
-        best = max(((model.likely(features), direction) for direction in list(self.models)
+        no keyword matched, when one does: its features speak for approval
+        (WANTED_EVIDENCE) against the news in general, not only the editors'
+        habit of approving what keywords found, and it is likely approved."""
+        best = max(((model.score(features), direction) for direction in list(self.models)
                     if (model := self.model(direction)) is not None), default=None)
-        return (best[1], best[0]) if best and best[0] >= LIKELY_FLOOR else None
+        if best is None or best[0] <= WANTED_EVIDENCE:
+            return None
+        likely = self.models[best[1]].likely(features)
+        return (best[1], likely) if likely >= LIKELY_FLOOR else None
 
 
 # A post's decision counts in its direction's model when the post is a card
@@ -4086,9 +4218,10 @@ def decided_directions(conn, post_ids):
         list(post_ids))})
 
 
-# After a decision, the undecided cards of its direction, newest first, are
-# judged again by the model it changed, so the desk's next page reflects it.
-RESCORE_LIMIT = 2000
+# After a decision, the newest undecided cards of its direction are judged
+# again by the model it changed, and as many of the newest posts no keyword
+# matched, so the desk's next page reflects it.
+RESCORE_LIMIT = 500
 
 
 def rescore_direction(conn, learners, direction, limit=RESCORE_LIMIT):
@@ -4096,7 +4229,7 @@ def rescore_direction(conn, learners, direction, limit=RESCORE_LIMIT):
     while its model is not ready); returns how many changed."""
     model = learners.model(direction)
     rows = conn.execute(f"""SELECT p.id, p.title, substr(p.text, 1, {LEARN_CHARS}) AS text,
-                                   p.source_id, p.likely FROM posts p
+                                   p.source_id, p.keywords, p.likely FROM posts p
                             WHERE p.status = 'new' AND p.classified = {DONE}
                               AND p.direction = ? AND {card('p.')}
                             ORDER BY p.published_at DESC, p.id DESC LIMIT ?""",
@@ -4104,13 +4237,40 @@ def rescore_direction(conn, learners, direction, limit=RESCORE_LIMIT):
     changed = []
     for row in rows:
         likely = None if model is None else \
-            model.likely(post_features(row["title"], row["text"], row["source_id"]))
+            model.likely(post_features(row["title"], row["text"], row["source_id"]),
+                         keyword_count(row["keywords"]))
         if likely != row["likely"]:
             changed.append((likely, row["id"]))
     if changed:
         with transaction(conn):
             conn.executemany("UPDATE posts SET likely = ? WHERE id = ?", changed)
     return len(changed)
+
+
+def take_in_missed(conn, learners, limit=RESCORE_LIMIT):
+    """The newest undecided posts no keyword matched that a direction's model
+    now wants join that direction, as the worker would classify them now
+    (see Classifier.prepare): with relevance and interest 2, what keywords
+    give a match of no word. Returns how many joined one."""
+    if not any(learners.model(direction) for direction in list(learners.models)):
+        return 0
+    rows = conn.execute(f"""SELECT p.id, p.title, substr(p.text, 1, {LEARN_CHARS}) AS text,
+                                   p.source_id FROM posts p
+                            WHERE p.status = 'new' AND p.classified = {DONE}
+                              AND p.direction IS NULL AND p.keywords IS NULL AND {card('p.')}
+                            ORDER BY p.published_at DESC, p.id DESC LIMIT ?""", (limit,)).fetchall()
+    joined = []
+    for row in rows:
+        wanted = learners.wanted(post_features(row["title"], row["text"], row["source_id"]))
+        if wanted:
+            joined.append((*wanted, row["id"]))
+    if joined:
+        with transaction(conn):
+            conn.executemany("""UPDATE posts SET direction = ?, likely = ?,
+                                    relevance = CASE WHEN relevance >= 2 THEN relevance ELSE 2 END,
+                                    interest = CASE WHEN interest >= 2 THEN interest ELSE 2 END
+                                WHERE id = ? AND direction IS NULL""", joined)
+    return len(joined)
 
 
 ###############################################################################
@@ -4685,17 +4845,18 @@ def precision_at(ranked, k):
     return round(sum(top) / len(top), 3) if top else None
 
 
-def held_out_precision(rows):
+def held_out_precision(rows, background):
     """Precision at 20 and 50 of the newest QUALITY_HELD_OUT of decisions (rows
     oldest first), ranked by a model learned from the older ones, and by
     relevance as the classifier alone ranks them."""
     split = int(len(rows) * (1 - QUALITY_HELD_OUT))
     older, newer = rows[:split], rows[split:]
     model = Model(None)
+    model.background = background
     for row in older:
         model.learn(row["features"], row["status"] == "approved")
     learned = [row["status"] == "approved" for row in
-               sorted(newer, key=lambda r: -model.likely(r["features"]))]
+               sorted(newer, key=lambda r: -model.score(r["features"], keyword_count(r["keywords"])))]
     by_relevance = [row["status"] == "approved" for row in
                     sorted(newer, key=lambda r: -(r["relevance"] or 0))]
     return {"held_out": len(newer), "learned_from": len(older),
@@ -4749,7 +4910,7 @@ def direction_quality(conn, direction, settings, learners):
         "direction": direction, "decisions": len(rows), "approved": approved,
         "approval_rate": round(approved / len(rows), 3) if rows else None,
         "model_used": model is not None,
-        "precision": held_out_precision(rows) if len(rows) >= 10 else None,
+        "precision": held_out_precision(rows, learners.background) if len(rows) >= 10 else None,
         "by_relevance": rates(lambda row: row["relevance"]),
         "by_likely": rates(lambda row: None if row["likely"] is None else
                            min(9, int(row["likely"] * 10)) / 10),
@@ -7150,7 +7311,8 @@ class Classifier(ClassifyStep):
                                   examples=examples)
             return dataclasses.replace(
                 found, text=full_text, story_entry=entry, story=leads,
-                likely=learners.likely(found.direction, features) if learners else None)
+                likely=learners.likely(found.direction, features, keyword_count(found.keywords))
+                if learners else None)
         return verdict if matches and self.settings.ollama_url else verdict()
 
     def learned(self):
@@ -9465,7 +9627,9 @@ class Rescorer:
                     self.busy = self.waiting.pop()
                 try:
                     conn = self.db.conn()
-                    rescore_direction(conn, self.learners.refresh(conn, now=True), self.busy)
+                    learners = self.learners.refresh(conn, now=True)
+                    rescore_direction(conn, learners, self.busy)
+                    take_in_missed(conn, learners)
                 except Exception as e:  # noqa: BLE001 - the page goes on; the worker judges anew
                     log.warning("judging the cards of %s again failed: %s", self.busy, e)
                 finally:
@@ -11164,7 +11328,8 @@ def cmd_learn(args, settings):
         progress = Progress("learn --rebuild", decided)
         learned = rebuild_learning(conn, progress)
         learners = Learners(settings.learn_min).refresh(conn, now=True)
-        judged = sum(rescore_direction(conn, learners, direction) for direction in learned)
+        judged = sum(rescore_direction(conn, learners, direction) for direction in learned) + \
+            take_in_missed(conn, learners)
         progress.finish(f"{sum(a + r for a, r in learned.values())} decisions learned in "
                         f"{len(learned)} directions, {judged} undecided posts judged again")
     report = learning_report(conn, settings.learn_min)
