@@ -874,8 +874,11 @@ def test_copy_db_moves_everything_to_postgresql_and_back_and_twice_changes_nothi
         return [tuple(r) for r in c.execute(sql)]
     for sql in ("SELECT id, title, status, decided_by, relevance, published_at FROM posts ORDER BY id",
                 "SELECT id, slug, url, direction FROM sources ORDER BY id",
-                "SELECT id, source_id, status FROM runs ORDER BY id"):
+                "SELECT id, source_id, status FROM runs ORDER BY id",
+                "SELECT direction, approved, rejected FROM learners ORDER BY 1",
+                "SELECT direction, feature, approved, rejected FROM learned_words ORDER BY 1, 2"):
         assert rows(pg, sql) == rows(conn, sql)
+    assert rows(pg, "SELECT direction, approved FROM learners") == [("linux", 1)]
     assert vesti.get_meta(pg, "web_secret")[0] == "kept"
     assert counts_match_posts(pg)
     page = Web(home, settings=s.replace(db=backend, web_password="pw"), password="pw")

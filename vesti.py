@@ -4946,7 +4946,8 @@ def prune_runs(conn, days, now=None):
 COPIED_TABLES = (("sources", ("id",)), ("rss_state", ("source_id",)),
                  ("tg_state", ("source_id",)), ("posts", ("id",)), ("runs", ("id",)),
                  ("source_days", ("source_id", "day")), ("counters", ("name", "labels")),
-                 ("meta", ("key",)), ("story_keys", ("key", "post_id")))
+                 ("meta", ("key",)), ("story_keys", ("key", "post_id")),
+                 ("learners", ("direction",)), ("learned_words", ("direction", "feature")))
 # What each database keeps of itself: its schema, its counting mark, who it is
 # and what it is a copy of.
 OWN_META = ("indexed_to", "count_keys", "pg_schema", "pg_ddl:%", "database_id", "copy_of")
