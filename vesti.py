@@ -42,14 +42,15 @@ start reading):
       complete_and_claim, release_post, expire_leases, wake_story_copies
   Learning: each direction's model of what its editors approve, learned
       from their decisions.
-      post_features, Model, Learners, learn_decisions, rebuild_learning,
-      rescore_direction
+      post_features, Background, Model, Learners, learn_decisions,
+      rebuild_learning, rescore_direction, take_in_missed
   Records: runs, health, feed and channel state, Telegram edits.
       start_run, record_success, record_failure, note_rhythm, save_rss_state,
       update_edited_post, reword_post
   Decisions and reads: the editor's decisions, what pages and commands read,
-      copying a database.
-      set_decisions, wording, decided_posts, source_health, copy_database
+      the classifier's report card, copying a database.
+      set_decisions, wording, decided_posts, source_health, quality_report,
+      copy_database
   Sources: sources.yaml: directions, sources, checks, syncing them into the
       database.
       read_yaml, load_registry, sync_sources, select_sources
@@ -68,21 +69,23 @@ start reading):
       fetch_full_text
   Worker: the pool of workers: what to classify how, claims, completions.
       ClassifyStep, Classifier, WorkerPool, Worker, run_workers
-  Web pages: the pages' words, the crawlers page and the editor's desk.
-      STRINGS, Page, esc, crawlers_page, DeskQuery, desk_posts, card_html,
-      desk_page
+  Web pages: the pages' words, the crawlers page, the editor's desk (and
+      its JSON), the report card.
+      STRINGS, Page, esc, crawlers_page, DeskQuery, floor_clause, desk_posts,
+      card_html, desk_page, desk_answer, quality_page
   Exports and metrics: Atom, JSON Feed, CSV and /metrics.
       atom_feed, json_feed, csv_export, metrics_text
   Web server: passwords, the routes, and the server that reads requests and
       answers them.
-      password_matches, WrongPasswords, WebApp (the routes), WebServer,
-      make_web_server
+      password_matches, WrongPasswords, Rescorer, WebApp (the routes),
+      WebServer, make_web_server
   Scheduler: run: crawls on their schedule beside the workers and the page.
       Scheduler, next_slot
   OPML and discovery: importing and exporting OPML, finding a site's feeds.
       read_opml, import_opml, opml_document, discover_feeds
   Command line: the commands, their arguments, main().
-      build_parser, main, cmd_run, cmd_worker, cmd_status
+      build_parser, main, cmd_run, cmd_worker, cmd_status, cmd_learn,
+      cmd_quality
 """
 
 __version__ = "0.1.0"
