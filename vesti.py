@@ -4225,6 +4225,7 @@ def decided_directions(conn, post_ids):
 # again by the model it changed, and as many of the newest posts no keyword
 # matched, so the desk's next page reflects it.
 RESCORE_LIMIT = 500
+RESCORE_FIRST = 100
 
 
 def rescore_direction(conn, learners, direction, limit=RESCORE_LIMIT):
@@ -9605,12 +9606,15 @@ RESCORE_WAIT = 5.0
 class Rescorer:
     """After a decision, the undecided cards of its direction are judged
     again (rescore_direction) in a thread of its own, so the decision answers
-    at once; a desk page of that direction waits for it first, so the next
-    page reflects the last decision."""
+    at once: first the newest RESCORE_FIRST, which a desk page of that
+    direction waits for, so the next page reflects the last decision; then
+    the rest, and the posts no keyword matched (take_in_missed), which it
+    does not."""
 
     def __init__(self, db, learners):
         self.db, self.learners = db, learners
-        self.waiting, self.busy, self.thread = set(), None, None
+        self.waiting, self.later, self.thread = set(), set(), None
+        self.busy = None            # the direction whose first pass is under way
         self.changed = threading.Condition()
 
     def ask(self, directions):
@@ -9624,27 +9628,36 @@ class Rescorer:
         with self.db.lent():
             while True:
                 with self.changed:
-                    if not self.waiting:
+                    if not self.waiting and not self.later:
                         self.thread = None
                         self.changed.notify_all()
                         return
-                    self.busy = self.waiting.pop()
+                    first = bool(self.waiting)
+                    direction = (self.waiting or self.later).pop()
+                    self.busy = direction if first else None
                 try:
-                    conn = self.db.conn()
-                    learners = self.learners.refresh(conn, now=True)
-                    rescore_direction(conn, learners, self.busy)
-                    take_in_missed(conn, learners)
+                    self.judge(direction, first)
                 except Exception as e:  # noqa: BLE001 - the page goes on; the worker judges anew
-                    log.warning("judging the cards of %s again failed: %s", self.busy, e)
+                    log.warning("judging the cards of %s again failed: %s", direction, e)
                 finally:
                     with self.changed:
+                        if first:
+                            self.later.add(direction)
                         self.busy = None
                         self.changed.notify_all()
+
+    def judge(self, direction, first):
+        conn = self.db.conn()
+        if first:
+            rescore_direction(conn, self.learners.refresh(conn, now=True), direction, RESCORE_FIRST)
+        else:
+            rescore_direction(conn, self.learners, direction)
+            take_in_missed(conn, self.learners)
 
     def wait(self, direction=None):
         """Until the cards of `direction` (None: of every direction) are
         judged again, for at most RESCORE_WAIT seconds."""
-        def pending():
+        def pending():         # a first pass waits or is under way
             if direction is None:
                 return bool(self.waiting) or self.busy is not None
             return direction in self.waiting or self.busy == direction
