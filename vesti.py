@@ -3831,6 +3831,8 @@ LEARN_EXAMPLES_FROM = 300
 BACKGROUND_POSTS = 2000
 BACKGROUND_REFRESH = 600
 CALIBRATION_PULL = 0.01
+# A model's curve is fitted again once its decisions changed by this many.
+RECALIBRATE = 5
 LEARN_SMOOTHING = 100
 # Each keyword a post matched adds this to the evidence of its features.
 KEYWORD_EVIDENCE = 0.05
@@ -3886,6 +3888,7 @@ class Model:
         self.totals = [0, 0]
         self.background = Background()
         self.scale, self.shift = 1.0, 0.0
+        self.calibrated_at = -RECALIBRATE     # the decisions it had when last calibrated
 
     def set(self, feature, approved, rejected):
         old = self.counts.pop(feature, None)
@@ -3920,6 +3923,9 @@ class Model:
         approved = self.approved - own[0]
         other = self.rejected - own[1] + background.docs
         everything = approved + other
+        # Smoothed by as many posts as it has decisions, up to LEARN_SMOOTHING:
+        # a few decisions are not drowned by it, many are steadied.
+        smoothing = min(LEARN_SMOOTHING, self.approved + self.rejected)
         found = []
         for feature in features:
             wanted, unwanted = self.counts.get(feature, (0, 0))
@@ -3927,8 +3933,8 @@ class Model:
             if wanted + unwanted <= 0:
                 continue            # never seen but in this post: it says nothing
             share = (wanted + unwanted + 1) / (everything + 2)
-            found.append((math.log((wanted + LEARN_SMOOTHING * share) / (approved + LEARN_SMOOTHING))
-                          - math.log((unwanted + LEARN_SMOOTHING * share) / (other + LEARN_SMOOTHING)),
+            found.append((math.log((wanted + smoothing * share) / (approved + smoothing))
+                          - math.log((unwanted + smoothing * share) / (other + smoothing)),
                           feature))
         return found
 
@@ -4017,7 +4023,8 @@ class Learners:
         self.checked = -math.inf
         self.lock = threading.Lock()
         self.background = Background()
-        self.decided = {}           # direction: (its model's version, [(features, title, decision)])
+        self.decided = {}           # direction: (its model's version, latest())
+        self.features = {}          # direction: {post id: features} of its latest decisions
 
     def refresh(self, conn, now=False):
         with self.lock:
@@ -4026,14 +4033,16 @@ class Learners:
             self.checked = time.monotonic()
             rows = conn.execute("SELECT direction, approved, rejected, version, epoch, since "
                                 "FROM learners").fetchall()
-            if rows:
+            if any(row["approved"] + row["rejected"] >= self.learn_min and
+                   min(row["approved"], row["rejected"]) >= LEARN_EACH for row in rows):
                 self.read_background(conn)
             for row in rows:
                 model = self.models.get(row["direction"])
                 if model is None or model.epoch != row["epoch"]:
                     model = self.models[row["direction"]] = Model(row["direction"])
                     model.epoch = row["epoch"]
-                changed = model.version != row["version"] or model.background is not self.background
+                changed = model.background is not self.background or \
+                    abs(row["approved"] + row["rejected"] - model.calibrated_at) >= RECALIBRATE
                 if model.version != row["version"]:
                     for feature, approved, rejected in conn.execute(
                             "SELECT feature, approved, rejected FROM learned_words "
@@ -4045,6 +4054,7 @@ class Learners:
                 if changed and model.ready(self.learn_min):
                     model.calibrate([(features, keywords, decision == "approved")
                                      for features, _, keywords, decision in self.latest(conn, model)])
+                    model.calibrated_at = model.approved + model.rejected
         return self
 
     def read_background(self, conn):
@@ -4064,15 +4074,23 @@ class Learners:
 
     def latest(self, conn, model):
         """[(features, title, keywords matched, decision)] of the direction's
-        latest decisions."""
+        latest decisions (the features of each post worked out once)."""
         version, decided = self.decided.get(model.direction, (None, []))
         if version != (model.epoch, model.version):
-            decided = [(post_features(row["title"], row["text"], row["source_id"]), row["title"],
-                        keyword_count(row["keywords"]), row["learned_as"]) for row in conn.execute(
-                f"""SELECT title, substr(text, 1, {LEARN_CHARS}) AS text, source_id, keywords,
-                           learned_as
-                    FROM posts WHERE learned_in = ? AND learned_as IS NOT NULL
-                    ORDER BY decided_at DESC LIMIT ?""", (model.direction, LEARN_EXAMPLES_FROM))]
+            known = self.features.setdefault(model.direction, {})
+            rows = conn.execute("""SELECT id, title, keywords, learned_as FROM posts
+                                   WHERE learned_in = ? AND learned_as IS NOT NULL
+                                   ORDER BY decided_at DESC LIMIT ?""",
+                                (model.direction, LEARN_EXAMPLES_FROM)).fetchall()
+            missing = [row["id"] for row in rows if row["id"] not in known]
+            for among, values in conn.dialect.among("id", missing):
+                for row in conn.execute(f"""SELECT id, title, substr(text, 1, {LEARN_CHARS}) AS text,
+                                                   source_id FROM posts WHERE {among}""", values):
+                    known[row["id"]] = post_features(row["title"], row["text"], row["source_id"])
+            for gone in set(known) - {row["id"] for row in rows}:
+                del known[gone]
+            decided = [(known[row["id"]], row["title"], keyword_count(row["keywords"]),
+                        row["learned_as"]) for row in rows if row["id"] in known]
             self.decided[model.direction] = ((model.epoch, model.version), decided)
         return decided
 
@@ -9598,73 +9616,77 @@ def named_wordings(form, ids):
     return {int(i): words for i, _, words in named if POST_ID.fullmatch(i) and int(i) in ids}
 
 
-# A desk page of a direction whose cards are being judged again after a
-# decision waits for that at most this long.
-RESCORE_WAIT = 5.0
+# The posts of a direction a decision changed the model of, beyond the
+# newest cards a page judges again, are judged once no decision came for
+# this many seconds.
+RESCORE_IDLE = 2.0
 
 
 class Rescorer:
-    """After a decision, the undecided cards of its direction are judged
-    again (rescore_direction) in a thread of its own, so the decision answers
-    at once: first the newest RESCORE_FIRST, which a desk page of that
-    direction waits for, so the next page reflects the last decision; then
-    the rest, and the posts no keyword matched (take_in_missed), which it
-    does not."""
+    """After decisions, the undecided cards of their directions are judged
+    again (rescore_direction) by the model they changed. Not at once, so a
+    decision answers at once and a run of decisions pays for one judging:
+    the newest RESCORE_FIRST cards of a direction when a desk page of it is
+    asked for next (the page then reflects the last decision), the rest of
+    them and the posts no keyword matched (take_in_missed) in a thread of
+    its own once no decision came for RESCORE_IDLE seconds."""
 
     def __init__(self, db, learners):
         self.db, self.learners = db, learners
-        self.waiting, self.later, self.thread = set(), set(), None
-        self.busy = None            # the direction whose first pass is under way
-        self.changed = threading.Condition()
+        self.stale, self.later = set(), set()
+        self.last_decision, self.thread = 0.0, None
+        self.lock = threading.Lock()        # one judging at a time
+        self.changed = threading.Lock()     # guards the sets and the thread
 
     def ask(self, directions):
         with self.changed:
-            self.waiting.update(d for d in directions if d)
-            if self.waiting and self.thread is None:
+            self.stale.update(d for d in directions if d)
+            self.last_decision = time.monotonic()
+
+    def wait(self, direction=None):
+        """Judge the newest cards of `direction` (None: of every direction)
+        again if a decision changed its model since they were judged."""
+        with self.changed:
+            due = {d for d in self.stale if direction in (None, d)}
+            self.stale -= due
+        if not due:
+            return
+        with self.lock:
+            conn = self.db.conn()               # the page's own
+            learners = self.learners.refresh(conn, now=True)
+            for stale in sorted(due):
+                if stale in learners.models:
+                    rescore_direction(conn, learners, stale, RESCORE_FIRST)
+            take_in_missed(conn, learners, RESCORE_FIRST)
+        with self.changed:
+            self.later |= {d for d in due if d in self.learners.models}
+            if self.later and self.thread is None:
                 self.thread = threading.Thread(target=self.run, name="rescore", daemon=True)
                 self.thread.start()
 
     def run(self):
-        with self.db.lent():
-            while True:
-                with self.changed:
-                    if not self.waiting and not self.later:
-                        self.thread = None
-                        self.changed.notify_all()
-                        return
-                    first = bool(self.waiting)
-                    direction = (self.waiting or self.later).pop()
-                    self.busy = direction if first else None
-                try:
-                    self.judge(direction, first)
-                except Exception as e:  # noqa: BLE001 - the page goes on; the worker judges anew
-                    log.warning("judging the cards of %s again failed: %s", direction, e)
-                finally:
-                    with self.changed:
-                        if first:
-                            self.later.add(direction)
-                        self.busy = None
-                        self.changed.notify_all()
-
-    def judge(self, direction, first):
-        conn = self.db.conn()
-        if first:
-            rescore_direction(conn, self.learners.refresh(conn, now=True), direction, RESCORE_FIRST)
-        else:
-            rescore_direction(conn, self.learners, direction)
-            take_in_missed(conn, self.learners)
-
-    def wait(self, direction=None):
-        """Until the cards of `direction` (None: of every direction) are
-        judged again, for at most RESCORE_WAIT seconds."""
-        def pending():         # a first pass waits or is under way
-            if direction is None:
-                return bool(self.waiting) or self.busy is not None
-            return direction in self.waiting or self.busy == direction
-        deadline = time.monotonic() + RESCORE_WAIT
-        with self.changed:
-            while pending() and time.monotonic() < deadline:
-                self.changed.wait(deadline - time.monotonic())
+        """The rest, once the editor has paused."""
+        while True:
+            with self.changed:
+                idle = time.monotonic() - self.last_decision
+                if not self.later:
+                    self.thread = None
+                    return
+                if idle >= RESCORE_IDLE:
+                    directions, self.later = sorted(self.later), set()
+                else:
+                    directions = None
+            if directions is None:
+                time.sleep(RESCORE_IDLE - idle)
+                continue
+            try:
+                with self.lock, self.db.lent():
+                    conn = self.db.conn()
+                    for direction in directions:
+                        rescore_direction(conn, self.learners, direction)
+                    take_in_missed(conn, self.learners)
+            except Exception as e:  # noqa: BLE001 - the page goes on; the worker judges anew
+                log.warning("judging undecided posts again failed: %s", e)
 
 
 class WebApp:

@@ -899,12 +899,19 @@ def desk_cases(db, deep_page, floor, decisions):
 
 
 def restore_posts(db, rows):
-    """Put the decided posts back as they were (the triggers keep the counts)."""
+    """Put the decided posts back as they were (the triggers keep the counts),
+    and forget what a vesti that learns from decisions learned from them."""
     with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as conn:
         conn.execute("PRAGMA busy_timeout = 30000")
         conn.execute("BEGIN")
         conn.executemany("UPDATE posts SET status = ?, decided_at = ?, decided_by = ? "
                          "WHERE id = ?", [(s, at, by, i) for i, s, at, by in rows])
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
+        if "learners" in tables:
+            conn.execute("DELETE FROM learners")
+            conn.execute("DELETE FROM learned_words")
+            conn.executemany("UPDATE posts SET learned_as = NULL, learned_in = NULL WHERE id = ?",
+                             [(i,) for i, *_ in rows])
         conn.execute("COMMIT")
 
 
