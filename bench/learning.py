@@ -12,7 +12,7 @@ request otherwise than the contract says, or the learned side missing
 `python bench/learning.py` (a few minutes on two cores); `--smoke` runs the
 whole path with tiny sizes in seconds (the figures only show that it runs).
 
-The data (../shared/corpus/news, see its README.md; nothing is fetched):
+The data (bench/news, gzipped, see its README.md for provenance and licence):
     en  News_Category_Dataset_v3.json: the newest 10,000 items (2018-05 to
         2022-09) of Rishabh Misra's News Category Dataset (CC BY 4.0):
         HuffPost headlines and short descriptions, each with HuffPost's own
@@ -94,6 +94,7 @@ import contextlib
 import csv
 import datetime
 import email.utils
+import gzip
 import html
 import http.client
 import http.server
@@ -123,7 +124,7 @@ sys.path.insert(0, BENCH)
 
 from harness import fail, run  # noqa: E402
 
-NEWS = os.path.join(os.path.dirname(REPO), "shared", "corpus", "news")
+NEWS = os.path.join(REPO, "bench", "news")
 USER = "admin"
 PASSWORD = "bench-learning"
 START_TIMEOUT = 60
@@ -203,7 +204,7 @@ def read_en(folder):
     """HuffPost's items, each at its day's end minus a minute per newer item
     of that day (the file lists the newest first; only the day is given)."""
     items, per_day = [], collections.Counter()
-    with open(os.path.join(folder, "en", "News_Category_Dataset_v3.json"), encoding="utf-8") as f:
+    with gzip.open(os.path.join(folder, "en", "News_Category_Dataset_v3.json.gz"), "rt", encoding="utf-8") as f:
         for n, line in enumerate(f):
             row = json.loads(line)
             day = datetime.datetime.strptime(row["date"], "%Y-%m-%d").replace(
@@ -224,7 +225,7 @@ def read_ru(folder):
     """RIA's articles, one item per URL with every rubric it was filed under."""
     by_url = {}
     for name in RIA_FILES:
-        with open(os.path.join(folder, "ru", name), encoding="utf-8", newline="") as f:
+        with gzip.open(os.path.join(folder, "ru", name + ".gz"), "rt", encoding="utf-8", newline="") as f:
             for row in csv.DictReader(f):
                 known = by_url.get(row["url"])
                 if known is not None:
