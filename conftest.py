@@ -7,6 +7,9 @@ import base64
 import concurrent.futures
 import contextlib
 import gzip
+import hashlib
+import hmac
+import html.parser
 import http.client
 import http.server
 import inspect
@@ -556,6 +559,194 @@ def ollama():
     fake = FakeOllama()
     yield fake
     fake.close()
+
+
+# Publishing ------------------------------------------------------------------
+
+class BotHtml(html.parser.HTMLParser):
+    """Checks a message's HTML as the Bot API does: only the tags it knows,
+    each closed in order; the text as it would show, for the 4096 limit."""
+    TAGS = {"b", "strong", "i", "em", "u", "ins", "s", "strike", "del", "a", "code", "pre",
+            "tg-spoiler", "span", "blockquote", "tg-emoji"}
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.open, self.text, self.problem = [], [], None
+
+    def handle_starttag(self, tag, attrs):
+        if tag not in self.TAGS:
+            self.problem = self.problem or f"unsupported start tag \"{tag}\""
+        self.open.append(tag)
+
+    def handle_endtag(self, tag):
+        if not self.open or self.open[-1] != tag:
+            self.problem = self.problem or f"unmatched end tag \"{tag}\""
+        else:
+            self.open.pop()
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+class FakeBotApi(LoopbackServer):
+    """Speaks the Telegram Bot API as its documentation describes it: POST
+    /bot<token>/<method> with a JSON body; answers {"ok": true, "result": …}
+    or {"ok": false, "error_code": …, "description": …, "parameters": …}
+    with the same HTTP status. `chats`: the chats the bot may post to (any
+    other is 400 "chat not found"); `not_member`: chats it was removed from
+    (403); `script`: what the next sendMessage calls meet, in turn: "ok",
+    ("429", seconds), ("500",), or ("hang", seconds): the message is posted
+    and the answer comes that much later."""
+
+    TOKEN = "123456789:AAE-test-token_secret"
+
+    def __init__(self, chats=("@vesti_test", "-1001234567890"), not_member=()):
+        self.chats, self.not_member = set(chats), set(not_member)
+        self.script, self.messages, self.deleted, self.calls = [], [], [], []
+        self.next_id = 100
+        self.lock = threading.Lock()
+        self.posted = threading.Event()
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                token, _, method = self.path.removeprefix("/bot").partition("/")
+                status, answer, wait = fake.answer(token, method, body)
+                if wait:
+                    time.sleep(wait)
+                data = json.dumps(answer).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.serve(Handler)
+
+    @staticmethod
+    def error(code, description, **parameters):
+        answer = {"ok": False, "error_code": code, "description": description}
+        if parameters:
+            answer["parameters"] = parameters
+        return code, answer, 0
+
+    def answer(self, token, method, body):
+        with self.lock:
+            try:
+                payload = json.loads(body)
+            except ValueError:
+                return self.error(400, "Bad Request: invalid JSON")
+            self.calls.append((method, payload, time.time()))
+            if token != self.TOKEN:
+                return self.error(401, "Unauthorized")
+            chat = str(payload.get("chat_id"))
+            if chat in self.not_member:
+                return self.error(403, "Forbidden: bot is not a member of the channel chat")
+            if chat not in self.chats:
+                return self.error(400, "Bad Request: chat not found")
+            if method == "sendMessage":
+                return self.send_message(chat, payload)
+            if method == "deleteMessage":
+                found = [m for m in self.messages if m["chat"] == chat
+                         and m["message_id"] == payload.get("message_id")]
+                if not found:
+                    return self.error(400, "Bad Request: message to delete not found")
+                self.messages.remove(found[0])
+                self.deleted.append(found[0])
+                return 200, {"ok": True, "result": True}, 0
+            return self.error(404, "Not Found")
+
+    def send_message(self, chat, payload):
+        step = self.script.pop(0) if self.script else "ok"
+        if step[0] == "429":
+            return self.error(429, f"Too Many Requests: retry after {step[1]}",
+                              retry_after=step[1])
+        if step[0] == "500":
+            return self.error(500, "Internal Server Error")
+        text = payload.get("text") or ""
+        parsed = BotHtml()
+        if payload.get("parse_mode") == "HTML":
+            parsed.feed(text)
+            parsed.close()
+            if parsed.problem or parsed.open:
+                return self.error(400, "Bad Request: can't parse entities: "
+                                  + (parsed.problem or f"unclosed tag \"{parsed.open[-1]}\""))
+            shown = "".join(parsed.text)
+        else:
+            shown = text
+        if not shown.strip():
+            return self.error(400, "Bad Request: message text is empty")
+        if len(shown) > 4096:
+            return self.error(400, "Bad Request: message is too long")
+        self.next_id += 1
+        message = {"message_id": self.next_id, "chat": chat, "text": text, "shown": shown,
+                   "date": int(time.time()), "at": time.time()}
+        self.messages.append(message)
+        self.posted.set()
+        result = {"message_id": self.next_id, "date": message["date"],
+                  "chat": {"id": -1001234567890, "type": "channel", "title": "VESTI test"},
+                  "text": shown}
+        return 200, {"ok": True, "result": result}, step[1] if step[0] == "hang" else 0
+
+    def sent(self):
+        with self.lock:
+            return [m["text"] for m in self.messages + self.deleted]
+
+
+@pytest.fixture
+def bot():
+    fake = FakeBotApi()
+    yield fake
+    fake.close()
+
+
+class WebhookReceiver(LoopbackServer):
+    """A webhook's receiving end: checks X-Vesti-Signature with `secret`,
+    keeps every delivery (headers, JSON body), and answers in turn what
+    `script` says (a status; 200 once it is used up)."""
+
+    def __init__(self, secret):
+        self.secret, self.script, self.deliveries, self.refused = secret, [], [], 0
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                expected = "sha256=" + hmac.new(receiver.secret.encode(), body,
+                                                hashlib.sha256).hexdigest()
+                with receiver.lock:
+                    if not hmac.compare_digest(self.headers.get("X-Vesti-Signature", ""), expected):
+                        receiver.refused += 1
+                        status, headers = 401, {}
+                    else:
+                        receiver.deliveries.append((dict(self.headers), json.loads(body)))
+                        status = receiver.script.pop(0) if receiver.script else 200
+                        headers = {"Retry-After": "1"} if status == 429 else {}
+                answer = json.dumps({"received": status == 200}).encode()
+                self.send_response(status)
+                for key, value in headers.items():
+                    self.send_header(key, value)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, *args):
+                pass
+
+        self.serve(Handler)
 
 
 # Telegram --------------------------------------------------------------------

@@ -214,6 +214,54 @@ CREATE TABLE IF NOT EXISTS learned_words (
     PRIMARY KEY (direction, feature)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS learned_words_version ON learned_words(direction, version);
+-- Where approved posts go (see Publishing in vesti.py), from sources.yaml's
+-- publish: list, with what the senders keep of each: its pace (last_sent_at),
+-- a pause a 429 asked for, and the one sender allowed at a time (sender, its
+-- lease until sender_until). alerts_from: the first post an alert target has
+-- not looked at yet.
+CREATE TABLE IF NOT EXISTS targets (
+    name TEXT PRIMARY KEY,
+    kind TEXT NOT NULL,
+    address TEXT NOT NULL,
+    directions TEXT,
+    every REAL NOT NULL DEFAULT 0,
+    min_relevance INTEGER,
+    min_likely REAL,
+    per_hour INTEGER,
+    enabled INTEGER NOT NULL DEFAULT 1,
+    paused_until TEXT,
+    last_sent_at TEXT,
+    sender TEXT,
+    sender_until TEXT,
+    error TEXT,
+    alerts_from INTEGER
+);
+-- One row per post and target: the publication's state (queued, sending,
+-- published, failed, uncertain, cancelled), the text to send, and what
+-- became of it. token: the send under way; idempotency_key: the same on
+-- every try of one publication; hurry: "publish now"; retract: taken back
+-- after it was sent, to be deleted where it went.
+CREATE TABLE IF NOT EXISTS publications (
+    id INTEGER PRIMARY KEY,
+    post_id INTEGER NOT NULL,
+    target TEXT NOT NULL,
+    state TEXT NOT NULL DEFAULT 'queued',
+    text TEXT,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    error TEXT,
+    message_id TEXT,
+    queued_at TEXT,
+    sent_at TEXT,
+    token TEXT,
+    next_attempt_at TEXT,
+    hurry INTEGER NOT NULL DEFAULT 0,
+    retract INTEGER NOT NULL DEFAULT 0,
+    deleted_at TEXT,
+    idempotency_key TEXT,
+    updated_by TEXT,
+    UNIQUE (post_id, target)
+);
+CREATE INDEX IF NOT EXISTS publications_order ON publications(target, state, hurry, queued_at, id);
 -- The triggers that keep them are made from one description of what they
 -- count (COUNT_EVENTS in vesti.py).
 CREATE TRIGGER IF NOT EXISTS posts_completed AFTER UPDATE OF classified ON posts

@@ -46,7 +46,7 @@ from telethon.tl import types as tg
 
 import vesti
 from conftest import (BACKEND, CORPUS, ROOT, SOURCES_YAML, VESTI, DripServer, FakeOllama,
-                      FakeTelegram, FeedServer, SlowClients, TcpListener, Web, both,
+                      FakeTelegram, FeedServer, SlowClients, TcpListener, Web, WebhookReceiver, both,
                       make_settings, postgres_only, restarts_postgres, rss_source, wait_for,
                       write_sources)
 from tests.chromium import press, visible
@@ -798,7 +798,7 @@ def test_the_postgresql_schema_is_made_from_the_same_table_definitions():
     objects = {name: create for name, _, create in vesti.postgres_schema()}
     for table in {t for t, _ in sqlite_tables}:
         columns = re.findall(r"^\s+(\w+) ", objects[table], re.M)
-        assert {(table, c) for c in columns if c not in ("PRIMARY",)} == \
+        assert {(table, c) for c in columns if c not in ("PRIMARY", "UNIQUE")} == \
             {(t, c) for t, c in sqlite_tables if t == table}
     indexes = {s.split()[5] for s in vesti.schema_statements() if s.startswith("CREATE INDEX")}
     assert indexes <= set(objects)
@@ -4645,6 +4645,371 @@ def test_16_workers_and_a_crawl_at_once_never_see_database_is_locked(home, serve
     assert queue_of(db) == {1: 1250}
     errors = db.conn().execute("SELECT count(*) FROM posts WHERE error IS NOT NULL").fetchone()[0]
     assert errors == 0
+
+
+# Publishing -------------------------------------------------------------------
+
+CHANNEL = {"name": "channel", "telegram": "@vesti_test"}
+
+
+def publish_home(home, bot=None, targets=(CHANNEL,), **settings):
+    """A home with one source, publish targets, and the bot's settings."""
+    write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss",
+                                                     direction="linux")])
+    with open(home / "sources.yaml", "a", encoding="utf-8") as f:
+        f.write("publish:\n" + yaml.safe_dump(list(targets), allow_unicode=True))
+    if bot is not None:
+        settings = {"TG_BOT_TOKEN": bot.TOKEN, "TG_BOT_API": bot.url, **settings}
+    s = make_settings(home, **settings)
+    registry, db = vesti.open_intake(s)
+    return s, db, source_row(db, "lwn")["id"]
+
+
+class Clock:
+    """A wall clock the test moves."""
+
+    def __init__(self):
+        self.now = time.time()
+
+    def __call__(self):
+        return self.now
+
+
+def publications(conn, target=None):
+    return conn.execute("SELECT * FROM publications" + (" WHERE target = ?" if target else "")
+                        + " ORDER BY id", (target,) if target else ()).fetchall()
+
+
+def shown_titles(bot):
+    return [re.search(r"<b>(.*?)</b>", text)[1] for text in bot.sent()]
+
+
+@both
+def test_approved_posts_go_out_one_by_one_in_approval_order_at_the_targets_pace(home, bot):
+    s, db, lwn_id = publish_home(home, bot, [{**CHANNEL, "every": "10m"}])
+    conn = db.conn()
+    ids = [desk_post(conn, lwn_id, k) for k in range(5)]
+    for k in (3, 1, 4, 0, 2):
+        vesti.set_decisions(conn, [ids[k]], "approved", "ed")
+    clock = Clock()
+    publisher = vesti.Publisher(db, s, clock)
+    sent_at = []
+    for k in range(5):
+        publisher.look()
+        sent_at.append(clock.now)
+        if k < 4:
+            assert publisher.look() == pytest.approx(600, abs=2)     # paced: nothing more yet
+        clock.now += 600
+    assert shown_titles(bot) == ["Post 3", "Post 1", "Post 4", "Post 0", "Post 2"]
+    assert all(b - a >= 600 - 1 for a, b in zip(sent_at, sent_at[1:]))
+    assert [row["state"] for row in publications(conn)] == ["published"] * 5
+    first = bot.messages[0]
+    assert first["chat"] == "@vesti_test" and "#linux" in first["text"]
+    assert '<a href="http://x/3">' in first["text"] and "Summary 3" in first["text"]
+    assert publisher.look() is None       # nothing waits
+
+
+def test_a_text_longer_than_telegram_allows_is_cut_and_keeps_its_link(home, bot):
+    s, db, lwn_id = publish_home(home, bot)
+    conn = db.conn()
+    post = desk_post(conn, lwn_id, 1, title="Long <read> & more")
+    conn.execute("UPDATE posts SET summary = ? WHERE id = ?", ("word " * 2000 + "<tail>", post))
+    vesti.set_decisions(conn, [post], "approved", "ed")
+    vesti.Publisher(db, s).look()
+    [message] = bot.messages
+    assert len(message["shown"]) <= 4096 and message["shown"].endswith("#linux")
+    assert '<a href="http://x/1">' in message["text"]
+    assert "<b>Long &lt;read&gt; &amp; more</b>" in message["text"]
+
+
+def test_an_edited_text_is_what_is_sent_and_publish_now_skips_the_pace(home, bot):
+    s, db, lwn_id = publish_home(home, bot, [{**CHANNEL, "every": "1h"}],
+                                 VESTI_WEB_PASSWORD="s3cret")
+    web = Web(home, settings=s)
+    try:
+        conn = db.conn()
+        first, second = desk_post(conn, lwn_id, 1), desk_post(conn, lwn_id, 2)
+        vesti.set_decisions(conn, [first, second], "approved", "ed")
+        publisher = vesti.Publisher(db, s)
+        publisher.look()
+        waiting = publications(conn)[1]
+        assert waiting["state"] == "queued"
+        page = web.get("/outbox")[2]
+        assert f'id="publication-{waiting["id"]}"' in page and "Publish now" in page
+        edited = "<b>Rewritten</b> by the editor: <i>better</i> words"
+        status, _, _ = web.post(f"/publications/{waiting['id']}",
+                                {"token": web.token(), "action": "text", "text": edited,
+                                 "seen": "queued"})
+        assert status == 303
+        assert publisher.look() > 3000          # still paced
+        assert web.post(f"/publications/{waiting['id']}", {"token": web.token(), "action": "now"},
+                        headers={"Accept": "application/json"})[0] == 200
+        publisher.look()
+        assert bot.messages[-1]["text"] == edited
+        desk = web.get("/?status=approved")[2]
+        assert desk.count('class="small muted outbox-line"') == 2
+        assert f'#publication-{waiting["id"]}">channel</a> published' in desk
+        # The page it was edited on is out of date now: it is said, not done.
+        status, _, text = web.post(f"/publications/{waiting['id']}",
+                                   {"token": web.token(), "action": "cancel", "seen": "queued"})
+        assert status == 409 and "published" in text
+        # And a post from another site is refused.
+        assert web.post(f"/publications/{waiting['id']}", {"token": "x", "action": "text",
+                                                          "text": "evil"})[0] == 403
+    finally:
+        web.close()
+
+
+def test_a_429_pauses_the_target_as_long_as_asked_then_the_post_goes_once(home, bot):
+    s, db, lwn_id = publish_home(home, bot)
+    conn = db.conn()
+    bot.script = [("429", 7)]
+    vesti.set_decisions(conn, [desk_post(conn, lwn_id, 1)], "approved", "ed")
+    clock = Clock()
+    publisher = vesti.Publisher(db, s, clock)
+    assert publisher.look() == pytest.approx(7, abs=1)
+    row = publications(conn)[0]
+    assert row["state"] == "queued" and row["attempts"] == 0 and "retry after 7" in row["error"]
+    clock.now += 3
+    assert publisher.look() == pytest.approx(4, abs=1) and not bot.messages
+    clock.now += 5
+    publisher.look()
+    assert len(bot.messages) == 1 and publications(conn)[0]["state"] == "published"
+    assert [m for m, *_ in bot.calls] == ["sendMessage", "sendMessage"]
+
+
+def test_server_errors_retry_with_backoff_and_a_refusal_fails_at_once_with_its_reason(home, bot):
+    s, db, lwn_id = publish_home(home, bot, [CHANNEL, {"name": "gone", "telegram": "@nowhere_chat"}],
+                                 VESTI_PUBLISH_ATTEMPTS="2")
+    conn = db.conn()
+    bot.script = [("500",), ("500",)]
+    vesti.set_decisions(conn, [desk_post(conn, lwn_id, 1)], "approved", "ed")
+    clock = Clock()
+    publisher = vesti.Publisher(db, s, clock)
+    publisher.look()
+    states = {row["target"]: row for row in publications(conn)}
+    assert states["gone"]["state"] == "failed" and states["gone"]["attempts"] == 1
+    assert "400 Bad Request: chat not found" in states["gone"]["error"]
+    assert states["channel"]["state"] == "queued" and states["channel"]["next_attempt_at"]
+    clock.now += vesti.PUBLISH_BACKOFF + 1
+    publisher.look()
+    channel = publications(conn, "channel")[0]
+    assert channel["state"] == "failed" and channel["attempts"] == 2
+    assert "500" in channel["error"] and not bot.messages
+
+
+def test_taking_a_decision_back_cancels_what_waits_and_deletes_what_was_sent(home, bot):
+    s, db, lwn_id = publish_home(home, bot, [{**CHANNEL, "every": "1h"}])
+    conn = db.conn()
+    sent, waiting = desk_post(conn, lwn_id, 1), desk_post(conn, lwn_id, 2)
+    vesti.set_decisions(conn, [sent, waiting], "approved", "ed")
+    clock = Clock()
+    publisher = vesti.Publisher(db, s, clock)
+    publisher.look()
+    message_id = bot.messages[0]["message_id"]
+    vesti.set_decisions(conn, [sent, waiting], "new", "ed")
+    publisher.look()
+    assert [(m, p["message_id"]) for m, p, _ in bot.calls if m == "deleteMessage"] == \
+        [("deleteMessage", message_id)]
+    rows = {row["post_id"]: row for row in publications(conn)}
+    assert rows[sent]["state"] == "cancelled" and rows[sent]["deleted_at"]
+    assert rows[waiting]["state"] == "cancelled" and not bot.messages
+    assert len(bot.sent()) == 1          # the second post was never sent
+    # Approved again, it goes again, at the target's pace.
+    vesti.set_decisions(conn, [waiting], "approved", "ed")
+    publisher.look()
+    assert publications(conn)[1]["state"] == "queued"
+    clock.now += 3600
+    publisher.look()
+    assert [m["text"] for m in bot.messages] == [publications(conn)[1]["text"]]
+    assert "<b>Post 2</b>" in bot.messages[0]["text"]
+    assert publications(conn)[1]["state"] == "published"
+
+
+def test_a_publisher_killed_between_the_send_and_its_record_leaves_it_uncertain(home, bot):
+    s, db, lwn_id = publish_home(home, bot)
+    conn = db.conn()
+    bot.script = [("hang", 60)]
+    post = desk_post(conn, lwn_id, 1)
+    vesti.set_decisions(conn, [post], "approved", "ed")
+    env = {"TG_BOT_TOKEN": bot.TOKEN, "TG_BOT_API": bot.url}
+    process = subprocess.Popen([*VESTI, "publish", "--forever"], cwd=home, env=cli_env(env),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert bot.posted.wait(30), process.stderr.read() if process.poll() is not None else ""
+        assert publications(conn)[0]["state"] == "sending"
+    finally:
+        process.kill()
+        process.wait()
+    result = cli("publish", cwd=home, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "0 sent" in result.stdout and "1 uncertain" in result.stdout
+    row = publications(conn)[0]
+    assert row["state"] == "uncertain" and "may or may not have arrived" in row["error"]
+    assert len(bot.messages) == 1             # never sent again on its own
+    assert cli("publish", cwd=home, env=env).returncode == 0 and len(bot.messages) == 1
+    web = Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret", **env))
+    try:
+        page = web.get("/outbox")[2]
+        assert "Mark published" in page and "Send again" in page
+        assert web.post(f"/publications/{row['id']}", {"token": web.token(),
+                                                       "action": "published"})[0] == 303
+        assert publications(conn)[0]["state"] == "published"
+    finally:
+        web.close()
+    assert bot.TOKEN not in result.stdout + result.stderr
+
+
+@both
+def test_two_publishers_at_once_send_each_post_once_in_order(home, bot):
+    s, db, lwn_id = publish_home(home, bot)
+    conn = db.conn()
+    ids = [desk_post(conn, lwn_id, k) for k in range(20)]
+    for post in ids:
+        vesti.set_decisions(conn, [post], "approved", "ed")
+    env = {"TG_BOT_TOKEN": bot.TOKEN, "TG_BOT_API": bot.url}
+    processes = [subprocess.Popen([*VESTI, "publish"], cwd=home, env=cli_env(env),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(2)]
+    outputs = [process.communicate(timeout=60) for process in processes]
+    assert all(process.returncode == 0 for process in processes), outputs
+    assert shown_titles(bot) == [f"Post {k}" for k in range(20)]
+    assert [row["state"] for row in publications(conn)] == ["published"] * 20
+
+
+def test_a_webhook_is_signed_keeps_its_idempotency_key_on_retries_and_hears_of_an_undo(home):
+    receiver = WebhookReceiver("hook-secret")
+    try:
+        s, db, lwn_id = publish_home(home, targets=[{"name": "cms", "webhook": receiver.url + "/in"}],
+                                     VESTI_WEBHOOK_SECRET="hook-secret")
+        conn = db.conn()
+        post = desk_post(conn, lwn_id, 1)
+        receiver.script = [503]
+        vesti.set_decisions(conn, [post], "approved", "ed")
+        clock = Clock()
+        publisher = vesti.Publisher(db, s, clock)
+        publisher.look()
+        clock.now += vesti.PUBLISH_BACKOFF + 1
+        publisher.look()
+        assert receiver.refused == 0 and len(receiver.deliveries) == 2
+        (first, item), (again, same) = receiver.deliveries
+        assert first["Idempotency-Key"] == again["Idempotency-Key"] and item == same
+        assert item["id"] == str(post) and item["url"] == "http://x/1"
+        assert item["title"] == "Post 1" and item["content_text"] == "Summary 1"
+        assert item["direction"] == "linux" and item["decided_by"] == "ed"
+        assert item["source"] == "lwn" and item["decided_at"].endswith("Z")
+        row = publications(conn)[0]
+        assert row["state"] == "published" and row["message_id"] == '{"received": true}'
+        vesti.set_decisions(conn, [post], "rejected", "ed")
+        publisher.look()
+        assert receiver.deliveries[-1][1] == {"event": "deleted", "id": str(post)}
+        assert publications(conn)[0]["state"] == "cancelled"
+    finally:
+        receiver.close()
+
+
+def test_without_the_bots_token_nothing_is_lost_and_the_outbox_says_why(home, bot):
+    s, db, lwn_id = publish_home(home, targets=[CHANNEL], VESTI_WEB_PASSWORD="s3cret")
+    conn = db.conn()
+    vesti.set_decisions(conn, [desk_post(conn, lwn_id, 1)], "approved", "ed")
+    vesti.Publisher(db, s).look()
+    assert publications(conn)[0]["state"] == "queued"
+    web = Web(home, settings=s)
+    try:
+        assert "TG_BOT_TOKEN is not set" in web.get("/outbox")[2]
+    finally:
+        web.close()
+    s = make_settings(home, TG_BOT_TOKEN=bot.TOKEN, TG_BOT_API=bot.url)
+    vesti.Publisher(db, s).look()
+    assert publications(conn)[0]["state"] == "published" and len(bot.messages) == 1
+
+
+def test_alerts_go_once_per_story_at_most_per_hour_and_the_rest_in_one_digest(home, bot):
+    alert = {"name": "editors", "alert": "-1001234567890", "min_relevance": 8, "per_hour": 2}
+    s, db, lwn_id = publish_home(home, bot, [alert], VESTI_PUBLIC_URL="https://desk.example")
+    conn = db.conn()
+    publisher = vesti.Publisher(db, s)
+    publisher.look()                     # the target starts looking from here
+    hot = [desk_post(conn, lwn_id, k, relevance=9) for k in range(4)]
+    desk_post(conn, lwn_id, 10, relevance=5)
+    copy = desk_post(conn, lwn_id, 11, relevance=9)
+    conn.execute("UPDATE posts SET story_id = ? WHERE id IN (?, ?)", (hot[0], hot[0], copy))
+    publisher.look()
+    assert len(bot.messages) == 2
+    single, digest = bot.messages
+    assert "Post 0" in single["text"] and "relevance 9" in single["text"]
+    assert f"https://desk.example/?status=any&amp;min=0&amp;story={hot[0]}" in single["text"]
+    assert digest["text"].startswith("⚡ 3 stories")
+    assert all(f"Post {k}" in digest["text"] for k in (1, 2, 3))
+    assert "Post 10" not in digest["text"] + single["text"]
+    rows = publications(conn, "editors")
+    assert sorted(row["post_id"] for row in rows) == hot and {r["state"] for r in rows} == {"published"}
+    desk_post(conn, lwn_id, 20, relevance=10)
+    publisher.look()
+    assert len(bot.messages) == 2        # the hour's two messages are spent: it waits
+
+
+@pytest.mark.parametrize("target, expected", [
+    ({"name": "x"}, "name exactly one of telegram, webhook or alert"),
+    ({"name": "x", "telegram": "not a chat"}, "must be a chat the bot can post to"),
+    ({"name": "x", "webhook": "ftp://h/x"}, "url must start with http"),
+    ({"name": "x", "telegram": "@vesti_test", "every": "soon"}, "every must be a pace"),
+    ({"name": "x", "telegram": "@vesti_test", "directions": ["sport"]}, "unknown direction 'sport'"),
+    ({"name": "x", "telegram": "@vesti_test", "per_hour": 3}, "unknown field 'per_hour'"),
+])
+def test_a_wrong_publish_target_is_one_line_naming_file_and_line(home, target, expected):
+    publish_home(home, targets=[CHANNEL])
+    with open(home / "sources.yaml", "a", encoding="utf-8") as f:
+        f.write(yaml.safe_dump([target]))
+    result = cli("status", cwd=home)
+    assert result.returncode == 2 and expected in result.stderr
+    assert re.search(r"sources\.yaml:\d+: publish target", result.stderr)
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_status_and_metrics_count_publications_by_target_and_state(home, bot):
+    s, db, lwn_id = publish_home(home, bot, [{**CHANNEL, "every": "1h"}])
+    conn = db.conn()
+    vesti.set_decisions(conn, [desk_post(conn, lwn_id, k) for k in range(3)], "approved", "ed")
+    vesti.Publisher(db, s).look()
+    result = cli("status", cwd=home)
+    assert "publish channel: queued 2, published 1" in result.stdout
+    report = json.loads(cli("status", "--json", cwd=home).stdout)
+    assert report["publications"] == {"channel": {"published": 1, "queued": 2}}
+    metrics = vesti.metrics_text(conn)
+    assert 'vesti_publications{target="channel",state="queued"} 2' in metrics
+
+
+@pytest.mark.slow
+def test_run_publishes_what_the_editor_approves_on_the_page(home, server, bot):
+    server.feed("/feed", rss(items(3, host=server.url)))
+    write_sources(home / "sources.yaml", [rss_source("lwn", server.url + "/feed", direction="linux")])
+    with open(home / "sources.yaml", "a", encoding="utf-8") as f:
+        f.write("publish:\n" + yaml.safe_dump([CHANNEL]))
+    process, port = run_process(home, env={"OLLAMA_URL": "", "TG_BOT_TOKEN": bot.TOKEN,
+                                           "TG_BOT_API": bot.url})
+    try:
+        auth = {"Authorization": "Basic " + base64.b64encode(b"admin:pw").decode()}
+
+        def ask(method, path, body=None, headers=None):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request(method, path, body=body, headers={**auth, **(headers or {})})
+            response = conn.getresponse()
+            return response.status, response.read().decode()
+        assert wait_for(lambda: ask("GET", "/")[1].count('class="post"') == 3, timeout=15)
+        page = ask("GET", "/")[1]
+        token = re.search(r'name="token" value="([0-9a-f]+)"', page)[1]
+        post = card_ids(page)[0]
+        status, _ = ask("POST", f"/posts/{post}/status", f"token={token}&status=approved",
+                        {"Content-Type": "application/x-www-form-urlencoded",
+                         "Origin": f"http://127.0.0.1:{port}", "Accept": "application/json"})
+        assert status == 200
+        assert wait_for(lambda: len(bot.messages) == 1, timeout=10)
+        assert "published" in ask("GET", "/outbox")[1]
+    finally:
+        out, err = stop_process(process)
+    assert process.returncode == 0, err
+    assert bot.TOKEN not in out + err
 
 
 # Web pages --------------------------------------------------------------------

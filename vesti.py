@@ -142,7 +142,9 @@ import textwrap
 import threading
 import time
 import unicodedata
+import urllib.error
 import urllib.parse
+import urllib.request
 import xml.etree.ElementTree as ElementTree
 import zlib
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -271,6 +273,21 @@ class Reworded(VestiError):
     def __init__(self, post_id):
         super().__init__(f"post {post_id} changed since the decision's page was loaded")
         self.post_id = post_id
+
+
+class SendFailed(VestiError):
+    """A send that did not go through: `pause` seconds for the whole target
+    (429, not counted as a failure), `retry` (5xx, a timeout: tried again
+    with backoff), or neither (refused: failed at once)."""
+
+    def __init__(self, message, retry=False, pause=None):
+        super().__init__(message)
+        self.retry, self.pause = retry, pause
+
+
+class Conflict(VestiError):
+    """An editor's action meets a state someone else (or a sender) changed
+    since the page was loaded: nothing is done, the page says so (409)."""
 
 
 class EarlyReply(Exception):
@@ -433,6 +450,11 @@ SETTINGS = [
     ("VESTI_LANG", "lang", _choice("auto", "en", "ru"), "auto"),
     ("VESTI_STORY_HOURS", "story_hours", _number(float, 30 * 24), "72"),
     ("VESTI_LEARN_MIN", "learn_min", _positive(int, 1_000_000), "30"),
+    ("TG_BOT_TOKEN", "tg_bot_token", _text, ""),
+    ("TG_BOT_API", "tg_bot_api", _url, "https://api.telegram.org"),
+    ("VESTI_WEBHOOK_SECRET", "webhook_secret", _text, ""),
+    ("VESTI_PUBLISH_ATTEMPTS", "publish_attempts", _positive(int, 1000), "5"),
+    ("VESTI_PUBLIC_URL", "public_url", _url, ""),
 ]
 
 
@@ -471,6 +493,11 @@ class Settings:
     lang: str
     story_hours: float
     learn_min: int
+    tg_bot_token: str
+    tg_bot_api: str
+    webhook_secret: str
+    publish_attempts: int
+    public_url: str
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
@@ -549,6 +576,10 @@ _warned_lock = threading.Lock()
 # Set when the process is told to stop: a locked database is then no longer
 # waited for (the work is being put down anyway).
 STOPPING = threading.Event()
+
+# Set when something is queued for publication, so that a publisher in this
+# process sends it at once instead of on its next look.
+PUBLISH_WAKE = threading.Event()
 
 
 class WaitEpisode:
@@ -695,6 +726,11 @@ class Progress:
 def utc_text(timestamp=None):
     """UTC time as SQLite's datetime('now') writes it."""
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(timestamp))
+
+
+def iso_time(stamp):
+    """'2026-11-30 10:00:00' (UTC) -> '2026-11-30T10:00:00Z'."""
+    return (stamp or "1970-01-01 00:00:00").replace(" ", "T") + "Z"
 
 
 def parse_utc(text):
@@ -2152,6 +2188,54 @@ CREATE TABLE IF NOT EXISTS learned_words (
     PRIMARY KEY (direction, feature)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS learned_words_version ON learned_words(direction, version);
+-- Where approved posts go (see Publishing in vesti.py), from sources.yaml's
+-- publish: list, with what the senders keep of each: its pace (last_sent_at),
+-- a pause a 429 asked for, and the one sender allowed at a time (sender, its
+-- lease until sender_until). alerts_from: the first post an alert target has
+-- not looked at yet.
+CREATE TABLE IF NOT EXISTS targets (
+    name TEXT PRIMARY KEY,
+    kind TEXT NOT NULL,
+    address TEXT NOT NULL,
+    directions TEXT,
+    every REAL NOT NULL DEFAULT 0,
+    min_relevance INTEGER,
+    min_likely REAL,
+    per_hour INTEGER,
+    enabled INTEGER NOT NULL DEFAULT 1,
+    paused_until TEXT,
+    last_sent_at TEXT,
+    sender TEXT,
+    sender_until TEXT,
+    error TEXT,
+    alerts_from INTEGER
+);
+-- One row per post and target: the publication's state (queued, sending,
+-- published, failed, uncertain, cancelled), the text to send, and what
+-- became of it. token: the send under way; idempotency_key: the same on
+-- every try of one publication; hurry: "publish now"; retract: taken back
+-- after it was sent, to be deleted where it went.
+CREATE TABLE IF NOT EXISTS publications (
+    id INTEGER PRIMARY KEY,
+    post_id INTEGER NOT NULL,
+    target TEXT NOT NULL,
+    state TEXT NOT NULL DEFAULT 'queued',
+    text TEXT,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    error TEXT,
+    message_id TEXT,
+    queued_at TEXT,
+    sent_at TEXT,
+    token TEXT,
+    next_attempt_at TEXT,
+    hurry INTEGER NOT NULL DEFAULT 0,
+    retract INTEGER NOT NULL DEFAULT 0,
+    deleted_at TEXT,
+    idempotency_key TEXT,
+    updated_by TEXT,
+    UNIQUE (post_id, target)
+);
+CREATE INDEX IF NOT EXISTS publications_order ON publications(target, state, hurry, queued_at, id);
 -- The triggers that keep them are made from one description of what they
 -- count (COUNT_EVENTS in vesti.py).
 """ + sqlite_count_triggers() + """
@@ -4682,6 +4766,179 @@ def save_last_message_id(conn, source_id, message_id):
 
 
 ###############################################################################
+# Publications ################################################################
+###############################################################################
+# The outbox: one row per approved post and publish target (see Publishing
+# for the sending). Approving a post queues it for every enabled target of
+# its direction, with the text to send (editable until it is sent); taking
+# the decision back cancels what is still queued and asks for what was sent
+# to be deleted. A story is published once, as its first post.
+
+PUBLICATION_STATES = ("queued", "sending", "published", "failed", "uncertain", "cancelled")
+TELEGRAM_LIMIT = 4096           # characters of one Bot API message
+SUMMARY_CHARS = 1200            # of a post's text, when it has no summary
+
+
+def hashtag(direction):
+    return "#" + re.sub(r"\W+", "_", direction).strip("_") if direction else ""
+
+
+def telegram_text(post, limit=TELEGRAM_LIMIT):
+    """A post as a Telegram message in the Bot API's HTML: the title in bold,
+    the summary, the source and the link, the direction's hashtag; the
+    summary cut so that the whole fits in `limit` and the link is kept."""
+    title = f"<b>{html.escape(post['title'] or '', quote=False)}</b>"
+    url = post["url"] or ""
+    tail = [f"{html.escape(post['source'] or '', quote=False)} · "
+            f"<a href=\"{html.escape(url)}\">{html.escape(shorten(url, 60), quote=False)}</a>"
+            if url else html.escape(post["source"] or "", quote=False)]
+    if post["direction"]:
+        tail.append(hashtag(post["direction"]))
+    tail = "\n".join(part for part in tail if part)
+    summary = " ".join((post["summary"] or shorten(post["text"] or "", SUMMARY_CHARS)).split())
+    room = limit - len(title) - len(tail) - 4
+    if room < 20:
+        title = f"<b>{html.escape(shorten(post['title'] or '', 200), quote=False)}</b>"
+        room = limit - len(title) - len(tail) - 4
+    while summary and len(html.escape(summary, quote=False)) > room:
+        summary = shorten(summary, max(0, min(len(summary) - 1, room - 1)))
+    body = html.escape(summary, quote=False)
+    return "\n\n".join(part for part in (title, body, tail) if part)[:limit]
+
+
+def webhook_text(post):
+    """A post's text as a webhook carries it (content_text of its item)."""
+    return " ".join((post["summary"] or shorten(post["text"] or "", SUMMARY_CHARS)).split())
+
+
+def publication_text(kind, post):
+    return telegram_text(post) if kind in ("telegram", "alert") else webhook_text(post)
+
+
+# What a publication's text is made of.
+PUBLISHED_POST = """SELECT p.id, p.title, p.url, p.summary, substr(p.text, 1, 4000) AS text,
+                           p.direction, p.relevance, p.likely, p.status, p.story_id,
+                           p.decided_at, p.decided_by, p.published_at, s.name AS source
+                    FROM posts p LEFT JOIN sources s ON s.id = p.source_id"""
+
+
+def targets_of(conn, direction, kinds=("telegram", "webhook")):
+    """The enabled targets that take posts of this direction."""
+    return [target for target in conn.execute(
+                f"SELECT * FROM targets WHERE enabled = 1 AND kind IN "
+                f"({','.join('?' * len(kinds))}) ORDER BY name", kinds)
+            if target["directions"] is None or direction in json.loads(target["directions"])]
+
+
+def queue_publications(conn, post_ids, now=None):
+    """In the caller's transaction: each approved post (its story's first
+    post) is queued for every target of its direction that does not have it
+    yet, or has it cancelled; one asked to be deleted but not deleted yet is
+    kept. Returns how many were queued."""
+    now, queued = utc_text(now), 0
+    leads = {row[0] for post_id in post_ids for row in conn.execute(
+        "SELECT coalesce(story_id, id) FROM posts WHERE id = ?", (post_id,))}
+    for lead in sorted(leads):
+        post = conn.execute(f"{PUBLISHED_POST} WHERE p.id = ?", (lead,)).fetchone()
+        if post is None or post["status"] != "approved":
+            continue
+        for target in targets_of(conn, post["direction"]):
+            row = conn.execute("""
+                INSERT INTO publications (post_id, target, state, text, queued_at, idempotency_key)
+                VALUES (?, ?, 'queued', ?, ?, ?)
+                ON CONFLICT (post_id, target) DO UPDATE SET
+                    state = CASE WHEN publications.state = 'cancelled' THEN 'queued'
+                                 ELSE publications.state END,
+                    retract = 0,
+                    attempts = CASE WHEN publications.state = 'cancelled' THEN 0
+                                    ELSE publications.attempts END,
+                    queued_at = CASE WHEN publications.state = 'cancelled' THEN excluded.queued_at
+                                     ELSE publications.queued_at END,
+                    idempotency_key = CASE WHEN publications.state = 'cancelled'
+                                           THEN excluded.idempotency_key
+                                           ELSE publications.idempotency_key END,
+                    error = CASE WHEN publications.state = 'cancelled' THEN NULL
+                                 ELSE publications.error END
+                RETURNING state""", (lead, target["name"], publication_text(target["kind"], post),
+                                     now, secrets.token_hex(16))).fetchone()
+            queued += row is not None and row["state"] == "queued"
+    if queued:
+        PUBLISH_WAKE.set()
+    return queued
+
+
+def retract_publications(conn, post_ids):
+    """In the caller's transaction, for posts no longer approved: what is
+    queued (or failed, or uncertain) is cancelled; what was sent, or is being
+    sent, is marked to be deleted where it went. Returns how many changed."""
+    leads = sorted({row[0] for post_id in post_ids for row in conn.execute(
+        "SELECT coalesce(story_id, id) FROM posts WHERE id = ? AND status != 'approved'",
+        (post_id,))})
+    changed = 0
+    for lead in leads:
+        changed += conn.execute("""UPDATE publications SET state = 'cancelled', token = NULL
+                                   WHERE post_id = ? AND state IN ('queued', 'failed', 'uncertain')""",
+                                (lead,)).rowcount
+        retracted = conn.execute("""UPDATE publications SET retract = 1
+                                    WHERE post_id = ? AND state IN ('sending', 'published')
+                                      AND deleted_at IS NULL AND retract = 0""", (lead,)).rowcount
+        changed += retracted
+        if retracted:
+            PUBLISH_WAKE.set()
+    return changed
+
+
+# What an editor may do to one publication, and in which states.
+PUBLICATION_ACTIONS = {
+    "text": ("queued", "failed", "uncertain"),      # edit the text to send
+    "now": ("queued",),                             # publish now: ahead of the pace
+    "cancel": ("queued", "failed", "uncertain"),
+    "published": ("uncertain",),                    # it did arrive
+    "again": ("failed", "uncertain"),               # send it again
+}
+
+
+def act_on_publication(conn, publication_id, action, editor, text=None, now=None, seen=None):
+    """An editor's action on a publication; returns the row after it, or
+    None for an unknown one. Raises Conflict when its state does not allow
+    the action, or is not the state `seen` on the editor's page (someone, or
+    the sender, changed it meanwhile)."""
+    now = utc_text(now)
+    with transaction(conn):
+        row = conn.execute("SELECT * FROM publications WHERE id = ?", (publication_id,)).fetchone()
+        if row is None:
+            return None
+        if row["state"] not in PUBLICATION_ACTIONS[action] or seen not in (None, row["state"]):
+            who = f" by {row['updated_by']}" if row["updated_by"] and \
+                row["state"] in ("cancelled", "published") else ""
+            raise Conflict(f"this publication is {row['state']} now{who}; reload to see it")
+        changes = {
+            "text": ("text = ?", (text,)),
+            "now": ("hurry = 1, next_attempt_at = NULL", ()),
+            "cancel": ("state = 'cancelled'", ()),
+            "published": ("state = 'published', sent_at = ?, error = NULL", (now,)),
+            "again": ("state = 'queued', attempts = 0, next_attempt_at = NULL, error = NULL, "
+                      "hurry = 1", ()),
+        }
+        assignments, values = changes[action]
+        row = conn.execute(f"""UPDATE publications SET {assignments}, updated_by = ?
+                               WHERE id = ? AND state = ? RETURNING *""",
+                           (*values, editor, publication_id, row["state"])).fetchone()
+    if action in ("now", "again"):
+        PUBLISH_WAKE.set()
+    return row
+
+
+def publication_counts(conn):
+    """{target: {state: n}} of every publication (status, /metrics)."""
+    counts = collections.defaultdict(dict)
+    for row in conn.execute("SELECT target, state, count(*) FROM publications "
+                            "GROUP BY target, state ORDER BY target, state"):
+        counts[row[0]][row[1]] = row[2]
+    return dict(counts)
+
+
+###############################################################################
 # Decisions and reads #########################################################
 ###############################################################################
 # The editor's decisions, what pages and commands read, copying a database.
@@ -4788,6 +5045,10 @@ def set_decisions(conn, post_ids, decision, editor, seen=None):
                                 FROM source_post_counts WHERE source_id = :id AND status = 'approved')
                             WHERE id = :id""", [{"id": i} for i in sources])
         learn_decisions(conn, post_ids)
+        if decision == "approved":
+            queue_publications(conn, post_ids)
+        else:
+            retract_publications(conn, post_ids)
     return found
 
 
@@ -4969,7 +5230,8 @@ COPIED_TABLES = (("sources", ("id",)), ("rss_state", ("source_id",)),
                  ("tg_state", ("source_id",)), ("posts", ("id",)), ("runs", ("id",)),
                  ("source_days", ("source_id", "day")), ("counters", ("name", "labels")),
                  ("meta", ("key",)), ("story_keys", ("key", "post_id")),
-                 ("learners", ("direction",)), ("learned_words", ("direction", "feature")))
+                 ("learners", ("direction",)), ("learned_words", ("direction", "feature")),
+                 ("targets", ("name",)), ("publications", ("id",)))
 # What each database keeps of itself: its schema, its counting mark, who it is
 # and what it is a copy of.
 OWN_META = ("indexed_to", "count_keys", "pg_schema", "pg_ddl:%", "database_id", "copy_of")
@@ -5076,10 +5338,24 @@ class SourceSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class TargetSpec:
+    """Where approved posts go (telegram, webhook), or where alerts go (alert)."""
+    name: str
+    kind: str
+    address: str
+    directions: tuple = None        # None: every direction
+    every: float = 0.0              # seconds between two posts; 0: no pace
+    min_relevance: int = None       # alerts only
+    min_likely: float = None
+    per_hour: int = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Registry:
     path: str
     directions: dict
     sources: tuple
+    targets: tuple = ()
 
 
 MAX_PRIORITY = 1000
@@ -5245,6 +5521,77 @@ def check_feed_url(label, url):
         raise ConfigError(f"{label}: url has no host: {shorten(url, 100)!r}")
 
 
+TARGET_KINDS = ("telegram", "webhook", "alert")
+TARGET_FIELDS = {"telegram": ("name", "telegram", "directions", "every"),
+                 "webhook": ("name", "webhook", "directions", "every"),
+                 "alert": ("name", "alert", "directions", "min_relevance", "min_likely", "per_hour")}
+# A chat the Bot API knows: @channelname, or a numeric id (-100… for a channel).
+BOT_CHAT = re.compile(r"@[A-Za-z][A-Za-z0-9_]{3,31}|-?[1-9][0-9]{0,19}")
+ALERT_MIN_RELEVANCE = 8
+ALERT_PER_HOUR = 6
+
+
+def _parse_target(path, item, directions, seen):
+    if not isinstance(item, dict):
+        raise ConfigError(f"{path}: every entry under 'publish' must be a mapping, "
+                          f"got {shorten(repr(item), 60)}")
+    line = item["__line__"]
+    name = item.get("name")
+    label = f"{path}:{line}: publish target {name!r}" if name is not None else \
+        f"{path}:{line}: publish target"
+    kinds = [kind for kind in TARGET_KINDS if kind in item]
+    if len(kinds) != 1:
+        raise ConfigError(f"{label}: name exactly one of telegram, webhook or alert")
+    kind = kinds[0]
+    check_fields(label, item, TARGET_FIELDS[kind])
+    if name in (None, "") or not SLUG.fullmatch(str(name)):
+        raise ConfigError(f"{label}: needs a name of a-z, 0-9, '_' and '-'")
+    name = str(name)
+    if name in seen:
+        raise ConfigError(f"{label}: duplicate name (first at line {seen[name]})")
+    seen[name] = line
+    address = str(item[kind]).strip()
+    if kind == "webhook":
+        check_feed_url(label, address)
+    elif not BOT_CHAT.fullmatch(address):
+        raise ConfigError(f"{label}: {kind} must be a chat the bot can post to: "
+                          f"\"@channelname\" or a numeric id, got {shorten(address, 60)!r}")
+    chosen = item.get("directions")
+    if chosen is not None:
+        if not isinstance(chosen, list) or not chosen:
+            raise ConfigError(f"{label}: directions must be a list of direction ids")
+        unknown = [str(d) for d in chosen if str(d) not in directions]
+        if unknown:
+            raise ConfigError(f"{label}: unknown direction {unknown[0]!r} "
+                              f"(defined: {', '.join(directions) or 'none'})")
+        chosen = tuple(dict.fromkeys(str(d) for d in chosen))
+    every = str(item.get("every", "now")).strip()
+    if every == "now":
+        every = 0.0
+    else:
+        try:
+            every, = _durations("every", every)
+        except (ConfigError, ValueError):
+            raise ConfigError(f"{label}: every must be a pace like 10m, 1h or 30s, or now; "
+                              f"got {shorten(every, 40)!r}") from None
+    spec = TargetSpec(name, kind, address, chosen, every)
+    if kind != "alert":
+        return spec
+    relevance = item.get("min_relevance", ALERT_MIN_RELEVANCE)
+    if not isinstance(relevance, int) or isinstance(relevance, bool) or not 0 <= relevance <= 10:
+        raise ConfigError(f"{label}: min_relevance must be a whole number 0 to 10")
+    likely = item.get("min_likely")
+    if likely is not None and (not isinstance(likely, (int, float)) or isinstance(likely, bool)
+                               or not 0 <= likely <= 1):
+        raise ConfigError(f"{label}: min_likely must be a number 0 to 1")
+    per_hour = item.get("per_hour", ALERT_PER_HOUR)
+    if not isinstance(per_hour, int) or isinstance(per_hour, bool) or not 1 <= per_hour <= 1000:
+        raise ConfigError(f"{label}: per_hour must be a whole number 1 to 1000")
+    return dataclasses.replace(spec, min_relevance=relevance,
+                               min_likely=None if likely is None else float(likely),
+                               per_hour=per_hour)
+
+
 def load_registry(path):
     """sources.yaml, validated: any problem is a ConfigError naming the file,
     the line or the slug."""
@@ -5253,18 +5600,23 @@ def load_registry(path):
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping with 'directions' and 'sources'")
-    check_fields(path, data, ("directions", "sources"))
+    check_fields(path, data, ("directions", "sources", "publish"))
     raw_directions = data.get("directions") or {}
     raw_sources = data.get("sources") or []
+    raw_targets = data.get("publish") or []
     if not isinstance(raw_directions, dict):
         raise ConfigError(f"{path}: 'directions' must be a mapping of direction ids")
     if not isinstance(raw_sources, list):
         raise ConfigError(f"{path}: 'sources' must be a list")
     directions = {str(k): _parse_direction(path, k, v)
                   for k, v in raw_directions.items() if k != "__line__"}
+    if not isinstance(raw_targets, list):
+        raise ConfigError(f"{path}: 'publish' must be a list of targets")
     seen = {}
     sources = tuple(_parse_source(path, item, directions, seen) for item in raw_sources)
-    return Registry(path, directions, sources)
+    named = {}
+    targets = tuple(_parse_target(path, item, directions, named) for item in raw_targets)
+    return Registry(path, directions, sources, targets)
 
 
 @redoable
@@ -5290,7 +5642,29 @@ def sync_sources(conn, registry):
         conn.execute(f"UPDATE sources SET enabled = 0 WHERE slug NOT IN "
                      f"({','.join('?' * len(slugs)) or 'NULL'})" if slugs else
                      "UPDATE sources SET enabled = 0", slugs)
+        sync_targets(conn, registry.targets)
     ready_counts(conn, registry.directions)
+
+
+def sync_targets(conn, targets):
+    """Upsert the publish targets by name; one gone from the file is
+    disabled (its publications stay, and wait for it to come back)."""
+    for spec in targets:
+        conn.execute("""
+            INSERT INTO targets (name, kind, address, directions, every, min_relevance,
+                                 min_likely, per_hour, enabled)
+            VALUES (?, ?, ?, ?, ?, ?, ?, ?, 1)
+            ON CONFLICT (name) DO UPDATE SET kind = excluded.kind, address = excluded.address,
+                directions = excluded.directions, every = excluded.every,
+                min_relevance = excluded.min_relevance, min_likely = excluded.min_likely,
+                per_hour = excluded.per_hour, enabled = 1
+        """, (spec.name, spec.kind, spec.address,
+              None if spec.directions is None else json.dumps(list(spec.directions)),
+              spec.every, spec.min_relevance, spec.min_likely, spec.per_hour))
+    names = [spec.name for spec in targets]
+    conn.execute(f"UPDATE targets SET enabled = 0 WHERE name NOT IN "
+                 f"({','.join('?' * len(names)) or 'NULL'})" if names else
+                 "UPDATE targets SET enabled = 0", names)
 
 
 def select_sources(conn, crawler, selection, now=None):
@@ -7972,6 +8346,492 @@ def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
 
 
 ###############################################################################
+# Publishing ##################################################################
+###############################################################################
+# Sending the outbox (see Publications): the Telegram Bot API and webhooks,
+# one sender per target at a time whatever the number of processes and
+# machines (a lease on the target's row), in approval order at the target's
+# pace. A send is marked `sending` before the call and `published` after it
+# (guarded by the state and the sender, as the queue's final write is); the
+# slow call holds no database lock. A sender that finds a send of another
+# one still `sending` (that process died mid-call) cannot know whether it
+# arrived: it is marked `uncertain` and never sent again on its own.
+
+SENDER_LEASE = 120              # seconds a sender holds a target without renewing
+PUBLISH_LOOK = 1.0              # seconds between two looks for what is due
+PUBLISH_AFTER_ERROR = 5
+PUBLISH_BACKOFF = 10            # seconds before the second try; doubled for each next
+PUBLISH_BACKOFF_MAX = 3600
+PAUSE_DEFAULT = 30              # a 429 that does not say for how long
+PAUSE_MAX = 86400
+ANSWER_BYTES = 1 << 20
+ANSWER_CHARS = 200              # of a webhook's answer, kept as its message id
+ALERT_SCAN = 5000               # posts an alert target looks at in one go
+DIGEST_ITEMS = 30
+
+
+class NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A webhook is posted to its own address: a redirect is an answer."""
+
+    def redirect_request(self, *args, **kwargs):
+        return None
+
+
+_publish_opener = urllib.request.build_opener(NoRedirect)
+
+
+def seconds_to_wait(value, default=PAUSE_DEFAULT):
+    """Retry-After or retry_after: seconds, or an HTTP date."""
+    if value is None:
+        return default
+    text = str(value).strip()
+    if re.fullmatch(r"[0-9]{1,9}(?:\.[0-9]+)?", text):
+        return min(float(text), PAUSE_MAX)
+    with contextlib.suppress(TypeError, ValueError, IndexError):
+        return min(max(0.0, email.utils.parsedate_to_datetime(text).timestamp() - time.time()),
+                   PAUSE_MAX)
+    return default
+
+
+def post_request(url, body, headers, timeout, secret=""):
+    """POST `body`; (status, headers, answer bytes). Network trouble is a
+    SendFailed to retry; `secret` is kept out of every message."""
+    request = urllib.request.Request(url, data=body, method="POST", headers=headers)
+    try:
+        with _publish_opener.open(request, timeout=timeout) as response:
+            return response.status, response.headers, response.read(ANSWER_BYTES)
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.headers, e.read(ANSWER_BYTES)
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:
+        reason = getattr(e, "reason", None) or e
+        message = f"no answer: {reason}"
+        raise SendFailed(message.replace(secret, "***") if secret else message, retry=True) from None
+
+
+def bot_api(settings, method, payload):
+    """Call one Bot API method; its `result`, or SendFailed as the answer says
+    (429 pauses, 5xx retries, any other error fails at once)."""
+    token = settings.tg_bot_token
+    status, headers, answer = post_request(
+        f"{settings.tg_bot_api}/bot{token}/{method}",
+        json.dumps(payload, ensure_ascii=False).encode(),
+        {"Content-Type": "application/json", "User-Agent": settings.user_agent},
+        settings.timeout, token)
+    try:
+        data = json.loads(answer)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        raise SendFailed(f"Bot API {method}: HTTP {status}, not the Bot API's JSON",
+                         retry=status >= 500)
+    if data.get("ok") is True:
+        return data.get("result")
+    code = data.get("error_code") if isinstance(data.get("error_code"), int) else status
+    described = shorten(str(data.get("description") or f"HTTP {status}"), 300).replace(token, "***")
+    parameters = data.get("parameters") if isinstance(data.get("parameters"), dict) else {}
+    if code == 429:
+        wait = seconds_to_wait(parameters.get("retry_after", headers.get("Retry-After")))
+        raise SendFailed(f"Bot API {method}: {code} {described}", pause=wait)
+    if "migrate_to_chat_id" in parameters:
+        described += f" (the chat is now {parameters['migrate_to_chat_id']}: put that id in sources.yaml)"
+    raise SendFailed(f"Bot API {method}: {code} {described}", retry=code >= 500)
+
+
+def signature(secret, body):
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+def post_webhook(settings, url, item, key):
+    """POST one JSON body, signed, with its Idempotency-Key; the answer (cut)."""
+    body = json.dumps(item, ensure_ascii=False).encode()
+    status, headers, answer = post_request(url, body, {
+        "Content-Type": "application/json", "User-Agent": settings.user_agent,
+        "X-Vesti-Signature": signature(settings.webhook_secret, body),
+        "Idempotency-Key": key}, settings.timeout)
+    said = shorten(" ".join(answer.decode("utf-8", "replace").split()), ANSWER_CHARS)
+    if 200 <= status < 300:
+        return said or f"HTTP {status}"
+    described = f"webhook: HTTP {status}" + (f": {said}" if said else "")
+    if status == 429:
+        raise SendFailed(described, pause=seconds_to_wait(headers.get("Retry-After")))
+    if 300 <= status < 400:
+        described += f" (redirected to {shorten(headers.get('Location') or '?', 100)}: " \
+                     f"give the webhook's final address)"
+    raise SendFailed(described, retry=status >= 500 or status == 408)
+
+
+def webhook_item(post, text):
+    """A post as a webhook carries it: a JSON Feed item, and who decided it when."""
+    item = {"id": str(post["id"]), "title": post["title"] or "(untitled)", "content_text": text,
+            "date_published": iso_time(post["published_at"]),
+            "tags": [post["direction"]] if post["direction"] else [],
+            "direction": post["direction"], "source": post["source"],
+            "decided_by": post["decided_by"],
+            "decided_at": post["decided_at"] and iso_time(post["decided_at"])}
+    if post["url"] and post["url"].startswith(("http://", "https://")):
+        item["url"] = post["url"]
+    if post["summary"]:
+        item["summary"] = post["summary"]
+    return item
+
+
+def desk_address(settings):
+    return settings.public_url or f"http://{settings.web_host}:{settings.web_port}"
+
+
+def alert_text(post, settings):
+    """An alert: the story's title, how relevant and likely it is, its link
+    and its card on the desk."""
+    card = f"{desk_address(settings)}/?status=any&min=0&story={post['id']}#post-{post['id']}"
+    likely = f" · likely {post['likely']:.0%}" if post["likely"] is not None else ""
+    head = f"⚡ {hashtag(post['direction'])} · relevance {post['relevance']}{likely}".strip()
+    return telegram_text(post, TELEGRAM_LIMIT - 200) .replace(
+        "\n\n", f"\n{html.escape(head, quote=False)}\n\n", 1) + \
+        f"\n<a href=\"{html.escape(card)}\">card on the desk</a>"
+
+
+def digest_text(rows):
+    """Many alerts in one message: each title with its link."""
+    lines = [f"⚡ {len(rows)} stories"]
+    for row in rows[:DIGEST_ITEMS]:
+        title = re.search(r"<b>(.*?)</b>", row["text"] or "", re.S)
+        link = re.search(r'<a href="([^"]*)">card on the desk</a>', row["text"] or "")
+        title = title.group(1) if title else f"post {row['post_id']}"
+        lines.append(f"• <a href=\"{link.group(1)}\">{title}</a>" if link else f"• {title}")
+    if len(rows) > DIGEST_ITEMS:
+        lines.append(f"… and {len(rows) - DIGEST_ITEMS} more on the desk")
+    return "\n".join(lines)[:TELEGRAM_LIMIT]
+
+
+def queue_alerts(conn, target, settings):
+    """Alerts for the posts classified since the target last looked: a post
+    whose relevance (and, where a model judged it, likely) passes the
+    target's thresholds queues one alert for its story. The look moves on
+    to the first post still waiting for the workers. Returns how many."""
+    mark = target["alerts_from"]
+    if mark is None:
+        mark = conn.execute(f"SELECT coalesce(min(id), (SELECT coalesce(max(id), 0) + 1 FROM posts)) "
+                            f"FROM posts WHERE {IS_PENDING} OR classified = {PROCESSING}").fetchone()[0]
+    rows = conn.execute(f"""SELECT id, classified, relevance, likely, direction FROM posts
+                            WHERE id >= ? ORDER BY id LIMIT ?""", (mark, ALERT_SCAN)).fetchall()
+    waiting = next((row["id"] for row in rows if row["classified"] not in (DONE, FAILED)), None)
+    passing = [row["id"] for row in rows if row["classified"] == DONE and row["direction"]
+               and (row["relevance"] or 0) >= target["min_relevance"]
+               and (target["min_likely"] is None or row["likely"] is None
+                    or row["likely"] >= target["min_likely"])
+               and (target["directions"] is None
+                    or row["direction"] in json.loads(target["directions"]))]
+    queued = 0
+    with transaction(conn):
+        for post_id in passing:
+            post = conn.execute(f"{PUBLISHED_POST} WHERE p.id = ?", (post_id,)).fetchone()
+            lead = post["story_id"] or post["id"]
+            queued += conn.execute("""
+                INSERT INTO publications (post_id, target, state, text, queued_at, idempotency_key)
+                VALUES (?, ?, 'queued', ?, ?, ?) ON CONFLICT (post_id, target) DO NOTHING""",
+                (lead, target["name"], alert_text(post, settings), utc_text(),
+                 secrets.token_hex(16))).rowcount
+        mark = waiting if waiting is not None else (rows[-1]["id"] + 1 if rows else mark)
+        conn.execute("UPDATE targets SET alerts_from = ? WHERE name = ?", (mark, target["name"]))
+    return queued
+
+
+class Publisher:
+    """Sends what is due, target by target, as the one sender of each
+    target while it does (see take); `clock` is the wall clock."""
+
+    def __init__(self, db, settings, clock=time.time):
+        self.db, self.settings, self.clock = db, settings, clock
+        self.me = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self.sent = self.failed = self.uncertain = 0
+
+    # -- one look at every target --------------------------------------------
+
+    def look(self, stop=None):
+        """Send everything due now; returns the seconds until something is
+        due again (a pace, a pause, a backoff), or None when nothing waits."""
+        conn = self.db.conn()
+        due = []
+        for target in conn.execute("SELECT * FROM targets WHERE enabled = 1 ORDER BY name").fetchall():
+            if stop is not None and stop.is_set():
+                break
+            if target["kind"] == "alert":
+                queue_alerts(conn, target, self.settings)
+            if not self.has_work(conn, target["name"]):
+                continue
+            problem = self.problem(target)
+            if problem:
+                self.note_problem(conn, target, problem)
+                continue
+            if not self.take(conn, target["name"]):
+                due.append(PUBLISH_LOOK)    # another sender has it
+                continue
+            try:
+                due.append(self.serve(target["name"], stop))
+            finally:
+                self.release(conn, target["name"])
+        waits = [wait for wait in due if wait is not None]
+        return min(waits) if waits else None
+
+    def run(self, stop):
+        """Look, then wait for something to be queued or due, until `stop`."""
+        while not stop.is_set():
+            PUBLISH_WAKE.clear()
+            try:
+                wait = self.look(stop)
+            except StorageError as e:
+                log.error("publish: %s; trying again in %d s", e, PUBLISH_AFTER_ERROR)
+                stop.wait(PUBLISH_AFTER_ERROR)
+                continue
+            except Exception:
+                # The publisher of `run` keeps going: a send it was making is
+                # recorded as uncertain (see release), never sent twice.
+                log.exception("publish: unexpected error; trying again in %d s",
+                              PUBLISH_AFTER_ERROR)
+                stop.wait(PUBLISH_AFTER_ERROR)
+                continue
+            PUBLISH_WAKE.wait(PUBLISH_LOOK if wait is None else min(PUBLISH_LOOK, wait))
+
+    def problem(self, target):
+        if target["kind"] in ("telegram", "alert") and not self.settings.tg_bot_token:
+            return "TG_BOT_TOKEN is not set: nothing is sent to this target"
+        if target["kind"] == "webhook" and not self.settings.webhook_secret:
+            return "VESTI_WEBHOOK_SECRET is not set: webhooks are sent only signed"
+        return None
+
+    def note_problem(self, conn, target, problem):
+        if target["error"] != problem:
+            log.error("publish: %s: %s", target["name"], problem)
+            with transaction(conn):
+                conn.execute("UPDATE targets SET error = ? WHERE name = ?", (problem, target["name"]))
+
+    @staticmethod
+    def has_work(conn, name):
+        return conn.execute("""SELECT 1 FROM publications WHERE target = ?
+                                   AND (state IN ('queued', 'sending')
+                                        OR (retract = 1 AND state = 'published'))
+                               LIMIT 1""", (name,)).fetchone() is not None
+
+    # -- the one sender of a target -------------------------------------------
+
+    def take(self, conn, name):
+        """Become the target's sender, unless a live one is: its lease not
+        run out, and not a process of this machine that is gone. Sends left
+        `sending` by a sender before are marked uncertain."""
+        now = self.clock()
+        with transaction(conn):
+            row = conn.execute("SELECT sender, sender_until FROM targets WHERE name = ?",
+                               (name,)).fetchone()
+            held = row["sender"] not in (None, self.me) and \
+                (parse_utc(row["sender_until"]) or 0) > now and not self.gone(row["sender"])
+            if held:
+                return False
+            conn.execute("UPDATE targets SET sender = ?, sender_until = ? WHERE name = ?",
+                         (self.me, utc_text(now + SENDER_LEASE), name))
+            lost = conn.execute("""UPDATE publications SET state = 'uncertain', token = NULL,
+                                       error = 'the sender stopped during the send: it may or '
+                                               || 'may not have arrived'
+                                   WHERE target = ? AND state = 'sending' AND token != ?""",
+                                (name, self.me)).rowcount
+        if lost:
+            self.uncertain += lost
+            log.warning("publish: %s: %d sends interrupted before they were recorded are "
+                        "uncertain; see /outbox", name, lost)
+        return True
+
+    @staticmethod
+    def gone(sender):
+        """A sender of this machine whose process no longer runs."""
+        host, _, rest = (sender or "").partition(":")
+        pid = rest.partition(":")[0]
+        return host == socket.gethostname() and pid.isdigit() and not process_alive(int(pid))
+
+    def release(self, conn, name):
+        with transaction(conn):
+            conn.execute("""UPDATE publications SET state = 'uncertain', token = NULL,
+                                error = 'the send stopped before it was recorded'
+                            WHERE target = ? AND state = 'sending' AND token = ?""",
+                         (name, self.me))
+            conn.execute("UPDATE targets SET sender = NULL, sender_until = NULL "
+                         "WHERE name = ? AND sender = ?", (name, self.me))
+
+    def serve(self, name, stop=None):
+        """Send the target's due publications one after another (deletions
+        first); returns the seconds until the next is due, or None."""
+        conn = self.db.conn()
+        while stop is None or not stop.is_set():
+            target = conn.execute("SELECT * FROM targets WHERE name = ?", (name,)).fetchone()
+            now = self.clock()
+            retract = conn.execute("""SELECT * FROM publications WHERE target = ? AND retract = 1
+                                          AND state = 'published' AND deleted_at IS NULL
+                                          AND (next_attempt_at IS NULL OR next_attempt_at <= ?)
+                                      ORDER BY id LIMIT 1""", (name, utc_text(now))).fetchone()
+            if retract is not None:
+                self.delete(target, retract)
+                continue
+            paused = (parse_utc(target["paused_until"]) or 0) - now
+            if paused > 0:
+                return paused
+            head = conn.execute("""SELECT * FROM publications WHERE target = ? AND state = 'queued'
+                                   ORDER BY hurry DESC, queued_at, id LIMIT 1""", (name,)).fetchone()
+            if head is None:
+                return None
+            backoff = (parse_utc(head["next_attempt_at"]) or 0) - now
+            if backoff > 0:
+                return backoff
+            if target["kind"] == "alert":
+                rows = self.alerts_due(conn, target, now)
+            else:
+                paced = (parse_utc(target["last_sent_at"]) or 0) + target["every"] - now
+                if paced > 0 and not head["hurry"]:
+                    return paced
+                rows = [head]
+            if isinstance(rows, float):
+                return rows
+            claimed = self.claim(conn, name, rows, now)
+            if claimed is None:
+                return PUBLISH_LOOK         # the lease was lost
+            if claimed:
+                self.send(target, claimed)
+        return None
+
+    def alerts_due(self, conn, target, now):
+        """The alerts to send now: one, or, when the hour's last message is
+        left and more wait, all of them in one digest; or the seconds until
+        the hour allows another message."""
+        hour_ago = utc_text(now - HOUR)
+        sent = conn.execute("""SELECT count(DISTINCT message_id), min(sent_at) FROM publications
+                               WHERE target = ? AND state IN ('published', 'cancelled')
+                                 AND sent_at >= ?""", (target["name"], hour_ago)).fetchone()
+        left = target["per_hour"] - sent[0]
+        if left <= 0:
+            return max(1.0, (parse_utc(sent[1]) or now) + HOUR - now)
+        queued = conn.execute("""SELECT * FROM publications WHERE target = ? AND state = 'queued'
+                                 ORDER BY queued_at, id LIMIT ?""",
+                              (target["name"], 1 if left > 1 else 1000)).fetchall()
+        return queued
+
+    def claim(self, conn, name, rows, now):
+        """Mark the rows `sending` by this sender, renewing its lease;
+        None when the lease is no longer its own."""
+        with transaction(conn):
+            kept = conn.execute("UPDATE targets SET sender_until = ? WHERE name = ? AND sender = ?",
+                                (utc_text(now + SENDER_LEASE), name, self.me)).rowcount
+            if not kept:
+                return None
+            claimed = []
+            for row in rows:
+                got = conn.execute("""UPDATE publications SET state = 'sending', token = ?,
+                                          attempts = attempts + 1
+                                      WHERE id = ? AND state = 'queued' RETURNING *""",
+                                   (self.me, row["id"])).fetchone()
+                if got is not None:
+                    claimed.append(got)
+            return claimed
+
+    def send(self, target, rows):
+        """Make the call, then record what came of it."""
+        conn = self.db.conn()
+        try:
+            answer = self.call(target, rows)
+        except SendFailed as e:
+            self.record_failure(conn, target, rows, e)
+            return
+        now = utc_text(self.clock())
+        with transaction(conn):
+            for row in rows:
+                conn.execute("""UPDATE publications SET state = 'published', message_id = ?,
+                                    sent_at = ?, error = NULL, token = NULL, next_attempt_at = NULL
+                                WHERE id = ? AND state = 'sending' AND token = ?""",
+                             (answer, now, row["id"], self.me))
+            conn.execute("UPDATE targets SET last_sent_at = ?, error = NULL, paused_until = NULL "
+                         "WHERE name = ?", (now, target["name"]))
+        self.sent += len(rows)
+        log.info("publish: %s: sent post %s", target["name"],
+                 ", ".join(str(row["post_id"]) for row in rows))
+
+    def call(self, target, rows):
+        """The one call of a send: its message id (or the webhook's answer)."""
+        if target["kind"] == "webhook":
+            row = rows[0]
+            post = self.db.conn().execute(f"{PUBLISHED_POST} WHERE p.id = ?",
+                                          (row["post_id"],)).fetchone()
+            if post is None:
+                raise SendFailed("the post is no longer stored")
+            return post_webhook(self.settings, target["address"], webhook_item(post, row["text"]),
+                                row["idempotency_key"])
+        text = rows[0]["text"] if len(rows) == 1 else digest_text(rows)
+        result = bot_api(self.settings, "sendMessage", {
+            "chat_id": target["address"], "text": text, "parse_mode": "HTML",
+            "link_preview_options": {"is_disabled": target["kind"] == "alert"}})
+        if not isinstance(result, dict) or "message_id" not in result:
+            raise SendFailed("Bot API sendMessage: an answer without message_id")
+        return str(result["message_id"])
+
+    def record_failure(self, conn, target, rows, failure):
+        """A 429 pauses the target and puts the rows back uncounted; a retry
+        waits its backoff, until the attempts run out; anything else fails.
+        A post taken back meanwhile is cancelled instead."""
+        now = self.clock()
+        error = str(failure)
+        with transaction(conn):
+            if failure.pause is not None:
+                conn.execute("UPDATE targets SET paused_until = ?, error = ? WHERE name = ?",
+                             (utc_text(now + failure.pause), error, target["name"]))
+            for row in rows:
+                retry = failure.retry and row["attempts"] < self.settings.publish_attempts
+                if row["retract"]:
+                    state, wait = "cancelled", None
+                elif failure.pause is not None:
+                    state, wait = "queued", None
+                elif retry:
+                    state = "queued"
+                    wait = utc_text(now + min(PUBLISH_BACKOFF_MAX,
+                                              PUBLISH_BACKOFF * 2 ** (row["attempts"] - 1)))
+                else:
+                    state, wait = "failed", None
+                attempts = "attempts - 1" if failure.pause is not None else "attempts"
+                conn.execute(f"""UPDATE publications SET state = ?, error = ?, next_attempt_at = ?,
+                                     token = NULL, attempts = {attempts}
+                                 WHERE id = ? AND state = 'sending' AND token = ?""",
+                             (state, error, wait, row["id"], self.me))
+                if state == "failed":
+                    self.failed += 1
+        level = logging.WARNING if failure.pause is not None or failure.retry else logging.ERROR
+        log.log(level, "publish: %s: post %s: %s", target["name"], rows[0]["post_id"], error)
+
+    def delete(self, target, row):
+        """Take a sent post back where it went: deleteMessage, or the
+        webhook's `deleted` event. What cannot be deleted stays published,
+        with the reason."""
+        conn = self.db.conn()
+        now = self.clock()
+        try:
+            if target["kind"] == "webhook":
+                post_webhook(self.settings, target["address"],
+                             {"event": "deleted", "id": str(row["post_id"])},
+                             f"{row['idempotency_key']}-deleted")
+            else:
+                bot_api(self.settings, "deleteMessage",
+                        {"chat_id": target["address"], "message_id": int(row["message_id"])})
+        except (SendFailed, ValueError, TypeError) as e:
+            again = isinstance(e, SendFailed) and (e.retry or e.pause is not None)
+            with transaction(conn):
+                conn.execute("""UPDATE publications SET retract = ?, next_attempt_at = ?, error = ?
+                                WHERE id = ?""",
+                             (int(again), utc_text(now + (e.pause or PUBLISH_BACKOFF)) if again
+                              else None, f"not deleted: {e}", row["id"]))
+            log.warning("publish: %s: post %s not deleted: %s", target["name"], row["post_id"], e)
+            return
+        with transaction(conn):
+            conn.execute("""UPDATE publications SET state = 'cancelled', retract = 0, deleted_at = ?,
+                                error = NULL, next_attempt_at = NULL WHERE id = ?""",
+                         (utc_text(now), row["id"]))
+        log.info("publish: %s: post %s deleted", target["name"], row["post_id"])
+
+
+###############################################################################
 # Web pages ###################################################################
 ###############################################################################
 # The pages' words, the crawlers page and the editor's desk.
@@ -8028,6 +8888,8 @@ td.when{min-width:7.5em}.moved{overflow-wrap:anywhere}td.run{min-width:11em}.val
 .alive{color:var(--ok);font-weight:600}.dead{color:var(--bad);font-weight:600}.disabled{color:var(--muted)}
 .failing,.silent{color:var(--warn);font-weight:600}
 .muted{color:var(--muted)}.small{font-size:.85em}
+table.outbox td{vertical-align:top}table.outbox textarea{width:100%;min-width:18em;font:inherit}
+tr.pub-uncertain,tr.pub-failed{background:#fef3f2}
 button{font:inherit;padding:.35em .9em;border-radius:6px;border:1px solid var(--line);background:#fff;cursor:pointer}
 button:disabled{opacity:.45;cursor:default}
 button.primary{background:var(--accent);border-color:var(--accent);color:#fff}
@@ -8156,6 +9018,27 @@ STRINGS = {
         "edited": "Edited after your decision ({decision} by {who}, {when} UTC): decide again.",
         "edit_texts": "Before and after the edit", "before_edit": "Before the edit",
         "after_edit": "Now",
+        "outbox": "Outbox", "o.none": "No publish targets: add a publish: list to sources.yaml "
+        "(a Telegram channel, a webhook, an alert chat) and approved posts queue here.",
+        "o.empty": "Nothing yet: approved posts of its directions queue here.",
+        "o.kind.telegram": "Telegram", "o.kind.webhook": "webhook", "o.kind.alert": "alerts",
+        "o.all": "every direction", "o.every": "at most one post every {every}",
+        "o.now": "no pace", "o.per_hour": "at most {n} a hour, relevance {min}+",
+        "o.paused": "paused until {when} UTC (the other side asked)",
+        "o.disabled": "not in sources.yaml any more: nothing is sent",
+        "o.last_sent": "last sent {when} UTC",
+        "o.col.post": "post", "o.col.state": "state", "o.col.queued": "queued (UTC)",
+        "o.col.sent": "sent (UTC)", "o.col.tries": "tries", "o.col.message": "message",
+        "o.col.error": "error",
+        "o.state.queued": "queued", "o.state.sending": "sending", "o.state.published": "published",
+        "o.state.failed": "failed", "o.state.uncertain": "uncertain",
+        "o.state.cancelled": "cancelled",
+        "o.deleting": "taken back: being deleted", "o.deleted": "deleted {when} UTC",
+        "o.uncertain": "The sender stopped during the send: it may or may not have arrived. "
+        "Look at the channel, then mark it published or send it again.",
+        "o.save": "Save text", "o.now_button": "Publish now", "o.cancel": "Cancel",
+        "o.published_button": "Mark published", "o.again": "Send again",
+        "o.hurry": "next, ahead of the pace",
     },
     "ru": {
         "desk": "Отбор", "crawlers": "Источники", "pending": "в очереди",
@@ -8253,6 +9136,27 @@ STRINGS = {
         "failing": "сбоит",
         "edited": "Изменён после вашего решения ({decision}, {who}, {when} UTC): решите снова.",
         "edit_texts": "До и после правки", "before_edit": "До правки", "after_edit": "Сейчас",
+        "outbox": "Публикация", "o.none": "Нет адресов публикации: добавьте список publish: в "
+        "sources.yaml (канал Telegram, вебхук, чат для оповещений), и одобренные посты встанут здесь в очередь.",
+        "o.empty": "Пока пусто: сюда встают одобренные посты его направлений.",
+        "o.kind.telegram": "Telegram", "o.kind.webhook": "вебхук", "o.kind.alert": "оповещения",
+        "o.all": "все направления", "o.every": "не чаще одного поста в {every}",
+        "o.now": "без темпа", "o.per_hour": "не больше {n} в час, релевантность от {min}",
+        "o.paused": "на паузе до {when} UTC (просила другая сторона)",
+        "o.disabled": "больше нет в sources.yaml: ничего не отправляется",
+        "o.last_sent": "последняя отправка {when} UTC",
+        "o.col.post": "пост", "o.col.state": "состояние", "o.col.queued": "в очереди с (UTC)",
+        "o.col.sent": "отправлен (UTC)", "o.col.tries": "попыток", "o.col.message": "сообщение",
+        "o.col.error": "ошибка",
+        "o.state.queued": "в очереди", "o.state.sending": "отправляется",
+        "o.state.published": "опубликован", "o.state.failed": "не отправлен",
+        "o.state.uncertain": "неизвестно", "o.state.cancelled": "отменён",
+        "o.deleting": "отозван: удаляется", "o.deleted": "удалён {when} UTC",
+        "o.uncertain": "Отправка прервалась: сообщение могло дойти, а могло и нет. "
+        "Посмотрите в канал, затем отметьте его опубликованным или отправьте снова.",
+        "o.save": "Сохранить текст", "o.now_button": "Опубликовать сейчас", "o.cancel": "Отменить",
+        "o.published_button": "Отметить опубликованным", "o.again": "Отправить снова",
+        "o.hurry": "следующий, вне темпа",
     },
 }
 LANGUAGES = tuple(STRINGS)
@@ -8337,7 +9241,8 @@ def esc(value):
 def layout(page, title, body, here, refresh=False):
     nav = "".join(f'<a href="{esc(page.link(href))}"{" class=here" if href == here else ""}>'
                   f'{page.t(label)}</a>' for href, label in (("/", "desk"), ("/crawlers", "crawlers"),
-                                                            ("/quality", "quality")))
+                                                            ("/quality", "quality"),
+                                                            ("/outbox", "outbox")))
     langs = " · ".join(
         f'<a href="{esc(here + "?" + urllib.parse.urlencode({**page.query, "lang": code}))}"'
         f'{" class=here" if code == page.lang else ""}>{code.upper()}</a>' for code in LANGUAGES)
@@ -8939,8 +9844,30 @@ def edited_texts(post, words, text):
             f'{version("now", "after_edit", post["title"], text)}</div></details>')
 
 
-def card_html(post, page, back, story=None, weighed=()):
-    """A post's card; `weighed`: what weighed most in its likely (see Model.reasons)."""
+def sent_to(conn, post_ids):
+    """{post id: [publication rows]} of these posts: where each goes or went."""
+    found = collections.defaultdict(list)
+    for among, values in conn.dialect.among("post_id", post_ids):
+        for row in conn.execute(f"SELECT id, post_id, target, state, retract FROM publications "
+                                f"WHERE {among} ORDER BY target", values):
+            found[row["post_id"]].append(row)
+    return found
+
+
+def outbox_line(publications, page):
+    """Where an approved card goes or went, each linked to its outbox row."""
+    if not publications:
+        return ""
+    shown = ", ".join(
+        f'<a href="{esc(page.link("/outbox"))}#publication-{row["id"]}">{esc(row["target"])}</a> '
+        f'{page.t("o.deleting") if row["retract"] else page.t("o.state." + row["state"])}'
+        for row in publications)
+    return f'<p class="small muted outbox-line">{page.t("outbox")}: {shown}</p>'
+
+
+def card_html(post, page, back, story=None, weighed=(), publications=()):
+    """A post's card; `weighed`: what weighed most in its likely (see
+    Model.reasons); `publications`: where it goes or went (see sent_to)."""
     words = card_words(page.lang)
     title = esc(post["title"]) or words["untitled"]
     link = (f'<a href="{esc(post["url"])}" rel="noopener noreferrer" target="_blank">{title}</a>'
@@ -8969,7 +9896,7 @@ def card_html(post, page, back, story=None, weighed=()):
             f'{words["relevance"]} <b>{esc(post["relevance"])}</b> · '
             f'{words["interest"]} <b>{esc(post["interest"])}</b>{likely}</p>{edited_mark(post, page)}'
             f'<p>{esc(post["summary"])}</p>{story_line(post, story, page)}{why_html}{stored}'
-            f'{decision_form(post, page, back)}</article>')
+            f'{outbox_line(publications, page)}{decision_form(post, page, back)}</article>')
 
 
 def bulk_form(page, posts, back):
@@ -9187,7 +10114,9 @@ def desk_page(conn, desk, page, directions, settings, sources=None, learners=Non
     here = page.link("/", **desk.params(after="~".join(
         "" if v is None else str(v) for v in desk.after) if desk.after else None))
     stories = {} if desk.story else story_copies(conn, posts)
-    cards = "".join(card_html(p, page, here, stories.get(p["id"]), weighed_most(p, learners))
+    sent = sent_to(conn, [p["id"] for p in posts if p["status"] == "approved"])
+    cards = "".join(card_html(p, page, here, stories.get(p["id"]), weighed_most(p, learners),
+                              sent.get(p["id"], ()))
                     for p in posts)
     if not cards:
         empty = "empty_filtered" if desk.direction or desk.q or desk.source or \
@@ -9290,6 +10219,109 @@ def quality_page(report, page):
     return layout(page, page.strings["quality"], body, "/quality")
 
 
+# The outbox (/outbox): every publish target with its publications, the ones
+# that need an editor first (uncertain, failed), then the queue in the order
+# it is sent, then the latest sent or cancelled.
+OUTBOX_DONE = 50
+OUTBOX_ORDER = {"uncertain": 0, "failed": 1, "sending": 2, "queued": 3}
+
+
+def pace_words(seconds):
+    for unit, size in (("h", HOUR), ("min", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)} {unit}"
+    return f"{seconds:g} s"
+
+
+def outbox_rows(conn, name):
+    waiting = conn.execute(f"""SELECT u.*, p.title, p.url FROM publications u
+                               LEFT JOIN posts p ON p.id = u.post_id
+                               WHERE u.target = ? AND u.state IN ('uncertain', 'failed', 'sending', 'queued')
+                               ORDER BY u.hurry DESC, u.queued_at, u.id""", (name,)).fetchall()
+    done = conn.execute(f"""SELECT u.*, p.title, p.url FROM publications u
+                            LEFT JOIN posts p ON p.id = u.post_id
+                            WHERE u.target = ? AND u.state IN ('published', 'cancelled')
+                            ORDER BY coalesce(u.deleted_at, u.sent_at, u.queued_at) DESC, u.id DESC
+                            LIMIT ?""", (name, OUTBOX_DONE)).fetchall()
+    return sorted(waiting, key=lambda row: OUTBOX_ORDER[row["state"]]) + done
+
+
+def publication_actions(row, page):
+    """The forms of what an editor may do to a publication in its state."""
+    def form(action, label, extra=""):
+        return (f'<form method="post" action="/publications/{row["id"]}" class="actions">'
+                f'<input type="hidden" name="token" value="{esc(page.token)}">'
+                f'<input type="hidden" name="back" value="/outbox">'
+                f'<input type="hidden" name="seen" value="{esc(row["state"])}">{extra}'
+                f'<button name="action" value="{action}">{page.t(label)}</button></form>')
+    parts = []
+    if row["state"] in PUBLICATION_ACTIONS["text"]:
+        parts.append(form("text", "o.save", f'<textarea name="text" rows="4" cols="60">'
+                                            f'{esc(row["text"])}</textarea>'))
+    for action, label in (("now", "o.now_button"), ("published", "o.published_button"),
+                          ("again", "o.again"), ("cancel", "o.cancel")):
+        if row["state"] in PUBLICATION_ACTIONS[action] and not (action == "now" and row["hurry"]):
+            parts.append(form(action, label))
+    return "".join(parts)
+
+
+def publication_row(row, page):
+    state = page.t(f"o.state.{row['state']}")
+    if row["retract"] and row["state"] in ("sending", "published"):
+        state += f'<br><small>{page.t("o.deleting")}</small>'
+    if row["deleted_at"]:
+        state += f'<br><small>{page.t("o.deleted", when=row["deleted_at"])}</small>'
+    if row["hurry"] and row["state"] == "queued":
+        state += f'<br><small>{page.t("o.hurry")}</small>'
+    title = esc(row["title"] or f"post {row['post_id']}")
+    if row["url"] and row["url"].startswith(("http://", "https://")):
+        title = f'<a href="{esc(row["url"])}" rel="noreferrer">{title}</a>'
+    note = f'<p class="muted">{page.t("o.uncertain")}</p>' if row["state"] == "uncertain" else ""
+    return (f'<tr id="publication-{row["id"]}" class="pub-{esc(row["state"])}"><td>{title}</td>'
+            f'<td>{state}</td><td>{esc(row["queued_at"])}</td><td>{esc(row["sent_at"])}</td>'
+            f'<td>{row["attempts"]}</td><td>{esc(shorten(row["message_id"] or "", 80))}</td>'
+            f'<td>{esc(shorten(row["error"] or "", 300))}</td>'
+            f'<td>{note}{publication_actions(row, page)}</td></tr>')
+
+
+def outbox_section(conn, target, page):
+    kind = page.t(f"o.kind.{target['kind']}")
+    directions = ", ".join(json.loads(target["directions"])) if target["directions"] else \
+        page.strings["o.all"]
+    if target["kind"] == "alert":
+        pace = page.t("o.per_hour", n=target["per_hour"], min=target["min_relevance"])
+    else:
+        pace = page.t("o.every", every=pace_words(target["every"])) if target["every"] else \
+            page.t("o.now")
+    facts = [f"{kind} {esc(target['address'])}", esc(directions), pace]
+    if target["last_sent_at"]:
+        facts.append(page.t("o.last_sent", when=target["last_sent_at"]))
+    warnings = []
+    if not target["enabled"]:
+        warnings.append(page.t("o.disabled"))
+    if (parse_utc(target["paused_until"]) or 0) > time.time():
+        warnings.append(page.t("o.paused", when=target["paused_until"]))
+    if target["error"]:
+        warnings.append(esc(target["error"]))
+    rows = outbox_rows(conn, target["name"])
+    table = (f'<table class="outbox"><tr><th>{page.t("o.col.post")}</th>'
+             f'<th>{page.t("o.col.state")}</th><th>{page.t("o.col.queued")}</th>'
+             f'<th>{page.t("o.col.sent")}</th><th>{page.t("o.col.tries")}</th>'
+             f'<th>{page.t("o.col.message")}</th><th>{page.t("o.col.error")}</th><th></th></tr>'
+             + "".join(publication_row(row, page) for row in rows) + "</table>") if rows else \
+        f'<p class="muted">{page.t("o.empty")}</p>'
+    return (f'<section id="target-{esc(target["name"])}"><h2>{esc(target["name"])}</h2>'
+            f'<p class="muted">{" · ".join(facts)}</p>'
+            + "".join(f'<p class="banner">{w}</p>' for w in warnings) + table + "</section>")
+
+
+def outbox_page(conn, page):
+    targets = conn.execute("SELECT * FROM targets ORDER BY enabled DESC, name").fetchall()
+    body = "".join(outbox_section(conn, target, page) for target in targets) or \
+        f'<p class="muted">{page.t("o.none")}</p>'
+    return layout(page, page.strings["outbox"], body, "/outbox")
+
+
 ###############################################################################
 # Exports and metrics #########################################################
 ###############################################################################
@@ -9310,11 +10342,6 @@ def xml_text(value):
 def xml_esc(value):
     """`value` for an element or attribute of XML written by hand."""
     return "" if value is None else esc(xml_text(value))
-
-
-def iso_time(stamp):
-    """'2026-11-30 10:00:00' (UTC) -> '2026-11-30T10:00:00Z'."""
-    return (stamp or "1970-01-01 00:00:00").replace(" ", "T") + "Z"
 
 
 def post_link(post):
@@ -9468,6 +10495,10 @@ def metrics_text(conn):
                       [("", "", counted.get("llm_calls_saved", {}).get("", 0))]),
         *metric_lines("stories", "gauge", "Stories with more than one post.",
                       [("", "", story_figures(conn)["stories"])]),
+        *metric_lines("publications", "gauge", "Publications by target and state.",
+                      [("", f'target="{target}",state="{state}"', states.get(state, 0))
+                       for target, states in publication_counts(conn).items()
+                       for state in PUBLICATION_STATES]),
     ]
     return "\n".join(lines) + "\n"
 
@@ -9714,6 +10745,8 @@ class WebApp:
             ("GET", re.compile(r"/"), self.desk),
             ("GET", re.compile(r"/api/posts"), self.api_posts),
             ("GET", re.compile(r"/quality"), self.quality),
+            ("GET", re.compile(r"/outbox"), self.outbox),
+            ("POST", re.compile(r"/publications/([1-9][0-9]{0,17})"), self.publication),
             ("GET", re.compile(r"/crawlers"), self.crawlers),
             ("POST", re.compile(r"/crawlers/reset"), self.reset),
             ("GET", re.compile(r"/api/queue"), self.api_queue),
@@ -9864,6 +10897,38 @@ class WebApp:
     def quality(self, request, query, form):
         report = quality_report(self.db.conn(), self.registry.directions, self.settings)
         self.html(request, quality_page(report, self.page(request, query)))
+
+    def outbox(self, request, query, form):
+        self.html(request, outbox_page(self.db.conn(), self.page(request, query)))
+
+    def publication(self, request, query, form, publication_id):
+        """An editor's action on a publication (see act_on_publication); 409
+        when its state changed since the page showed it (`seen`)."""
+        self.check_forgery(request, form)
+        action = (form.get("action") or [""])[-1]
+        if action not in PUBLICATION_ACTIONS:
+            abort(400, f"action must be one of {', '.join(PUBLICATION_ACTIONS)}")
+        text = (form.get("text") or [""])[-1].replace("\r\n", "\n")
+        if action == "text" and not text.strip():
+            abort(400, "the text to send must not be empty")
+        if action == "text" and len(text) > TELEGRAM_LIMIT:
+            abort(400, f"the text to send may be at most {TELEGRAM_LIMIT} characters")
+        seen = (form.get("seen") or [""])[-1]
+        try:
+            row = act_on_publication(self.db.conn(), int(publication_id), action, self.user,
+                                     text, seen=seen or None)
+        except Conflict as e:
+            abort(409, str(e))
+        if row is None:
+            abort(404, "No such publication")
+        log.info("web: publication %s (post %s to %s): %s", row["id"], row["post_id"],
+                 row["target"], action)
+        if "application/json" in request.headers.get("Accept", ""):
+            return self.json(request, {"id": row["id"], "state": row["state"],
+                                       "hurry": bool(row["hurry"])})
+        back = (form.get("back") or ["/outbox"])[-1]
+        back = back if LOCAL_PATH.fullmatch(back) else "/outbox"
+        request.reply(303, "text/plain", b"", {"Location": f"{back}#publication-{row['id']}"})
 
     def api_posts(self, request, query, form):
         """The desk as JSON (see desk_answer)."""
@@ -11302,6 +12367,9 @@ def cmd_run(args, settings):
                               listeners=(classifier.use, server.app.use))
         crawls = threading.Thread(target=scheduler.run, name="scheduler", daemon=True)
         crawls.start()
+        publishing = threading.Thread(target=Publisher(db, settings).run, args=(stop,),
+                                      name="publish", daemon=True)
+        publishing.start()
         try:
             if args.workers == 0:
                 # Crawls and the page only: the workers run on other machines.
@@ -11318,6 +12386,7 @@ def cmd_run(args, settings):
     if stats is not None:
         print(f"worker: {stats.line()}", flush=True)
     crawls.join(settings.stop_grace)
+    publishing.join(settings.stop_grace)
     crawled = scheduler.join(settings.stop_grace)
     if scheduler.failure is not None:
         raise scheduler.failure
@@ -11423,7 +12492,8 @@ def status_report(conn):
               "last_new_at", "silent_since", "week_posts", "relevant_share", "approved")
     sources = [{field: row[field] for field in fields} | {"state": source_state(row)}
                for row in source_health(conn)]
-    return {"queue": queue_sizes(conn), "stories": story_figures(conn), "sources": sources}
+    return {"queue": queue_sizes(conn), "stories": story_figures(conn),
+            "publications": publication_counts(conn), "sources": sources}
 
 
 def print_status(report):
@@ -11433,6 +12503,9 @@ def print_status(report):
     stories = report["stories"]
     print(f"stories: {stories['stories']} with copies, {stories['joined']} posts joined one, "
           f"{stories['llm_calls_saved']} LLM calls saved")
+    for target, states in report["publications"].items():
+        print(f"publish {target}: " + ", ".join(f"{state} {states[state]}"
+                                                for state in PUBLICATION_STATES if state in states))
     rows = [("source", "crawler", "prio", "status", "errors", "posts", "7 days", "last new post",
              "last fetch", "last error")]
     for s in report["sources"]:
@@ -11443,6 +12516,29 @@ def print_status(report):
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
+
+
+def cmd_publish(args, settings):
+    """Send what is due for publication, once or (--forever) until stopped."""
+    registry, db = open_intake(settings)
+    if not registry.targets:
+        print(f"vesti: {settings.sources} names no publish targets: nothing to send",
+              file=sys.stderr)
+    publisher = Publisher(db, settings)
+    started = time.monotonic()
+    if args.forever:
+        stop = threading.Event()
+        with stop_on_signals(stop):
+            publisher.run(stop)
+    else:
+        publisher.look()
+    waiting = db.conn().execute("SELECT count(*) FROM publications p JOIN targets t "
+                                "ON t.name = p.target AND t.enabled = 1 "
+                                "WHERE p.state = 'queued'").fetchone()[0]
+    print(f"publish: {publisher.sent} sent, {publisher.failed} failed, "
+          f"{publisher.uncertain} uncertain, {waiting} waiting in "
+          f"{time.monotonic() - started:.1f} s", flush=True)
+    return 0
 
 
 def cmd_status(args, settings):
@@ -11635,6 +12731,10 @@ def build_parser():
                       "learned models agree with the editors' decisions, per direction")
     quality.add_argument("--json", action="store_true", help="machine-readable output")
     quality.add_argument("--direction", metavar="D", help="one direction only")
+    publish = command("publish", cmd_publish, "send the approved posts queued for the publish "
+                      "targets of sources.yaml (run does this too)")
+    publish.add_argument("--forever", action="store_true",
+                         help="keep sending as posts are approved, until stopped")
     status = command("status", cmd_status, "queue sizes and source health")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     export = command("export", cmd_export, "classified posts to stdout (approved by default)")
