@@ -4798,6 +4798,28 @@ def test_server_errors_retry_with_backoff_and_a_refusal_fails_at_once_with_its_r
     assert "500" in channel["error"] and not bot.messages
 
 
+def test_an_unreachable_bot_api_or_webhook_keeps_the_post_queued_and_names_no_secret(home):
+    with socket.socket() as probe:      # a port nobody listens on: connections are refused
+        probe.bind(("127.0.0.1", 0))
+        address = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    s, db, lwn_id = publish_home(
+        home, targets=[CHANNEL, {"name": "cms", "webhook": address + "/hooks/T0/B0/s3cr3tpath"}],
+        TG_BOT_TOKEN="123:very-secret-token", TG_BOT_API=address, VESTI_WEBHOOK_SECRET="k",
+        VESTI_WEB_PASSWORD="s3cret")
+    conn = db.conn()
+    vesti.set_decisions(conn, [desk_post(conn, lwn_id, 1)], "approved", "ed")
+    vesti.Publisher(db, s).look()
+    for row in publications(conn):
+        assert row["state"] == "queued" and row["next_attempt_at"] and row["attempts"] == 1
+        assert "no answer" in row["error"] and "very-secret-token" not in row["error"]
+    web = Web(home, settings=s)
+    try:
+        page = web.get("/outbox")[2]
+        assert "no answer" in page and "s3cr3tpath" not in page and "very-secret" not in page
+    finally:
+        web.close()
+
+
 def test_taking_a_decision_back_cancels_what_waits_and_deletes_what_was_sent(home, bot):
     s, db, lwn_id = publish_home(home, bot, [{**CHANNEL, "every": "1h"}])
     conn = db.conn()
@@ -7198,6 +7220,7 @@ def test_init_is_idempotent_and_reports_the_sources(home):
     ("stories", r"median = \d+\.\d+ ms +target < 5 ms"),
     ("first_morning", r"full desk +\d+\.\d"),
     ("learning", r"mean P@20 = \d\.\d\d +goal >= 0\.9"),
+    ("publish", r"run +approve to message: median min \d+\.\d+ s"),
 ])
 def test_every_benchmark_runs_in_smoke_mode(name, marker):
     """Each benchmark runs end to end with tiny sizes, prints its figures and

@@ -4834,8 +4834,12 @@ def queue_publications(conn, post_ids, now=None):
     """In the caller's transaction: each approved post (its story's first
     post) is queued for every target of its direction that does not have it
     yet, or has it cancelled; one asked to be deleted but not deleted yet is
-    kept. Returns how many were queued."""
+    kept. Returns how many were queued (the caller wakes the publisher once
+    it committed: PUBLISH_WAKE)."""
     now, queued = utc_text(now), 0
+    if conn.execute("SELECT 1 FROM targets WHERE enabled = 1 AND kind != 'alert' LIMIT 1"
+                    ).fetchone() is None:
+        return 0
     leads = {row[0] for post_id in post_ids for row in conn.execute(
         "SELECT coalesce(story_id, id) FROM posts WHERE id = ?", (post_id,))}
     for lead in sorted(leads):
@@ -4862,8 +4866,6 @@ def queue_publications(conn, post_ids, now=None):
                 RETURNING state""", (lead, target["name"], publication_text(target["kind"], post),
                                      now, secrets.token_hex(16))).fetchone()
             queued += row is not None and row["state"] == "queued"
-    if queued:
-        PUBLISH_WAKE.set()
     return queued
 
 
@@ -4871,6 +4873,8 @@ def retract_publications(conn, post_ids):
     """In the caller's transaction, for posts no longer approved: what is
     queued (or failed, or uncertain) is cancelled; what was sent, or is being
     sent, is marked to be deleted where it went. Returns how many changed."""
+    if conn.execute("SELECT 1 FROM publications LIMIT 1").fetchone() is None:
+        return 0
     leads = sorted({row[0] for post_id in post_ids for row in conn.execute(
         "SELECT coalesce(story_id, id) FROM posts WHERE id = ? AND status != 'approved'",
         (post_id,))})
@@ -4883,8 +4887,6 @@ def retract_publications(conn, post_ids):
                                     WHERE post_id = ? AND state IN ('sending', 'published')
                                       AND deleted_at IS NULL AND retract = 0""", (lead,)).rowcount
         changed += retracted
-        if retracted:
-            PUBLISH_WAKE.set()
     return changed
 
 
@@ -5045,10 +5047,10 @@ def set_decisions(conn, post_ids, decision, editor, seen=None):
                                 FROM source_post_counts WHERE source_id = :id AND status = 'approved')
                             WHERE id = :id""", [{"id": i} for i in sources])
         learn_decisions(conn, post_ids)
-        if decision == "approved":
-            queue_publications(conn, post_ids)
-        else:
+        outbox = queue_publications(conn, post_ids) if decision == "approved" else \
             retract_publications(conn, post_ids)
+    if outbox:
+        PUBLISH_WAKE.set()          # committed: a publisher that wakes finds it
     return found
 
 
@@ -10284,6 +10286,16 @@ def publication_row(row, page):
             f'<td>{note}{publication_actions(row, page)}</td></tr>')
 
 
+def shown_address(target):
+    """Where a target sends, fit for a page: a webhook's host only (its path,
+    query or user part often holds the receiver's secret)."""
+    if target["kind"] != "webhook":
+        return target["address"]
+    parts = urllib.parse.urlsplit(target["address"])
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{parts.hostname}{port}/…"
+
+
 def outbox_section(conn, target, page):
     kind = page.t(f"o.kind.{target['kind']}")
     directions = ", ".join(json.loads(target["directions"])) if target["directions"] else \
@@ -10293,7 +10305,7 @@ def outbox_section(conn, target, page):
     else:
         pace = page.t("o.every", every=pace_words(target["every"])) if target["every"] else \
             page.t("o.now")
-    facts = [f"{kind} {esc(target['address'])}", esc(directions), pace]
+    facts = [f"{kind} {esc(shown_address(target))}", esc(directions), pace]
     if target["last_sent_at"]:
         facts.append(page.t("o.last_sent", when=target["last_sent_at"]))
     warnings = []
