@@ -214,6 +214,12 @@ CREATE TABLE IF NOT EXISTS learned_words (
     PRIMARY KEY (direction, feature)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS learned_words_version ON learned_words(direction, version);
+-- Posts whose decision changed and is not counted in learned_words yet: a
+-- decision notes its posts here and answers; whichever process next judges
+-- by the models counts them (learn_owed), several decisions in one go.
+CREATE TABLE IF NOT EXISTS learn_pending (
+    post_id INTEGER PRIMARY KEY
+);
 -- Where approved posts go (see Publishing in vesti.py), from sources.yaml's
 -- publish: list, with what the senders keep of each: its pace (last_sent_at),
 -- a pause a 429 asked for, and the one sender allowed at a time (sender, its

@@ -2188,6 +2188,12 @@ CREATE TABLE IF NOT EXISTS learned_words (
     PRIMARY KEY (direction, feature)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS learned_words_version ON learned_words(direction, version);
+-- Posts whose decision changed and is not counted in learned_words yet: a
+-- decision notes its posts here and answers; whichever process next judges
+-- by the models counts them (learn_owed), several decisions in one go.
+CREATE TABLE IF NOT EXISTS learn_pending (
+    post_id INTEGER PRIMARY KEY
+);
 -- Where approved posts go (see Publishing in vesti.py), from sources.yaml's
 -- publish: list, with what the senders keep of each: its pace (last_sent_at),
 -- a pause a 429 asked for, and the one sender allowed at a time (sender, its
@@ -3894,7 +3900,9 @@ def insert_new_posts(conn, source_id, direction, drafts, fetched_at=None):
 # first post), and posts nobody decided teach nothing. The model is naive
 # Bayes over the distinct words, word pairs and source of a post's lead,
 # kept as counts in the database (learners, learned_words): a decision adds
-# its post's features to its side and an undo takes exactly them back, so
+# its post's features to its side and an undo takes exactly them back (a
+# decision notes its posts in learn_pending and answers; the next process to
+# judge by the models counts them first, see learn_owed), so
 # every process and machine judges by the same counts, and `learn --rebuild`
 # counts them again from the decisions. A direction's model is used once it
 # has VESTI_LEARN_MIN decisions, at least LEARN_EACH of each kind.
@@ -4111,10 +4119,13 @@ class Learners:
         self.features = {}          # direction: {post id: features} of its latest decisions
 
     def refresh(self, conn, now=False):
+        """Read what changed, once the decisions still owed are counted."""
         with self.lock:
             if not now and time.monotonic() - self.checked < LEARN_REFRESH:
                 return self
             self.checked = time.monotonic()
+            if not conn.in_transaction and owes_learning(conn):
+                learn_owed(conn)
             rows = conn.execute("SELECT direction, approved, rejected, version, epoch, since "
                                 "FROM learners").fetchall()
             if any(row["approved"] + row["rejected"] >= self.learn_min and
@@ -4287,6 +4298,34 @@ def count_decisions(conn, changes):
 LEARN_BATCH = 500
 
 
+def owe_learning(conn, post_ids):
+    """In the caller's transaction: these posts' decisions are to be counted
+    (see learn_owed), which a decision leaves to the next look at the models
+    so that it answers at once."""
+    insert_rows(conn, "learn_pending (post_id)", [(i,) for i in sorted(set(post_ids))],
+                "ON CONFLICT (post_id) DO NOTHING")
+
+
+@redoable
+def learn_owed(conn):
+    """Count the decisions noted in learn_pending (learn_decisions), each
+    taken off the list by the process that counts it, so that two processes
+    never count one twice. Returns the directions whose counts changed."""
+    changed = set()
+    while True:
+        with transaction(conn):
+            ids = [row[0] for row in conn.execute(
+                "DELETE FROM learn_pending WHERE post_id IN (SELECT post_id FROM learn_pending "
+                "ORDER BY post_id LIMIT ?) RETURNING post_id", (LEARN_BATCH,))]
+            if not ids:
+                return sorted(changed)
+            changed.update(learn_decisions(conn, ids))
+
+
+def owes_learning(conn):
+    return conn.execute("SELECT 1 FROM learn_pending LIMIT 1").fetchone() is not None
+
+
 @redoable
 def rebuild_learning(conn, progress=None):
     """Count every direction's model again from the stored decisions (in one
@@ -4294,6 +4333,7 @@ def rebuild_learning(conn, progress=None):
     {direction: (approved, rejected)}."""
     with transaction(conn):
         conn.execute("DELETE FROM learned_words")
+        conn.execute("DELETE FROM learn_pending")
         conn.execute("UPDATE learners SET approved = 0, rejected = 0, version = 0, "
                      "epoch = epoch + 1, since = NULL")
         conn.execute("UPDATE posts SET learned_as = NULL, learned_in = NULL "
@@ -5046,7 +5086,7 @@ def set_decisions(conn, post_ids, decision, editor, seen=None):
         conn.executemany("""UPDATE sources SET approved = (SELECT coalesce(sum(n), 0)
                                 FROM source_post_counts WHERE source_id = :id AND status = 'approved')
                             WHERE id = :id""", [{"id": i} for i in sources])
-        learn_decisions(conn, post_ids)
+        owe_learning(conn, post_ids)
         outbox = queue_publications(conn, post_ids) if decision == "approved" else \
             retract_publications(conn, post_ids)
     if outbox:
@@ -5233,7 +5273,8 @@ COPIED_TABLES = (("sources", ("id",)), ("rss_state", ("source_id",)),
                  ("source_days", ("source_id", "day")), ("counters", ("name", "labels")),
                  ("meta", ("key",)), ("story_keys", ("key", "post_id")),
                  ("learners", ("direction",)), ("learned_words", ("direction", "feature")),
-                 ("targets", ("name",)), ("publications", ("id",)))
+                 ("learn_pending", ("post_id",)), ("targets", ("name",)),
+                 ("publications", ("id",)))
 # What each database keeps of itself: its schema, its counting mark, who it is
 # and what it is a copy of.
 OWN_META = ("indexed_to", "count_keys", "pg_schema", "pg_ddl:%", "database_id", "copy_of")
@@ -8369,6 +8410,7 @@ PAUSE_MAX = 86400
 ANSWER_BYTES = 1 << 20
 ANSWER_CHARS = 200              # of a webhook's answer, kept as its message id
 ALERT_SCAN = 5000               # posts an alert target looks at in one go
+ALERT_WAIT = 6 * 3600           # seconds its look waits for a post the workers have not done
 DIGEST_ITEMS = 30
 
 
@@ -8510,14 +8552,18 @@ def queue_alerts(conn, target, settings):
     """Alerts for the posts classified since the target last looked: a post
     whose relevance (and, where a model judged it, likely) passes the
     target's thresholds queues one alert for its story. The look moves on
-    to the first post still waiting for the workers. Returns how many."""
+    to the first post still waiting for the workers (one fetched more than
+    ALERT_WAIT ago is not waited for). Returns how many."""
     mark = target["alerts_from"]
-    if mark is None:
+    if mark is None:        # a new target: from the posts still waiting of the last ALERT_WAIT
         mark = conn.execute(f"SELECT coalesce(min(id), (SELECT coalesce(max(id), 0) + 1 FROM posts)) "
-                            f"FROM posts WHERE {IS_PENDING} OR classified = {PROCESSING}").fetchone()[0]
-    rows = conn.execute(f"""SELECT id, classified, relevance, likely, direction FROM posts
+                            f"FROM posts WHERE ({IS_PENDING} OR classified = {PROCESSING}) "
+                            f"AND fetched_at >= ?", (utc_text(time.time() - ALERT_WAIT),)).fetchone()[0]
+    rows = conn.execute(f"""SELECT id, classified, relevance, likely, direction, fetched_at FROM posts
                             WHERE id >= ? ORDER BY id LIMIT ?""", (mark, ALERT_SCAN)).fetchall()
-    waiting = next((row["id"] for row in rows if row["classified"] not in (DONE, FAILED)), None)
+    recent = utc_text(time.time() - ALERT_WAIT)
+    waiting = next((row["id"] for row in rows if row["classified"] not in (DONE, FAILED)
+                    and (row["fetched_at"] or "") >= recent), None)
     passing = [row["id"] for row in rows if row["classified"] == DONE and row["direction"]
                and (row["relevance"] or 0) >= target["min_relevance"]
                and (target["min_likely"] is None or row["likely"] is None
@@ -8547,6 +8593,8 @@ class Publisher:
         self.db, self.settings, self.clock = db, settings, clock
         self.me = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.sent = self.failed = self.uncertain = 0
+        # Longer than any one call may take (a response gets 3x RSS_TIMEOUT).
+        self.lease = max(SENDER_LEASE, 6 * settings.timeout)
 
     # -- one look at every target --------------------------------------------
 
@@ -8627,10 +8675,13 @@ class Publisher:
                                (name,)).fetchone()
             held = row["sender"] not in (None, self.me) and \
                 (parse_utc(row["sender_until"]) or 0) > now and not self.gone(row["sender"])
-            if held:
+            # Taken only from the sender seen: of two processes that saw the
+            # same one, the second finds the row changed and takes nothing.
+            if held or not conn.execute(
+                    "UPDATE targets SET sender = ?, sender_until = ? WHERE name = ? "
+                    "AND coalesce(sender, '') = ?",
+                    (self.me, utc_text(now + self.lease), name, row["sender"] or "")).rowcount:
                 return False
-            conn.execute("UPDATE targets SET sender = ?, sender_until = ? WHERE name = ?",
-                         (self.me, utc_text(now + SENDER_LEASE), name))
             lost = conn.execute("""UPDATE publications SET state = 'uncertain', token = NULL,
                                        error = 'the sender stopped during the send: it may or '
                                                || 'may not have arrived'
@@ -8665,6 +8716,9 @@ class Publisher:
         while stop is None or not stop.is_set():
             target = conn.execute("SELECT * FROM targets WHERE name = ?", (name,)).fetchone()
             now = self.clock()
+            paused = (parse_utc(target["paused_until"]) or 0) - now
+            if paused > 0:
+                return paused
             retract = conn.execute("""SELECT * FROM publications WHERE target = ? AND retract = 1
                                           AND state = 'published' AND deleted_at IS NULL
                                           AND (next_attempt_at IS NULL OR next_attempt_at <= ?)
@@ -8672,9 +8726,6 @@ class Publisher:
             if retract is not None:
                 self.delete(target, retract)
                 continue
-            paused = (parse_utc(target["paused_until"]) or 0) - now
-            if paused > 0:
-                return paused
             head = conn.execute("""SELECT * FROM publications WHERE target = ? AND state = 'queued'
                                    ORDER BY hurry DESC, queued_at, id LIMIT 1""", (name,)).fetchone()
             if head is None:
@@ -8719,7 +8770,7 @@ class Publisher:
         None when the lease is no longer its own."""
         with transaction(conn):
             kept = conn.execute("UPDATE targets SET sender_until = ? WHERE name = ? AND sender = ?",
-                                (utc_text(now + SENDER_LEASE), name, self.me)).rowcount
+                                (utc_text(now + self.lease), name, self.me)).rowcount
             if not kept:
                 return None
             claimed = []
@@ -10725,6 +10776,7 @@ class Rescorer:
             try:
                 with self.lock, self.db.lent():
                     conn = self.db.conn()
+                    self.learners.refresh(conn, now=True)
                     for direction in directions:
                         rescore_direction(conn, self.learners, direction)
                     take_in_missed(conn, self.learners)
@@ -12415,6 +12467,7 @@ def cmd_copy_db(args, settings):
         raise ConfigError(f"copy-db: {redacted(args.to)} is the database itself; "
                           f"--to names the other one")
     _, db = open_intake(settings)
+    learn_owed(db.conn())           # the copy's models as its decisions say
     target = Database(args.to, settings.busy_timeout)
     copy_database(db.conn(), target.conn())
     return 0
@@ -12442,6 +12495,7 @@ def learning_report(conn, learn_min):
 def cmd_learn(args, settings):
     registry, db = open_intake(settings)
     conn = db.conn()
+    learn_owed(conn)
     if args.rebuild:
         decided = conn.execute("SELECT count(*) FROM posts WHERE status IN ('approved', 'rejected')"
                                ).fetchone()[0]

@@ -912,6 +912,8 @@ def restore_posts(db, rows):
             conn.execute("DELETE FROM learned_words")
             conn.executemany("UPDATE posts SET learned_as = NULL, learned_in = NULL WHERE id = ?",
                              [(i,) for i, *_ in rows])
+        if "learn_pending" in tables:
+            conn.execute("DELETE FROM learn_pending")
         conn.execute("COMMIT")
 
 
