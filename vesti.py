@@ -8401,7 +8401,7 @@ def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
 # arrived: it is marked `uncertain` and never sent again on its own.
 
 SENDER_LEASE = 120              # seconds a sender holds a target without renewing
-PUBLISH_LOOK = 1.0              # seconds between two looks for what is due
+PUBLISH_LOOK = 0.25             # seconds between two looks for what is due
 PUBLISH_AFTER_ERROR = 5
 PUBLISH_BACKOFF = 10            # seconds before the second try; doubled for each next
 PUBLISH_BACKOFF_MAX = 3600

@@ -18,8 +18,8 @@ in seconds (the figures only show that it runs).
      run       `vesti.py run --workers 0` (the page and the publisher in
                one process: an approval wakes the publisher at once);
      separate  `vesti.py serve` and `vesti.py publish --forever` in two
-               processes (as on two machines: the publisher looks every
-               second).
+               processes (as on two machines: the publisher looks four
+               times a second).
    In each round --approvals posts are approved one at a time, as an
    editor does on the page: POST /posts/<id>/status with the form token
    scraped from GET /, Accept: application/json and an Origin naming the
@@ -368,7 +368,7 @@ def main(argv=None):
     if args.smoke:
         print("smoke mode: tiny sizes; the figures show that the benchmark runs, "
               "the PASS/MISS verdicts mean nothing")
-        args.rounds, args.approvals, args.gap, args.queued = 1, 3, 0.1, 20
+        args.rounds, args.approvals, args.gap, args.queued = 1, 2, 0.05, 10
     receiver = Receiver()
     tmp = tempfile.mkdtemp(prefix="vesti-bench-publish-")
     try:
