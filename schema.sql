@@ -220,6 +220,44 @@ CREATE INDEX IF NOT EXISTS learned_words_version ON learned_words(direction, ver
 CREATE TABLE IF NOT EXISTS learn_pending (
     post_id INTEGER PRIMARY KEY
 );
+-- The newsroom's accounts (see Editors in vesti.py): passwords only as salted
+-- scrypt hashes; role viewer, editor or admin. A session is kept as the
+-- sha256 of its cookie, with the token its forms carry; events record who
+-- did what, when and from which address.
+CREATE TABLE IF NOT EXISTS users (
+    name TEXT PRIMARY KEY,
+    role TEXT NOT NULL DEFAULT 'editor',
+    password_hash TEXT NOT NULL,
+    disabled INTEGER NOT NULL DEFAULT 0,
+    created_at TEXT,
+    password_changed_at TEXT
+);
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY,
+    user_name TEXT NOT NULL,
+    form_token TEXT NOT NULL,
+    created_at TEXT,
+    last_seen_at TEXT,
+    address TEXT
+);
+CREATE INDEX IF NOT EXISTS sessions_user ON sessions(user_name);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY,
+    at TEXT NOT NULL,
+    user_name TEXT,
+    address TEXT,
+    action TEXT NOT NULL,
+    subject TEXT,
+    detail TEXT
+);
+CREATE INDEX IF NOT EXISTS events_subject ON events(subject, id);
+-- Who is looking at which card now (the desk's "Anna is looking").
+CREATE TABLE IF NOT EXISTS looks (
+    post_id INTEGER NOT NULL,
+    user_name TEXT NOT NULL,
+    at REAL NOT NULL,
+    PRIMARY KEY (post_id, user_name)
+);
 -- Where approved posts go (see Publishing in vesti.py), from sources.yaml's
 -- publish: list, with what the senders keep of each: its pace (last_sent_at),
 -- a pause a 429 asked for, and the one sender allowed at a time (sender, its

@@ -746,6 +746,9 @@ def run_on_a_small_disk(home, *args, env=None, timeout=60):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)      # a write fails with EFBIG instead
     full_env = {k: v for k, v in os.environ.items()
                 if not k.startswith(("VESTI_", "RSS_", "OLLAMA_", "TG_"))}
+    # Python would write vesti.py's bytecode cut at the limit (it does not
+    # check the length of that write) and every later import would fail.
+    full_env["PYTHONDONTWRITEBYTECODE"] = "1"
     full_env.update(env or {})
     return subprocess.run([*VESTI, *args], cwd=home,
                           env=full_env, capture_output=True, text=True, timeout=timeout,
@@ -6652,6 +6655,247 @@ def test_the_crawlers_page_fits_a_laptop_and_a_phone_with_errors_readable(web, b
     assert CRAWLER_ERRORS[0] in phone["error"] and phone["label"] == '"последняя ошибка: "'
     assert "error" not in phone["quiet"] and "alive" in phone["quiet"]
     assert phone["height"] < 27 * 180, phone               # a short card per source
+
+
+# Web server: editors, roles, sessions ------------------------------------------
+
+def basic(name, password):
+    return {"Authorization": "Basic " + base64.b64encode(f"{name}:{password}".encode()).decode()}
+
+
+def newsroom(web):
+    """Three accounts beside the settings' admin: anna (editor), vera
+    (viewer), olga (admin)."""
+    conn = web.db.conn()
+    for name, role in (("anna", "editor"), ("boris", "editor"), ("vera", "viewer"),
+                       ("olga", "admin")):
+        vesti.add_user(conn, name, role, f"{name}-password", "test", "local")
+    return {name: basic(name, f"{name}-password") for name in ("anna", "boris", "vera", "olga")}
+
+
+def form_token(web, headers):
+    """The form token a page gives this account."""
+    page = web.get("/", auth=False, headers=headers)[2]
+    return re.search(r'id="look" data-token="([0-9a-f]+)"', page)[1]
+
+
+# Every route, the role it needs (None: no sign-in), and a request that
+# passes the cross-site check and the role.
+ROUTES = [
+    ("GET", "/", "viewer"), ("GET", "/api/posts", "viewer"), ("GET", "/quality", "viewer"),
+    ("GET", "/outbox", "viewer"), ("GET", "/crawlers", "viewer"), ("GET", "/api/queue", "viewer"),
+    ("GET", "/approved.atom", "viewer"), ("GET", "/approved.json", "viewer"),
+    ("GET", "/metrics", "viewer"), ("GET", "/api/looks?ids=1", "viewer"),
+    ("POST", "/posts/1/look", "viewer"), ("POST", "/logout", "viewer"),
+    ("POST", "/posts/1/status", "editor"), ("POST", "/posts/status", "editor"),
+    ("POST", "/publications/1", "editor"),
+    ("POST", "/crawlers/reset", "admin"), ("GET", "/users", "admin"), ("POST", "/users", "admin"),
+    ("POST", "/users/anna", "admin"),
+    ("GET", "/login", None), ("POST", "/login", None), ("GET", "/healthz", None),
+]
+
+
+def test_every_route_is_refused_below_its_role_and_without_a_sign_in(web):
+    accounts = newsroom(web)
+    conn = web.db.conn()
+    classified_posts(conn, 1)
+    routed = {(method, re.sub(r"\?.*", "", path)) for method, path, _ in ROUTES}
+    for method, pattern, _, _ in web.app.routes:       # the table names every route
+        assert any(m == method and pattern.fullmatch(p) for m, p in routed), pattern.pattern
+    roles = {"vera": "viewer", "anna": "editor", "olga": "admin"}
+    for method, path, needed in ROUTES:
+        for name, role in roles.items():
+            form = {"token": form_token(web, accounts[name]), "status": "approved",
+                    "ids": "1", "action": "now", "role": "viewer"}
+            status, _, body = (web.post(path, form, auth=False, headers=accounts[name])
+                               if method == "POST" else web.get(path, auth=False, headers=accounts[name]))
+            if needed is None:          # its own checks answer (the sign-in's token, …)
+                assert "role" not in body, (method, path, name, status, body)
+            elif vesti.role_allows(role, needed):
+                assert status not in (401, 403), (method, path, name, status, body)
+            else:
+                assert status == 403 and f"needs the {needed} role" in body, (method, path, name)
+        status, headers, _ = (web.post(path, {}, auth=False) if method == "POST"
+                              else web.get(path, auth=False))
+        if needed is None:
+            assert status != 401, (method, path)
+        else:
+            assert status == 401 and "Basic" in headers["WWW-Authenticate"], (method, path)
+
+
+def login(web, name, password, headers=None, origin=None):
+    """Sign in on /login as a browser does: its form, its cookie, its post."""
+    status, answer, page = web.get("/login", auth=False, headers=headers)
+    assert status == 200
+    nonce = answer["Set-Cookie"].split(";")[0]
+    token = re.search(r'name="token" value="([0-9a-f]+)"', page)[1]
+    return web.post("/login", {"token": token, "user": name, "password": password, "next": "/?x=1"},
+                    auth=False, origin=origin, headers={"Cookie": nonce, **(headers or {})})
+
+
+def session_of(answer):
+    return {"Cookie": answer["Set-Cookie"].split(";")[0]}
+
+
+def test_an_editor_signs_in_works_signs_out_and_the_session_ends_on_the_server(web):
+    newsroom(web)
+    status, answer, _ = login(web, "anna", "anna-password")
+    assert status == 303 and answer["Location"] == "/?x=1"
+    attributes = answer["Set-Cookie"].split("; ")
+    assert "HttpOnly" in attributes and "SameSite=Lax" in attributes and "Secure" not in attributes
+    signed_in = session_of(answer)
+    status, _, page = web.get("/", auth=False, headers=signed_in)
+    assert status == 200 and "anna" in page and "Sign out" in page
+    token = form_token(web, signed_in)
+    assert web.get("/users", auth=False, headers=signed_in)[0] == 403       # an editor
+    status, answer, _ = web.post("/logout", {"token": token}, auth=False, headers=signed_in)
+    assert status == 303 and answer["Location"] == "/login" and "Max-Age=0" in answer["Set-Cookie"]
+    assert web.db.conn().execute("SELECT count(*) FROM sessions").fetchone()[0] == 0
+    status, answer, _ = web.get("/", auth=False, headers=signed_in)        # the old cookie
+    assert status == 303 and answer["Location"].startswith("/login")
+    events = [tuple(r) for r in web.db.conn().execute(
+        "SELECT user_name, action FROM events WHERE action LIKE 'sign%' ORDER BY id")]
+    assert events == [("anna", "sign in"), ("anna", "sign out")]
+    # Behind an HTTPS proxy the cookie is Secure.
+    _, answer, _ = login(web, "anna", "anna-password", headers={"X-Forwarded-Proto": "https"})
+    assert "Secure" in answer["Set-Cookie"].split("; ")
+
+
+def test_a_session_ends_after_its_hours_idle_and_when_the_password_changes(web, home):
+    newsroom(web)
+    signed_in = session_of(login(web, "anna", "anna-password")[1])
+    conn = web.db.conn()
+    conn.execute("UPDATE sessions SET last_seen_at = ?", (ago(11 * 3600),))
+    assert web.get("/", auth=False, headers=signed_in)[0] == 200            # 11 h: still on
+    conn.execute("UPDATE sessions SET last_seen_at = ?", (ago(13 * 3600),))
+    assert web.get("/", auth=False, headers=signed_in)[0] == 303            # 13 h: over
+    signed_in = session_of(login(web, "anna", "anna-password")[1])
+    result = subprocess.run([*VESTI, "user", "passwd", "anna"], cwd=home, input="a-new-password\n",
+                            env=cli_env({"VESTI_DB": BACKEND["db"] or str(home / "vesti.db")}),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert web.get("/", auth=False, headers=signed_in)[0] == 303
+    assert web.get("/", auth=False, headers=basic("anna", "anna-password"))[0] == 401
+    assert web.get("/", auth=False, headers=basic("anna", "a-new-password"))[0] == 200
+    signed_in = session_of(login(web, "anna", "a-new-password")[1])
+    vesti.change_user(conn, "anna", "olga", "127.0.0.1", disabled=True)
+    assert web.get("/", auth=False, headers=signed_in)[0] == 303
+    assert web.get("/", auth=False, headers=basic("anna", "a-new-password"))[0] == 401
+
+
+def test_guessing_is_refused_per_user_and_per_address_and_said_once(web, caplog):
+    newsroom(web)
+    for _ in range(5):
+        assert login(web, "anna", "wrong-guess")[0] == 401
+    status, headers, body = login(web, "anna", "anna-password")          # even the right one waits
+    assert status == 429 and int(headers["Retry-After"]) > 0 and "Too many wrong" in body
+    # From another address too: the user's name is what is guessed.
+    other = http.client.HTTPConnection("127.0.0.1", web.port, timeout=10,
+                                       source_address=("127.0.0.2", 0))
+    other.request("GET", "/", headers=basic("anna", "anna-password"))
+    assert other.getresponse().status == 429
+    other.close()
+    assert web.get("/", auth=False, headers=basic("boris", "boris-password"))[0] == 429  # address
+    warnings = [r.getMessage() for r in caplog.records if "wrong passwords" in r.getMessage()]
+    assert len(warnings) == 1 and "wrong-guess" not in warnings[0]
+    assert "for user 'anna'" in warnings[0] and "from 127.0.0.1" in warnings[0]
+
+
+def test_each_decision_names_its_editor_and_is_an_event_and_a_stale_one_is_refused(web):
+    accounts = newsroom(web)
+    conn = web.db.conn()
+    classified_posts(conn, 1)
+    post = conn.execute("SELECT id FROM posts ORDER BY id").fetchone()[0]
+    anna, boris = form_token(web, accounts["anna"]), form_token(web, accounts["boris"])
+    status, _, _ = web.post(f"/posts/{post}/status", {"token": anna, "status": "approved",
+                                                      "seen": "new"},
+                            auth=False, headers={**accounts["anna"], "Accept": "application/json"})
+    assert status == 200
+    assert conn.execute("SELECT decided_by FROM posts WHERE id = ?", (post,)).fetchone()[0] == "anna"
+    # Boris's page still showed it new: his rejection is refused, naming anna.
+    status, headers, body = web.post(f"/posts/{post}/status",
+                                     {"token": boris, "status": "rejected", "seen": "new"},
+                                     auth=False, headers={**accounts["boris"],
+                                                          "Accept": "application/json"})
+    assert status == 409 and "by anna" in body and headers["X-Vesti-Conflict"] == "decided"
+    assert conn.execute("SELECT status FROM posts WHERE id = ?", (post,)).fetchone()[0] == "approved"
+    # Seeing it approved, he may.
+    assert web.post(f"/posts/{post}/status", {"token": boris, "status": "rejected",
+                                               "seen": "approved"},
+                    auth=False, headers=accounts["boris"])[0] == 303
+    events = [tuple(r) for r in conn.execute(
+        "SELECT user_name, address, action, subject, detail FROM events WHERE action = 'decide'")]
+    assert events == [("anna", "127.0.0.1", "decide", f"post:{post}", "approved"),
+                      ("boris", "127.0.0.1", "decide", f"post:{post}", "rejected")]
+    page = web.get("/?status=any&min=0", auth=False, headers=accounts["vera"])[2]
+    assert re.search(r'class="small muted decided">rejected by boris, 20\d\d-', page)
+    assert 'class="decide"' not in page                       # a viewer has no buttons
+    quality = web.get("/quality", auth=False, headers=accounts["vera"])[2]
+    assert "0 of 1 agreed" in quality and "anna / boris" in quality
+
+
+def test_editors_see_who_else_is_looking_at_a_card(web):
+    accounts = newsroom(web)
+    classified_posts(web.db.conn(), 1)
+    post = web.db.conn().execute("SELECT id FROM posts").fetchone()[0]
+    token = form_token(web, accounts["anna"])
+    assert web.post(f"/posts/{post}/look", {"token": token}, auth=False,
+                    headers={**accounts["anna"], "Accept": "application/json"})[0] == 200
+    status, _, body = web.get(f"/api/looks?ids={post}", auth=False, headers=accounts["boris"])
+    assert status == 200 and json.loads(body) == {str(post): ["anna"]}
+    assert json.loads(web.get(f"/api/looks?ids={post}", auth=False,
+                              headers=accounts["anna"])[2]) == {}      # not herself
+    assert web.post(f"/posts/{post}/look", {"token": "forged"}, auth=False,
+                    headers=accounts["anna"])[0] == 403
+
+
+def test_an_admin_manages_accounts_on_the_users_page_and_names_are_safe(web):
+    accounts = newsroom(web)
+    token = form_token(web, accounts["olga"])
+    assert web.post("/users", {"token": token, "name": "<script>x", "role": "editor",
+                               "password": "long-enough"}, auth=False,
+                    headers=accounts["olga"])[0] == 400
+    assert web.post("/users", {"name": "petr", "role": "editor", "password": "long-enough"},
+                    auth=False, headers=accounts["olga"])[0] == 403       # no token
+    assert web.post("/users", {"token": token, "name": "petr", "role": "editor",
+                               "password": "long-enough"}, auth=False, headers=accounts["olga"],
+                    origin="http://evil.example")[0] == 403
+    assert web.post("/users", {"token": token, "name": "petr", "role": "editor",
+                               "password": "short"}, auth=False, headers=accounts["olga"])[0] == 400
+    assert web.post("/users", {"token": token, "name": "petr", "role": "editor",
+                               "password": "long-enough"}, auth=False, headers=accounts["olga"])[0] == 303
+    assert web.get("/", auth=False, headers=basic("petr", "long-enough"))[0] == 200
+    assert web.post("/users/petr", {"token": token, "action": "disable"}, auth=False,
+                    headers=accounts["olga"])[0] == 303
+    assert web.get("/", auth=False, headers=basic("petr", "long-enough"))[0] == 401
+    page = web.get("/users", auth=False, headers=accounts["olga"])[2]
+    assert 'id="user-petr"' in page and "disabled" in page and "user add" in page
+    assert "long-enough" not in page
+
+
+def test_the_user_command_adds_lists_and_disables_accounts(home):
+    write_sources(home / "sources.yaml", [])
+    env = cli_env({"VESTI_DB": BACKEND["db"] or str(home / "vesti.db")})
+
+    def user(*args, password=None):
+        return subprocess.run([*VESTI, "user", *args], cwd=home, input=password, env=env,
+                              capture_output=True, text=True, timeout=60)
+    added = user("add", "anna", "--role", "admin", password="anna-password\n")
+    assert added.returncode == 0 and "anna added as admin" in added.stdout
+    assert "anna-password" not in added.stdout + added.stderr
+    again = user("add", "anna", password="anna-password\n")
+    assert again.returncode == 2 and "exists already" in again.stderr
+    short = user("add", "boris", password="short\n")
+    assert short.returncode == 2 and "at least 8 characters" in short.stderr
+    assert len(short.stderr.strip().splitlines()) == 1
+    assert user("disable", "anna").returncode == 0
+    listed = user("list")
+    assert re.search(r"^anna: admin, disabled", listed.stdout, re.M)
+    conn = vesti.Database(BACKEND["db"] or str(home / "vesti.db")).conn()
+    kept = conn.execute("SELECT password_hash FROM users WHERE name = 'anna'").fetchone()[0]
+    assert kept.startswith("scrypt:") and "anna-password" not in kept
+    assert [r[0] for r in conn.execute("SELECT action FROM events ORDER BY id")] == \
+        ["user add", "user change"]
 
 
 # Web server: slow clients, the access log, posts that do not exist ------------

@@ -111,6 +111,7 @@ import datetime
 import email.utils
 import errno
 import functools
+import getpass
 import hashlib
 import heapq
 import hmac
@@ -118,6 +119,7 @@ import html
 import html.entities
 import html.parser
 import http.client
+import http.cookies
 import http.server
 import io
 import ipaddress
@@ -283,6 +285,18 @@ class SendFailed(VestiError):
     def __init__(self, message, retry=False, pause=None):
         super().__init__(message)
         self.retry, self.pause = retry, pause
+
+
+class Redecided(VestiError):
+    """A decision made on a page that showed another decision than the
+    post has now: someone decided it meanwhile (see check_decisions)."""
+
+    def __init__(self, post_id, status, by, at):
+        who = f" by {by}" if by else ""
+        when = f" at {at} UTC" if at else ""
+        super().__init__(f"post {post_id} was set to {status}{who}{when} since your page "
+                         f"was loaded; reload to see it")
+        self.post_id, self.status, self.by, self.at = post_id, status, by, at
 
 
 class Conflict(VestiError):
@@ -455,6 +469,7 @@ SETTINGS = [
     ("VESTI_WEBHOOK_SECRET", "webhook_secret", _text, ""),
     ("VESTI_PUBLISH_ATTEMPTS", "publish_attempts", _positive(int, 1000), "5"),
     ("VESTI_PUBLIC_URL", "public_url", _url, ""),
+    ("VESTI_SESSION_HOURS", "session_hours", _positive(float, 24 * 365), "12"),
 ]
 
 
@@ -498,6 +513,7 @@ class Settings:
     webhook_secret: str
     publish_attempts: int
     public_url: str
+    session_hours: float
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
@@ -2194,6 +2210,44 @@ CREATE INDEX IF NOT EXISTS learned_words_version ON learned_words(direction, ver
 CREATE TABLE IF NOT EXISTS learn_pending (
     post_id INTEGER PRIMARY KEY
 );
+-- The newsroom's accounts (see Editors in vesti.py): passwords only as salted
+-- scrypt hashes; role viewer, editor or admin. A session is kept as the
+-- sha256 of its cookie, with the token its forms carry; events record who
+-- did what, when and from which address.
+CREATE TABLE IF NOT EXISTS users (
+    name TEXT PRIMARY KEY,
+    role TEXT NOT NULL DEFAULT 'editor',
+    password_hash TEXT NOT NULL,
+    disabled INTEGER NOT NULL DEFAULT 0,
+    created_at TEXT,
+    password_changed_at TEXT
+);
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY,
+    user_name TEXT NOT NULL,
+    form_token TEXT NOT NULL,
+    created_at TEXT,
+    last_seen_at TEXT,
+    address TEXT
+);
+CREATE INDEX IF NOT EXISTS sessions_user ON sessions(user_name);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY,
+    at TEXT NOT NULL,
+    user_name TEXT,
+    address TEXT,
+    action TEXT NOT NULL,
+    subject TEXT,
+    detail TEXT
+);
+CREATE INDEX IF NOT EXISTS events_subject ON events(subject, id);
+-- Who is looking at which card now (the desk's "Anna is looking").
+CREATE TABLE IF NOT EXISTS looks (
+    post_id INTEGER NOT NULL,
+    user_name TEXT NOT NULL,
+    at REAL NOT NULL,
+    PRIMARY KEY (post_id, user_name)
+);
 -- Where approved posts go (see Publishing in vesti.py), from sources.yaml's
 -- publish: list, with what the senders keep of each: its pace (last_sent_at),
 -- a pause a 429 asked for, and the one sender allowed at a time (sender, its
@@ -3288,7 +3342,9 @@ class KeyHelper:
     it died), every question fails with HelperGone at once, and the caller
     works the keys out itself."""
 
-    command = [sys.executable, "-I", "-c",
+    # -I keeps the helper from the environment's Python settings; -B then
+    # carries over the one that says not to write bytecode.
+    command = [sys.executable, "-I", *(["-B"] if sys.dont_write_bytecode else []), "-c",
                "import sys; sys.path.insert(0, sys.argv[1]); import vesti; vesti.serve_story_keys()",
                os.path.dirname(os.path.abspath(__file__))]
 
@@ -4806,6 +4862,204 @@ def save_last_message_id(conn, source_id, message_id):
 
 
 ###############################################################################
+# Editors #####################################################################
+###############################################################################
+# The newsroom's accounts (users), their signed-in sessions, and the record
+# of who did what (events). Passwords are kept only as salted scrypt hashes.
+# Roles: a viewer reads every page and export, an editor also decides, edits
+# and publishes, an admin also resets sources and manages the accounts.
+
+ROLES = ("viewer", "editor", "admin")
+# The password hash of the row the VESTI_WEB_USER account gets when it signs
+# in on /login (its sessions need one): no password matches it.
+SETTINGS_ACCOUNT = "!settings"
+USER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+MIN_PASSWORD = 8
+# scrypt's cost for a kept password: one of OWASP's equivalent settings
+# (N=2**14, r=8, p=5: 16 MB, about a tenth of a second here), paid once per
+# password a client presents: a password that matched is remembered.
+SCRYPT = {"n": 2 ** 14, "r": 8, "p": 5}
+
+
+def password_hash(password, salt=None):
+    """'scrypt:N:r:p:salt:hash' of a password, the only form it is kept in."""
+    salt = salt or secrets.token_bytes(16)
+    digest = hashlib.scrypt(password.encode(), salt=salt, dklen=32, **SCRYPT)
+    return f"scrypt:{SCRYPT['n']}:{SCRYPT['r']}:{SCRYPT['p']}:{salt.hex()}:{digest.hex()}"
+
+
+def password_matches(password, kept):
+    """True when `password` is the one `kept` is the hash of."""
+    try:
+        kind, n, r, p, salt, digest = kept.split(":")
+        computed = hashlib.scrypt(password.encode(), salt=bytes.fromhex(salt), n=int(n),
+                                  r=int(r), p=int(p), dklen=len(digest) // 2)
+    except (ValueError, AttributeError):
+        return False
+    return kind == "scrypt" and hmac.compare_digest(computed.hex(), digest)
+
+
+def role_allows(role, needed):
+    return role in ROLES and ROLES.index(role) >= ROLES.index(needed)
+
+
+def check_user_name(name):
+    if not USER_NAME.fullmatch(name or ""):
+        raise ConfigError(f"user name {shorten(name or '', 40)!r}: 1 to 64 letters, digits, "
+                          f"'.', '_' or '-', starting with a letter or digit")
+    return name
+
+
+def check_password(password):
+    if len(password) < MIN_PASSWORD:
+        raise ConfigError(f"the password must have at least {MIN_PASSWORD} characters")
+    if "\x00" in password or password != password.strip():
+        raise ConfigError("the password must not start or end with a space, nor hold a NUL")
+    return password
+
+
+def record_event(conn, who, address, action, subject=None, detail=None):
+    """Who did what to what, when and from where; in the caller's transaction."""
+    conn.execute("INSERT INTO events (at, user_name, address, action, subject, detail) "
+                 "VALUES (?, ?, ?, ?, ?, ?)",
+                 (utc_text(), who, address, action, subject, shorten(detail or "", 500) or None))
+
+
+def find_user(conn, name):
+    return conn.execute("SELECT * FROM users WHERE name = ?", (name,)).fetchone()
+
+
+def add_user(conn, name, role, password, who, address):
+    """A new account; ConfigError when the name is taken or anything is wrong."""
+    check_user_name(name)
+    if role not in ROLES:
+        raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    kept = password_hash(check_password(password))
+    with transaction(conn):
+        if find_user(conn, name) is not None:
+            raise ConfigError(f"user {name!r} exists already (user passwd {name} changes "
+                              f"the password)")
+        conn.execute("INSERT INTO users (name, role, password_hash, created_at, password_changed_at) "
+                     "VALUES (?, ?, ?, ?, ?)", (name, role, kept, utc_text(), utc_text()))
+        record_event(conn, who, address, "user add", f"user:{name}", f"role {role}")
+
+
+def change_user(conn, name, who, address, password=None, role=None, disabled=None):
+    """A new password, role, or disabled flag for an account; a new password
+    or disabling ends every session of the user. Returns the account."""
+    if role is not None and role not in ROLES:
+        raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    kept = password_hash(check_password(password)) if password is not None else None
+    with transaction(conn):
+        user = find_user(conn, name)
+        if user is None:
+            raise ConfigError(f"no user {name!r} (user list shows them)")
+        said = []
+        if kept is not None:
+            conn.execute("UPDATE users SET password_hash = ?, password_changed_at = ? WHERE name = ?",
+                         (kept, utc_text(), name))
+            said.append("password changed")
+        if role is not None and role != user["role"]:
+            conn.execute("UPDATE users SET role = ? WHERE name = ?", (role, name))
+            said.append(f"role {user['role']} -> {role}")
+        if disabled is not None and bool(disabled) != bool(user["disabled"]):
+            conn.execute("UPDATE users SET disabled = ? WHERE name = ?", (int(disabled), name))
+            said.append("disabled" if disabled else "enabled")
+        if kept is not None or disabled:
+            ended = conn.execute("DELETE FROM sessions WHERE user_name = ?", (name,)).rowcount
+            if ended:
+                said.append(f"{ended} sessions ended")
+        if said:
+            record_event(conn, who, address, "user change", f"user:{name}", "; ".join(said))
+        return find_user(conn, name)
+
+
+def list_users(conn):
+    return conn.execute("""SELECT u.*, (SELECT count(*) FROM sessions s WHERE s.user_name = u.name)
+                               AS sessions FROM users u ORDER BY u.disabled, u.name""").fetchall()
+
+
+def session_key(token):
+    """What the sessions table keeps of a session's cookie: its sha256 only."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def start_session(conn, name, address):
+    """A new session of the user: (the cookie's value, the form token)."""
+    token, form = secrets.token_urlsafe(32), secrets.token_hex(32)
+    with transaction(conn):
+        conn.execute("INSERT INTO sessions (id, user_name, form_token, created_at, last_seen_at, address) "
+                     "VALUES (?, ?, ?, ?, ?, ?)",
+                     (session_key(token), name, form, utc_text(), utc_text(), address))
+        record_event(conn, name, address, "sign in")
+    return token, form
+
+
+# A session's last request is written down at most this often.
+SESSION_TOUCH = 60
+
+
+def session_of(conn, token, hours, now=None):
+    """The session row (with the user's role) a cookie names, if it is still
+    on: its user enabled and its last request within `hours`. An expired
+    one is deleted."""
+    now = time.time() if now is None else now
+    row = conn.execute("""SELECT s.*, u.role, u.disabled FROM sessions s
+                          JOIN users u ON u.name = s.user_name WHERE s.id = ?""",
+                       (session_key(token),)).fetchone()
+    if row is None:
+        return None
+    seen = parse_utc(row["last_seen_at"]) or 0
+    if row["disabled"] or now - seen > hours * HOUR:
+        with transaction(conn):
+            conn.execute("DELETE FROM sessions WHERE id = ?", (row["id"],))
+        return None
+    if now - seen > SESSION_TOUCH:
+        with transaction(conn):
+            conn.execute("UPDATE sessions SET last_seen_at = ? WHERE id = ?", (utc_text(now), row["id"]))
+    return row
+
+
+def end_session(conn, token, address):
+    with transaction(conn):
+        row = conn.execute("DELETE FROM sessions WHERE id = ? RETURNING user_name",
+                           (session_key(token),)).fetchone()
+        if row is not None:
+            record_event(conn, row["user_name"], address, "sign out")
+    return row is not None
+
+
+# An editor's look at a card is shown to the others for this many seconds
+# (the desk says again every LOOK_AGAIN seconds that it still looks).
+LOOK_SECONDS = 20
+
+
+def note_look(conn, post_id, name, now=None):
+    now = time.time() if now is None else now
+    with transaction(conn):
+        conn.execute("DELETE FROM looks WHERE user_name = ? OR at < ?", (name, now - LOOK_SECONDS))
+        conn.execute("INSERT INTO looks (post_id, user_name, at) VALUES (?, ?, ?) "
+                     "ON CONFLICT (post_id, user_name) DO UPDATE SET at = excluded.at",
+                     (post_id, name, now))
+
+
+def lookers(conn, post_ids, name, now=None):
+    """{post id: [names]} of the others looking at these cards now."""
+    now = time.time() if now is None else now
+    found = collections.defaultdict(list)
+    for among, values in conn.dialect.among("post_id", post_ids):
+        for row in conn.execute(f"SELECT post_id, user_name FROM looks WHERE {among} AND at >= ? "
+                                f"AND user_name != ? ORDER BY user_name",
+                                (*values, now - LOOK_SECONDS, name)):
+            found[row["post_id"]].append(row["user_name"])
+    return dict(found)
+
+
+def recent_events(conn, limit=100):
+    return conn.execute("SELECT * FROM events ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
+
+
+###############################################################################
 # Publications ################################################################
 ###############################################################################
 # The outbox: one row per approved post and publish target (see Publishing
@@ -4940,7 +5194,8 @@ PUBLICATION_ACTIONS = {
 }
 
 
-def act_on_publication(conn, publication_id, action, editor, text=None, now=None, seen=None):
+def act_on_publication(conn, publication_id, action, editor, text=None, now=None, seen=None,
+                       address=None):
     """An editor's action on a publication; returns the row after it, or
     None for an unknown one. Raises Conflict when its state does not allow
     the action, or is not the state `seen` on the editor's page (someone, or
@@ -4966,6 +5221,8 @@ def act_on_publication(conn, publication_id, action, editor, text=None, now=None
         row = conn.execute(f"""UPDATE publications SET {assignments}, updated_by = ?
                                WHERE id = ? AND state = ? RETURNING *""",
                            (*values, editor, publication_id, row["state"])).fetchone()
+        record_event(conn, editor, address, f"publication {action}", f"publication:{publication_id}",
+                     f"post {row['post_id']} to {row['target']}")
     if action in ("now", "again"):
         PUBLISH_WAKE.set()
     return row
@@ -5057,17 +5314,21 @@ DECIDED_AGAIN = """old_decision = NULL, old_decided_at = NULL, old_decided_by = 
 
 
 @redoable
-def set_decisions(conn, post_ids, decision, editor, seen=None):
+def set_decisions(conn, post_ids, decision, editor, seen=None, saw=None, address=None):
     """One decision on many posts at once (on any post of a story, for the
     whole story), and the approved figure of their sources; returns how many
     of the posts exist. An undo (back to new) takes the decision back: nobody
-    decided the post, so nobody is recorded. Where `seen` names the words a
-    page showed of a post ({post id: wording}), none is decided unless each
-    still reads so (Reworded)."""
-    found, sources = 0, set()
+    decided the post, so nobody is recorded as its decider (the event says
+    who undid it). Where `seen` names the words a page showed of a post
+    ({post id: wording}), none is decided unless each still reads so
+    (Reworded); where `saw` names the decision it showed ({post id:
+    status}), none is decided unless each still has it (Redecided). With an
+    `address`, each post's decision is recorded as an event."""
+    found, sources, who = 0, set(), editor
     now, editor = (None, None) if decision == "new" else (utc_text(), editor)
     with transaction(conn):
         check_wordings(conn, seen or {})
+        check_decisions(conn, saw or {})
         for post_id in post_ids:
             row = conn.execute(f"""UPDATE posts SET status = ?, decided_at = ?, decided_by = ?,
                                        {DECIDED_AGAIN}
@@ -5077,6 +5338,8 @@ def set_decisions(conn, post_ids, decision, editor, seen=None):
                 continue
             found += 1
             sources.add(row["source_id"])
+            if address is not None:
+                record_event(conn, who, address, "decide", f"post:{post_id}", decision)
             story = row["story_id"]
             if story is not None:
                 sources.update(r[0] for r in conn.execute(
@@ -5092,6 +5355,19 @@ def set_decisions(conn, post_ids, decision, editor, seen=None):
     if outbox:
         PUBLISH_WAKE.set()          # committed: a publisher that wakes finds it
     return found
+
+
+def check_decisions(conn, saw):
+    """Redecided for a post whose decision is no longer the one `saw` names
+    ({post id: status}): another editor changed it meanwhile."""
+    for among, values in conn.dialect.among("id", sorted(saw)):
+        for row in conn.execute(f"SELECT id, status FROM posts WHERE {among}", values):
+            if row["status"] != saw[row["id"]]:
+                last = conn.execute("SELECT user_name, at FROM events WHERE subject = ? "
+                                    "AND action = 'decide' ORDER BY id DESC LIMIT 1",
+                                    (f"post:{row['id']}",)).fetchone()
+                raise Redecided(row["id"], row["status"], last and last["user_name"],
+                                last and last["at"])
 
 
 def titled_posts(conn, post_ids):
@@ -5258,6 +5534,33 @@ def quality_report(conn, directions, settings, direction=None):
     learners = Learners(settings.learn_min).refresh(conn, now=True)
     return [direction_quality(conn, d, settings, learners)
             for d in directions if direction in (None, d)]
+
+
+AGREEMENT_EVENTS = 20000        # the latest decisions the editors' agreement is read from
+
+
+def editor_agreement(conn):
+    """How often two editors who decided the same post agreed, from the
+    latest decision events: each editor's last word on it (approved or
+    rejected; an undo is no word), compared in pairs. Returns {"pairs",
+    "agreed", "by_pair": {"anna / boris": {"pairs", "agreed"}}}."""
+    words = collections.defaultdict(dict)           # post: {editor: last decision}
+    for row in conn.execute("""SELECT subject, user_name, detail FROM events
+                               WHERE action = 'decide' AND id > (SELECT coalesce(max(id), 0)
+                                   FROM events) - ? ORDER BY id""", (AGREEMENT_EVENTS,)):
+        said = words[row["subject"]]
+        said.pop(row["user_name"], None)
+        if row["detail"] in ("approved", "rejected"):
+            said[row["user_name"]] = row["detail"]
+    by_pair = collections.defaultdict(lambda: {"pairs": 0, "agreed": 0})
+    for said in words.values():
+        for a, b in itertools.combinations(sorted(said), 2):
+            figures = by_pair[f"{a} / {b}"]
+            figures["pairs"] += 1
+            figures["agreed"] += said[a] == said[b]
+    return {"pairs": sum(f["pairs"] for f in by_pair.values()),
+            "agreed": sum(f["agreed"] for f in by_pair.values()),
+            "by_pair": dict(sorted(by_pair.items()))}
 
 
 def prune_runs(conn, days, now=None):
@@ -9092,6 +9395,22 @@ STRINGS = {
         "o.save": "Save text", "o.now_button": "Publish now", "o.cancel": "Cancel",
         "o.published_button": "Mark published", "o.again": "Send again",
         "o.hurry": "next, ahead of the pace",
+        "users": "Users", "sign_out": "Sign out", "sign_in": "Sign in",
+        "role.viewer": "viewer", "role.editor": "editor", "role.admin": "admin",
+        "login.title": "Sign in to VESTI", "login.user": "Name", "login.password": "Password",
+        "login.wrong": "Wrong name or password.",
+        "u.name": "name", "u.role": "role", "u.state": "state", "u.created": "created (UTC)",
+        "u.sessions": "sessions", "u.disabled": "disabled", "u.enabled": "active",
+        "u.add": "Add user", "u.password": "new password (8 characters or more)",
+        "u.set_role": "Change role", "u.set_password": "Set password",
+        "u.disable": "Disable", "u.enable": "Enable",
+        "u.env": "{name} (VESTI_WEB_USER) is an admin by the settings, not listed here.",
+        "u.events": "What was done lately", "u.when": "when (UTC)", "u.who": "who",
+        "u.from": "from", "u.what": "what",
+        "decided_by": "{decision} by {who}, {when} UTC", "looking": "· {names} looking",
+        "q.editors": "Editors who decided the same story",
+        "q.agreement": "{agreed} of {pairs} agreed",
+        "q.no_pairs": "No story was decided by two editors yet.",
     },
     "ru": {
         "desk": "Отбор", "crawlers": "Источники", "pending": "в очереди",
@@ -9210,6 +9529,22 @@ STRINGS = {
         "o.save": "Сохранить текст", "o.now_button": "Опубликовать сейчас", "o.cancel": "Отменить",
         "o.published_button": "Отметить опубликованным", "o.again": "Отправить снова",
         "o.hurry": "следующий, вне темпа",
+        "users": "Пользователи", "sign_out": "Выйти", "sign_in": "Войти",
+        "role.viewer": "читатель", "role.editor": "редактор", "role.admin": "администратор",
+        "login.title": "Вход в VESTI", "login.user": "Имя", "login.password": "Пароль",
+        "login.wrong": "Неверное имя или пароль.",
+        "u.name": "имя", "u.role": "роль", "u.state": "состояние", "u.created": "создан (UTC)",
+        "u.sessions": "сеансы", "u.disabled": "отключён", "u.enabled": "активен",
+        "u.add": "Добавить", "u.password": "новый пароль (от 8 символов)",
+        "u.set_role": "Сменить роль", "u.set_password": "Задать пароль",
+        "u.disable": "Отключить", "u.enable": "Включить",
+        "u.env": "{name} (VESTI_WEB_USER) — администратор по настройкам, здесь не показан.",
+        "u.events": "Последние действия", "u.when": "когда (UTC)", "u.who": "кто",
+        "u.from": "откуда", "u.what": "что",
+        "decided_by": "{decision}: {who}, {when} UTC", "looking": "· смотрит: {names}",
+        "q.editors": "Редакторы, решавшие одну историю",
+        "q.agreement": "согласились {agreed} из {pairs}",
+        "q.no_pairs": "Пока ни одну историю не решали два редактора.",
     },
 }
 LANGUAGES = tuple(STRINGS)
@@ -9239,9 +9574,13 @@ class Page:
     """What every page needs to speak: the language, the form token and the
     query it was asked with."""
 
-    def __init__(self, lang, token, query):
-        self.lang, self.token, self.query = lang, token, query
+    def __init__(self, lang, token, query, account=None):
+        self.lang, self.token, self.query, self.account = lang, token, query, account
         self.strings = STRINGS[lang]
+
+    def may(self, role):
+        """Whether the page's reader has this role (or a higher one)."""
+        return self.account is None or role_allows(self.account.role, role)
 
     def t(self, key, **values):
         if values:
@@ -9292,10 +9631,11 @@ def esc(value):
 
 
 def layout(page, title, body, here, refresh=False):
+    places = [("/", "desk"), ("/crawlers", "crawlers"), ("/quality", "quality"), ("/outbox", "outbox")]
+    if page.account is not None and page.may("admin"):
+        places.append(("/users", "users"))
     nav = "".join(f'<a href="{esc(page.link(href))}"{" class=here" if href == here else ""}>'
-                  f'{page.t(label)}</a>' for href, label in (("/", "desk"), ("/crawlers", "crawlers"),
-                                                            ("/quality", "quality"),
-                                                            ("/outbox", "outbox")))
+                  f'{page.t(label)}</a>' for href, label in places) + signed_in(page)
     langs = " · ".join(
         f'<a href="{esc(here + "?" + urllib.parse.urlencode({**page.query, "lang": code}))}"'
         f'{" class=here" if code == page.lang else ""}>{code.upper()}</a>' for code in LANGUAGES)
@@ -9305,6 +9645,18 @@ def layout(page, title, body, here, refresh=False):
             f"<title>{esc(title)} · VESTI</title><style>{STYLE}</style></head>"
             f'<body><header><h1>VESTI</h1>{nav}<span class="lang">{langs}</span></header>'
             f"<main>{body}</main></body></html>")
+
+
+def signed_in(page):
+    """Who reads the page, and, for a session signed in on /login, its sign-out."""
+    account = page.account
+    if account is None:
+        return ""
+    out = (f'<form method="post" action="/logout" class="signout">'
+           f'<input type="hidden" name="token" value="{esc(page.token)}">'
+           f'<button>{page.t("sign_out")}</button></form>') if account.session else ""
+    return (f'<span class="account small muted">{esc(account.name)} '
+            f'({page.t("role." + account.role)}){out}</span>')
 
 
 def minutes_since(stamp, now=None):
@@ -9817,10 +10169,24 @@ def is_web_link(url):
 
 
 def decision_form(post, page, back):
+    if not page.may("editor"):
+        return f'<p class="small"><span class="badge state">{said(page.lang, "status." + post["status"])}</span></p>'
     return (f'<form class="decide" method="post" action="/posts/{post["id"]}/status">'
             f'{form_fields(page.token, back)}'
             f'<input type="hidden" name="wording" value="{esc(wording(post))}">'
+            f'<input type="hidden" name="seen" value="{esc(post["status"])}">'
             f'{decision_buttons(page.lang, post["status"])}</form>')
+
+
+def decided_line(post, page):
+    """Who decided the post, and when; and who else is looking at it now
+    (filled in by the desk's script)."""
+    said_by = ""
+    if post["status"] != "new" and post["decided_by"]:
+        said_by = page.t("decided_by", decision=phrase(page.lang, "status." + post["status"]),
+                         who=post["decided_by"], when=post["decided_at"] or "?")
+    return (f'<p class="small muted decided">{said_by}'
+            f'<span class="looking" hidden></span></p>')
 
 
 @functools.lru_cache(maxsize=64)
@@ -9949,7 +10315,8 @@ def card_html(post, page, back, story=None, weighed=(), publications=()):
             f'{words["relevance"]} <b>{esc(post["relevance"])}</b> · '
             f'{words["interest"]} <b>{esc(post["interest"])}</b>{likely}</p>{edited_mark(post, page)}'
             f'<p>{esc(post["summary"])}</p>{story_line(post, story, page)}{why_html}{stored}'
-            f'{outbox_line(publications, page)}{decision_form(post, page, back)}</article>')
+            f'{outbox_line(publications, page)}{decided_line(post, page)}'
+            f'{decision_form(post, page, back)}</article>')
 
 
 def bulk_form(page, posts, back):
@@ -10002,7 +10369,23 @@ var words=JSON.parse(document.getElementById('words').textContent);
 function fill(text,values){return text.replace(/\{(\w+)\}/g,function(m,k){return k in values?values[k]:m})}
 function focus(i){if(!cards.length)return;cur=Math.max(0,Math.min(i,cards.length-1));
  cards.forEach(function(c,k){c.classList.toggle('current',k===cur)});
- cards[cur].scrollIntoView({block:'nearest'});}
+ cards[cur].scrollIntoView({block:'nearest'});look(cards[cur]);}
+/* The others see which card an editor is on; the editor sees theirs. */
+var looker=document.getElementById('look'),looked=null;
+function look(card){if(!looker||!card)return;looked=card;
+ fetch('/posts/'+card.dataset.id+'/look',{method:'POST',credentials:'same-origin',
+  body:new URLSearchParams({token:looker.dataset.token}),
+  headers:{'Accept':'application/json','Content-Type':'application/x-www-form-urlencoded'}})
+ .catch(function(){});}
+function lookers(){if(!cards.length)return;
+ fetch('/api/looks?ids='+cards.map(function(c){return c.dataset.id}).join(','),
+  {credentials:'same-origin',headers:{'Accept':'application/json'}})
+ .then(function(r){return r.ok?r.json():{}}).then(function(found){cards.forEach(function(c){
+  var s=c.querySelector('.looking'),names=found[c.dataset.id];if(!s)return;
+  s.hidden=!names;s.textContent=names?' '+fill(words.looking,{names:names.join(', ')}):'';})})
+ .catch(function(){});}
+if(looker){lookers();setInterval(lookers,4000);
+ setInterval(function(){if(looked)look(looked)},10000);}
 function show(card,status){card.dataset.status=status;
  card.querySelector('.state').textContent=words.status[status];
  [].forEach.call(card.querySelectorAll('form.decide button'),function(b){b.disabled=b.value===status});}
@@ -10019,15 +10402,20 @@ function post(action,fields){
   headers:{'Accept':'application/json','Content-Type':'application/x-www-form-urlencoded'}})
  .catch(function(){throw words.unreachable})
  .then(function(r){if(r.ok)return r.json();
+  if(r.status===409&&r.headers.get('X-Vesti-Conflict')==='decided')
+   return r.text().catch(function(){return ''}).then(function(t){
+    throw t.trim().split('\n')[0]||words.changed});
   if(r.status===409)throw words.changed;
   return r.text().catch(function(){return ''}).then(function(t){
    throw fill(words.answered,{status:r.status,answer:t.trim().split('\n')[0].slice(0,200)})})});}
 /* A decision names the words the card shows: a post edited since is refused (409). */
 function send(card,status){var form=card.querySelector('form.decide');
- return post(form.action,{token:form.token.value,status:status,wording:form.wording.value});}
+ return post(form.action,{token:form.token.value,status:status,wording:form.wording.value,
+  seen:card.saved===undefined?card.dataset.status:card.saved});}
 /* A decision is shown at once; one that did not save shows the decision
    saved before it, says why, and keeps the card in focus to try again. */
 function decide(card,status,move){
+ if(!card.querySelector('form.decide'))return;
  last={card:card,previous:card.dataset.status};
  if(card.saved===undefined)card.saved=card.dataset.status;
  show(card,status);note(card,'');card.dataset.busy=(+card.dataset.busy||0)+1;
@@ -10096,7 +10484,8 @@ def script_words(lang):
     strings = STRINGS[lang]
     words = {"status": {s: strings[f"status.{s}"] for s in DECISIONS},
              "retry": {s: strings[f"retry.{s}"] for s in (*DECISIONS, "bulk")},
-             **{key: strings[key] for key in ("not_saved", "unreachable", "answered", "changed")}}
+             **{key: strings[key] for key in ("not_saved", "unreachable", "answered", "changed",
+                                              "looking")}}
     return json.dumps(words, ensure_ascii=False).replace("<", "\\u003c")
 
 
@@ -10191,6 +10580,7 @@ def desk_page(conn, desk, page, directions, settings, sources=None, learners=Non
             f"{cards}{bulk_form(page, posts, here) if desk.status == 'new' else ''}"
             f"<nav class=pages>{pager}</nav>"
             f"{keys_overlay(page)}"
+            f'<span id="look" data-token="{esc(page.token)}" hidden></span>'
             f'<script type="application/json" id="words">{script_words(page.lang)}</script>'
             f"<script>{DESK_SCRIPT}</script>")
     return layout(page, page.strings["desk"], body, "/")
@@ -10266,9 +10656,21 @@ def quality_section(card, page):
             f'</section>')
 
 
-def quality_page(report, page):
+def agreement_section(agreement, page):
+    if not agreement["pairs"]:
+        return f'<section id="agreement"><p class="muted">{page.t("q.no_pairs")}</p></section>'
+    rows = "".join(f'<tr><td>{esc(pair)}</td><td>{page.t("q.agreement", **f)}</td></tr>'
+                   for pair, f in agreement["by_pair"].items())
+    return (f'<section id="agreement"><h2>{page.t("q.editors")}</h2>'
+            f'<p>{page.t("q.agreement", pairs=agreement["pairs"], agreed=agreement["agreed"])}</p>'
+            f'<table>{rows}</table></section>')
+
+
+def quality_page(report, page, agreement=None):
     body = "".join(quality_section(card, page) for card in report) or \
         f'<p class="muted">{page.t("q.none")}</p>'
+    if agreement is not None:
+        body += agreement_section(agreement, page)
     return layout(page, page.strings["quality"], body, "/quality")
 
 
@@ -10376,6 +10778,71 @@ def outbox_section(conn, target, page):
     return (f'<section id="target-{esc(target["name"])}"><h2>{esc(target["name"])}</h2>'
             f'<p class="muted">{" · ".join(facts)}</p>'
             + "".join(f'<p class="banner">{w}</p>' for w in warnings) + table + "</section>")
+
+
+def login_form(page, token, after, wrong=False):
+    """The sign-in form: name, password, and its hidden fields."""
+    note = f'<p class="banner" role="alert">{page.t("login.wrong")}</p>' if wrong else ""
+    return (f'<h2>{page.t("login.title")}</h2>{note}'
+            f'<form method="post" action="/login" class="login">'
+            f'<input type="hidden" name="token" value="{esc(token)}">'
+            f'<input type="hidden" name="next" value="{esc(after)}">'
+            f'<p><label>{page.t("login.user")}<br><input name="user" autocomplete="username" '
+            f'required autofocus></label></p>'
+            f'<p><label>{page.t("login.password")}<br><input name="password" type="password" '
+            f'autocomplete="current-password" required></label></p>'
+            f'<p><button class="primary">{page.t("sign_in")}</button></p></form>')
+
+
+def role_options(page, chosen):
+    return "".join(f'<option value="{role}"{" selected" if role == chosen else ""}>'
+                   f'{page.t("role." + role)}</option>' for role in ROLES)
+
+
+def user_row(user, page):
+    def form(action, label, extra=""):
+        return (f'<form method="post" action="/users/{esc(user["name"])}" class="actions">'
+                f'<input type="hidden" name="token" value="{esc(page.token)}">{extra}'
+                f'<button name="action" value="{action}">{page.t(label)}</button></form>')
+    own = page.account is not None and page.account.name == user["name"]
+    actions = [form("password", "u.set_password",
+                    f'<input type="password" name="password" autocomplete="new-password" '
+                    f'minlength="{MIN_PASSWORD}" placeholder="{page.t("u.password")}">')]
+    if not own:
+        actions.append(form("role", "u.set_role",
+                            f'<select name="role">{role_options(page, user["role"])}</select>'))
+        actions.append(form("enable", "u.enable") if user["disabled"] else
+                       form("disable", "u.disable"))
+    state = page.t("u.disabled") if user["disabled"] else page.t("u.enabled")
+    return (f'<tr id="user-{esc(user["name"])}"><td>{esc(user["name"])}</td>'
+            f'<td>{page.t("role." + user["role"]) if user["role"] in ROLES else esc(user["role"])}</td>'
+            f'<td>{state}</td><td>{esc(user["created_at"])}</td><td>{user["sessions"]}</td>'
+            f'<td>{"".join(actions)}</td></tr>')
+
+
+def users_page(conn, page, settings_user):
+    """The accounts, a form to add one, and the latest events."""
+    users = "".join(user_row(user, page) for user in list_users(conn)
+                    if user["password_hash"] != SETTINGS_ACCOUNT)
+    add = (f'<form method="post" action="/users" class="actions">'
+           f'<input type="hidden" name="token" value="{esc(page.token)}">'
+           f'<input name="name" required pattern="[A-Za-z0-9][A-Za-z0-9._-]{{0,63}}" '
+           f'placeholder="{page.t("u.name")}"> <select name="role">{role_options(page, "editor")}'
+           f'</select> <input type="password" name="password" autocomplete="new-password" '
+           f'minlength="{MIN_PASSWORD}" required placeholder="{page.t("u.password")}"> '
+           f'<button class="primary">{page.t("u.add")}</button></form>')
+    events = "".join(f'<tr><td>{esc(e["at"])}</td><td>{esc(e["user_name"])}</td>'
+                     f'<td>{esc(e["address"])}</td><td>{esc(e["action"])}</td>'
+                     f'<td>{esc(e["subject"])}</td><td>{esc(e["detail"])}</td></tr>'
+                     for e in recent_events(conn))
+    body = (f'<h2>{page.t("users")}</h2><p class="muted">{page.t("u.env", name=settings_user)}</p>'
+            f'<table class="users"><tr><th>{page.t("u.name")}</th><th>{page.t("u.role")}</th>'
+            f'<th>{page.t("u.state")}</th><th>{page.t("u.created")}</th>'
+            f'<th>{page.t("u.sessions")}</th><th></th></tr>{users}</table>{add}'
+            f'<h2>{page.t("u.events")}</h2><table class="events"><tr><th>{page.t("u.when")}</th>'
+            f'<th>{page.t("u.who")}</th><th>{page.t("u.from")}</th><th>{page.t("u.what")}</th>'
+            f'<th></th><th></th></tr>{events}</table>')
+    return layout(page, page.strings["users"], body, "/users")
 
 
 def outbox_page(conn, page):
@@ -10571,30 +11038,6 @@ def metrics_text(conn):
 ###############################################################################
 # Passwords, the routes, and the server that reads requests and answers them.
 
-# scrypt's cost for a kept password: one of OWASP's equivalent settings
-# (N=2**14, r=8, p=5: 16 MB, about a tenth of a second here), paid once per
-# password a client presents: a password that matched is remembered.
-SCRYPT = {"n": 2 ** 14, "r": 8, "p": 5}
-
-
-def password_hash(password, salt=None):
-    """'scrypt:N:r:p:salt:hash' of a password, the only form it is kept in."""
-    salt = salt or secrets.token_bytes(16)
-    digest = hashlib.scrypt(password.encode(), salt=salt, dklen=32, **SCRYPT)
-    return f"scrypt:{SCRYPT['n']}:{SCRYPT['r']}:{SCRYPT['p']}:{salt.hex()}:{digest.hex()}"
-
-
-def password_matches(password, kept):
-    """True when `password` is the one `kept` is the hash of."""
-    try:
-        kind, n, r, p, salt, digest = kept.split(":")
-        computed = hashlib.scrypt(password.encode(), salt=bytes.fromhex(salt), n=int(n),
-                                  r=int(r), p=int(p), dklen=len(digest) // 2)
-    except (ValueError, AttributeError):
-        return False
-    return kind == "scrypt" and hmac.compare_digest(computed.hex(), digest)
-
-
 def generated_web_password(conn):
     """With no VESTI_WEB_PASSWORD: a password made at the first start and
     kept, hashed, in the database, so open pages, feed readers and metrics
@@ -10616,6 +11059,50 @@ LOGIN_FAILURES = 5
 LOGIN_WINDOW = 900
 # Addresses remembered at most (the oldest forgotten first).
 LOGIN_ADDRESSES = 10_000
+
+
+@dataclasses.dataclass(frozen=True)
+class Account:
+    """Who a request comes from: the name, the role, the token its forms
+    carry, and the session's cookie when signed in on /login."""
+    name: str
+    role: str
+    token: str
+    session: str = None
+
+
+SESSION_COOKIE = "vesti_session"
+LOGIN_COOKIE = "vesti_login"
+
+
+def cookies_of(headers):
+    jar = http.cookies.SimpleCookie()
+    with contextlib.suppress(http.cookies.CookieError):
+        jar.load(headers.get("Cookie") or "")
+    return {name: morsel.value for name, morsel in jar.items()}
+
+
+def session_cookie(headers):
+    return cookies_of(headers).get(SESSION_COOKIE)
+
+
+def behind_https(headers):
+    """The request came over HTTPS through a proxy that says so."""
+    return (headers.get("X-Forwarded-Proto") or "").split(",")[0].strip().lower() == "https"
+
+
+def cookie(headers, name, value, max_age=None):
+    """A Set-Cookie value: HttpOnly, SameSite=Lax, Secure behind HTTPS."""
+    parts = [f"{name}={value}", "Path=/", "HttpOnly", "SameSite=Lax"]
+    if max_age is not None:
+        parts.append(f"Max-Age={max_age}")
+    if behind_https(headers):
+        parts.append("Secure")
+    return "; ".join(parts)
+
+
+def ended_cookie(headers):
+    return cookie(headers, SESSION_COOKIE, "", max_age=0)
 
 
 class WrongPasswords:
@@ -10805,21 +11292,31 @@ class WebApp:
                         "(slower on a big database)")
         self.learners = Learners(settings.learn_min)
         self.rescorer = Rescorer(db, self.learners)
+        # (method, path, handler, the role it needs; None: no sign-in).
         self.routes = [
-            ("GET", re.compile(r"/"), self.desk),
-            ("GET", re.compile(r"/api/posts"), self.api_posts),
-            ("GET", re.compile(r"/quality"), self.quality),
-            ("GET", re.compile(r"/outbox"), self.outbox),
-            ("POST", re.compile(r"/publications/([1-9][0-9]{0,17})"), self.publication),
-            ("GET", re.compile(r"/crawlers"), self.crawlers),
-            ("POST", re.compile(r"/crawlers/reset"), self.reset),
-            ("GET", re.compile(r"/api/queue"), self.api_queue),
-            ("POST", re.compile(r"/posts/([1-9][0-9]{0,17})/status"), self.decide),
-            ("POST", re.compile(r"/posts/status"), self.decide_many),
-            ("GET", re.compile(r"/approved\.atom"), self.approved_atom),
-            ("GET", re.compile(r"/approved\.json"), self.approved_json),
-            ("GET", re.compile(r"/metrics"), self.metrics),
-            ("GET", re.compile(r"/healthz"), self.healthz),
+            ("GET", re.compile(r"/"), self.desk, "viewer"),
+            ("GET", re.compile(r"/api/posts"), self.api_posts, "viewer"),
+            ("GET", re.compile(r"/quality"), self.quality, "viewer"),
+            ("GET", re.compile(r"/outbox"), self.outbox, "viewer"),
+            ("POST", re.compile(r"/publications/([1-9][0-9]{0,17})"), self.publication, "editor"),
+            ("GET", re.compile(r"/crawlers"), self.crawlers, "viewer"),
+            ("POST", re.compile(r"/crawlers/reset"), self.reset, "admin"),
+            ("GET", re.compile(r"/api/queue"), self.api_queue, "viewer"),
+            ("POST", re.compile(r"/posts/([1-9][0-9]{0,17})/status"), self.decide, "editor"),
+            ("POST", re.compile(r"/posts/status"), self.decide_many, "editor"),
+            ("POST", re.compile(r"/posts/([1-9][0-9]{0,17})/look"), self.look, "viewer"),
+            ("GET", re.compile(r"/api/looks"), self.api_looks, "viewer"),
+            ("GET", re.compile(r"/approved\.atom"), self.approved_atom, "viewer"),
+            ("GET", re.compile(r"/approved\.json"), self.approved_json, "viewer"),
+            ("GET", re.compile(r"/metrics"), self.metrics, "viewer"),
+            ("GET", re.compile(r"/users"), self.users, "admin"),
+            ("POST", re.compile(r"/users"), self.add_account, "admin"),
+            ("POST", re.compile(r"/users/([A-Za-z0-9][A-Za-z0-9._-]{0,63})"), self.change_account,
+             "admin"),
+            ("GET", re.compile(r"/login"), self.login_page, None),
+            ("POST", re.compile(r"/login"), self.login, None),
+            ("POST", re.compile(r"/logout"), self.logout, "viewer"),
+            ("GET", re.compile(r"/healthz"), self.healthz, None),
         ]
 
     def use(self, registry):
@@ -10828,22 +11325,17 @@ class WebApp:
         self._sources = (-math.inf, "")
 
     def token(self):
-        """The forms' token: the same across restarts (a page left open
-        overnight still posts), another once the password changes."""
+        """The forms' token of the VESTI_WEB_USER account: the same across
+        restarts (a page left open overnight still posts), another once the
+        password changes."""
         password = self.password if self.password is not None else self.kept or ""
         signed = f"{self.user}\0{hashlib.sha256(password.encode()).hexdigest()}"
         return hmac.new(self.secret, signed.encode(), hashlib.sha256).hexdigest()
 
-    def authorized(self, header, slow=True):
-        """Basic auth, compared in constant time. Without `slow`, a password
-        that would need a scrypt check is taken as wrong (see check_login)."""
-        credentials = basic_credentials(header)
-        if credentials is None:
-            return False
-        user, password = credentials
-        # Both compared every time (&, not and), so timing tells nothing.
-        return hmac.compare_digest(user.encode(), self.user.encode()) & \
-            self.right_password(password, slow)
+    def user_token(self, user):
+        """The forms' token of an account signing in with Basic auth."""
+        signed = f"user\0{user['name']}\0{user['password_hash']}"
+        return hmac.new(self.secret, signed.encode(), hashlib.sha256).hexdigest()
 
     def make_password(self):
         """With no VESTI_WEB_PASSWORD, the kept password, made now if there
@@ -10855,48 +11347,99 @@ class WebApp:
         return made
 
     def right_password(self, password, slow=True):
+        """The VESTI_WEB_USER account's password (VESTI_WEB_PASSWORD, or the
+        kept one)."""
         if self.password is not None:
             return hmac.compare_digest(password.encode(), self.password.encode())
-        seen = hashlib.sha256(password.encode()).digest()
+        return self.matches(password, self.kept, slow)
+
+    def matches(self, password, kept, slow=True):
+        """password_matches, remembered once it did: a client sends its
+        password with every request. Without `slow`, a password that would
+        need a scrypt check is taken as wrong (see check_login)."""
+        if kept is None:
+            return False
+        seen = hashlib.sha256(f"{kept}\0{password}".encode()).digest()
         if seen in self.matched:
             return True
-        if not slow or self.kept is None:
+        if not slow:
             return False
         with self.hashing:
-            if not password_matches(password, self.kept):
+            if not password_matches(password, kept):
                 return False
         self.matched.add(seen)
         return True
 
+    def account(self, name, password, slow=True):
+        """The Account these credentials sign in as, or None: the
+        VESTI_WEB_USER admin first, then the users table."""
+        if hmac.compare_digest(name.encode(), self.user.encode()) & \
+                self.right_password(password, slow):
+            return Account(self.user, "admin", self.token())
+        user = find_user(self.db.conn(), name) if USER_NAME.fullmatch(name) else None
+        if user is None or user["disabled"] or not self.matches(password, user["password_hash"], slow):
+            return None
+        return Account(user["name"], user["role"], self.user_token(user))
+
     def check_login(self, request):
-        """Basic auth on every path but /healthz. Credentials told right
-        without scrypt (VESTI_WEB_PASSWORD, or the kept password once it was
-        given) always pass; otherwise an address that gave LOGIN_FAILURES
-        wrong passwords lately waits (429) before it may try again. A request
-        with no credentials (a browser's first) is no wrong password."""
+        """Who is asking: a signed-in session's cookie, or Basic auth. Basic
+        credentials told right without scrypt (VESTI_WEB_PASSWORD, or a
+        password given before) always pass; otherwise an address or a user
+        name that gave LOGIN_FAILURES wrong passwords lately waits (429)
+        before it may try again. A request with no credentials (a browser's
+        first) is no wrong password."""
+        cookie = session_cookie(request.headers)
+        if cookie:
+            row = session_of(self.db.conn(), cookie, self.settings.session_hours)
+            if row is not None:
+                return Account(row["user_name"], row["role"], row["form_token"], cookie)
         header = request.headers.get("Authorization")
-        if header is None:
+        credentials = basic_credentials(header) if header else None
+        if credentials is None:
+            if cookie and request.command in ("GET", "HEAD") and not header:
+                # A browser whose session ended: to the sign-in page.
+                abort(303, "Signed out", {"Location": "/login?" + urllib.parse.urlencode(
+                    {"next": request.path if LOCAL_PATH.fullmatch(request.path) else "/"}),
+                    "Set-Cookie": ended_cookie(request.headers)})
             self.ask_for_login()
-        if self.authorized(header, slow=False):
-            return
-        address = request.client_address[0]
-        wait = self.wrong.begin(address)
-        if wait:
-            abort(429, f"Too many wrong passwords from {address}; try again in "
-                       f"{math.ceil(wait / 60)} min", {"Retry-After": str(wait)})
-        right = False
+        name, password = credentials
+        found = self.account(name, password, slow=False)
+        if found is None:
+            found = self.guarded(request.client_address[0], name,
+                                 lambda: self.account(name, password))
+        if found is None:
+            self.ask_for_login()
+        return found
+
+    def guarded(self, address, name, check):
+        """check() under the limit on wrong passwords per address and per
+        user name: 429 while either is over it. Returns what check returned."""
+        keys = [address, f"user:{name}"]
+        begun = []
+        for key in keys:
+            wait = self.wrong.begin(key)
+            if wait:
+                for done in begun:
+                    self.wrong.end(done, failed=False)
+                who = f"for {name}" if key.startswith("user:") else f"from {address}"
+                abort(429, f"Too many wrong passwords {who}; try again in "
+                           f"{math.ceil(wait / 60)} min", {"Retry-After": str(wait)})
+            begun.append(key)
+        found = None
         try:
-            right = self.password is None and self.authorized(header)
+            found = check()
         finally:
-            if self.wrong.end(address, failed=not right):
-                log.warning("web: %d wrong passwords from %s in %d minutes; its tries are "
-                            "refused for a while", LOGIN_FAILURES, address, LOGIN_WINDOW // 60)
-        if not right:
-            self.ask_for_login()
+            reached = [f"for user {shorten(name, 64)!r}" if key.startswith("user:") else
+                       f"from {address}" for key in keys if self.wrong.end(key, failed=not found)]
+            if reached:
+                log.warning("web: %d wrong passwords %s in %d minutes; further tries are "
+                            "refused for a while", LOGIN_FAILURES, " and ".join(reached),
+                            LOGIN_WINDOW // 60)
+        return found
 
     @staticmethod
     def ask_for_login():
-        abort(401, "Authentication required",
+        abort(401, "Authentication required (browsers: sign in at /login)",
               {"WWW-Authenticate": 'Basic realm="VESTI", charset="UTF-8"'})
 
     def same_origin(self, request):
@@ -10915,17 +11458,22 @@ class WebApp:
 
     def route(self, request, method):
         path, _, query = request.path.partition("?")
-        if not (method in ("GET", "HEAD") and path == "/healthz"):
-            self.check_login(request)
-        matches = [(m, r.fullmatch(path), h) for m, r, h in self.routes if r.fullmatch(path)]
+        public = any(r.fullmatch(path) and (m == method or (method == "HEAD" and m == "GET"))
+                     and role is None for m, r, _, role in self.routes)
+        request.account = None if public else self.check_login(request)
+        matches = [(m, r.fullmatch(path), h, role) for m, r, h, role in self.routes
+                   if r.fullmatch(path)]
         if not matches:
             abort(404, "Not found")
-        for route_method, match, handler in matches:
+        for route_method, match, handler, role in matches:
             if route_method == method or (method == "HEAD" and route_method == "GET"):
+                account = request.account
+                if role is not None and not role_allows(account.role, role):
+                    abort(403, f"This needs the {role} role; {account.name} is {account.role}")
                 form = self.read_form(request) if method == "POST" else {}
                 flat = {k: v[-1] for k, v in urllib.parse.parse_qs(query).items()}
                 return handler(request, flat, form, *match.groups())
-        methods = {m for m, _, _ in matches}
+        methods = {m for m, _, _, _ in matches}
         allowed = ", ".join(sorted(methods | ({"HEAD"} if "GET" in methods else set())))
         abort(405, "Method not allowed", {"Allow": allowed})
 
@@ -10936,16 +11484,19 @@ class WebApp:
         body = request.rfile.read(length).decode("utf-8", "replace")
         return urllib.parse.parse_qs(body)
 
-    def check_forgery(self, request, form):
+    def check_forgery(self, request, form, expected=None):
         token = (form.get("token") or [""])[-1]
-        if not hmac.compare_digest(token.encode(), self.token().encode()) or \
+        expected = expected or request.account.token
+        if not hmac.compare_digest(token.encode(), expected.encode()) or \
                 not self.same_origin(request):
             abort(403, "Cross-site request refused")
 
     def page(self, request, query):
         lang = choose_language(self.settings.lang, query.get("lang"),
                                request.headers.get("Accept-Language"))
-        return Page(lang, self.token(), {k: v for k, v in query.items() if k == "lang"})
+        account = request.account
+        return Page(lang, account.token if account else "", {k: v for k, v in query.items()
+                                                             if k == "lang"}, account)
 
     def html(self, request, text):
         request.reply(200, "text/html; charset=utf-8", text.encode("utf-8"))
@@ -10960,7 +11511,8 @@ class WebApp:
 
     def quality(self, request, query, form):
         report = quality_report(self.db.conn(), self.registry.directions, self.settings)
-        self.html(request, quality_page(report, self.page(request, query)))
+        self.html(request, quality_page(report, self.page(request, query),
+                                        editor_agreement(self.db.conn())))
 
     def outbox(self, request, query, form):
         self.html(request, outbox_page(self.db.conn(), self.page(request, query)))
@@ -10979,8 +11531,9 @@ class WebApp:
             abort(400, f"the text to send may be at most {TELEGRAM_LIMIT} characters")
         seen = (form.get("seen") or [""])[-1]
         try:
-            row = act_on_publication(self.db.conn(), int(publication_id), action, self.user,
-                                     text, seen=seen or None)
+            row = act_on_publication(self.db.conn(), int(publication_id), action,
+                                     request.account.name, text, seen=seen or None,
+                                     address=request.client_address[0])
         except Conflict as e:
             abort(409, str(e))
         if row is None:
@@ -11017,9 +11570,108 @@ class WebApp:
 
     def reset(self, request, query, form):
         self.check_forgery(request, form)
-        count = reset_dead(self.db.conn())
-        log.info("web: %d dead sources reset", count)
+        conn = self.db.conn()
+        with transaction(conn):
+            count = reset_dead(conn)
+            record_event(conn, request.account.name, request.client_address[0], "reset dead",
+                         None, f"{count} sources")
+        log.info("web: %d dead sources reset by %s", count, request.account.name)
         request.reply(303, "text/plain", b"", {"Location": "/crawlers"})
+
+    def look(self, request, query, form, post_id):
+        """The signed-in editor looks at this card now (the desk says so)."""
+        self.check_forgery(request, form)
+        note_look(self.db.conn(), int(post_id), request.account.name)
+        self.json(request, {"id": int(post_id)})
+
+    def api_looks(self, request, query, form):
+        """{post id: [names]} of the others looking at the cards `ids` names."""
+        ids = [int(i) for i in query.get("ids", "").split(",")[:MAX_BULK] if POST_ID.fullmatch(i)]
+        self.json(request, {str(k): v for k, v in
+                            lookers(self.db.conn(), ids, request.account.name).items()})
+
+    def users(self, request, query, form):
+        self.html(request, users_page(self.db.conn(), self.page(request, query), self.user))
+
+    def add_account(self, request, query, form):
+        self.check_forgery(request, form)
+        name, role = (form.get("name") or [""])[-1].strip(), (form.get("role") or [""])[-1]
+        if name == self.user:
+            abort(400, f"{name} is the VESTI_WEB_USER account of the settings")
+        try:
+            add_user(self.db.conn(), name, role, (form.get("password") or [""])[-1],
+                     request.account.name, request.client_address[0])
+        except ConfigError as e:
+            abort(400, str(e))
+        log.info("web: user %s added by %s", name, request.account.name)
+        request.reply(303, "text/plain", b"", {"Location": "/users"})
+
+    def change_account(self, request, query, form, name):
+        self.check_forgery(request, form)
+        action = (form.get("action") or [""])[-1]
+        changes = {"role": {"role": (form.get("role") or [""])[-1]},
+                   "password": {"password": (form.get("password") or [""])[-1]},
+                   "disable": {"disabled": True}, "enable": {"disabled": False}}
+        if action not in changes:
+            abort(400, f"action must be one of {', '.join(changes)}")
+        if name == request.account.name and action in ("disable", "role"):
+            abort(400, "an admin does not disable or demote their own account here "
+                       "(another admin, or `vesti.py user`, can)")
+        try:
+            change_user(self.db.conn(), name, request.account.name, request.client_address[0],
+                        **changes[action])
+        except ConfigError as e:
+            abort(404 if "no user" in str(e) else 400, str(e))
+        log.info("web: user %s: %s by %s", name, action, request.account.name)
+        request.reply(303, "text/plain", b"", {"Location": f"/users#user-{name}"})
+
+    def login_nonce(self, request):
+        """The sign-in form's token, tied to a cookie of this browser (a page
+        of another site cannot sign a browser in under its own account)."""
+        nonce = cookies_of(request.headers).get(LOGIN_COOKIE)
+        made = nonce is None or not re.fullmatch(r"[A-Za-z0-9_-]{20,64}", nonce)
+        if made:
+            nonce = secrets.token_urlsafe(24)
+        token = hmac.new(self.secret, f"login\0{nonce}".encode(), hashlib.sha256).hexdigest()
+        return token, (cookie(request.headers, LOGIN_COOKIE, nonce) if made else None)
+
+    def login_page(self, request, query, form, wrong=False):
+        token, made = self.login_nonce(request)
+        after = query.get("next") or (form.get("next") or ["/"])[-1]
+        page = self.page(request, query)
+        body = login_form(page, token, after if LOCAL_PATH.fullmatch(after) else "/", wrong)
+        request.reply(401 if wrong else 200, "text/html; charset=utf-8",
+                      layout(page, page.strings["login.title"], body, "/login").encode(),
+                      {"Set-Cookie": made} if made else None)
+
+    def login(self, request, query, form):
+        """Sign in: a session for the account, its cookie in the answer."""
+        token, _ = self.login_nonce(request)
+        self.check_forgery(request, form, token)
+        name, password = (form.get("user") or [""])[-1], (form.get("password") or [""])[-1]
+        address = request.client_address[0]
+        found = self.guarded(address, name, lambda: self.account(name, password))
+        if found is None:
+            log.warning("web: sign-in refused for %r from %s", shorten(name, 64), address)
+            return self.login_page(request, query, form, wrong=True)
+        if found.name == self.user and find_user(self.db.conn(), found.name) is None:
+            # The settings' account gets a row, so that its sessions have one.
+            with transaction(self.db.conn()) as conn:
+                conn.execute("INSERT INTO users (name, role, password_hash, created_at) "
+                             "VALUES (?, 'admin', ?, ?) ON CONFLICT DO NOTHING",
+                             (found.name, SETTINGS_ACCOUNT, utc_text()))
+        session, _ = start_session(self.db.conn(), found.name, address)
+        after = (form.get("next") or ["/"])[-1]
+        request.reply(303, "text/plain", b"", {
+            "Location": after if LOCAL_PATH.fullmatch(after) else "/",
+            "Set-Cookie": cookie(request.headers, SESSION_COOKIE, session)})
+
+    def logout(self, request, query, form):
+        self.check_forgery(request, form)
+        if request.account.session:
+            end_session(self.db.conn(), request.account.session, request.client_address[0])
+        request.reply(303, "text/plain", b"", {"Location": "/login",
+                                               "Set-Cookie": ended_cookie(request.headers)})
 
     def decision(self, form):
         status = (form.get("status") or [""])[-1]
@@ -11031,7 +11683,12 @@ class WebApp:
         self.check_forgery(request, form)
         status = self.decision(form)
         seen = (form.get("wording") or [""])[-1]
-        if not self.decide_posts([int(post_id)], status, {int(post_id): seen} if seen else None):
+        saw = (form.get("seen") or [""])[-1]
+        if saw and saw not in DECISIONS:
+            abort(400, "seen must be new, approved or rejected")
+        if not self.decide_posts(request, [int(post_id)], status,
+                                 {int(post_id): seen} if seen else None,
+                                 {int(post_id): saw} if saw else None):
             abort(404, "No such post")
         if "application/json" in request.headers.get("Accept", ""):
             return self.json(request, {"id": int(post_id), "status": status})
@@ -11048,7 +11705,7 @@ class WebApp:
         # The page's own form asks first; a script's post decides at once.
         if not wants_json and form.get("ask") and (form.get("confirmed") or [""])[-1] != "1":
             return self.confirm_many(request, query, form, ids, status)
-        changed = self.decide_posts(ids, status, named_wordings(form, ids))
+        changed = self.decide_posts(request, ids, status, named_wordings(form, ids))
         if wants_json:
             return self.json(request, {"ids": ids, "status": status, "changed": changed})
         self.back(request, form)
@@ -11057,21 +11714,25 @@ class WebApp:
         """A form's decision on many posts is asked again first (the page's
         script asks in place and sends it confirmed)."""
         back = (form.get("back") or ["/"])[-1]
-        fields = (("token", self.token()), ("ids", ",".join(map(str, ids))), ("status", status),
+        fields = (("token", request.account.token), ("ids", ",".join(map(str, ids))),
+                  ("status", status),
                   ("back", back), *(("wording", words) for words in form.get("wording", [])))
         self.html(request, bulk_confirmation(self.page(request, query),
                                              titled_posts(self.db.conn(), ids), status, fields,
                                              back if LOCAL_PATH.fullmatch(back) else "/"))
 
-    def decide_posts(self, ids, status, seen):
+    def decide_posts(self, request, ids, status, seen, saw=None):
         """set_decisions by the signed-in editor, refused (409, nothing
         decided) when a post changed since the page naming its words was
-        loaded."""
+        loaded, or another editor decided it meanwhile (naming who)."""
         try:
-            found = set_decisions(self.db.conn(), ids, status, self.user, seen)
+            found = set_decisions(self.db.conn(), ids, status, request.account.name, seen, saw,
+                                  address=request.client_address[0])
         except Reworded as e:
             post = "this post" if len(ids) == 1 else f"post {e.post_id}"
             abort(409, f"{post} changed since your page was loaded; reload to see it")
+        except Redecided as e:
+            abort(409, str(e), {"X-Vesti-Conflict": "decided"})
         self.rescorer.ask(decided_directions(self.db.conn(), ids))
         return found
 
@@ -12547,6 +13208,11 @@ def cmd_quality(args, settings):
         for name, e in card["editors"].items():
             print(f"  editor {name}: {e['decisions']} decisions, {e['per_day']} a day, "
                   f"approval rate {e['approval_rate']}")
+    agreement = editor_agreement(db.conn())
+    if agreement["pairs"]:
+        print(f"editors who decided the same post: {agreement['agreed']} of "
+              f"{agreement['pairs']} agreed; " + ", ".join(
+                  f"{pair} {f['agreed']}/{f['pairs']}" for pair, f in agreement["by_pair"].items()))
     return 0
 
 
@@ -12604,6 +13270,52 @@ def cmd_publish(args, settings):
     print(f"publish: {publisher.sent} sent, {publisher.failed} failed, "
           f"{publisher.uncertain} uncertain, {waiting} waiting in "
           f"{time.monotonic() - started:.1f} s", flush=True)
+    return 0
+
+
+def new_password(name):
+    """A new password: asked twice on a terminal, else one line of stdin
+    (never from the command line, where `ps` and the shell's history show it)."""
+    if sys.stdin.isatty():
+        first = getpass.getpass(f"new password for {name}: ")
+        if getpass.getpass("the same again: ") != first:
+            raise ConfigError("the two passwords differ; nothing changed")
+        return first
+    line = sys.stdin.readline()
+    if not line:
+        raise ConfigError("no password on stdin (one line), and stdin is no terminal to ask on")
+    return line.rstrip("\r\n")
+
+
+def cmd_user(args, settings):
+    """Accounts of the newsroom: add, passwd, disable, enable, list."""
+    _, db = open_intake(settings)
+    conn = db.conn()
+    who = "cli:" + (os.environ.get("USER") or os.environ.get("LOGNAME") or "?")
+    if args.action == "list":
+        users = [u for u in list_users(conn) if u["password_hash"] != SETTINGS_ACCOUNT]
+        print(f"{settings.web_user}: admin (VESTI_WEB_USER, by the settings)")
+        for user in users:
+            print(f"{user['name']}: {user['role']}{', disabled' if user['disabled'] else ''}, "
+                  f"{user['sessions']} sessions, since {user['created_at'] or '-'} UTC")
+        return 0
+    if not args.name:
+        raise ConfigError(f"user {args.action}: name the user (user {args.action} NAME)")
+    if args.action == "add":
+        password = new_password(args.name)
+        add_user(conn, args.name, args.role or "editor", password, who, "local")
+        print(f"user {args.name} added as {args.role or 'editor'}")
+    elif args.action == "passwd":
+        change_user(conn, args.name, who, "local", password=new_password(args.name))
+        print(f"password of {args.name} changed; its sessions ended")
+    elif args.role and args.action == "role":
+        change_user(conn, args.name, who, "local", role=args.role)
+        print(f"{args.name} is {args.role} now")
+    elif args.action in ("disable", "enable"):
+        change_user(conn, args.name, who, "local", disabled=args.action == "disable")
+        print(f"{args.name} {args.action}d" + ("; its sessions ended" if args.action == "disable" else ""))
+    else:
+        raise ConfigError("user role: say which with --role viewer|editor|admin")
     return 0
 
 
@@ -12801,6 +13513,12 @@ def build_parser():
                       "targets of sources.yaml (run does this too)")
     publish.add_argument("--forever", action="store_true",
                          help="keep sending as posts are approved, until stopped")
+    user = command("user", cmd_user, "the newsroom's accounts: user add NAME [--role R], "
+                   "user passwd NAME, user disable NAME, user enable NAME, "
+                   "user role NAME --role R, user list")
+    user.add_argument("action", choices=("add", "passwd", "disable", "enable", "role", "list"))
+    user.add_argument("name", nargs="?", help="the user's name (letters, digits, . _ -)")
+    user.add_argument("--role", choices=ROLES, help="viewer, editor (default) or admin")
     status = command("status", cmd_status, "queue sizes and source health")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     export = command("export", cmd_export, "classified posts to stdout (approved by default)")
