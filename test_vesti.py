@@ -6378,6 +6378,41 @@ def test_the_desk_from_the_keyboard_decides_in_place(web, browser):
         == "new"
 
 
+def test_an_editor_signs_in_sees_who_else_looks_and_signs_out_in_a_real_browser(web, browser):
+    accounts = newsroom(web)
+    conn = web.db.conn()
+    ids = [desk_post(conn, lwn(web), k) for k in range(1, 4)]
+    top = ids[-1]                                           # newest first
+    browser.open(web.origin + "/login", {})
+    browser.evaluate("document.querySelector('input[name=user]').value = 'anna';"
+                     "document.querySelector('input[name=password]').value = 'anna-password';")
+    browser.events.clear()
+    browser.evaluate("document.querySelector('form.login button').click()")
+    browser.wait_for_load()
+    assert browser.evaluate("location.pathname") == "/"
+    assert "anna" in browser.evaluate("document.querySelector('.account').textContent")
+    boris = form_token(web, accounts["boris"])
+    web.post(f"/posts/{top}/look", {"token": boris}, auth=False, headers=accounts["boris"])
+    assert wait_for(lambda: "boris looking" in browser.evaluate(
+        f"document.querySelector('#post-{top} .looking').textContent"), timeout=10)
+    press(browser, "j")                                     # anna is on the first card
+    assert wait_for(lambda: json.loads(web.get(f"/api/looks?ids={top}", auth=False,
+                                               headers=accounts["boris"])[2]) == {str(top): ["anna"]},
+                    timeout=10)
+    web.post(f"/posts/{top}/status", {"token": boris, "status": "approved", "seen": "new"},
+             auth=False, headers=accounts["boris"])
+    press(browser, "r")                                     # anna's page still shows it new
+    assert wait_for(lambda: "by boris" in (browser.evaluate(
+        f"(document.querySelector('#post-{top} .unsaved') || {{}}).textContent") or ""), timeout=10)
+    assert conn.execute("SELECT status, decided_by FROM posts WHERE id = ?", (top,)).fetchone()[:] \
+        == ("approved", "boris")
+    browser.events.clear()
+    browser.evaluate("document.querySelector('form.signout button').click()")
+    browser.wait_for_load()
+    assert browser.evaluate("location.pathname") == "/login"
+    assert conn.execute("SELECT count(*) FROM sessions").fetchone()[0] == 0
+
+
 def test_a_decision_in_place_takes_the_edited_after_decision_mark_away(web, browser):
     conn = web.db.conn()
     post = desk_post(conn, lwn(web), 1, title="Cheap pills for Linux users")
