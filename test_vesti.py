@@ -6906,6 +6906,9 @@ def test_an_admin_manages_accounts_on_the_users_page_and_names_are_safe(web):
     page = web.get("/users", auth=False, headers=accounts["olga"])[2]
     assert 'id="user-petr"' in page and "disabled" in page and "user add" in page
     assert "long-enough" not in page
+    # The sign-in page's own field says nothing a stranger's link put there.
+    page = web.get('/login?next="><script>alert(1)</script>', auth=False)[2]
+    assert "<script>alert(1)" not in page and 'name="next" value="/"' in page
 
 
 def test_the_user_command_adds_lists_and_disables_accounts(home):

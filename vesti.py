@@ -11377,9 +11377,19 @@ class WebApp:
                 self.right_password(password, slow):
             return Account(self.user, "admin", self.token())
         user = find_user(self.db.conn(), name) if USER_NAME.fullmatch(name) else None
-        if user is None or user["disabled"] or not self.matches(password, user["password_hash"], slow):
+        if user is None or user["disabled"]:
+            if slow:        # as long as a real check: the time tells no name
+                self.matches(password, self.decoy, slow)
+            return None
+        if not self.matches(password, user["password_hash"], slow):
             return None
         return Account(user["name"], user["role"], self.user_token(user))
+
+    @functools.cached_property
+    def decoy(self):
+        """A hash no password is known to match, checked for a name no
+        account has."""
+        return password_hash(secrets.token_urlsafe(16))
 
     def check_login(self, request):
         """Who is asking: a signed-in session's cookie, or Basic auth. Basic
