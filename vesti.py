@@ -4,7 +4,8 @@
 Collects RSS/Atom feeds and Telegram channels into one queue (SQLite, or
 PostgreSQL for workers on several machines), classifies it in parallel with
 keywords and a local LLM through Ollama, groups the copies of one story, and
-gives editors a desk to pick from. Nothing is published without a person's
+gives editors a desk to pick from, and sends what they approve to the news
+channel (Telegram, webhooks). Nothing is published without a person's
 approval.
 
 Sections, each building on the ones above it (the names are where to
@@ -42,18 +43,27 @@ start reading):
       complete_and_claim, release_post, expire_leases, wake_story_copies
   Learning: each direction's model of what its editors approve, learned
       from their decisions.
-      post_features, Background, Model, Learners, learn_decisions,
-      rebuild_learning, rescore_direction, take_in_missed
+      post_features, Background, Model, Learners, learn_decisions, owe_learning,
+      learn_owed, rebuild_learning, rescore_direction, take_in_missed
   Records: runs, health, feed and channel state, Telegram edits.
       start_run, record_success, record_failure, note_rhythm, save_rss_state,
       update_edited_post, reword_post
+  Editors: the newsroom's accounts and roles, their sessions, the record of
+      who did what.
+      ROLES, password_hash, add_user, change_user, start_session, session_of,
+      record_event, note_look, lookers
+  Publications: the outbox: approved posts queued for each publish target,
+      their texts, an editor's actions on them.
+      queue_publications, retract_publications, telegram_text,
+      act_on_publication, publication_counts
   Decisions and reads: the editor's decisions, what pages and commands read,
       the classifier's report card, copying a database.
-      set_decisions, wording, decided_posts, source_health, quality_report,
-      copy_database
+      set_decisions, check_decisions, wording, decided_posts, source_health,
+      quality_report, editor_agreement, copy_database
   Sources: sources.yaml: directions, sources, checks, syncing them into the
       database.
-      read_yaml, load_registry, sync_sources, select_sources
+      read_yaml, load_registry (directions, sources, publish targets),
+      sync_sources, sync_targets, select_sources
   Fetching: HTTP GET with deadlines, redirects, the network policy, pace per
       host.
       http_get, fetch_once, HostGate, Policy, connect_to, read_body
@@ -69,15 +79,20 @@ start reading):
       fetch_full_text
   Worker: the pool of workers: what to classify how, claims, completions.
       ClassifyStep, Classifier, WorkerPool, Worker, run_workers
+  Publishing: sending the outbox: the Bot API, webhooks, one sender per
+      target, alerts.
+      bot_api, post_webhook, queue_alerts, Publisher (look, take, serve,
+      send, record_failure, delete)
   Web pages: the pages' words, the crawlers page, the editor's desk (and
-      its JSON), the report card.
+      its JSON), the report card, the outbox, the users, the sign-in.
       STRINGS, Page, esc, crawlers_page, DeskQuery, floor_clause, desk_posts,
-      card_html, desk_page, desk_answer, quality_page
+      card_html, desk_page, desk_answer, quality_page, outbox_page,
+      users_page, login_form
   Exports and metrics: Atom, JSON Feed, CSV and /metrics.
       atom_feed, json_feed, csv_export, metrics_text
-  Web server: passwords, the routes, and the server that reads requests and
-      answers them.
-      password_matches, WrongPasswords, Rescorer, WebApp (the routes),
+  Web server: sign-in (Basic auth and sessions), the routes and the roles
+      they need, and the server that reads requests and answers them.
+      Account, WrongPasswords, Rescorer, WebApp (the routes, check_login),
       WebServer, make_web_server
   Scheduler: run: crawls on their schedule beside the workers and the page.
       Scheduler, next_slot
@@ -85,7 +100,7 @@ start reading):
       read_opml, import_opml, opml_document, discover_feeds
   Command line: the commands, their arguments, main().
       build_parser, main, cmd_run, cmd_worker, cmd_status, cmd_learn,
-      cmd_quality
+      cmd_quality, cmd_publish, cmd_user
 """
 
 __version__ = "0.1.0"
@@ -9190,7 +9205,8 @@ class Publisher:
 ###############################################################################
 # Web pages ###################################################################
 ###############################################################################
-# The pages' words, the crawlers page and the editor's desk.
+# The pages' words, the crawlers page, the editor's desk, the report card, the
+# outbox, the users and the sign-in.
 
 PAGE_SIZE = 50
 MAX_REQUEST_BODY = 64 * 1024
@@ -11036,7 +11052,8 @@ def metrics_text(conn):
 ###############################################################################
 # Web server ##################################################################
 ###############################################################################
-# Passwords, the routes, and the server that reads requests and answers them.
+# Sign-in (Basic auth and sessions), the routes and the roles they need, and
+# the server that reads requests and answers them.
 
 def generated_web_password(conn):
     """With no VESTI_WEB_PASSWORD: a password made at the first start and
