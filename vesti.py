@@ -9647,7 +9647,8 @@ def esc(value):
 
 
 def layout(page, title, body, here, refresh=False):
-    places = [("/", "desk"), ("/crawlers", "crawlers"), ("/quality", "quality"), ("/outbox", "outbox")]
+    places = [] if page.account is None else \
+        [("/", "desk"), ("/crawlers", "crawlers"), ("/quality", "quality"), ("/outbox", "outbox")]
     if page.account is not None and page.may("admin"):
         places.append(("/users", "users"))
     nav = "".join(f'<a href="{esc(page.link(href))}"{" class=here" if href == here else ""}>'
