@@ -2056,6 +2056,20 @@ def test_a_direction_that_learned_enough_judges_its_posts_and_lifts_what_keyword
 
 
 @both
+def test_the_news_in_general_is_read_once_per_move_of_its_mark_not_per_look(home):
+    s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10)
+    conn = db.conn()
+    decided_space(conn, wire, MISSIONS, GAMES)
+    learners = vesti.Learners(10).refresh(conn, now=True)
+    background, calibrated = learners.background, learners.models["space"].calibrated_at
+    assert background.docs > 0
+    for _ in range(3):
+        learners.refresh(conn, now=True)
+    # Reading it costs the features of 2,000 posts; fitting the curve, every decision's.
+    assert learners.background is background
+    assert learners.models["space"].calibrated_at == calibrated
+
+
 def test_the_llm_is_shown_the_editors_decisions_most_like_the_post(home):
     fake = FakeOllama()
     try:

@@ -4235,7 +4235,7 @@ class Learners:
                                    f"WHERE classified = {DONE}").fetchone()[0]
                 set_meta(conn, "learn_background", str(top))
             mark = str(top)
-        if self.background.mark != mark:
+        if self.background.mark != int(mark):
             self.background = Background.read(conn, int(mark))
 
     def latest(self, conn, model):
