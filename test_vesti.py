@@ -5046,7 +5046,9 @@ def test_run_publishes_what_the_editor_approves_on_the_page(home, server, bot):
                          "Origin": f"http://127.0.0.1:{port}", "Accept": "application/json"})
         assert status == 200
         assert wait_for(lambda: len(bot.messages) == 1, timeout=10)
-        assert "published" in ask("GET", "/outbox")[1]
+        # the message is out before the row says so: wait for the row, not the bot
+        assert wait_for(lambda: "published" in ask("GET", "/outbox")[1], timeout=10)
+        assert len(bot.messages) == 1
     finally:
         out, err = stop_process(process)
     assert process.returncode == 0, err
