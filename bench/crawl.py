@@ -70,6 +70,10 @@ SMOKE_RATE_ENTRIES = 200
 SMOKE_BIG_BODY = 3 * 1000 * 1000
 SMOKE_BOMB_SIZE = 32 << 20
 SMOKE_MAX_BYTES = 1 << 20
+# Seconds an idle server waits between looks for shutdown() (serve_forever's
+# default); --smoke's servers look more often, so they stop at once.
+POLL = 0.5
+SMOKE_POLL = 0.05
 WORDS = """kernel release patch driver memory network storage scheduler compiler
     library server update security filesystem desktop terminal package mirror
     cluster database queue worker feed editor article reader browser protocol
@@ -159,10 +163,10 @@ class Server(http.server.ThreadingHTTPServer):
         self.server_name, self.server_port = self.server_address[:2]
 
 
-def start_server(address, handler, site=None):
+def start_server(address, handler, site=None, poll=POLL):
     server = Server((address, 0), handler)
     server.site = site
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(poll,), daemon=True).start()
     return server
 
 
@@ -176,13 +180,13 @@ def stop_servers(servers):
 
 
 @contextlib.contextmanager
-def feed_farm(feeds, entries, latency):
+def feed_farm(feeds, entries, latency, poll=POLL):
     """One server per loopback host 127.0.0.2...; yields [(slug, url, body)]."""
     counter, servers, farm = Counter(), [], []
     try:
         for n in range(1, feeds + 1):
             host = f"127.{(n + 1) >> 16 & 255}.{(n + 1) >> 8 & 255}.{(n + 1) & 255}"
-            server = start_server(host, FeedHandler)
+            server = start_server(host, FeedHandler, poll=poll)
             base = f"http://{host}:{server.server_address[1]}"
             body = build_feed(n, base, entries)
             server.site = {"body": body, "etag": f'"{hashlib.sha256(body).hexdigest()[:32]}"',
@@ -394,10 +398,10 @@ def probe(url, environ):
     return json.loads(proc.stdout)
 
 
-def refused_bodies(big_body=BIG_BODY, bomb_size=BOMB_SIZE, environ=None):
+def refused_bodies(big_body=BIG_BODY, bomb_size=BOMB_SIZE, environ=None, poll=POLL):
     """`environ`: the probe's settings (default: none, so RSS_MAX_BYTES's default)."""
     bomb = gzip_bomb(bomb_size)
-    server = start_server("127.0.0.1", BigHandler, {"bomb": bomb, "size": big_body})
+    server = start_server("127.0.0.1", BigHandler, {"bomb": bomb, "size": big_body}, poll)
     base = f"http://127.0.0.1:{server.server_address[1]}"
     cases = [(f"{big_body / 1e6:.0f} MB body, Content-Length", "/plain"),
              (f"{big_body / 1e6:.0f} MB body, no Content-Length", "/stream"),
@@ -429,7 +433,7 @@ def ratio(value, base):
     return f"{value / base:.2f}" if base > 0 else "n/a"
 
 
-def crawl_benchmark(tmp, feeds, entries, latency, concurrency):
+def crawl_benchmark(tmp, feeds, entries, latency, concurrency, poll=POLL):
     posts = feeds * entries
     ideal = feeds * latency / concurrency
     timeout = 60 + 10 * (ideal + posts / 1000)
@@ -438,7 +442,7 @@ def crawl_benchmark(tmp, feeds, entries, latency, concurrency):
                     RSS_MAX_ENTRIES=max(200, entries))
     print(f"== crawl: {feeds} feeds x {entries} entries, {latency * 1000:.0f} ms per "
           f"answer, RSS_CONCURRENCY={concurrency}")
-    with feed_farm(feeds, entries, latency) as (farm, counter):
+    with feed_farm(feeds, entries, latency, poll) as (farm, counter):
         write_sources(sources, farm)
         first = crawl_once("first crawl (200s)", db, sources, env, counter, timeout=timeout,
                            expect={"posts": posts, "runs": {"ok": feeds},
@@ -486,13 +490,15 @@ def main(argv=None):
         print("smoke mode: tiny sizes; the figures show that the benchmark runs, the "
               "PASS/MISS verdicts mean nothing\n")
     with tempfile.TemporaryDirectory(prefix="vesti-bench-") as tmp:
-        crawl_benchmark(tmp, args.feeds, args.entries, args.latency, concurrency)
+        crawl_benchmark(tmp, args.feeds, args.entries, args.latency, concurrency,
+                        SMOKE_POLL if args.smoke else POLL)
         print("\n== parse and store rate, in-process")
         parse_store_rate(tmp, SMOKE_RATE_ENTRIES if args.smoke else RATE_ENTRIES)
         if args.smoke:
             print(f"\n== memory while refusing big bodies (vesti.http_get, smoke: "
                   f"RSS_MAX_BYTES={SMOKE_MAX_BYTES}, small bodies)")
-            refused_bodies(SMOKE_BIG_BODY, SMOKE_BOMB_SIZE, {"RSS_MAX_BYTES": SMOKE_MAX_BYTES})
+            refused_bodies(SMOKE_BIG_BODY, SMOKE_BOMB_SIZE, {"RSS_MAX_BYTES": SMOKE_MAX_BYTES},
+                           SMOKE_POLL)
         else:
             print("\n== memory while refusing big bodies (vesti.http_get, default settings)")
             refused_bodies()

@@ -137,7 +137,12 @@ TOP = 20
 PAGE = 500                  # /api/posts' largest page
 WINDOW = 50                 # the editor's figures per this many decisions
 FULL = {"train": 4000, "held": 1500, "decisions": 300, "feeds": 24, "learn_min": None}
-SMOKE = {"train": 150, "held": 60, "decisions": 15, "feeds": 3, "learn_min": 10}
+SMOKE = {"train": 90, "held": 40, "decisions": 10, "feeds": 3, "learn_min": 10}
+# Seconds an idle feed host waits between looks for shutdown()
+# (serve_forever's default); --smoke's hosts look more often, so they stop
+# at once.
+POLL = 0.5
+SMOKE_POLL = 0.05
 GOAL_RPREC = 0.9            # of the reference's
 GOAL_RECALL = 0.15          # over keyword-only's
 GOAL_P20 = 0.9              # mean over the directions
@@ -405,7 +410,7 @@ def bind_all(count, attempts=20):
 
 
 @contextlib.contextmanager
-def feed_hosts(feeds):
+def feed_hosts(feeds, poll=POLL):
     """Serves each feed from its own address; fills in the feeds' and their
     items' links."""
     servers, port = bind_all(len(feeds))
@@ -416,7 +421,7 @@ def feed_hosts(feeds):
             for item in feed.training + feed.held:
                 item.link = f"{feed.base}/item/{item.key}"
             server.site = feed
-            threading.Thread(target=server.serve_forever, daemon=True).start()
+            threading.Thread(target=server.serve_forever, args=(poll,), daemon=True).start()
         yield port
     finally:
         def stop(server):
@@ -1094,7 +1099,7 @@ def one_language(lang, args, tmp):
     feeds = deal_out(training, held, count, lang, served)
     describe(lang, training, held, feeds, len(items), len(items) - len(kept))
     reference = reference_figures(lang, training, held)
-    with feed_hosts(feeds):
+    with feed_hosts(feeds, SMOKE_POLL if args.smoke else POLL):
         sources = os.path.join(tmp, f"sources-{lang}.yaml")
         write_sources(sources, lang, feeds)
         setup = Setup(args.vesti, lang, training, held, feeds, sources, tmp, args.decisions,

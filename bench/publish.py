@@ -368,7 +368,7 @@ def main(argv=None):
     if args.smoke:
         print("smoke mode: tiny sizes; the figures show that the benchmark runs, "
               "the PASS/MISS verdicts mean nothing")
-        args.rounds, args.approvals, args.gap, args.queued = 1, 2, 0.05, 10
+        args.rounds, args.approvals, args.gap, args.queued = 1, 1, 0.05, 5
     receiver = Receiver()
     tmp = tempfile.mkdtemp(prefix="vesti-bench-publish-")
     try:

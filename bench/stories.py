@@ -83,7 +83,7 @@ if FLOOD_PROGRAM:
 import vesti  # noqa: E402
 import story_set  # noqa: E402
 from harness import fail, run  # noqa: E402
-from worker import fake_ollama, post_text  # noqa: E402
+from worker import POLL, SMOKE_POLL, fake_ollama, post_text  # noqa: E402
 
 CORPUS = os.path.join(os.path.dirname(REPO), "shared", "corpus")
 KEYS_PER_POST = vesti.LEAD_BANDS + vesti.BODY_BANDS
@@ -158,7 +158,7 @@ def lookups(tmp, size, texts, cache_dir):
         fail("no probe joined the story of its stored copy")
 
 
-def llm_saved(tmp, pairs, workers):
+def llm_saved(tmp, pairs, workers, poll=POLL):
     # Each text once: a text stored twice is caught before it is queued.
     posts = list(dict.fromkeys(post for _, _, a, b in pairs for post in (a, b)))
     print(f"== LLM calls saved: {len(posts)} posts of the labelled pairs, fake Ollama, "
@@ -169,7 +169,7 @@ def llm_saved(tmp, pairs, workers):
         f.write("directions:\n  linux:\n    title: Linux\n"
                 "    keywords: [the, a, and, of, in, to, и, в, на, digest, release, released]\n"
                 "sources:\n  - slug: mixed\n    crawler: rss\n    url: http://mixed.example/feed\n")
-    with fake_ollama(0.0) as (url, titles):
+    with fake_ollama(0.0, poll) as (url, titles):
         settings = vesti.load_settings(environ={"OLLAMA_URL": url, "RSS_HOST_DELAY": "0"},
                                        env_file=None, db=os.path.join(home, "vesti.db"),
                                        sources=os.path.join(home, "sources.yaml"))
@@ -219,7 +219,7 @@ sources:
 """
 SYLLABLES = ("ba", "ko", "ri", "tu", "me", "sa", "lo", "ni", "ve", "du")
 FLOOD = {"flood": 10_000, "unrelated": 2_000, "flood_probes": 200, "rounds": 2}
-FLOOD_SMOKE = {"flood": 300, "unrelated": 100, "flood_probes": 20, "rounds": 1}
+FLOOD_SMOKE = {"flood": 100, "unrelated": 30, "flood_probes": 10, "rounds": 1}
 DESK_GETS = 5
 PASSWORD = "bench-flood"
 # (figure, label, unit, better): "lower" for costs, "higher" for rates, None
@@ -520,7 +520,7 @@ def main(argv=None):
     windows = args.window or ([2000] if args.smoke else [100_000, 1_000_000])
     probes = 40 if args.smoke else args.probes
     if {"quality", "lookup", "llm"} & set(sections):
-        pairs = story_set.labelled_pairs(CORPUS, feeds=8 if args.smoke else None)
+        pairs = story_set.labelled_pairs(CORPUS, feeds=4 if args.smoke else None)
         rng = random.Random(5)
         texts = [post for _, _, a, b in pairs for post in (a, b)]
         texts = [texts[i] for i in sorted(rng.sample(range(len(texts)), min(probes, len(texts))))]
@@ -531,7 +531,7 @@ def main(argv=None):
             for size in windows:
                 lookups(tmp, size, texts, tmp if args.smoke else tempfile.gettempdir())
         if "llm" in sections:
-            llm_saved(tmp, pairs, args.workers)
+            llm_saved(tmp, pairs, args.workers, SMOKE_POLL if args.smoke else POLL)
     if "flood" in sections:
         flood(args)
 

@@ -123,8 +123,12 @@ MEASURE_BUDGET = 300  # seconds per path at most, warm-up included
 # Sizes: the full benchmark's defaults, and --smoke's (each overridable).
 FULL = {"sources": 2000, "posts": 1_000_000, "runs": 10, "requests": 50, "warmup": 3,
         "repeat": 10, "page": 200, "rounds": 1}
-SMOKE = {"sources": 20, "posts": 10_000, "runs": 2, "requests": 5, "warmup": 1, "repeat": 3,
+SMOKE = {"sources": 20, "posts": 5_000, "runs": 2, "requests": 5, "warmup": 1, "repeat": 3,
          "page": 3, "rounds": 1}
+# Seconds the request threads are given to finish before the server's open
+# files and threads are read again; --smoke's figures mean nothing, so less.
+SETTLE = 0.5
+SMOKE_SETTLE = 0.1
 DIRECTIONS = {"linux": "Linux", "security": "Security", "science": "Science", "ai": "AI"}
 # Crawl interval of each priority (VESTI_CRAWL_EVERY's default 15m,1h,6h).
 INTERVALS = (900, 3600, 21600, 21600)
@@ -1040,7 +1044,7 @@ def time_case(client, case, which, token, warmup, requests, expected):
 
 
 def latency_benchmark(program, db, sources_yaml, tmp, expected, cases, which, warmup, requests,
-                      floor):
+                      floor, settle=SETTLE):
     """Serve `program` on `db` and time every case; {label: figures}."""
     shown = os.path.relpath(program, REPO) if program.startswith(REPO + os.sep) else program
     print(f"== web latency ({which}): `{shown} serve --port 0` on {os.path.basename(db)}, "
@@ -1085,7 +1089,7 @@ def latency_benchmark(program, db, sources_yaml, tmp, expected, cases, which, wa
                   f"{client.closed_by_server} of {sent} responses{note}")
         finally:
             client.close()
-        time.sleep(0.5)  # let the request threads finish
+        time.sleep(settle)  # let the request threads finish
         after = proc_figures(serve.proc.pid)
         show_proc("at start", before)
         show_proc(f"after {sent} requests", after)
@@ -1352,7 +1356,7 @@ def main(argv=None):
                 try:
                     rounds[which].append(latency_benchmark(
                         program, file, sources_yaml, tmp, figures, cases, which, args.warmup,
-                        args.requests, floor))
+                        args.requests, floor, SMOKE_SETTLE if args.smoke else SETTLE))
                 finally:
                     restore_posts(file, decided)     # the decisions taken back
                 print()

@@ -15,7 +15,7 @@ What it measures:
    - CLI: `vesti.py worker --workers W` with OLLAMA_URL empty (keywords
      decide), timed as a whole; afterwards every post must be classified=1.
      Python start-up is measured apart as the median wall time of three
-     `vesti.py status` runs on the same database.
+     `vesti.py status` runs on the same database (one with --smoke).
    - 2 CLI workers: two such processes started together on one database,
      timed until the last exits (one start-up taken off).
      target: 2 processes faster than 1
@@ -76,9 +76,14 @@ from harness import fail, run  # noqa: E402
 THROUGHPUT_TARGET = 0.5
 LLM_TARGET = 1.2
 STARTUP_RUNS = 3
+SMOKE_STARTUP_RUNS = 1
 FULL = {"posts": 50_000, "llm_posts": 800, "latency": 0.05, "workers": 8}
 # --smoke: sizes of the whole path in a few seconds (each overridable).
-SMOKE = {"posts": 200, "llm_posts": 16, "latency": 0.01, "workers": 4}
+SMOKE = {"posts": 50, "llm_posts": 8, "latency": 0.01, "workers": 4}
+# Seconds the idle fake Ollama waits between looks for shutdown()
+# (serve_forever's default); --smoke's looks more often, so it stops at once.
+POLL = 0.5
+SMOKE_POLL = 0.05
 SOURCES_YAML = """\
 directions:
   linux: {title: Linux, keywords: [linux, kernel]}
@@ -205,11 +210,11 @@ def run_worker_cli(db, sources, workers, env, timeout):
     return wall, proc
 
 
-def startup_seconds(db, sources, env):
-    """Median wall time of `vesti.py status`: interpreter, imports, settings,
-    sources.yaml, schema check, a few queries."""
+def startup_seconds(db, sources, env, runs=STARTUP_RUNS):
+    """Median wall time of `runs` `vesti.py status`: interpreter, imports,
+    settings, sources.yaml, schema check, a few queries."""
     walls = []
-    for _ in range(STARTUP_RUNS):
+    for _ in range(runs):
         wall, proc = run_vesti(["status", "--db", db, "--sources", sources], env, 120)
         if proc.returncode != 0:
             show_output(proc)
@@ -371,7 +376,7 @@ def run_workers_at_once(db, sources, workers, env, processes, timeout):
     return time.monotonic() - started, codes
 
 
-def throughput_benchmark(store, sources, posts, workers):
+def throughput_benchmark(store, sources, posts, workers, startup_runs=STARTUP_RUNS):
     """The figures of part 1 on one store: {'one': posts/s of one process
     (start-up excluded), 'two': posts/s of two processes at once, 'bare':
     cycles/s of the bare loop}."""
@@ -389,9 +394,9 @@ def throughput_benchmark(store, sources, posts, workers):
     print(f"CLI worker: {cli_wall:.2f} s wall, {rate(posts, cli_wall):.0f} posts/s")
     show_output(proc)
     check_all_done(cli_db, posts, "CLI worker")
-    startup = startup_seconds(cli_db, sources, env)
+    startup = startup_seconds(cli_db, sources, env, startup_runs)
     if startup is not None:
-        print(f"start-up (median of {STARTUP_RUNS} `vesti.py status` on the same db): "
+        print(f"start-up (median of {startup_runs} `vesti.py status` on the same db): "
               f"{startup:.2f} s")
     store.discard(cli_db)
 
@@ -491,11 +496,11 @@ class Server(http.server.ThreadingHTTPServer):
 
 
 @contextlib.contextmanager
-def fake_ollama(latency):
+def fake_ollama(latency, poll=POLL):
     """Yields (base URL, Counter of titles)."""
     server = Server(("127.0.0.1", 0), FakeOllama)
     server.site = {"latency": latency, "titles": Counter(), "lock": threading.Lock()}
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(poll,), daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}", server.site["titles"]
     finally:
@@ -524,13 +529,13 @@ def check_llm_posts(path, titles, posts):
         fail(f"slow LLM: {rows.get(1, 0)} of {posts} posts classified with the fake's verdict")
 
 
-def llm_benchmark(store, sources, posts, latency, workers):
+def llm_benchmark(store, sources, posts, latency, workers, poll=POLL):
     """Part 2 on one store; returns wall / ideal."""
     ideal = posts * latency / workers
     print(f"== slow LLM on {store.name}: {posts} posts, fake Ollama answering after "
           f"{latency * 1000:.0f} ms, {workers} workers")
     db = store.build("llm", posts)
-    with fake_ollama(latency) as (url, titles):
+    with fake_ollama(latency, poll) as (url, titles):
         env = child_env(OLLAMA_URL=url)
         wall, proc = run_worker_cli(db, sources, workers, env, timeout=120 + 10 * ideal)
         print(f"CLI worker: {wall:.2f} s wall")
@@ -583,7 +588,8 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes (" + ", ".join(f"{k.replace('_', '-')} {v}"
                                                         for k, v in SMOKE.items())
-                        + "): checks that the whole benchmark runs, in a few seconds")
+                        + f", {SMOKE_STARTUP_RUNS} `vesti.py status` for the start-up): "
+                        "checks that the whole benchmark runs, in a few seconds")
     args = parser.parse_args(argv)
     for name, value in (SMOKE if args.smoke else FULL).items():
         if getattr(args, name) is None:
@@ -598,11 +604,13 @@ def main(argv=None):
         figures = {}
         try:
             for store in stores:
-                figures[store.name] = throughput_benchmark(store, sources, args.posts,
-                                                           args.workers)
+                figures[store.name] = throughput_benchmark(
+                    store, sources, args.posts, args.workers,
+                    SMOKE_STARTUP_RUNS if args.smoke else STARTUP_RUNS)
                 print()
-                figures[store.name]["llm"] = llm_benchmark(store, sources, args.llm_posts,
-                                                           args.latency, args.workers)
+                figures[store.name]["llm"] = llm_benchmark(
+                    store, sources, args.llm_posts, args.latency, args.workers,
+                    SMOKE_POLL if args.smoke else POLL)
                 print()
         finally:
             for store in stores:
