@@ -64,6 +64,16 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
+@pytest.fixture(autouse=True)
+def cheap_password_hashes(monkeypatch):
+    """Passwords hashed in a test's own process cost scrypt's least
+    (N=2**10, p=1) instead of a tenth of a second each: a hash carries its
+    parameters, so it checks as any other. The commands a test runs keep
+    the real cost (test_the_user_command_adds_lists_and_disables_accounts
+    checks it)."""
+    monkeypatch.setattr(vesti, "SCRYPT", {"n": 2 ** 10, "r": 8, "p": 1})
+
+
 # A home: settings, sources.yaml and a database -------------------------------
 
 SOURCES_YAML = """\
@@ -197,6 +207,15 @@ class PostgresServer:
         name = urllib.parse.urlsplit(url).path.lstrip("/")
         self.admin(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
+    def done_with(self, url):
+        """Drop a test's database: meanwhile the next test runs (a drop
+        took a tenth of a second or more), unless the server is one a test
+        may stop."""
+        if self.ahead:
+            self.background.submit(self.drop, url)
+        else:
+            self.drop(url)
+
     def close(self):
         if self.next:
             self.drop(self.next.result())
@@ -277,7 +296,7 @@ def backend(request):
     server = request.getfixturevalue("postgres_server")
     url = server.database()
     yield url
-    server.drop(url)
+    server.done_with(url)
 
 
 # Waiting ---------------------------------------------------------------------
