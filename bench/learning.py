@@ -123,7 +123,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH)
 sys.path.insert(0, BENCH)
 
-from harness import fail, run  # noqa: E402
+from harness import cached, fail, run  # noqa: E402
 
 NEWS = os.path.join(REPO, "bench", "news")
 USER = "admin"
@@ -517,7 +517,7 @@ def vesti_command(program, args, env, cwd, label, lines=1):
     on stdout. False (and a failure, with what it wrote last) when it exits
     non-zero."""
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, program, *args], cwd=cwd, env=env,
+    proc = subprocess.run([*cached(program), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
     seconds = time.monotonic() - started
     shown = proc.stdout.strip().splitlines()[-lines:] or [""]
@@ -565,7 +565,7 @@ class Serve:
         self.log = open(self.log_path, "w", encoding="utf-8")
         self.lines = queue.Queue()
         self.proc = subprocess.Popen(
-            [sys.executable, program, "serve", "--host", "127.0.0.1", "--port", "0"], cwd=cwd,
+            [*cached(program), "serve", "--host", "127.0.0.1", "--port", "0"], cwd=cwd,
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log, text=True)
         threading.Thread(target=self._read, daemon=True).start()
 

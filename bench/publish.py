@@ -65,7 +65,7 @@ sys.path.insert(0, BENCH)
 sys.path.insert(0, REPO)
 
 import vesti  # noqa: E402
-from harness import fail, run  # noqa: E402
+from harness import cached, fail, run  # noqa: E402
 
 TOKEN = "123456789:AAE-bench-token"
 SECRET = "bench-webhook-secret"
@@ -209,7 +209,7 @@ def post_ids(settings):
 
 def start(args, env, cwd, name):
     """A vesti.py command in its own process; for a server, its port."""
-    process = subprocess.Popen([sys.executable, os.path.join(REPO, "vesti.py"), *args], cwd=cwd,
+    process = subprocess.Popen([*cached(os.path.join(REPO, "vesti.py")), *args], cwd=cwd,
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if args[0] not in ("serve", "run"):
         return process, None

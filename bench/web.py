@@ -107,7 +107,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import vesti  # noqa: E402
-from harness import fail, run  # noqa: E402
+from harness import cached, fail, run  # noqa: E402
 
 CRAWLERS_TARGET_MS = 100
 METRICS_TARGET_MS = 50
@@ -679,7 +679,7 @@ class Serve:
         self.log = open(self.log_path, "w", encoding="utf-8")
         self.lines = queue.Queue()
         self.proc = subprocess.Popen(
-            [sys.executable, program, "serve", "--host", "127.0.0.1", "--port", "0",
+            [*cached(program), "serve", "--host", "127.0.0.1", "--port", "0",
              "--db", db, "--sources", sources],
             cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log,
             text=True, env=child_env(VESTI_WEB_PASSWORD=PASSWORD, VESTI_WEB_USER=USER,
