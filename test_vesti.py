@@ -4437,6 +4437,29 @@ def test_expired_leases_go_back_to_pending_or_to_failed(home):
 
 
 @both
+def test_idle_workers_take_the_posts_a_crawl_of_their_process_queues_at_once(home, server,
+                                                                             monkeypatch):
+    """As in `run`: workers with nothing to do wait for posts, and a crawl in
+    the same process wakes them (here they would otherwise wait a minute)."""
+    monkeypatch.setattr(vesti, "IDLE_WAIT", 60)
+    server.feed("/feed", rss(items(3, host=server.url)))
+    s, db = intake(home, [rss_source("lwn", server.url + "/feed", direction="linux")])
+    registry = vesti.load_registry(s.sources)
+    stop, result = threading.Event(), {}
+    runner = threading.Thread(target=lambda: result.update(
+        out=vesti.run_workers(db, s, registry, workers=2, forever=True, stop=stop, quiet=True)))
+    runner.start()
+    try:
+        time.sleep(0.3)                        # the workers found nothing and wait
+        assert crawl(s, db).new_posts == 3
+        assert wait_for(lambda: queue_of(db) == {1: 3}, timeout=10, state=lambda: queue_of(db))
+    finally:
+        stop.set()
+        runner.join(10)
+    assert not runner.is_alive()               # a stop ends the wait at once
+
+
+@both
 def test_a_forever_worker_takes_back_expired_leases_while_it_runs(home):
     s, db, registry = worker_home(home, "", VESTI_LEASE_SECONDS=1)
     stop = threading.Event()

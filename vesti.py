@@ -612,6 +612,10 @@ STOPPING = threading.Event()
 # process sends it at once instead of on its next look.
 PUBLISH_WAKE = threading.Event()
 
+# Set when a crawl of this process queued new posts (`run`), so that its idle
+# workers take them at once instead of a second later (WorkerPool.idle).
+POSTS_QUEUED = threading.Event()
+
 
 class WaitEpisode:
     """One warning while the database cannot be used for a while (locked
@@ -7062,6 +7066,8 @@ def crawl_feed(db, source, settings, gate, trigger="cli"):
     try:
         fetched = fetch_feed(conn, source, settings, gate)
         record_fetched(conn, source, fetched, run_id, settings)
+        if fetched.new:
+            POSTS_QUEUED.set()
     except StorageError:
         raise
     except Exception as e:
@@ -7538,6 +7544,8 @@ async def crawl_channel(db, reader, source, settings, trigger):
     groups = group_messages(messages)
     drafts = [message_draft(channel, g) for g in groups if min(m.id for m in g) > last_id]
     new = store_posts(conn, source["id"], source["direction"], drafts)
+    if new:
+        POSTS_QUEUED.set()
     edits = [message_draft(channel, g) for g in groups
              if min(m.id for m in g) <= last_id and edited_in_window(g, settings.tg_edit_hours)]
     edited = update_edited_posts(conn, source["id"], edits)
@@ -7956,6 +7964,10 @@ MAX_BATCH = 1024
 # How often workers look whether the stories their waiting copies wait for
 # have their verdict (see WorkerPool.wake_copies).
 STORY_POLL = 0.2
+# A worker that found nothing to claim looks again after IDLE_WAIT seconds,
+# or within IDLE_LOOK of a crawl of its own process queueing posts.
+IDLE_WAIT = 1.0
+IDLE_LOOK = 0.1
 
 
 def usable_cores():
@@ -8406,7 +8418,13 @@ class WorkerPool:
             return True
 
     def idle(self):
-        self.stop.wait(1.0)
+        """Wait for posts to come: IDLE_WAIT at most, less when a crawl of
+        this process queues some, and not at all once the pool stops."""
+        POSTS_QUEUED.clear()
+        waited_until = time.monotonic() + IDLE_WAIT
+        while not self.stop.wait(IDLE_LOOK):
+            if POSTS_QUEUED.is_set() or time.monotonic() >= waited_until:
+                return
 
     def note_written(self, conn, post, verdict, written):
         if verdict.llm_seconds is not None:
