@@ -6457,6 +6457,11 @@ def test_an_editor_signs_in_sees_who_else_looks_and_signs_out_in_a_real_browser(
     conn = web.db.conn()
     ids = [desk_post(conn, lwn(web), k) for k in range(1, 4)]
     top = ids[-1]                                           # newest first
+    # The page's clock runs ten times faster: its poll of who is looking
+    # comes every 0.4 s instead of every 4 s.
+    browser.call("Page.addScriptToEvaluateOnNewDocument", session=True, source=(
+        "const every = window.setInterval;"
+        "window.setInterval = (f, ms, ...a) => every(f, ms / 10, ...a);"))
     browser.open(web.origin + "/login", {})
     browser.evaluate("document.querySelector('input[name=user]').value = 'anna';"
                      "document.querySelector('input[name=password]').value = 'anna-password';")
