@@ -2066,6 +2066,43 @@ def test_a_direction_that_learned_enough_judges_its_posts_and_lifts_what_keyword
     assert counts_match_posts(conn)
 
 
+FESTIVALS = ["The film festival gave its jury award to a documentary about the space station.",
+             "Crowds filled the film festival for the premiere of the new space drama.",
+             "The film festival jury praised the actors of the space station thriller.",
+             "A documentary on the space station opened the film festival on Friday.",
+             "The film festival sold out its screenings of the space documentary.",
+             "Critics at the film festival called the space station drama the year's best."]
+
+
+@both
+def test_what_another_direction_approves_speaks_against_this_one(home):
+    """The culture desk approving film festival news about space makes such
+    news less likely wanted on the space desk: for it, that is news of
+    another kind, like the news in general."""
+    s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10)
+    conn = db.conn()
+    decided_space(conn, wire, MISSIONS, GAMES)
+    ids = [desk_post(conn, wire, 400 + k, text=text, title=text[:30], direction="culture")
+           for k, text in enumerate(FESTIVALS)]
+    post = vesti.post_features("Space station film", "The rocket of the space agency and the "
+                               "film festival's documentary about the space station.", wire)
+    judge = vesti.Learners(10).refresh(conn, now=True)
+    score, likely = judge.models["space"].score(post), judge.likely("space", post)
+    vesti.set_decisions(conn, ids, "approved", "ed")
+    judge.refresh(conn, now=True)                           # what changed, read on top
+    assert judge.model("culture") is None                   # 6 decisions: not used itself
+    assert judge.models["space"].score(post) < score and judge.likely("space", post) < likely
+    mission = vesti.post_features("Rocket", MISSIONS[0], wire)
+    assert judge.likely("space", mission) > 0.5
+    vesti.set_decisions(conn, ids[:2], "new", "ed")         # two undone
+    judge.refresh(conn, now=True)
+    fresh = vesti.Learners(10).refresh(conn, now=True)
+    assert (judge.approvals.counts, judge.approvals.total) == \
+        (fresh.approvals.counts, fresh.approvals.total) == \
+        (vesti.Approvals(fresh.models.values()).counts, 6 + 4)
+    assert judge.models["space"].score(post) == fresh.models["space"].score(post)
+
+
 @both
 def test_the_news_in_general_is_read_once_per_move_of_its_mark_not_per_look(home):
     s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10)

@@ -4001,7 +4001,11 @@ CALIBRATION_PULL = 0.01
 # A model's curve is fitted again once its decisions changed by this many.
 RECALIBRATE = 5
 LEARN_SMOOTHING = 100
-# Each keyword a post matched adds this to the evidence of its features.
+# A post some keyword of the direction matched has this much more evidence
+# for approval than its features alone give, and each keyword it matched
+# KEYWORD_EVIDENCE more: the editors' own words are a judgement the model
+# would need many decisions to learn.
+KEYWORD_HIT_EVIDENCE = 0.3
 KEYWORD_EVIDENCE = 0.05
 # A post no keyword matched is classified into a direction whose model's
 # evidence for it is above this (see Learners.wanted).
@@ -4042,6 +4046,28 @@ class Background:
         return background
 
 
+class Approvals:
+    """What every direction's editors approved: in how many approved posts
+    (of any direction) each feature was, and how many there were. Kept in
+    step with the models as their counts move (Learners.refresh)."""
+
+    def __init__(self, models=()):
+        self.counts, self.total, self.directions = collections.Counter(), 0, set()
+        for model in models:
+            self.directions.add(model.direction)
+            self.total += model.approved
+            self.counts.update({feature: approved for feature, (approved, _) in model.counts.items()
+                                if approved})
+
+    def move(self, feature, was, now):
+        """A model's count of approved posts with the feature went from was to now."""
+        count = self.counts[feature] + now - was
+        if count:
+            self.counts[feature] = count
+        else:
+            del self.counts[feature]
+
+
 class Model:
     """One direction's learned model as a process holds it: how many
     approved and rejected decisions it learned from, in how many of each
@@ -4054,6 +4080,7 @@ class Model:
         self.counts = {}                # feature: (approved, rejected)
         self.totals = [0, 0]
         self.background = Background()
+        self.elsewhere = Approvals()
         self.scale, self.shift = 1.0, 0.0
         self.calibrated_at = -RECALIBRATE     # the decisions it had when last calibrated
 
@@ -4082,13 +4109,15 @@ class Model:
     def weights(self, features, own=(0, 0)):
         """(weight, feature) of the features seen before: how much each speaks
         for approval, as the log of how much more often it is in approved
-        posts than in rejected and background posts (the share of posts that
-        have it, smoothed toward its share of all posts by LEARN_SMOOTHING
-        posts). `own`: a decided post's own decision, left out when it is
-        judged (calibrate)."""
-        background = self.background
+        posts than in the others: rejected, background, and approved in
+        other directions (news of another kind for this one). The share of
+        posts that have it is smoothed toward its share of all posts by
+        LEARN_SMOOTHING posts. `own`: a decided post's own decision, left
+        out when it is judged (calibrate)."""
+        background, elsewhere = self.background, self.elsewhere
+        mine = self.direction in elsewhere.directions       # its own approvals are in it
         approved = self.approved - own[0]
-        other = self.rejected - own[1] + background.docs
+        other = self.rejected - own[1] + background.docs + elsewhere.total - mine * self.approved
         everything = approved + other
         # Smoothed by as many posts as it has decisions, up to LEARN_SMOOTHING:
         # a few decisions are not drowned by it, many are steadied.
@@ -4096,7 +4125,9 @@ class Model:
         found = []
         for feature in features:
             wanted, unwanted = self.counts.get(feature, (0, 0))
-            wanted, unwanted = wanted - own[0], unwanted - own[1] + background.counts.get(feature, 0)
+            unwanted += background.counts.get(feature, 0) + elsewhere.counts.get(feature, 0) - \
+                mine * wanted
+            wanted, unwanted = wanted - own[0], unwanted - own[1]
             if wanted + unwanted <= 0:
                 continue            # never seen but in this post: it says nothing
             share = (wanted + unwanted + 1) / (everything + 2)
@@ -4109,10 +4140,11 @@ class Model:
         """The evidence of a post's features for approval: their weights'
         mean (naive Bayes would add them up, counting words that come
         together as if each were news, and be sure of itself far beyond what
-        it knows), and KEYWORD_EVIDENCE for each of the `keywords` it matched."""
+        it knows), and for the `keywords` of the direction it matched,
+        KEYWORD_HIT_EVIDENCE and KEYWORD_EVIDENCE for each."""
         weights = self.weights(features, own)
         return sum(weight for weight, _ in weights) / max(1, len(weights)) + \
-            KEYWORD_EVIDENCE * keywords
+            (KEYWORD_HIT_EVIDENCE + KEYWORD_EVIDENCE * keywords if keywords else 0.0)
 
     def likely(self, features, keywords=0):
         """The chance that an editor approves a post of these features."""
@@ -4190,6 +4222,7 @@ class Learners:
         self.checked = -math.inf
         self.lock = threading.Lock()
         self.background = Background()
+        self.approvals = Approvals()    # of every model this process holds
         self.decided = {}           # direction: (its model's version, latest())
         self.features = {}          # direction: {post id: features} of its latest decisions
 
@@ -4206,22 +4239,32 @@ class Learners:
             if any(row["approved"] + row["rejected"] >= self.learn_min and
                    min(row["approved"], row["rejected"]) >= LEARN_EACH for row in rows):
                 self.read_background(conn)
+            replaced, recalibrate, approvals = False, [], self.approvals
             for row in rows:
                 model = self.models.get(row["direction"])
                 if model is None or model.epoch != row["epoch"]:
                     model = self.models[row["direction"]] = Model(row["direction"])
-                    model.epoch = row["epoch"]
-                changed = model.background is not self.background or \
-                    abs(row["approved"] + row["rejected"] - model.calibrated_at) >= RECALIBRATE
+                    model.epoch, replaced = row["epoch"], True
+                if model.background is not self.background or \
+                        abs(row["approved"] + row["rejected"] - model.calibrated_at) >= RECALIBRATE:
+                    recalibrate.append(model)
                 if model.version != row["version"]:
                     for feature, approved, rejected in conn.execute(
                             "SELECT feature, approved, rejected FROM learned_words "
                             "WHERE direction = ? AND version > ?", (model.direction, model.version)):
+                        approvals.move(feature, model.counts.get(feature, (0, 0))[0], approved)
                         model.set(feature, approved, rejected)
+                approvals.total += row["approved"] - model.approved
                 model.approved, model.rejected = row["approved"], row["rejected"]
                 model.version, model.since = row["version"], row["since"]
                 model.background = self.background
-                if changed and model.ready(self.learn_min):
+                model.elsewhere = approvals
+            if replaced:        # counted anew: the models it replaced are in the old tally
+                self.approvals = Approvals(self.models.values())
+                for model in self.models.values():
+                    model.elsewhere = self.approvals
+            for model in recalibrate:
+                if model.ready(self.learn_min):
                     model.calibrate([(features, keywords, decision == "approved")
                                      for features, _, keywords, decision in self.latest(conn, model)])
                     model.calibrated_at = model.approved + model.rejected
@@ -4289,13 +4332,13 @@ class Learners:
         """(direction, likely) of the direction whose model most wants a post
         no keyword matched, when one does: its features speak for approval
         (WANTED_EVIDENCE) against the news in general, not only the editors'
-        habit of approving what keywords found, and it is likely approved."""
+        habit of approving what keywords found. Its likely, with no keyword's
+        evidence, says whether the desk's default floor shows it."""
         best = max(((model.score(features), direction) for direction in list(self.models)
                     if (model := self.model(direction)) is not None), default=None)
         if best is None or best[0] <= WANTED_EVIDENCE:
             return None
-        likely = self.models[best[1]].likely(features)
-        return (best[1], likely) if likely >= LIKELY_FLOOR else None
+        return best[1], self.models[best[1]].likely(features)
 
 
 # A post's decision counts in its direction's model when the post is a card
