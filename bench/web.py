@@ -61,11 +61,13 @@ What it measures:
    Also printed: the server's open files, threads and RSS before and after
    the requests (from /proc), and how long it took to stop on SIGTERM.
    With --compare PATH (e.g. the previous main's vesti.py), PATH is served the
-   same way on a copy of the file (it migrates the copy as it likes) and
-   timed on the paths it has: the offset-paged `/?status=S&page=N` for the
-   desk pages (its own last page: it has no relevance floor), its decision
-   form (answered 303) for the decision; no search, no feed. A table puts its
-   figures beside the new ones. --rounds N serves each N times, alternating
+   same way on a copy of the file (it migrates the copy as it likes). One
+   with the JSON desk (GET /api/posts, keyset pages) is timed and checked on
+   exactly the new one's paths; an older one on the paths it has: the
+   offset-paged `/?status=S&page=N` for the desk pages (its own last page:
+   it had no relevance floor), its desk page for /api/posts, its decision
+   form (answered 303) for the decision; no search, no feed. A table puts
+   its figures beside the new ones. --rounds N serves each N times, alternating
    (new, old, then old, new, ...), so a noisy machine weighs on both alike;
    the table gives the least and the median of each path's per-round
    medians, and their ratio.
@@ -787,6 +789,18 @@ class Case:
         self.cards, self.old_cards, self.target = cards, old_cards, target
         self.decide, self.note = decide, note
         self.checks = {}  # "new"/"old" -> check(body) -> a problem or None
+        self.same = False  # the old vesti.py is asked as the new one
+
+    def as_new(self):
+        """The case for an old vesti.py with the new one's paths."""
+        self.old, self.old_cards, self.same = self.path, self.cards, True
+
+
+def has_json_desk(program):
+    """True when the vesti.py at `program` answers GET /api/posts (and pages
+    its desk by keyset): --compare then times it on the new one's paths."""
+    with open(program, encoding="utf-8") as f:
+        return "def api_posts(" in f.read()
 
 
 def page_count(n):
@@ -975,6 +989,8 @@ def time_case(client, case, which, token, warmup, requests, expected):
     path = case.path if which == "new" else case.old
     if path is None:
         return None
+    # An old vesti.py with the new one's paths is asked and checked as the new one.
+    shape = "new" if which == "new" or case.same else "old"
     if case.decide:
         ids = case.decide
         if len(ids) < warmup + requests:
@@ -984,12 +1000,12 @@ def time_case(client, case, which, token, warmup, requests, expected):
 
         def send(k):
             fields = {"token": token or "", "status": status_of(k)}
-            if which == "old":
+            if shape == "old":
                 fields["back"] = "/"
-            return client.post(f"/posts/{ids[k]}/status", fields, accept_json=which == "new")
+            return client.post(f"/posts/{ids[k]}/status", fields, accept_json=shape == "new")
 
         def check(k, status, body):
-            if which == "old":
+            if shape == "old":
                 return None if status == 303 else f"HTTP {status}, 303 expected: {body[:100]!r}"
             try:
                 answer = json.loads(body)
@@ -999,8 +1015,8 @@ def time_case(client, case, which, token, warmup, requests, expected):
             return None if status == 200 and answer == want else \
                 f"HTTP {status} {answer!r}, expected 200 {want}"
     else:
-        cards = case.cards if which == "new" else case.old_cards
-        extra = case.checks.get(which)
+        cards = case.cards if shape == "new" else case.old_cards
+        extra = case.checks.get(shape)
 
         def send(k):
             return client.get(path)
@@ -1107,9 +1123,11 @@ def latency_benchmark(program, db, sources_yaml, tmp, expected, cases, which, wa
 def comparison_table(cases, new, old, old_program):
     """new and old: a {label: figures} per round. For each path, the least
     and the median of its per-round medians, and the ratio of the medians."""
+    shape = "the same paths" if any(case.same for case in cases) else \
+        "its desk is offset-paged, its page N is /?status=S&page=N"
     print(f"== new vs old: the median of each path in ms, least and median of "
           f"{max(len(new), len(old))} round(s) (old: {old_program} on a copy of the file; "
-          f"its desk is offset-paged, its page N is /?status=S&page=N)")
+          f"{shape})")
     print(f"{'path':<26} {'new least':>9} {'median':>7}  {'old least':>9} {'median':>7}  "
           f"{'new/old':>7}  {'target':<28} verdict")
     for case in cases:
@@ -1342,6 +1360,9 @@ def main(argv=None):
         cases, decided = desk_cases(db, args.page, floor, args.warmup + args.requests)
         served = {"new": (args.vesti, db)}
         if args.compare:
+            if has_json_desk(args.compare):
+                for case in cases:
+                    case.as_new()
             copy = os.path.join(tmp, "compare.db")
             started = time.perf_counter()
             copy_db(db, copy)
