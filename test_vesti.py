@@ -6404,6 +6404,9 @@ def test_the_report_card_says_how_the_classifier_agrees_with_the_editors(home):
     decided_space(conn, wire, MISSIONS, GAMES)
     add_posts(conn, 1, source_id=wire, start=500, text="Rocket League <b>esports</b> game final.")
     add_posts(conn, 1, source_id=wire, start=501, text="The space agency launched a rocket.")
+    add_posts(conn, 1, source_id=wire, start=502, text="The space agency said its spacecraft "
+              "reached the Moon and the satellite unfolded its solar panels.")   # no keyword
+    add_posts(conn, 1, source_id=wire, start=503, text="The gardening club shows roses.")
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
     game, mission = [r[0] for r in conn.execute(
         "SELECT id FROM posts WHERE title IN ('Post 500', 'Post 501') ORDER BY title")]
@@ -6420,6 +6423,7 @@ def test_the_report_card_says_how_the_classifier_agrees_with_the_editors(home):
     assert low < 8 / 14 < high and -1 <= space["kappa"] <= 1
     assert space["precision"]["held_out"] == 3 and space["precision"]["learned"]["p20"] is not None
     assert space["editors"]["ed"]["decisions"] == 14
+    assert space["keyword_misses"] == 1                 # the Moon, not the roses
     text = cli("quality", "--direction", "space", cwd=home, env={"VESTI_LEARN_MIN": "10"})
     assert text.returncode == 0 and text.stdout.startswith("space: 14 decisions")
     web = Web(home, settings=s)

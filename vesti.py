@@ -5567,8 +5567,7 @@ def direction_quality(conn, direction, settings, learners):
     wrong = sorted((row for row in rows if row["likely"] is not None),
                    key=lambda row: -abs((row["status"] == "approved") - row["likely"]))
     missed = conn.execute(f"""SELECT count(*) FROM posts WHERE direction = ? AND keywords IS NULL
-                              AND classified = {DONE} AND likely >= {LIKELY_FLOOR}""",
-                          (direction,)).fetchone()[0]
+                              AND classified = {DONE}""", (direction,)).fetchone()[0]
     return {
         "direction": direction, "decisions": len(rows), "approved": approved,
         "approval_rate": round(approved / len(rows), 3) if rows else None,
