@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 import pathlib
+import py_compile
 import select
 import shutil
 import socket
@@ -49,6 +50,11 @@ if not CORPUS.is_dir():
 VESTI = [sys.executable, "-c", "import os, runpy, sys; sys.argv.pop(0); "
          "sys.path[0] = os.path.dirname(sys.argv[0]); "
          "runpy.run_module('vesti', run_name='__main__', alter_sys=True)", str(ROOT / "vesti.py")]
+# That bytecode is written here, once: with PYTHONDONTWRITEBYTECODE set (as
+# some shells and CI runners do) no command would write it, and each would
+# compile vesti.py again.
+with contextlib.suppress(OSError, py_compile.PyCompileError):
+    py_compile.compile(str(ROOT / "vesti.py"), doraise=True)
 
 
 @pytest.hookimpl(tryfirst=True)
