@@ -40,11 +40,13 @@ start reading):
       settle_stories, story_verdict, lead_now, KeyHelper, story_copies
   Queue: posts in, claims, verdicts out: the queue's states and transitions.
       PENDING/PROCESSING/DONE/FAILED, store_posts, claim_posts,
-      complete_and_claim, release_post, expire_leases, wake_story_copies
+      complete_and_claim, give_back_posts, release_claims (a stop),
+      release_post (a failure), expire_leases, wake_story_copies
   Learning: each direction's model of what its editors approve, learned
       from their decisions.
-      post_features, Background, Model, Learners, learn_decisions, owe_learning,
-      learn_owed, rebuild_learning, rescore_direction, take_in_missed
+      post_features, Background, Approvals, Model, Learners, learn_decisions,
+      count_decisions (a decision in, an undo out), owe_learning, learn_owed,
+      rebuild_learning, rescore_direction, take_in_missed
   Records: runs, health, feed and channel state, Telegram edits.
       start_run, record_success, record_failure, note_rhythm, save_rss_state,
       update_edited_post, reword_post
@@ -92,8 +94,9 @@ start reading):
       atom_feed, json_feed, csv_export, metrics_text
   Web server: sign-in (Basic auth and sessions), the routes and the roles
       they need, and the server that reads requests and answers them.
-      Account, WrongPasswords, Rescorer, WebApp (the routes, check_login),
-      WebServer, make_web_server
+      Account, WrongPasswords, Rescorer, WebApp (the routes, check_login,
+      check_forgery and same_origin against cross-site forgery), WebServer,
+      make_web_server
   Scheduler: run: crawls on their schedule beside the workers and the page.
       Scheduler, next_slot
   OPML and discovery: importing and exporting OPML, finding a site's feeds.
