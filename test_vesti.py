@@ -6398,6 +6398,53 @@ def test_the_desk_sharpens_as_the_editor_decides_and_says_why(home):
 
 
 @both
+def test_cards_from_before_the_model_are_judged_once_the_editor_pauses(home, monkeypatch):
+    """Cards classified before a direction learned enough, older than the
+    newest ones each decision judges again, get their likely too: the desk's
+    floor then holds for them as for the rest."""
+    monkeypatch.setattr(vesti, "RESCORE_FIRST", 1)
+    monkeypatch.setattr(vesti, "RESCORE_LIMIT", 2)
+    monkeypatch.setattr(vesti, "JUDGE_BATCH", 2)
+    monkeypatch.setattr(vesti, "RESCORE_IDLE", 0.1)
+    write_sources(home / "sources.yaml", [rss_source("wire", "http://wire.example/feed")])
+    web = Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret", VESTI_LEARN_MIN=10))
+    try:
+        conn = web.db.conn()
+        wire = source_row(web.db, "wire")["id"]
+        cards = [desk_post(conn, wire, k, text=text, title=text[:40], direction="space",
+                           relevance=4, minute=20 + k) for k, text in enumerate(MISSIONS + GAMES)]
+        old = {text: desk_post(conn, wire, 100 + k, text=text, title=f"Old {k}", direction="space",
+                               relevance=4, minute=1 + k)
+               for k, text in enumerate(["Rocket League esports fans filled the arena for the game.",
+                                         "The rocket carried a satellite for the space agency.",
+                                         "Rocket League players won the game's ranked final.",
+                                         "A space telescope took its first images from orbit."])}
+        for k in range(2):
+            desk_post(conn, wire, 200 + k, text=MISSIONS[k], title=f"New {k}", direction="space",
+                      relevance=4, minute=60 + k)
+        assert set(old.values()) <= set(card_ids(web.get("/?direction=space")[2]))
+        for post, text in zip(cards, MISSIONS + GAMES):
+            status, _, body = web.post(f"/posts/{post}/status",
+                                       {"status": "approved" if text in MISSIONS else "rejected",
+                                        "token": web.token()},
+                                       headers={"Accept": "application/json"})
+            assert status == 200, body
+        web.get("/?direction=space")
+
+        def judged():
+            return web.db.conn().execute(
+                "SELECT count(*) FROM posts WHERE status = 'new' AND likely IS NULL").fetchone()[0] == 0
+        wait_for(judged, timeout=10)
+        games = [old[t] for t in old if "League" in t]
+        missions = [old[t] for t in old if "League" not in t]
+        shown = card_ids(web.get("/?direction=space")[2])
+        assert set(missions) <= set(shown) and not set(games) & set(shown)
+        assert counts_match_posts(web.db.conn())
+    finally:
+        web.close()
+
+
+@both
 def test_the_report_card_says_how_the_classifier_agrees_with_the_editors(home):
     s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10, VESTI_WEB_PASSWORD="s3cret")
     conn = db.conn()

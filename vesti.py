@@ -46,7 +46,7 @@ start reading):
       from their decisions.
       post_features, Background, Approvals, Model, Learners, learn_decisions,
       count_decisions (a decision in, an undo out), owe_learning, learn_owed,
-      rebuild_learning, rescore_direction, take_in_missed
+      rebuild_learning, rescore_direction, judge_cards, take_in_missed
   Records: runs, health, feed and channel state, Telegram edits.
       start_run, record_success, record_failure, note_rhythm, save_rss_state,
       update_edited_post, reword_post
@@ -4486,21 +4486,35 @@ def decided_directions(conn, post_ids):
 
 # After a decision, the newest undecided cards of its direction are judged
 # again by the model it changed, and as many of the newest posts no keyword
-# matched, so the desk's next page reflects it.
+# matched, so the desk's next page reflects it. Cards the model has not
+# judged at all (classified before it was ready, older than those) are
+# judged JUDGE_BATCH at a time once the editor pauses (Rescorer.run), and
+# every card on `learn --rebuild`.
 RESCORE_LIMIT = 500
 RESCORE_FIRST = 100
+JUDGE_BATCH = 500
 
 
-def rescore_direction(conn, learners, direction, limit=RESCORE_LIMIT):
-    """Judge the newest undecided cards of a direction again (likely, or none
-    while its model is not ready); returns how many changed."""
+def judge_cards(conn, learners, direction, after=None, limit=JUDGE_BATCH, unjudged=False):
+    """Judge (likely, or none while its model is not ready) up to `limit`
+    undecided cards of a direction, newest first, after the cursor `after`
+    (published_at, id); only those not judged yet when `unjudged`. Returns
+    how many changed and the cursor to go on from (None: none are left)."""
     model = learners.model(direction)
+    if unjudged and model is None:
+        return 0, None
+    where = [f"p.status = 'new'", f"p.classified = {DONE}", "p.direction = ?", card("p.")]
+    params = [direction]
+    if unjudged:
+        where.append("p.likely IS NULL")
+    if after:
+        where.append("(p.published_at, p.id) < (?, ?)")
+        params += after
     rows = conn.execute(f"""SELECT p.id, p.title, substr(p.text, 1, {LEARN_CHARS}) AS text,
-                                   p.source_id, p.keywords, p.likely FROM posts p
-                            WHERE p.status = 'new' AND p.classified = {DONE}
-                              AND p.direction = ? AND {card('p.')}
+                                   p.source_id, p.keywords, p.likely, p.published_at FROM posts p
+                            WHERE {' AND '.join(where)}
                             ORDER BY p.published_at DESC, p.id DESC LIMIT ?""",
-                        (direction, limit)).fetchall()
+                        (*params, limit)).fetchall()
     changed = []
     for row in rows:
         likely = None if model is None else \
@@ -4511,7 +4525,31 @@ def rescore_direction(conn, learners, direction, limit=RESCORE_LIMIT):
     if changed:
         with transaction(conn):
             conn.executemany("UPDATE posts SET likely = ? WHERE id = ?", changed)
-    return len(changed)
+    more = len(rows) == limit
+    return len(changed), ((rows[-1]["published_at"], rows[-1]["id"]) if more else None)
+
+
+def rescore_direction(conn, learners, direction, limit=None):
+    """Judge the newest `limit` (RESCORE_LIMIT) undecided cards of a
+    direction again; returns how many changed."""
+    return judge_cards(conn, learners, direction, limit=limit or RESCORE_LIMIT)[0]
+
+
+def judge_every_card(conn, learners, direction):
+    """Judge every undecided card of a direction again, a batch at a time;
+    returns how many changed."""
+    changed, after = 0, None
+    while True:
+        count, after = judge_cards(conn, learners, direction, after)
+        changed += count
+        if after is None:
+            return changed
+
+
+def unjudged_cards(conn, direction):
+    """How many undecided cards of a direction have no likely (post_counts)."""
+    return conn.execute("SELECT coalesce(sum(n), 0) FROM post_counts WHERE status = 'new' "
+                        "AND direction = ? AND liked = -1", (direction,)).fetchone()[0]
 
 
 def take_in_missed(conn, learners, limit=RESCORE_LIMIT):
@@ -11293,8 +11331,9 @@ class Rescorer:
     decision answers at once and a run of decisions pays for one judging:
     the newest RESCORE_FIRST cards of a direction when a desk page of it is
     asked for next (the page then reflects the last decision), the rest of
-    them and the posts no keyword matched (take_in_missed) in a thread of
-    its own once no decision came for RESCORE_IDLE seconds."""
+    them, the posts no keyword matched (take_in_missed) and the cards its
+    model has not judged yet (judge_unjudged) in a thread of its own once
+    no decision came for RESCORE_IDLE seconds."""
 
     def __init__(self, db, learners):
         self.db, self.learners = db, learners
@@ -11351,8 +11390,23 @@ class Rescorer:
                     for direction in directions:
                         rescore_direction(conn, self.learners, direction)
                     take_in_missed(conn, self.learners)
+                for direction in directions:
+                    self.judge_unjudged(direction)
             except Exception as e:  # noqa: BLE001 - the page goes on; the worker judges anew
                 log.warning("judging undecided posts again failed: %s", e)
+
+    def judge_unjudged(self, direction):
+        """Judge the direction's cards its model has not judged yet, a batch
+        at a time, letting a page's judging go first between batches."""
+        after = None
+        while True:
+            with self.lock, self.db.lent():
+                conn = self.db.conn()
+                if after is None and not unjudged_cards(conn, direction):
+                    return
+                _, after = judge_cards(conn, self.learners, direction, after, unjudged=True)
+            if after is None:
+                return
 
 
 class WebApp:
@@ -13257,7 +13311,7 @@ def cmd_learn(args, settings):
         progress = Progress("learn --rebuild", decided)
         learned = rebuild_learning(conn, progress)
         learners = Learners(settings.learn_min).refresh(conn, now=True)
-        judged = sum(rescore_direction(conn, learners, direction) for direction in learned) + \
+        judged = sum(judge_every_card(conn, learners, direction) for direction in learned) + \
             take_in_missed(conn, learners)
         progress.finish(f"{sum(a + r for a, r in learned.values())} decisions learned in "
                         f"{len(learned)} directions, {judged} undecided posts judged again")
