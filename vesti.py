@@ -4503,7 +4503,7 @@ def judge_cards(conn, learners, direction, after=None, limit=JUDGE_BATCH, unjudg
     model = learners.model(direction)
     if unjudged and model is None:
         return 0, None
-    where = [f"p.status = 'new'", f"p.classified = {DONE}", "p.direction = ?", card("p.")]
+    where = ["p.status = 'new'", f"p.classified = {DONE}", "p.direction = ?", card("p.")]
     params = [direction]
     if unjudged:
         where.append("p.likely IS NULL")
