@@ -4495,11 +4495,13 @@ RESCORE_FIRST = 100
 JUDGE_BATCH = 500
 
 
-def judge_cards(conn, learners, direction, after=None, limit=JUDGE_BATCH, unjudged=False):
+def judge_cards(conn, learners, direction, after=None, limit=None, unjudged=False):
     """Judge (likely, or none while its model is not ready) up to `limit`
-    undecided cards of a direction, newest first, after the cursor `after`
-    (published_at, id); only those not judged yet when `unjudged`. Returns
-    how many changed and the cursor to go on from (None: none are left)."""
+    (JUDGE_BATCH) undecided cards of a direction, newest first, after the
+    cursor `after` (published_at, id); only those not judged yet when
+    `unjudged`. Returns how many changed and the cursor to go on from (None:
+    none are left)."""
+    limit = limit or JUDGE_BATCH
     model = learners.model(direction)
     if unjudged and model is None:
         return 0, None
