@@ -81,6 +81,13 @@ words; L2-penalised, AdaGrad SGD over REF_EPOCHS passes in a fixed order)
 trained on every training item's label, ranking every held-out item: its
 P@20 and R-precision.
 
+With --curve (and in --smoke), per language, how many labels a learner
+needs: the reference's learner and vesti.py's own model (its Model over
+post_features, against the news in general read from the newest training
+items; no keywords, no source), each trained on 300 and 1,000 training
+items drawn at random (three draws) and on all of them, every label known:
+their R-precision on the held-out items, beside 0.9 x the reference's.
+
 The goals, per language (on the learned run):
     R-precision >= 0.9 x the reference's, in every direction
     desk recall >= keyword-only's + 0.15, and desk precision no lower than
@@ -103,6 +110,7 @@ import gzip
 import html
 import http.client
 import http.server
+import importlib.util
 import json
 import math
 import os
@@ -491,21 +499,100 @@ def logistic_score(model, doc):
     return norm * sum(weights.get(f, 0.0) for f in doc) + bias
 
 
-def reference_rankings(lang, training, held):
-    """{direction: held-out keys, most likely first}. Only features seen in
-    more than one training item count, in training and in ranking."""
+def logistic_ranking(training, labels, held):
+    """Held-out keys, most likely first, by a logistic regression trained on
+    these items and labels. Only features seen in more than one of these
+    training items count, in training and in ranking."""
     docs = [features(item) for item in training]
     frequency = collections.Counter(f for doc in docs for f in doc)
     known = {f for f, n in frequency.items() if n > 1}
-    docs = [doc & known for doc in docs]
-    tests = [features(item) & known for item in held]
-    rankings = {}
+    model = train_logistic([doc & known for doc in docs], labels)
+    scores = [logistic_score(model, features(item) & known) for item in held]
+    return [held[i].key for i in sorted(range(len(held)), key=lambda i: (-scores[i], held[i].key))]
+
+
+def reference_rankings(lang, training, held):
+    """{direction: held-out keys, most likely first}, trained on every
+    training item's label."""
+    return {direction: logistic_ranking(training, [1 if label in item.labels else 0
+                                                   for item in training], held)
+            for direction, (_, label, _) in DIRECTIONS[lang].items()}
+
+
+# How many labels the learners need (--curve) -----------------------------------
+# Each learner trained on N training items drawn at random, their labels
+# all known: the reference's logistic regression, and vesti.py's own model
+# (its Model over post_features, against the news in general read from the
+# newest training items as VESTI reads it from the newest posts), both
+# without keywords or source. Where 300 random labels leave a learner far
+# from what every label gives, 300 decisions will too.
+
+CURVE_SIZES = (300, 1000)       # and every training item
+CURVE_DRAWS = 3
+
+
+def load_vesti(path):
+    spec = importlib.util.spec_from_file_location("vesti_measured", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def model_ranking(vesti, direction, wanted, news, training_features, held_features, held):
+    """Held-out keys, most likely first, by vesti.py's Model of `direction`
+    taught `wanted` (True/False) of the training items whose features are given."""
+    model = vesti.Model(direction)
+    model.background = news
+    for features_of, approved in zip(training_features, wanted):
+        model.learn(features_of, approved)
+    scores = [model.score(f) for f in held_features]
+    return [held[i].key for i in sorted(range(len(held)), key=lambda i: (-scores[i], held[i].key))]
+
+
+def learning_curve(lang, vesti_path, training, held, reference):
+    """Print R-precision on the held-out items per direction, learner and N."""
+    started = time.monotonic()
+    vesti = load_vesti(vesti_path)
+    newest = sorted(training, key=lambda item: item.published)[-vesti.BACKGROUND_POSTS:]
+    news = vesti.Background(mark=0)
+    for item in newest:
+        news.counts.update(vesti.post_features(item.title, item.text, None))
+        news.docs += 1
+    held_features = [vesti.post_features(item.title, item.text, None) for item in held]
+    relevant = relevant_items(lang, held)
+    sizes = sorted({min(n, len(training)) for n in CURVE_SIZES} | {len(training)})
+    print(f"== {lang}: how many labels the learners need: R-precision on the held-out items, "
+          f"trained on N training items drawn at random (least / median / most of "
+          f"{CURVE_DRAWS} draws), no keywords, no source")
+    print(f"{'direction':14s} {'learner':14s} " + " ".join(f"{f'N={n}':>20s}" for n in sizes)
+          + "   0.9 x the reference")
     for direction, (_, label, _) in DIRECTIONS[lang].items():
-        model = train_logistic(docs, [1 if label in item.labels else 0 for item in training])
-        scores = [logistic_score(model, doc) for doc in tests]
-        rankings[direction] = [held[i].key for i in
-                               sorted(range(len(held)), key=lambda i: (-scores[i], held[i].key))]
-    return rankings
+        if not relevant[direction]:
+            continue
+        figures = {"reference": [], "vesti's model": []}
+        for n in sizes:
+            draws = [list(range(len(training)))] if n == len(training) else \
+                [random.Random(seed).sample(range(len(training)), n) for seed in range(1, CURVE_DRAWS + 1)]
+            found = {name: [] for name in figures}
+            for chosen in draws:
+                sample = [training[i] for i in chosen]
+                labels = [label in item.labels for item in sample]
+                found["reference"].append(ranking_figures(
+                    logistic_ranking(sample, [int(x) for x in labels], held), relevant[direction])[1])
+                found["vesti's model"].append(ranking_figures(model_ranking(
+                    vesti, direction, labels, news,
+                    [vesti.post_features(item.title, item.text, None) for item in sample],
+                    held_features, held), relevant[direction])[1])
+            for name in figures:
+                values = sorted(found[name])
+                figures[name].append(f"{cell(values[0])} {cell(statistics.median(values))} "
+                                     f"{cell(values[-1])}" if len(values) > 1 else
+                                     f"{cell(values[0]):>20s}")
+        goal = GOAL_RPREC * reference[direction].rprec
+        for name, cells in figures.items():
+            print(f"{direction:14s} {name:14s} " + " ".join(f"{c:>20s}" for c in cells)
+                  + (f"   {goal:.2f}" if name == "reference" else ""))
+    print(f"    learning curve: {time.monotonic() - started:.1f} s\n")
 
 
 # vesti.py ---------------------------------------------------------------------
@@ -1136,6 +1223,8 @@ def one_language(lang, args, tmp):
     table(lang, runs, reference)
     goals(lang, runs, reference)
     print()
+    if args.curve or args.smoke:
+        learning_curve(lang, args.vesti, training, held, reference)
 
 
 def main(argv=None):
@@ -1152,6 +1241,10 @@ def main(argv=None):
                         help="VESTI_LEARN_MIN of the runs (default vesti's; "
                              f"{SMOKE['learn_min']} with --smoke)")
     parser.add_argument("--corpus", default=NEWS, help=f"the labelled news (default {NEWS})")
+    parser.add_argument("--curve", action="store_true",
+                        help="also train the reference's learner and vesti.py's model on "
+                             f"{' and '.join(map(str, CURVE_SIZES))} training items drawn at "
+                             "random and on all of them: how many labels they need")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes (" + ", ".join(f"{k} {v}" for k, v in SMOKE.items())
                         + "): checks that the whole benchmark runs, in seconds")
