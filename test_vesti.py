@@ -4496,6 +4496,31 @@ def test_idle_workers_take_the_posts_a_crawl_of_their_process_queues_at_once(hom
     assert not runner.is_alive()               # a stop ends the wait at once
 
 
+def test_workers_stopped_right_after_their_last_post_still_say_what_they_did(home, capsys):
+    """`run`'s console accounts for every post: a stop that comes between
+    the last verdict and the next look at the queue still gets the line of
+    what was done since the one before."""
+    s, db, registry = worker_home(home, "")
+    add_posts(db.conn(), 3)
+    stop = threading.Event()
+
+    class StopAfterThree(vesti.Classifier):
+        prepared = 0
+
+        def prepare(self, post):
+            verdict = super().prepare(post)
+            StopAfterThree.prepared += 1
+            if StopAfterThree.prepared == 3:
+                stop.set()
+            return verdict
+    stats, finished = vesti.run_workers(db, s, registry, workers=1, forever=True, stop=stop,
+                                        quiet=True, classify=StopAfterThree(registry, s, db=db))
+    assert finished and stats.done == 3 and queue_of(db) == {1: 3}
+    spells = re.findall(r"^worker: (\d+) processed \(.*\) in [0-9.]+ s; (.*)$",
+                        capsys.readouterr().out, re.M)
+    assert spells == [("3", "nothing left to claim")]
+
+
 @both
 def test_a_forever_worker_takes_back_expired_leases_while_it_runs(home):
     s, db, registry = worker_home(home, "", VESTI_LEASE_SECONDS=1)

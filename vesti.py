@@ -8468,18 +8468,20 @@ class WorkerPool:
                                 if until > now}
             return bool(self.story_waits)
 
-    def say_done(self, dry):
+    def say_done(self, dry, stopping=False):
         """With `report`: a console line of what the workers did since the
-        last one, once nothing is left to claim (`dry`), or after
-        WORK_REPORT seconds of work."""
+        last one, once nothing is left to claim (`dry`), after WORK_REPORT
+        seconds of work, or as they stop (`stopping`): the console accounts
+        for every post."""
         with self.lock:
             done = self.stats.since(self.said)
             now = time.monotonic()
             if not self.report or not done.processed or (
-                    not dry and now - self.said_at < WORK_REPORT):
+                    not dry and not stopping and now - self.said_at < WORK_REPORT):
                 return
             seconds, self.said, self.said_at = now - self.said_at, dataclasses.replace(self.stats), now
-        left = "nothing left to claim" if dry else f"{pending_count(self.db.conn())} waiting"
+        waiting = 0 if dry else pending_count(self.db.conn())
+        left = f"{waiting} waiting" if waiting else "nothing left to claim"
         print(f"worker: {done.line()} in {seconds:.1f} s; {left}", flush=True)
 
     def heartbeat(self):
@@ -8808,6 +8810,7 @@ def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
             pool.release_unfinished(wait=0)
         raise
     released = 0 if finished else pool.release_unfinished()
+    pool.say_done(dry=False, stopping=True)
     progress.finish(pool.stats.line() + (f", {released} put back unfinished" if released else ""))
     return pool.stats, finished
 
