@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 import pathlib
+import re
 import py_compile
 import select
 import shutil
@@ -592,13 +593,23 @@ def ollama():
 
 class BotHtml(html.parser.HTMLParser):
     """Checks a message's HTML as the Bot API does: only the tags it knows,
-    each closed in order; the text as it would show, for the 4096 limit."""
+    each closed in order, every <, > and & that is not markup escaped (as
+    &lt; &gt; &amp; &quot; or a numeric entity); the text as it would show,
+    for the 4096 limit (Telegram counts UTF-16 code units)."""
     TAGS = {"b", "strong", "i", "em", "u", "ins", "s", "strike", "del", "a", "code", "pre",
             "tg-spoiler", "span", "blockquote", "tg-emoji"}
+    BARE = re.compile(r"&(?!(?:lt|gt|amp|quot|#[0-9]+|#x[0-9a-fA-F]+);)|<|>")
+    TAG = re.compile(r'<(/?)([a-z-]+)((?:\s+[a-z-]+="[^"<>]*")*)\s*>')
 
     def __init__(self):
         super().__init__(convert_charrefs=True)
         self.open, self.text, self.problem = [], [], None
+
+    def feed(self, data):
+        bare = self.BARE.search(self.TAG.sub("", data))
+        if bare:
+            self.problem = self.problem or f"unsupported start tag or bare {bare[0]!r}"
+        super().feed(data)
 
     def handle_starttag(self, tag, attrs):
         if tag not in self.TAGS:
@@ -622,8 +633,12 @@ class FakeBotApi(LoopbackServer):
     with the same HTTP status. `chats`: the chats the bot may post to (any
     other is 400 "chat not found"); `not_member`: chats it was removed from
     (403); `script`: what the next sendMessage calls meet, in turn: "ok",
-    ("429", seconds), ("500",), or ("hang", seconds): the message is posted
-    and the answer comes that much later."""
+    ("429", seconds), ("500",) (not posted), ("400", description) (refused),
+    ("hang", seconds): the message
+    is posted and the answer comes that much later; ("close", seconds): it
+    is posted, and the connection closed that much later without an
+    answer; ("posted-502", seconds): it is posted and a proxy's 502 page
+    comes that much later."""
 
     TOKEN = "123456789:AAE-test-token_secret"
 
@@ -644,7 +659,12 @@ class FakeBotApi(LoopbackServer):
                 status, answer, wait = fake.answer(token, method, body)
                 if wait:
                     time.sleep(wait)
-                data = json.dumps(answer).encode()
+                if answer == "close":
+                    self.close_connection = True
+                    with contextlib.suppress(OSError):
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                data = json.dumps(answer).encode() if isinstance(answer, dict) else answer
                 try:
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
@@ -699,6 +719,8 @@ class FakeBotApi(LoopbackServer):
                               retry_after=step[1])
         if step[0] == "500":
             return self.error(500, "Internal Server Error")
+        if step[0] == "400":
+            return self.error(400, step[1])
         text = payload.get("text") or ""
         parsed = BotHtml()
         if payload.get("parse_mode") == "HTML":
@@ -712,13 +734,17 @@ class FakeBotApi(LoopbackServer):
             shown = text
         if not shown.strip():
             return self.error(400, "Bad Request: message text is empty")
-        if len(shown) > 4096:
+        if len(shown.encode("utf-16-le")) // 2 > 4096:
             return self.error(400, "Bad Request: message is too long")
         self.next_id += 1
         message = {"message_id": self.next_id, "chat": chat, "text": text, "shown": shown,
                    "date": int(time.time()), "at": time.time()}
         self.messages.append(message)
         self.posted.set()
+        if step[0] == "close":
+            return 200, "close", step[1]
+        if step[0] == "posted-502":
+            return 502, b"<html><body><h1>502 Bad Gateway</h1></body></html>", step[1]
         result = {"message_id": self.next_id, "date": message["date"],
                   "chat": {"id": -1001234567890, "type": "channel", "title": "VESTI test"},
                   "text": shown}
@@ -739,11 +765,14 @@ def bot():
 class WebhookReceiver(LoopbackServer):
     """A webhook's receiving end: checks X-Vesti-Signature with `secret`,
     keeps every delivery (headers, JSON body), and answers in turn what
-    `script` says (a status; 200 once it is used up)."""
+    `script` says: a status, or ("hang", seconds, status): the delivery is
+    kept and the answer comes that much later; 200 once it is used up.
+    `received` is set on each delivery."""
 
     def __init__(self, secret):
         self.secret, self.script, self.deliveries, self.refused = secret, [], [], 0
         self.lock = threading.Lock()
+        self.received = threading.Event()
         receiver = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -760,15 +789,20 @@ class WebhookReceiver(LoopbackServer):
                     else:
                         receiver.deliveries.append((dict(self.headers), json.loads(body)))
                         status = receiver.script.pop(0) if receiver.script else 200
+                        receiver.received.set()
                         headers = {"Retry-After": "1"} if status == 429 else {}
+                if isinstance(status, tuple):
+                    time.sleep(status[1])
+                    status = status[2]
                 answer = json.dumps({"received": status == 200}).encode()
-                self.send_response(status)
-                for key, value in headers.items():
-                    self.send_header(key, value)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
+                with contextlib.suppress(OSError):
+                    self.send_response(status)
+                    for key, value in headers.items():
+                        self.send_header(key, value)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(answer)))
+                    self.end_headers()
+                    self.wfile.write(answer)
 
             def log_message(self, *args):
                 pass

@@ -281,10 +281,13 @@ CREATE TABLE IF NOT EXISTS targets (
     alerts_from INTEGER
 );
 -- One row per post and target: the publication's state (queued, sending,
--- published, failed, uncertain, cancelled), the text to send, and what
--- became of it. token: the send under way; idempotency_key: the same on
+-- published, failed, uncertain, cancelled; see Publications in vesti.py),
+-- the post as it was approved (item, JSON), the text to send (plain text,
+-- editable until it is sent), and what became of it: the message and the
+-- chat it went to. token: the send under way; idempotency_key: the same on
 -- every try of one publication; hurry: "publish now"; retract: taken back
--- after it was sent, to be deleted where it went.
+-- after it was sent, to be deleted where it went; version: counts the
+-- row's changes, so that an action names the row it was asked on.
 CREATE TABLE IF NOT EXISTS publications (
     id INTEGER PRIMARY KEY,
     post_id INTEGER NOT NULL,
@@ -303,6 +306,9 @@ CREATE TABLE IF NOT EXISTS publications (
     deleted_at TEXT,
     idempotency_key TEXT,
     updated_by TEXT,
+    item TEXT,
+    chat TEXT,
+    version INTEGER NOT NULL DEFAULT 0,
     UNIQUE (post_id, target)
 );
 CREATE INDEX IF NOT EXISTS publications_order ON publications(target, state, hurry, queued_at, id);

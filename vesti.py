@@ -47,21 +47,25 @@ start reading):
       post_features, Background, Approvals, Model, Learners, learn_decisions,
       count_decisions (a decision in, an undo out), owe_learning, learn_owed,
       rebuild_learning, rescore_direction, judge_cards, take_in_missed
-  Records: runs, health, feed and channel state, Telegram edits.
-      start_run, record_success, record_failure, note_rhythm, save_rss_state,
-      update_edited_post, reword_post
+  Records: runs, health, feed and channel state.
+      start_run, record_success, record_failure, note_rhythm, save_rss_state
   Editors: the newsroom's accounts and roles, their sessions, the record of
       who did what.
       ROLES, password_hash, add_user, change_user, start_session, session_of,
       record_event, note_look, lookers
   Publications: the outbox: approved posts queued for each publish target,
-      their texts, an editor's actions on them.
-      queue_publications, retract_publications, telegram_text,
-      act_on_publication, publication_counts
-  Decisions and reads: the editor's decisions, what pages and commands read,
-      the classifier's report card, copying a database.
-      set_decisions, check_decisions, wording, decided_posts, source_health,
-      quality_report, editor_agreement, copy_database
+      their messages, the states of a publication and the one function of
+      each transition, an editor's actions.
+      message_html, post_message, digest_html, queue_publications,
+      compose_texts, withdraw_publications, claim_publications,
+      deliver_publication, retry_publication, fail_publication,
+      doubt_publication, act_on_publication, outbox_trouble
+  Decisions and reads: a source's edit that takes a decision back, the
+      editor's decisions, what pages and commands read, the classifier's
+      report card, copying a database.
+      update_edited_post, reword_post, set_decisions, check_decisions,
+      wording, decided_posts, source_health, quality_report,
+      editor_agreement, copy_database
   Sources: sources.yaml: directions, sources, checks, syncing them into the
       database.
       read_yaml, load_registry (directions, sources, publish targets),
@@ -296,13 +300,16 @@ class Reworded(VestiError):
 
 
 class SendFailed(VestiError):
-    """A send that did not go through: `pause` seconds for the whole target
-    (429, not counted as a failure), `retry` (5xx, a timeout: tried again
-    with backoff), or neither (refused: failed at once)."""
+    """A call that did not go through as asked: `pause` seconds for the
+    whole target (429: not done, not counted as a failure); `retry`: not
+    done, worth trying again (it never reached the receiver, or the receiver
+    said so); `unsure`: it went out but no answer says what became of it (a
+    timeout, a closed connection, a 5xx), so it may have been done; none of
+    them: refused, not done."""
 
-    def __init__(self, message, retry=False, pause=None):
+    def __init__(self, message, retry=False, pause=None, unsure=False):
         super().__init__(message)
-        self.retry, self.pause = retry, pause
+        self.retry, self.pause, self.unsure = retry, pause, unsure
 
 
 class Redecided(VestiError):
@@ -327,9 +334,9 @@ class EarlyReply(Exception):
     abort() and turned into the reply, so a handler never replies and then
     returns a signal to its caller."""
 
-    def __init__(self, status, text, headers=None):
-        super().__init__(f"HTTP {status}: {text}")
-        self.status, self.text, self.headers = status, text, headers
+    def __init__(self, status, text, headers=None, page=False):
+        super().__init__(f"HTTP {status}: {text[:200]}")
+        self.status, self.text, self.headers, self.page = status, text, headers, page
 
 
 class NotPlain(Exception):
@@ -789,6 +796,77 @@ def duration_text(seconds):
     return f"{seconds // 86400} d"
 
 
+# Characters of a secret in a row that, found anywhere, are taken for an
+# echo of it: an answer may quote a token cut, or in another case.
+ECHOED_RUN = 8
+
+
+def masked(text, *secrets_):
+    """`text` with every secret in it replaced by ***, however it was
+    echoed: whole, in another case, or cut (any ECHOED_RUN characters of it
+    in a row)."""
+    for secret in sorted((s for s in secrets_ if s and len(s) >= 4), key=len, reverse=True):
+        if len(secret) < ECHOED_RUN or len(text.lower()) != len(text):
+            text = re.sub(re.escape(secret), "***", text, flags=re.I)
+            continue
+        text = "".join(masked_runs(text, secret.lower()))
+    return text
+
+
+def masked_runs(text, secret):
+    """The pieces of `text`, each longest run of `secret` (lower case) in
+    it that is at least ECHOED_RUN long replaced by ***."""
+    runs = {secret[i:i + ECHOED_RUN] for i in range(len(secret) - ECHOED_RUN + 1)}
+    lowered, start, i = text.lower(), 0, 0
+    while i <= len(text) - ECHOED_RUN:
+        if lowered[i:i + ECHOED_RUN] not in runs:
+            i += 1
+            continue
+        end = i + ECHOED_RUN
+        while end < len(text) and lowered[i:end + 1] in secret:
+            end += 1
+        yield text[start:i] + "***"
+        start = i = end
+    yield text[start:]
+
+
+def webhook_secrets(url):
+    """What of a webhook's address is its receiver's secret: the path and
+    query (Slack's /services/T0/B0/XXXX), and any user part."""
+    parts = urllib.parse.urlsplit(url or "")
+    secret = parts.path.strip("/") + (f"?{parts.query}" if parts.query else "")
+    return [part for part in (secret, parts.password, parts.username) if part and len(part) >= 6]
+
+
+class SecretMask(logging.Filter):
+    """Takes every secret the process was told of (a token, a password, a
+    webhook's path) out of every log line, its traceback included."""
+
+    def __init__(self):
+        super().__init__()
+        self.secrets = frozenset()
+
+    def keep_out(self, *secrets_):
+        self.secrets |= {secret for secret in secrets_ if secret and len(secret) >= 4}
+
+    def filter(self, record):
+        if not self.secrets:
+            return True
+        message = record.getMessage()
+        cleaned = masked(message, *self.secrets)
+        if cleaned != message:
+            record.msg, record.args = cleaned, ()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = masked(logging.Formatter().formatException(record.exc_info),
+                                     *self.secrets)
+        return True
+
+
+# The one mask of the process's log lines (configure_logging puts it on
+# every handler; settings and publish targets tell it their secrets).
+LOG_MASK = SecretMask()
+
+
 def normalize_text(text):
     return " ".join((text or "").split())
 
@@ -812,8 +890,11 @@ def content_digest(title, text):
 
 
 def shorten(text, limit):
+    """At most `limit` characters: a text cut ends in "…"."""
     text = text or ""
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    if len(text) <= limit:
+        return text
+    return text[: limit - 1] + "…" if limit > 0 else ""
 
 
 class _TextExtractor(html.parser.HTMLParser):
@@ -2293,10 +2374,13 @@ CREATE TABLE IF NOT EXISTS targets (
     alerts_from INTEGER
 );
 -- One row per post and target: the publication's state (queued, sending,
--- published, failed, uncertain, cancelled), the text to send, and what
--- became of it. token: the send under way; idempotency_key: the same on
+-- published, failed, uncertain, cancelled; see Publications in vesti.py),
+-- the post as it was approved (item, JSON), the text to send (plain text,
+-- editable until it is sent), and what became of it: the message and the
+-- chat it went to. token: the send under way; idempotency_key: the same on
 -- every try of one publication; hurry: "publish now"; retract: taken back
--- after it was sent, to be deleted where it went.
+-- after it was sent, to be deleted where it went; version: counts the
+-- row's changes, so that an action names the row it was asked on.
 CREATE TABLE IF NOT EXISTS publications (
     id INTEGER PRIMARY KEY,
     post_id INTEGER NOT NULL,
@@ -2315,6 +2399,9 @@ CREATE TABLE IF NOT EXISTS publications (
     deleted_at TEXT,
     idempotency_key TEXT,
     updated_by TEXT,
+    item TEXT,
+    chat TEXT,
+    version INTEGER NOT NULL DEFAULT 0,
     UNIQUE (post_id, target)
 );
 CREATE INDEX IF NOT EXISTS publications_order ON publications(target, state, hurry, queued_at, id);
@@ -2399,13 +2486,31 @@ def add_column(conn, table, column, kind, default):
 # What an older database's rows need once a column is added: posts dated
 # after they were fetched (a feed's clock ahead) are dated at their fetch,
 # as posts are stored since (a search under newest first counts on it).
+def plain_publication_texts(conn):
+    """Telegram texts kept before texts were kept as plain text hold the Bot
+    API's HTML: made plain (a link as its address), as editors edit them
+    now and as they are sent."""
+    for row in conn.execute("""SELECT id, text FROM publications WHERE text IS NOT NULL
+                                   AND target IN (SELECT name FROM targets
+                                                  WHERE kind IN ('telegram', 'alert'))""").fetchall():
+        text = re.sub(r'<a href="([^"]*)">.*?</a>', lambda m: m[1], row["text"], flags=re.S)
+        conn.execute("UPDATE publications SET text = ? WHERE id = ?",
+                     (html.unescape(re.sub(r"<[^>]*>", "", text)), row["id"]))
+
+
+# ... and once its item (the post as approved) is kept, a publication's text
+# is plain text.
 WHEN_ADDED = {("posts", "undated"):
-              "UPDATE posts SET published_at = fetched_at WHERE published_at > fetched_at"}
+              "UPDATE posts SET published_at = fetched_at WHERE published_at > fetched_at",
+              ("publications", "item"): plain_publication_texts}
 
 
 def fill_added(conn, table, column):
-    if (table, column) in WHEN_ADDED:
-        conn.execute(WHEN_ADDED[table, column])
+    fill = WHEN_ADDED.get((table, column))
+    if callable(fill):
+        fill(conn)
+    elif fill:
+        conn.execute(fill)
 
 
 # What an older database has and this one does not: queue indexes replaced by
@@ -4583,7 +4688,7 @@ def take_in_missed(conn, learners, limit=RESCORE_LIMIT):
 ###############################################################################
 # Records #####################################################################
 ###############################################################################
-# Runs, health, feed and channel state, Telegram edits.
+# Runs, health, feed and channel state.
 
 @redoable
 def start_run(conn, source_id, task, trigger):
@@ -4821,130 +4926,6 @@ def edit_floor(conn, source_id, hours, now=None):
 
 
 @redoable
-def update_edited_posts(conn, source_id, drafts):
-    """update_edited_post for each draft, in one transaction (on PostgreSQL
-    under the write lock, so an edit cannot slip between the counting of new
-    posts and its mark). Returns how many texts changed."""
-    with transaction(conn):
-        return sum(update_edited_post(conn, source_id, draft) for draft in drafts)
-
-
-# What an edit needs of the post it changes.
-EDITED = f"""id, title, text, content_type, article_url, classified, status, decided_at,
-             decided_by, story_id, words_sha256, verdicts, {", ".join(VERDICT_FIELDS)}"""
-
-
-def update_edited_post(conn, source_id, draft):
-    """Store an edited message's new text. Other words (not a fixed comma or
-    spacing) make it a new post to classify and to decide (see reword_post);
-    the same words in other punctuation are stored as they are, except over
-    a teaser's article. Returns 1 when the text changed."""
-    row = conn.execute(f"SELECT {EDITED} FROM posts WHERE source_id = ? AND external_id = ?",
-                       (source_id, draft.external_id)).fetchone()
-    if row is None:
-        return 0
-    words = draft.words_sha256 or words_sha256(draft.text, draft.article_url)
-    if words_lost_to_article(row, draft):
-        store_edit(conn, row["id"], {"words_sha256": words})
-        return 0
-    before = row["words_sha256"] or words_sha256(row["text"], row["article_url"])
-    if words != before:
-        return reword_post(conn, row, draft, before, words)
-    if row["content_type"] == "full" or normalize_text(row["text"]) == normalize_text(draft.text):
-        return 0
-    store_edit(conn, row["id"], edited_text(draft, words))
-    return 1
-
-
-def words_lost_to_article(row, draft):
-    """A teaser stored before its words were kept (words_sha256 NULL) whose
-    article was fetched: its text is the article, not the message, so only
-    its link can tell an edit. The message's words as read now are kept,
-    for its next edit to be told apart."""
-    return row["words_sha256"] is None and row["content_type"] == "full" and \
-        row["article_url"] is not None and row["article_url"] == draft.article_url
-
-
-def edited_text(draft, words):
-    """The columns an edit sets, whatever it changed."""
-    return {"text": draft.text, "title": draft.title, "sha256": text_sha256(draft.text),
-            "edited_at": draft.edited_at, "content_type": draft.content_type,
-            "article_url": draft.article_url, "words_sha256": words}
-
-
-def store_edit(conn, post_id, changes):
-    conn.execute(f"UPDATE posts SET {', '.join(f'{column} = :{column}' for column in changes)} "
-                 f"WHERE id = :id", {**changes, "id": post_id})
-
-
-# Verdicts kept of a post's earlier words.
-VERDICTS_KEPT = 8
-
-
-def reword_post(conn, row, draft, before, words):
-    """An edit from words `before` to other `words`: the post leaves its
-    story, takes back the verdict of these words when they were classified
-    before (or goes back to the queue), and loses its decision, kept beside
-    it until the next one: nothing is approved in words nobody decided on.
-    Only a classified post takes a verdict back: one still in the queue is
-    classified anyway, and a completion outside the workers is counted only
-    where its count rows are ready. One a worker is classifying is taken
-    back from it (take_claim_back): its verdict is on the words before.
-    Returns 1."""
-    verdicts = remembered_verdicts(row, before)
-    restored = verdicts.get(words) if row["classified"] == DONE else None
-    changes = {**edited_text(draft, words),
-               "story_id": None if row["story_id"] is None else row["id"],
-               "verdicts": json.dumps(verdicts) if verdicts else None}
-    if restored:
-        changes.update(restored)
-    elif row["classified"] in (DONE, FAILED):
-        changes.update(classified=PENDING, attempts=0, next_attempt_at=None)
-    if row["status"] != "new":
-        changes.update(status="new", decided_at=None, decided_by=None,
-                       old_decision=row["status"], old_decided_at=row["decided_at"],
-                       old_decided_by=row["decided_by"], old_title=row["title"],
-                       old_text=row["text"])
-    heir = leave_story(conn, row)
-    store_edit(conn, row["id"], changes)
-    learn_decisions(conn, [row["id"], *([heir] if heir else [])])
-    if row["classified"] == PROCESSING:
-        take_claim_back(conn, row["id"])
-    return 1
-
-
-def remembered_verdicts(row, before):
-    """The post's verdicts of earlier words, and its own of the words
-    `before` when it is classified: the newest VERDICTS_KEPT."""
-    verdicts = json.loads(row["verdicts"] or "{}")
-    if row["classified"] == DONE:
-        verdicts.pop(before, None)
-        verdicts[before] = {key: row[key] for key in VERDICT_FIELDS}
-    return dict(list(verdicts.items())[-VERDICTS_KEPT:])
-
-
-def leave_story(conn, post):
-    """A post whose words changed leaves its story, which was found on its
-    old words. Where it led one, its copies follow the oldest classified of
-    them and keep the decision made on them, as their words are those it was
-    made on: the story's card, the verdict later copies take and the
-    approved feeds go on with a copy's words, never with the edited post's.
-    The edited post is a card of its own (Classifier.prepare keeps it out of
-    every story until it is decided again), so it cannot slip back under an
-    approved story's card either. A first post still being classified has
-    no story_id yet (its verdict writes it), but may have copies already.
-    Returns the copy that leads the story now, or None."""
-    if post["story_id"] not in (None, post["id"]):
-        return None
-    heir = conn.execute(f"""SELECT id FROM posts WHERE {copies_of()}
-                            ORDER BY CASE WHEN classified = {DONE} THEN 0 ELSE 1 END, id
-                            LIMIT 1""", (post["id"],)).fetchone()
-    if heir is None:
-        return None
-    conn.execute(f"UPDATE posts SET story_id = ? WHERE {copies_of()}", (heir[0], post["id"]))
-    return heir[0]
-
-
 def defer_telegram(conn, seconds, now=None):
     """A long FloodWait binds the account: every Telegram source waits until
     it ends (not counted toward dead). Returns when, as UTC text."""
@@ -5169,56 +5150,245 @@ def recent_events(conn, limit=100):
 ###############################################################################
 # The outbox: one row per approved post and publish target (see Publishing
 # for the sending). Approving a post queues it for every enabled target of
-# its direction, with the text to send (editable until it is sent); taking
-# the decision back cancels what is still queued and asks for what was sent
-# to be deleted. A story is published once, as its first post.
+# its direction, with the post as it was approved (its item); taking the
+# decision back cancels what waits and asks for what was sent to be deleted
+# where it went. A story is published once, as its first post.
+#
+# A publication's states, and the one function that moves it along each
+# transition: one statement that names the states it leaves (the sender's
+# also its send's token; an editor's the version the page showed) and
+# counts the change in `version`. Nothing slow runs inside: a text is
+# composed before (compose_texts), a call is made between two transitions.
+#
+#   queue_publications   (none), cancelled -> queued      approved
+#   claim_publications   queued -> sending                 just before the call
+#   deliver_publication  sending, uncertain -> published   answered: its message, in its chat
+#   retry_publication    sending -> queued                 not done (or a webhook's answer
+#                                                          lost): again later, the same key
+#   fail_publication     sending -> failed                 refused, or out of tries
+#   doubt_publication    sending -> uncertain              may have arrived (no answer, or its
+#                                                          sender gone): never again on its own
+#   withdraw_publications queued, failed -> cancelled      the decision taken back; a send under
+#                        sending, published, uncertain     way or done is marked (retract) to
+#                                                          be deleted, an uncertain one to be
+#                                                          checked by an editor
+#   deleted_publication  published -> cancelled            its message deleted where it went
+#   act_on_publication   an editor's: text, now (queued, failed, uncertain), published
+#                        (uncertain -> published), again (failed, uncertain -> queued),
+#                        cancel (queued, failed, uncertain -> cancelled)
+#
+# A row taken back while it was being sent goes to cancelled where the
+# sender would have queued or failed it, and stays published (to be
+# deleted) where its message arrived.
 
 PUBLICATION_STATES = ("queued", "sending", "published", "failed", "uncertain", "cancelled")
-TELEGRAM_LIMIT = 4096           # characters of one Bot API message
+TELEGRAM_LIMIT = 4096           # characters of one Bot API message, as Telegram counts them
 SUMMARY_CHARS = 1200            # of a post's text, when it has no summary
+TITLE_CHARS = 200               # of a title that leaves a message no room otherwise
+LABEL_CHARS = 60                # of a link, as a message shows it (its href is whole)
+LINK_MAX = 2048                 # characters of the longest link a message carries
+WEBHOOK_TEXT_LIMIT = 100000     # characters of an editor's text for a webhook
+ITEM_TEXT = 4000                # of a post's text, kept with its publication
+# A link in a message's plain text: what message_html makes a link of.
+WEB_LINK = re.compile(r"https?://[^\s<>\"]+", re.I)
 
 
 def hashtag(direction):
     return "#" + re.sub(r"\W+", "_", direction).strip("_") if direction else ""
 
 
-def telegram_text(post, limit=TELEGRAM_LIMIT):
-    """A post as a Telegram message in the Bot API's HTML: the title in bold,
-    the summary, the source and the link, the direction's hashtag; the
-    summary cut so that the whole fits in `limit` and the link is kept."""
-    title = f"<b>{html.escape(post['title'] or '', quote=False)}</b>"
-    url = post["url"] or ""
-    tail = [f"{html.escape(post['source'] or '', quote=False)} · "
-            f"<a href=\"{html.escape(url)}\">{html.escape(shorten(url, 60), quote=False)}</a>"
-            if url else html.escape(post["source"] or "", quote=False)]
-    if post["direction"]:
-        tail.append(hashtag(post["direction"]))
-    tail = "\n".join(part for part in tail if part)
-    summary = " ".join((post["summary"] or shorten(post["text"] or "", SUMMARY_CHARS)).split())
-    room = limit - len(title) - len(tail) - 4
+# Messages: texts are written and kept as plain text, and made into the Bot
+# API's HTML only when sent (message_html): everything escaped, the first
+# line in bold, links as links. Lengths count what Telegram shows (a link
+# by its label) in UTF-16 code units, as Telegram does; a text too long is
+# cut on its words, never inside a link.
+
+def telegram_length(text):
+    return len(text.encode("utf-16-le")) // 2
+
+
+def shown_link(url):
+    """What a message shows of a link: its label, or, for a link too long
+    to carry, the link as text."""
+    return shorten(url, LABEL_CHARS) if len(url) <= LINK_MAX else url
+
+
+def message_parts(plain):
+    """`plain` as (text, link) pairs: link is the href of a part shown as a
+    link, else None."""
+    parts, at = [], 0
+    for match in WEB_LINK.finditer(plain):
+        if match.start() > at:
+            parts.append((plain[at:match.start()], None))
+        url = match[0]
+        parts.append((url, url if len(url) <= LINK_MAX else None))
+        at = match.end()
+    if at < len(plain):
+        parts.append((plain[at:], None))
+    return parts
+
+
+def shown_length(plain):
+    return sum(telegram_length(shown_link(text) if link else text)
+               for text, link in message_parts(plain))
+
+
+def linked_html(plain):
+    return "".join(f'<a href="{html.escape(link)}">{html.escape(shown_link(link), quote=False)}</a>'
+                   if link else html.escape(text, quote=False) for text, link in message_parts(plain))
+
+
+def message_html(plain):
+    """The Bot API's HTML of a message written as plain text: escaped, its
+    first line in bold, each link a link whose label is the link shortened."""
+    first, newline, rest = plain.partition("\n")
+    head = f"<b>{linked_html(first)}</b>" if first.strip() else linked_html(first)
+    return head + newline + linked_html(rest)
+
+
+def cut_text(text, room):
+    """The longest start of `text` that Telegram counts at most `room`
+    characters long, ending on a word and "…" when it is cut."""
+    if telegram_length(text) <= room:
+        return text
+    if room <= 1:
+        return "…"[:max(room, 0)]
+    start = text.encode("utf-16-le")[:2 * (room - 1)].decode("utf-16-le", "ignore")
+    space = max(start.rfind(" "), start.rfind("\n"))
+    if space > len(start) - 40 and space > 0:
+        start = start[:space]
+    return start.rstrip() + "…"
+
+
+def cut_message(plain, limit=TELEGRAM_LIMIT):
+    """`plain` cut so that its message is at most `limit` long: on text,
+    never inside a link (a link that does not fit is left out)."""
+    if shown_length(plain) <= limit:
+        return plain
+    kept, used = [], 0
+    for text, link in message_parts(plain):
+        size = telegram_length(shown_link(text) if link else text)
+        if used + size <= limit - 1:
+            kept.append(text)
+            used += size
+            continue
+        if not link:
+            kept.append(cut_text(text, limit - used))
+        else:
+            kept.append("…")
+        break
+    return "".join(kept)
+
+
+def one_line(text):
+    return " ".join((text or "").split())
+
+
+def carried_link(url):
+    """A post's link as a message carries it: whole, with what would end
+    it in a message's text percent-encoded; None when it is too long."""
+    url = re.sub(r"[\s<>\"]", lambda m: urllib.parse.quote(m[0]), url or "")
+    return url if len(url) <= LINK_MAX and WEB_LINK.fullmatch(url) else None
+
+
+def post_message(item, limit=TELEGRAM_LIMIT):
+    """A post (its publication item) as the plain text of a Telegram
+    message: the title, the summary, the source and the link, the
+    direction's hashtag. The summary is cut so that the whole fits in
+    `limit`, the title too where it alone leaves no room; a link too long
+    for a message is left out, with a note."""
+    title = one_line(item.get("title"))
+    url = item.get("url") or ""
+    link = carried_link(url) if url else None
+    source = one_line(item.get("source"))
+    if url and link is None:
+        where = f"(link left out: {len(url):,} characters, too long for a message)"
+    else:
+        where = link or ""
+    tail = "\n".join(part for part in (" · ".join(p for p in (source, where) if p),
+                                       hashtag(item.get("direction"))) if part)
+    summary = one_line(item.get("summary") or shorten(item.get("text") or "", SUMMARY_CHARS))
+    room = limit - shown_length(title) - shown_length(tail) - 4
     if room < 20:
-        title = f"<b>{html.escape(shorten(post['title'] or '', 200), quote=False)}</b>"
-        room = limit - len(title) - len(tail) - 4
-    while summary and len(html.escape(summary, quote=False)) > room:
-        summary = shorten(summary, max(0, min(len(summary) - 1, room - 1)))
-    body = html.escape(summary, quote=False)
-    return "\n\n".join(part for part in (title, body, tail) if part)[:limit]
+        title = shorten(title, TITLE_CHARS)
+        room = limit - shown_length(title) - shown_length(tail) - 4
+    summary = cut_message(summary, max(0, room)) if room > 0 else ""
+    return cut_message("\n\n".join(part for part in (title, summary, tail) if part), limit)
 
 
-def webhook_text(post):
+def webhook_text(item):
     """A post's text as a webhook carries it (content_text of its item)."""
-    return " ".join((post["summary"] or shorten(post["text"] or "", SUMMARY_CHARS)).split())
+    return one_line(item.get("summary") or shorten(item.get("text") or "", SUMMARY_CHARS))
 
 
-def publication_text(kind, post):
-    return telegram_text(post) if kind in ("telegram", "alert") else webhook_text(post)
+def card_address(settings, post_id):
+    """A post's card on the desk, as an alert links to it."""
+    base = settings.public_url or f"http://{settings.web_host}:{settings.web_port}"
+    return f"{base}/?status=any&min=0&story={post_id}#post-{post_id}"
 
 
-# What a publication's text is made of.
-PUBLISHED_POST = """SELECT p.id, p.title, p.url, p.summary, substr(p.text, 1, 4000) AS text,
-                           p.direction, p.relevance, p.likely, p.status, p.story_id,
-                           p.decided_at, p.decided_by, p.published_at, s.name AS source
-                    FROM posts p LEFT JOIN sources s ON s.id = p.source_id"""
+def alert_message(item, settings):
+    """An alert: the story's title, how relevant and likely it is, the post
+    as a message, and its card on the desk."""
+    card = f"Card on the desk: {card_address(settings, item['id'])}"
+    likely = f" · likely {item['likely']:.0%}" if item.get("likely") is not None else ""
+    head = f"⚡ {hashtag(item.get('direction'))} · relevance {item.get('relevance')}{likely}".strip()
+    body = post_message(item, TELEGRAM_LIMIT - shown_length(head) - shown_length(card) - 4)
+    title, newline, rest = body.partition("\n")
+    return f"{title}\n{head}{newline}{rest}\n{card}"
+
+
+DIGEST_ITEMS = 30
+DIGEST_MORE = 60                # room kept for the digest's last line
+
+
+def digest_html(items, settings, limit=TELEGRAM_LIMIT):
+    """Many alerts in one message: each title linked to its card, as many
+    as fit; the rest counted on the last line."""
+    head = f"⚡ {len(items)} stories"
+    lines, used = [html.escape(head, quote=False)], telegram_length(head)
+    for n, item in enumerate(items[:DIGEST_ITEMS]):
+        title = shorten(one_line(item.get("title")), TITLE_CHARS) or f"post {item['id']}"
+        size = telegram_length(title) + 3
+        if used + size > limit - DIGEST_MORE:
+            break
+        card = card_address(settings, item["id"])
+        lines.append(f'• <a href="{html.escape(card)}">{html.escape(title, quote=False)}</a>'
+                     if len(card) <= LINK_MAX else f"• {html.escape(title, quote=False)}")
+        used += size
+    if len(lines) - 1 < len(items):
+        lines.append(html.escape(f"… and {len(items) - len(lines) + 1} more on the desk", quote=False))
+    return "\n".join(lines)
+
+
+# What a publication keeps of its post: the post as it was approved.
+PUBLISHED_POST = f"""SELECT p.id, p.title, p.url, p.summary, substr(p.text, 1, {ITEM_TEXT}) AS text,
+                            p.direction, p.relevance, p.likely, p.status, p.story_id,
+                            p.decided_at, p.decided_by, p.published_at, s.name AS source
+                     FROM posts p LEFT JOIN sources s ON s.id = p.source_id"""
+ITEM_FIELDS = ("id", "title", "url", "summary", "text", "direction", "relevance", "likely",
+               "decided_at", "decided_by", "published_at", "source")
+
+
+def item_of(post):
+    """A post read by PUBLISHED_POST as its publication keeps it (JSON)."""
+    return json.dumps({field: post[field] for field in ITEM_FIELDS}, ensure_ascii=False)
+
+
+def publication_item(conn, row):
+    """The post as a publication keeps it; for a row queued before items
+    were kept, the post as it reads now."""
+    if row["item"]:
+        return json.loads(row["item"])
+    post = conn.execute(f"{PUBLISHED_POST} WHERE p.id = ?", (row["post_id"],)).fetchone()
+    return {field: post[field] for field in ITEM_FIELDS} if post else None
+
+
+def publication_text(kind, item, settings=None):
+    """What a target of this kind is sent of an item, as plain text."""
+    if kind == "alert":
+        return alert_message(item, settings)
+    return post_message(item) if kind == "telegram" else webhook_text(item)
 
 
 def targets_of(conn, direction, kinds=("telegram", "webhook")):
@@ -5231,10 +5401,11 @@ def targets_of(conn, direction, kinds=("telegram", "webhook")):
 
 def queue_publications(conn, post_ids, now=None):
     """In the caller's transaction: each approved post (its story's first
-    post) is queued for every target of its direction that does not have it
-    yet, or has it cancelled; one asked to be deleted but not deleted yet is
-    kept. Returns how many were queued (the caller wakes the publisher once
-    it committed: PUBLISH_WAKE)."""
+    post) is queued, as it reads now, for every target of its direction
+    that does not have it yet, or has it cancelled; one marked to be deleted
+    but not deleted yet is kept instead. Its text is composed after the
+    transaction (compose_texts). Returns how many were queued (the caller
+    wakes the publisher once it committed: PUBLISH_WAKE)."""
     now, queued = utc_text(now), 0
     if conn.execute("SELECT 1 FROM targets WHERE enabled = 1 AND kind != 'alert' LIMIT 1"
                     ).fetchone() is None:
@@ -5247,31 +5418,57 @@ def queue_publications(conn, post_ids, now=None):
             continue
         for target in targets_of(conn, post["direction"]):
             row = conn.execute("""
-                INSERT INTO publications (post_id, target, state, text, queued_at, idempotency_key)
+                INSERT INTO publications (post_id, target, state, item, queued_at, idempotency_key)
                 VALUES (?, ?, 'queued', ?, ?, ?)
                 ON CONFLICT (post_id, target) DO UPDATE SET
-                    state = CASE WHEN publications.state = 'cancelled' THEN 'queued'
-                                 ELSE publications.state END,
-                    retract = 0,
-                    attempts = CASE WHEN publications.state = 'cancelled' THEN 0
-                                    ELSE publications.attempts END,
-                    queued_at = CASE WHEN publications.state = 'cancelled' THEN excluded.queued_at
-                                     ELSE publications.queued_at END,
-                    idempotency_key = CASE WHEN publications.state = 'cancelled'
-                                           THEN excluded.idempotency_key
-                                           ELSE publications.idempotency_key END,
-                    error = CASE WHEN publications.state = 'cancelled' THEN NULL
-                                 ELSE publications.error END
-                RETURNING state""", (lead, target["name"], publication_text(target["kind"], post),
-                                     now, secrets.token_hex(16))).fetchone()
-            queued += row is not None and row["state"] == "queued"
+                    state = 'queued', item = excluded.item, text = NULL, attempts = 0,
+                    queued_at = excluded.queued_at, idempotency_key = excluded.idempotency_key,
+                    error = NULL, token = NULL, next_attempt_at = NULL, hurry = 0,
+                    message_id = NULL, chat = NULL, sent_at = NULL, deleted_at = NULL,
+                    retract = 0, updated_by = NULL, version = publications.version + 1
+                WHERE publications.state = 'cancelled'
+                RETURNING id""", (lead, target["name"], item_of(post), now,
+                                  secrets.token_hex(16))).fetchone()
+            if row is not None:
+                queued += 1
+            else:
+                conn.execute("""UPDATE publications SET retract = 0, version = version + 1
+                                WHERE post_id = ? AND target = ? AND retract = 1
+                                  AND state IN ('sending', 'published', 'uncertain')""",
+                             (lead, target["name"]))
     return queued
 
 
-def retract_publications(conn, post_ids):
-    """In the caller's transaction, for posts no longer approved: what is
-    queued (or failed, or uncertain) is cancelled; what was sent, or is being
-    sent, is marked to be deleted where it went. Returns how many changed."""
+def compose_texts(conn, settings=None, target=None, limit=100):
+    """The texts of queued publications that have none yet, composed from
+    their items outside any transaction and written each only where the
+    row still has none (an editor's text is never overwritten). Alerts
+    need `settings` (their card's address). Returns how many."""
+    kinds = ("telegram", "webhook", "alert") if settings is not None else ("telegram", "webhook")
+    rows = conn.execute(f"""SELECT u.id, u.post_id, u.item, u.version, t.kind FROM publications u
+                            JOIN targets t ON t.name = u.target
+                            WHERE u.state = 'queued' AND u.text IS NULL
+                              AND t.kind IN ({','.join('?' * len(kinds))})
+                              {'AND u.target = ?' if target else ''}
+                            ORDER BY u.id LIMIT ?""",
+                        (*kinds, *([target] if target else []), limit)).fetchall()
+    written = 0
+    for row in rows:
+        item = publication_item(conn, row)
+        text = publication_text(row["kind"], item, settings) if item else "(the post is gone)"
+        with transaction(conn):
+            written += conn.execute("""UPDATE publications SET text = ?, version = version + 1
+                                       WHERE id = ? AND text IS NULL AND version = ?""",
+                                    (text, row["id"], row["version"])).rowcount
+    return written
+
+
+def withdraw_publications(conn, post_ids):
+    """In the caller's transaction, for posts no longer approved: what waits
+    (queued, failed) is cancelled; what is being sent or was sent is marked
+    to be deleted where it went; an uncertain send, which may have arrived
+    where no answer says, is marked for an editor to check. Alerts stay:
+    they were never an approval. Returns how many changed."""
     if conn.execute("SELECT 1 FROM publications LIMIT 1").fetchone() is None:
         return 0
     leads = sorted({row[0] for post_id in post_ids for row in conn.execute(
@@ -5279,14 +5476,100 @@ def retract_publications(conn, post_ids):
         (post_id,))})
     changed = 0
     for lead in leads:
-        changed += conn.execute("""UPDATE publications SET state = 'cancelled', token = NULL
-                                   WHERE post_id = ? AND state IN ('queued', 'failed', 'uncertain')""",
+        changed += conn.execute("""UPDATE publications SET state = 'cancelled', token = NULL,
+                                       next_attempt_at = NULL, version = version + 1
+                                   WHERE post_id = ? AND state IN ('queued', 'failed')""",
                                 (lead,)).rowcount
-        retracted = conn.execute("""UPDATE publications SET retract = 1
-                                    WHERE post_id = ? AND state IN ('sending', 'published')
-                                      AND deleted_at IS NULL AND retract = 0""", (lead,)).rowcount
-        changed += retracted
+        changed += conn.execute("""UPDATE publications SET retract = 1, version = version + 1
+                                   WHERE post_id = ? AND retract = 0
+                                     AND state IN ('sending', 'published', 'uncertain')
+                                     AND target IN (SELECT name FROM targets WHERE kind != 'alert')""",
+                                (lead,)).rowcount
     return changed
+
+
+# The sender's transitions (see Publisher): each names the send's token.
+
+def claim_publications(conn, ids, token):
+    """queued -> sending, in the caller's transaction: the rows claimed."""
+    claimed = []
+    for publication_id in ids:
+        row = conn.execute("""UPDATE publications SET state = 'sending', token = ?,
+                                  attempts = attempts + 1, version = version + 1
+                              WHERE id = ? AND state = 'queued' AND text IS NOT NULL
+                              RETURNING *""", (token, publication_id)).fetchone()
+        if row is not None:
+            claimed.append(row)
+    return claimed
+
+
+def deliver_publication(conn, publication_id, token, message_id, chat, now):
+    """sending (or uncertain, given up on before its answer came) ->
+    published: the message and the chat it went to."""
+    return conn.execute("""UPDATE publications SET state = 'published', message_id = ?, chat = ?,
+                               sent_at = ?, error = NULL, token = NULL, next_attempt_at = NULL,
+                               version = version + 1
+                           WHERE id = ? AND token = ? AND state IN ('sending', 'uncertain')""",
+                        (message_id, chat, now, publication_id, token)).rowcount
+
+
+def retry_publication(conn, publication_id, token, error, wait=None, counted=True):
+    """sending -> queued, to be tried again at `wait` (UTC text) or at once;
+    an attempt not `counted` (a pause) is given back. Taken back meanwhile:
+    cancelled."""
+    return conn.execute(f"""UPDATE publications SET
+                                state = CASE WHEN retract = 1 THEN 'cancelled' ELSE 'queued' END,
+                                retract = 0, error = ?, next_attempt_at = ?, token = NULL,
+                                attempts = attempts - {0 if counted else 1}, version = version + 1
+                            WHERE id = ? AND token = ? AND state = 'sending'""",
+                        (error, wait, publication_id, token)).rowcount
+
+
+def fail_publication(conn, publication_id, token, error):
+    """sending -> failed (taken back meanwhile: cancelled)."""
+    return conn.execute("""UPDATE publications SET
+                               state = CASE WHEN retract = 1 THEN 'cancelled' ELSE 'failed' END,
+                               retract = 0, error = ?, token = NULL, version = version + 1
+                           WHERE id = ? AND token = ? AND state = 'sending'""",
+                        (error, publication_id, token)).rowcount
+
+
+def doubt_publication(conn, publication_id, token, error):
+    """sending -> uncertain: it may have arrived. The token is kept: an
+    answer that comes after all still delivers it (deliver_publication)."""
+    return conn.execute("""UPDATE publications SET state = 'uncertain', error = ?,
+                               version = version + 1
+                           WHERE id = ? AND token = ? AND state = 'sending'""",
+                        (error, publication_id, token)).rowcount
+
+
+def doubt_lost_sends(conn, target, sender=None,
+                     error="the sender stopped during the send: it may or may not have arrived"):
+    """Sends of the target still `sending` (of one sender, or of any when
+    its lease ran out or its process died): uncertain. Returns how many."""
+    mine = "AND substr(token, 1, ?) = ?" if sender else ""
+    return conn.execute(f"""UPDATE publications SET state = 'uncertain', error = ?,
+                                version = version + 1
+                            WHERE target = ? AND state = 'sending' {mine}""",
+                        (error, target, *((len(sender) + 1, sender + ":") if sender else ()))
+                        ).rowcount
+
+
+def deleted_publication(conn, publication_id, now, note=None):
+    """published (marked to be deleted) -> cancelled: its message is gone."""
+    return conn.execute("""UPDATE publications SET state = 'cancelled', retract = 0, deleted_at = ?,
+                               error = ?, next_attempt_at = NULL, version = version + 1
+                           WHERE id = ? AND state = 'published' AND retract = 1""",
+                        (now, note, publication_id)).rowcount
+
+
+def undeleted_publication(conn, publication_id, error, again_at=None):
+    """A deletion that did not go through: tried again at `again_at`, or,
+    with none, given up (it stays published, with the reason)."""
+    return conn.execute("""UPDATE publications SET retract = ?, next_attempt_at = ?, error = ?,
+                               version = version + 1
+                           WHERE id = ? AND state = 'published' AND retract = 1""",
+                        (int(again_at is not None), again_at, error, publication_id)).rowcount
 
 
 # What an editor may do to one publication, and in which states.
@@ -5297,35 +5580,41 @@ PUBLICATION_ACTIONS = {
     "published": ("uncertain",),                    # it did arrive
     "again": ("failed", "uncertain"),               # send it again
 }
+# What each action changes.
+ACTION_CHANGES = {
+    "text": "text = ?",
+    "now": "hurry = 1, next_attempt_at = NULL",
+    "cancel": "state = 'cancelled', token = NULL, retract = 0",
+    "published": "state = 'published', sent_at = ?, error = NULL, token = NULL, retract = 0",
+    "again": "state = 'queued', attempts = 0, next_attempt_at = NULL, error = NULL, hurry = 1, "
+             "token = NULL",
+}
 
 
 def act_on_publication(conn, publication_id, action, editor, text=None, now=None, seen=None,
-                       address=None):
+                       address=None, version=None):
     """An editor's action on a publication; returns the row after it, or
     None for an unknown one. Raises Conflict when its state does not allow
-    the action, or is not the state `seen` on the editor's page (someone, or
-    the sender, changed it meanwhile)."""
+    the action, or is not the state `seen` (or the `version`) the editor's
+    page showed: someone, or the sender, changed it meanwhile. An uncertain
+    send taken back may only be cancelled, once an editor has looked in the
+    channel (no answer named its message, so it cannot be deleted here)."""
     now = utc_text(now)
     with transaction(conn):
         row = conn.execute("SELECT * FROM publications WHERE id = ?", (publication_id,)).fetchone()
         if row is None:
             return None
-        if row["state"] not in PUBLICATION_ACTIONS[action] or seen not in (None, row["state"]):
+        if row["state"] not in PUBLICATION_ACTIONS[action] or seen not in (None, row["state"]) \
+                or version not in (None, row["version"]) \
+                or (row["retract"] and action != "cancel"):
             who = f" by {row['updated_by']}" if row["updated_by"] and \
                 row["state"] in ("cancelled", "published") else ""
             raise Conflict(f"this publication is {row['state']} now{who}; reload to see it")
-        changes = {
-            "text": ("text = ?", (text,)),
-            "now": ("hurry = 1, next_attempt_at = NULL", ()),
-            "cancel": ("state = 'cancelled'", ()),
-            "published": ("state = 'published', sent_at = ?, error = NULL", (now,)),
-            "again": ("state = 'queued', attempts = 0, next_attempt_at = NULL, error = NULL, "
-                      "hurry = 1", ()),
-        }
-        assignments, values = changes[action]
-        row = conn.execute(f"""UPDATE publications SET {assignments}, updated_by = ?
-                               WHERE id = ? AND state = ? RETURNING *""",
-                           (*values, editor, publication_id, row["state"])).fetchone()
+        values = {"text": (text,), "published": (now,)}.get(action, ())
+        row = conn.execute(f"""UPDATE publications SET {ACTION_CHANGES[action]},
+                                   updated_by = ?, version = version + 1
+                               WHERE id = ? AND state = ? AND version = ? RETURNING *""",
+                           (*values, editor, publication_id, row["state"], row["version"])).fetchone()
         record_event(conn, editor, address, f"publication {action}", f"publication:{publication_id}",
                      f"post {row['post_id']} to {row['target']}")
     if action in ("now", "again"):
@@ -5342,10 +5631,160 @@ def publication_counts(conn):
     return dict(counts)
 
 
+def outbox_trouble(conn, now=None):
+    """The enabled targets that need an editor's eye: failing (their last
+    call failed, or a setting is missing), paused by a 429, or with sends
+    that failed or may have arrived. [(target row, {state: n})]."""
+    now = utc_text(now)
+    found = []
+    for target in conn.execute("SELECT * FROM targets WHERE enabled = 1 ORDER BY name").fetchall():
+        stuck = dict(conn.execute("""SELECT state, count(*) FROM publications WHERE target = ?
+                                         AND state IN ('failed', 'uncertain', 'queued')
+                                     GROUP BY state""", (target["name"],)).fetchall())
+        paused = (target["paused_until"] or "") > now
+        if target["error"] or paused or stuck.get("failed") or stuck.get("uncertain"):
+            found.append((target, stuck))
+    return found
+
+
 ###############################################################################
 # Decisions and reads #########################################################
 ###############################################################################
 # The editor's decisions, what pages and commands read, copying a database.
+
+# A source's edit into other words takes the decision on the post back
+# (nothing is approved in words nobody decided on), and with it what was
+# queued or sent of it for publication.
+
+def update_edited_posts(conn, source_id, drafts):
+    """update_edited_post for each draft, in one transaction (on PostgreSQL
+    under the write lock, so an edit cannot slip between the counting of new
+    posts and its mark). Returns how many texts changed."""
+    with transaction(conn):
+        return sum(update_edited_post(conn, source_id, draft) for draft in drafts)
+
+
+# What an edit needs of the post it changes.
+EDITED = f"""id, title, text, content_type, article_url, classified, status, decided_at,
+             decided_by, story_id, words_sha256, verdicts, {", ".join(VERDICT_FIELDS)}"""
+
+
+def update_edited_post(conn, source_id, draft):
+    """Store an edited message's new text. Other words (not a fixed comma or
+    spacing) make it a new post to classify and to decide (see reword_post);
+    the same words in other punctuation are stored as they are, except over
+    a teaser's article. Returns 1 when the text changed."""
+    row = conn.execute(f"SELECT {EDITED} FROM posts WHERE source_id = ? AND external_id = ?",
+                       (source_id, draft.external_id)).fetchone()
+    if row is None:
+        return 0
+    words = draft.words_sha256 or words_sha256(draft.text, draft.article_url)
+    if words_lost_to_article(row, draft):
+        store_edit(conn, row["id"], {"words_sha256": words})
+        return 0
+    before = row["words_sha256"] or words_sha256(row["text"], row["article_url"])
+    if words != before:
+        return reword_post(conn, row, draft, before, words)
+    if row["content_type"] == "full" or normalize_text(row["text"]) == normalize_text(draft.text):
+        return 0
+    store_edit(conn, row["id"], edited_text(draft, words))
+    return 1
+
+
+def words_lost_to_article(row, draft):
+    """A teaser stored before its words were kept (words_sha256 NULL) whose
+    article was fetched: its text is the article, not the message, so only
+    its link can tell an edit. The message's words as read now are kept,
+    for its next edit to be told apart."""
+    return row["words_sha256"] is None and row["content_type"] == "full" and \
+        row["article_url"] is not None and row["article_url"] == draft.article_url
+
+
+def edited_text(draft, words):
+    """The columns an edit sets, whatever it changed."""
+    return {"text": draft.text, "title": draft.title, "sha256": text_sha256(draft.text),
+            "edited_at": draft.edited_at, "content_type": draft.content_type,
+            "article_url": draft.article_url, "words_sha256": words}
+
+
+def store_edit(conn, post_id, changes):
+    conn.execute(f"UPDATE posts SET {', '.join(f'{column} = :{column}' for column in changes)} "
+                 f"WHERE id = :id", {**changes, "id": post_id})
+
+
+# Verdicts kept of a post's earlier words.
+VERDICTS_KEPT = 8
+
+
+def reword_post(conn, row, draft, before, words):
+    """An edit from words `before` to other `words`: the post leaves its
+    story, takes back the verdict of these words when they were classified
+    before (or goes back to the queue), and loses its decision, kept beside
+    it until the next one: nothing is approved in words nobody decided on.
+    What was queued or sent of it for publication is withdrawn (its story,
+    approved in a copy's words, is queued as that copy). Only a classified
+    post takes a verdict back: one still in the queue is
+    classified anyway, and a completion outside the workers is counted only
+    where its count rows are ready. One a worker is classifying is taken
+    back from it (take_claim_back): its verdict is on the words before.
+    Returns 1."""
+    verdicts = remembered_verdicts(row, before)
+    restored = verdicts.get(words) if row["classified"] == DONE else None
+    changes = {**edited_text(draft, words),
+               "story_id": None if row["story_id"] is None else row["id"],
+               "verdicts": json.dumps(verdicts) if verdicts else None}
+    if restored:
+        changes.update(restored)
+    elif row["classified"] in (DONE, FAILED):
+        changes.update(classified=PENDING, attempts=0, next_attempt_at=None)
+    if row["status"] != "new":
+        changes.update(status="new", decided_at=None, decided_by=None,
+                       old_decision=row["status"], old_decided_at=row["decided_at"],
+                       old_decided_by=row["decided_by"], old_title=row["title"],
+                       old_text=row["text"])
+    heir = leave_story(conn, row)
+    store_edit(conn, row["id"], changes)
+    learn_decisions(conn, [row["id"], *([heir] if heir else [])])
+    if row["status"] == "approved":
+        withdraw_publications(conn, [row["id"]])
+        if heir is not None:
+            queue_publications(conn, [heir])
+    if row["classified"] == PROCESSING:
+        take_claim_back(conn, row["id"])
+    return 1
+
+
+def remembered_verdicts(row, before):
+    """The post's verdicts of earlier words, and its own of the words
+    `before` when it is classified: the newest VERDICTS_KEPT."""
+    verdicts = json.loads(row["verdicts"] or "{}")
+    if row["classified"] == DONE:
+        verdicts.pop(before, None)
+        verdicts[before] = {key: row[key] for key in VERDICT_FIELDS}
+    return dict(list(verdicts.items())[-VERDICTS_KEPT:])
+
+
+def leave_story(conn, post):
+    """A post whose words changed leaves its story, which was found on its
+    old words. Where it led one, its copies follow the oldest classified of
+    them and keep the decision made on them, as their words are those it was
+    made on: the story's card, the verdict later copies take and the
+    approved feeds go on with a copy's words, never with the edited post's.
+    The edited post is a card of its own (Classifier.prepare keeps it out of
+    every story until it is decided again), so it cannot slip back under an
+    approved story's card either. A first post still being classified has
+    no story_id yet (its verdict writes it), but may have copies already.
+    Returns the copy that leads the story now, or None."""
+    if post["story_id"] not in (None, post["id"]):
+        return None
+    heir = conn.execute(f"""SELECT id FROM posts WHERE {copies_of()}
+                            ORDER BY CASE WHEN classified = {DONE} THEN 0 ELSE 1 END, id
+                            LIMIT 1""", (post["id"],)).fetchone()
+    if heir is None:
+        return None
+    conn.execute(f"UPDATE posts SET story_id = ? WHERE {copies_of()}", (heir[0], post["id"]))
+    return heir[0]
+
 
 def find_source(conn, slug):
     return conn.execute("SELECT * FROM sources WHERE slug = ?", (slug,)).fetchone()
@@ -5456,8 +5895,10 @@ def set_decisions(conn, post_ids, decision, editor, seen=None, saw=None, address
                             WHERE id = :id""", [{"id": i} for i in sources])
         owe_learning(conn, post_ids)
         outbox = queue_publications(conn, post_ids) if decision == "approved" else \
-            retract_publications(conn, post_ids)
+            withdraw_publications(conn, post_ids)
     if outbox:
+        if decision == "approved":
+            compose_texts(conn)
         PUBLISH_WAKE.set()          # committed: a publisher that wakes finds it
     return found
 
@@ -6066,6 +6507,9 @@ def load_registry(path):
     sources = tuple(_parse_source(path, item, directions, seen) for item in raw_sources)
     named = {}
     targets = tuple(_parse_target(path, item, directions, named) for item in raw_targets)
+    for target in targets:
+        if target.kind == "webhook":
+            LOG_MASK.keep_out(*webhook_secrets(target.address))
     return Registry(path, directions, sources, targets)
 
 
@@ -8818,37 +9262,33 @@ def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
 ###############################################################################
 # Publishing ##################################################################
 ###############################################################################
-# Sending the outbox (see Publications): the Telegram Bot API and webhooks,
-# one sender per target at a time whatever the number of processes and
-# machines (a lease on the target's row), in approval order at the target's
-# pace. A send is marked `sending` before the call and `published` after it
-# (guarded by the state and the sender, as the queue's final write is); the
-# slow call holds no database lock. A sender that finds a send of another
-# one still `sending` (that process died mid-call) cannot know whether it
-# arrived: it is marked `uncertain` and never sent again on its own.
+# Sending the outbox (see Publications for a publication's states and
+# transitions): the Telegram Bot API and webhooks. Each target has one sender
+# at a time, whatever the number of processes and machines: a lease on the
+# target's row (its owner and until when), taken only where it is free or
+# ran out, and renewed before each call, whose deadline keeps it shorter than
+# the lease. Targets send side by side, each in a thread of its own, so that
+# one slow or dead receiver delays no other. A call is made between two
+# transitions, never inside a transaction. A Telegram send that may have
+# arrived (no answer, a 5xx) is uncertain and never repeated on its own
+# (sendMessage is not idempotent); a webhook carries an Idempotency-Key and
+# is tried again.
 
-SENDER_LEASE = 120              # seconds a sender holds a target without renewing
+SENDER_MARGIN = 30              # seconds a sender's lease outlasts its longest call
 PUBLISH_LOOK = 0.25             # seconds between two looks for what is due
 PUBLISH_AFTER_ERROR = 5
 PUBLISH_BACKOFF = 10            # seconds before the second try; doubled for each next
 PUBLISH_BACKOFF_MAX = 3600
 PAUSE_DEFAULT = 30              # a 429 that does not say for how long
 PAUSE_MAX = 86400
+# A target Telegram refuses as a whole (the token, the bot's place in the
+# chat, the chat itself) waits this long between tries, its posts queued:
+# once the chat is mended they go, and none is failed meanwhile.
+TARGET_PAUSE = 300
 ANSWER_BYTES = 1 << 20
 ANSWER_CHARS = 200              # of a webhook's answer, kept as its message id
 ALERT_SCAN = 5000               # posts an alert target looks at in one go
 ALERT_WAIT = 6 * 3600           # seconds its look waits for a post the workers have not done
-DIGEST_ITEMS = 30
-
-
-class NoRedirect(urllib.request.HTTPRedirectHandler):
-    """A webhook is posted to its own address: a redirect is an answer."""
-
-    def redirect_request(self, *args, **kwargs):
-        return None
-
-
-_publish_opener = urllib.request.build_opener(NoRedirect)
 
 
 def seconds_to_wait(value, default=PAUSE_DEFAULT):
@@ -8864,49 +9304,94 @@ def seconds_to_wait(value, default=PAUSE_DEFAULT):
     return default
 
 
-def post_request(url, body, headers, timeout, secret=""):
-    """POST `body`; (status, headers, answer bytes). Network trouble is a
-    SendFailed to retry; `secret` is kept out of every message."""
-    request = urllib.request.Request(url, data=body, method="POST", headers=headers)
+def send_post(url, body, headers, settings, deadline):
+    """Connect, send the whole POST and read the answer's status line and
+    headers; (socket, HTTPResponse). `sent` of the returned socket's
+    request is known to the caller by where an error came from."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    host, port = host_of(url), parts.port or DEFAULT_PORTS[scheme]
+    timeout = max(0.001, min(settings.timeout, deadline - time.monotonic()))
+    sock = connect_to(host, port, Policy(host, True), timeout)
+    if scheme == "https":
+        sock = tls_context().wrap_socket(sock, server_hostname=host)
+    name = f"[{host}]" if ":" in host else host
+    if port != DEFAULT_PORTS[scheme]:
+        name = f"{name}:{port}"
+    head = (f"POST {request_target(parts)} HTTP/1.1\r\nHost: {name}\r\n"
+            f"{header_lines({**headers, 'Content-Length': len(body)})}Connection: close\r\n\r\n")
+    return sock, head.encode("latin-1", "replace") + body
+
+
+def post_request(url, body, headers, settings):
+    """POST `body` within one deadline, 3 x RSS_TIMEOUT from the connection
+    to the answer's last byte (a receiver dripping its answer cannot hold a
+    sender); (status, headers, answer bytes). Trouble before the whole
+    request went out is SendFailed to retry; after it, SendFailed `unsure`:
+    the receiver may have acted on it. No message names the URL (a
+    webhook's path is often its secret)."""
+    limit = 3 * settings.timeout
+    deadline = time.monotonic() + limit
+    sock, sent = None, False
     try:
-        with _publish_opener.open(request, timeout=timeout) as response:
-            return response.status, response.headers, response.read(ANSWER_BYTES)
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, e.headers, e.read(ANSWER_BYTES)
-    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:
-        reason = getattr(e, "reason", None) or e
-        message = f"no answer: {reason}"
-        raise SendFailed(message.replace(secret, "***") if secret else message, retry=True) from None
+        sock, request = send_post(url, body, headers, settings, deadline)
+        sock.settimeout(max(0.001, min(settings.timeout, deadline - time.monotonic())))
+        sock.sendall(request)
+        sent = True
+        response = http.client.HTTPResponse(_DeadlineSocket(sock, deadline, settings.timeout),
+                                            method="POST")
+        response.begin()
+        return response.status, response.headers, response.read(ANSWER_BYTES)
+    except DeadlinePassed:
+        failure = f"no whole answer within {limit:g} s"
+    except FetchError as e:
+        failure = str(e)
+    except (OSError, http.client.HTTPException, ValueError, KeyError) as e:
+        failure = describe_error(e)
+    finally:
+        if sock is not None:
+            sock.close()
+    if sent:
+        raise SendFailed(f"no answer: {failure}", unsure=True)
+    raise SendFailed(f"not sent: {failure}", retry=True)
 
 
 def bot_api(settings, method, payload):
-    """Call one Bot API method; its `result`, or SendFailed as the answer says
-    (429 pauses, 5xx retries, any other error fails at once)."""
+    """Call one Bot API method; its `result`, or SendFailed as the answer
+    says: a 429 pauses; a 5xx, or an answer that is not the Bot API's, may
+    have come after the call was done (unsure); any other error is a
+    refusal, not done. No message holds the token, however an answer
+    echoes it."""
     token = settings.tg_bot_token
-    status, headers, answer = post_request(
-        f"{settings.tg_bot_api}/bot{token}/{method}",
-        json.dumps(payload, ensure_ascii=False).encode(),
-        {"Content-Type": "application/json", "User-Agent": settings.user_agent},
-        settings.timeout, token)
+    try:
+        status, headers, answer = post_request(
+            f"{settings.tg_bot_api}/bot{token}/{method}",
+            json.dumps(payload, ensure_ascii=False).encode(),
+            {"Content-Type": "application/json", "User-Agent": settings.user_agent}, settings)
+    except SendFailed as e:
+        raise SendFailed(f"Bot API {method}: {masked(str(e), token)}", retry=e.retry,
+                         unsure=e.unsure) from None
     try:
         data = json.loads(answer)
     except ValueError:
         data = None
     if not isinstance(data, dict):
         raise SendFailed(f"Bot API {method}: HTTP {status}, not the Bot API's JSON",
-                         retry=status >= 500)
+                         unsure=status >= 500 or 200 <= status < 300)
     if data.get("ok") is True:
         return data.get("result")
     code = data.get("error_code") if isinstance(data.get("error_code"), int) else status
-    described = shorten(str(data.get("description") or f"HTTP {status}"), 300).replace(token, "***")
+    described = masked(shorten(str(data.get("description") or f"HTTP {status}"), 300), token)
     parameters = data.get("parameters") if isinstance(data.get("parameters"), dict) else {}
     if code == 429:
         wait = seconds_to_wait(parameters.get("retry_after", headers.get("Retry-After")))
         raise SendFailed(f"Bot API {method}: {code} {described}", pause=wait)
     if "migrate_to_chat_id" in parameters:
         described += f" (the chat is now {parameters['migrate_to_chat_id']}: put that id in sources.yaml)"
-    raise SendFailed(f"Bot API {method}: {code} {described}", retry=code >= 500)
+    if code in (401, 403) or (code == 400 and re.search(r"chat not found|migrate", described, re.I)):
+        raise SendFailed(f"Bot API {method}: {code} {described}; every post to this target waits "
+                         f"until it is mended", pause=TARGET_PAUSE)
+    raise SendFailed(f"Bot API {method}: {code} {described}", unsure=code >= 500)
 
 
 def signature(secret, body):
@@ -8914,84 +9399,64 @@ def signature(secret, body):
 
 
 def post_webhook(settings, url, item, key):
-    """POST one JSON body, signed, with its Idempotency-Key; the answer (cut)."""
+    """POST one JSON body, signed, with its Idempotency-Key; the answer (cut).
+    A 5xx or 408 is worth trying again; a 429 pauses; any other refusal is
+    final."""
     body = json.dumps(item, ensure_ascii=False).encode()
     status, headers, answer = post_request(url, body, {
         "Content-Type": "application/json", "User-Agent": settings.user_agent,
         "X-Vesti-Signature": signature(settings.webhook_secret, body),
-        "Idempotency-Key": key}, settings.timeout)
-    said = shorten(" ".join(answer.decode("utf-8", "replace").split()), ANSWER_CHARS)
+        "Idempotency-Key": key}, settings)
+    said = masked(shorten(" ".join(answer.decode("utf-8", "replace").split()), ANSWER_CHARS),
+                  *webhook_secrets(url))
     if 200 <= status < 300:
         return said or f"HTTP {status}"
     described = f"webhook: HTTP {status}" + (f": {said}" if said else "")
     if status == 429:
         raise SendFailed(described, pause=seconds_to_wait(headers.get("Retry-After")))
     if 300 <= status < 400:
-        described += f" (redirected to {shorten(headers.get('Location') or '?', 100)}: " \
+        described += f" (redirected to {shorten(host_of(headers.get('Location') or '') or '?', 100)}: " \
                      f"give the webhook's final address)"
     raise SendFailed(described, retry=status >= 500 or status == 408)
 
 
-def webhook_item(post, text):
-    """A post as a webhook carries it: a JSON Feed item, and who decided it when."""
-    item = {"id": str(post["id"]), "title": post["title"] or "(untitled)", "content_text": text,
-            "date_published": iso_time(post["published_at"]),
-            "tags": [post["direction"]] if post["direction"] else [],
-            "direction": post["direction"], "source": post["source"],
-            "decided_by": post["decided_by"],
-            "decided_at": post["decided_at"] and iso_time(post["decided_at"])}
-    if post["url"] and post["url"].startswith(("http://", "https://")):
-        item["url"] = post["url"]
-    if post["summary"]:
-        item["summary"] = post["summary"]
-    return item
-
-
-def desk_address(settings):
-    return settings.public_url or f"http://{settings.web_host}:{settings.web_port}"
-
-
-def alert_text(post, settings):
-    """An alert: the story's title, how relevant and likely it is, its link
-    and its card on the desk."""
-    card = f"{desk_address(settings)}/?status=any&min=0&story={post['id']}#post-{post['id']}"
-    likely = f" · likely {post['likely']:.0%}" if post["likely"] is not None else ""
-    head = f"⚡ {hashtag(post['direction'])} · relevance {post['relevance']}{likely}".strip()
-    return telegram_text(post, TELEGRAM_LIMIT - 200) .replace(
-        "\n\n", f"\n{html.escape(head, quote=False)}\n\n", 1) + \
-        f"\n<a href=\"{html.escape(card)}\">card on the desk</a>"
-
-
-def digest_text(rows):
-    """Many alerts in one message: each title with its link."""
-    lines = [f"⚡ {len(rows)} stories"]
-    for row in rows[:DIGEST_ITEMS]:
-        title = re.search(r"<b>(.*?)</b>", row["text"] or "", re.S)
-        link = re.search(r'<a href="([^"]*)">card on the desk</a>', row["text"] or "")
-        title = title.group(1) if title else f"post {row['post_id']}"
-        lines.append(f"• <a href=\"{link.group(1)}\">{title}</a>" if link else f"• {title}")
-    if len(rows) > DIGEST_ITEMS:
-        lines.append(f"… and {len(rows) - DIGEST_ITEMS} more on the desk")
-    return "\n".join(lines)[:TELEGRAM_LIMIT]
+def webhook_item(item, text):
+    """A post (as it was approved) as a webhook carries it: a JSON Feed
+    item with the editor's text, and who decided it when."""
+    sent = {"id": str(item["id"]), "title": item.get("title") or "(untitled)", "content_text": text,
+            "date_published": iso_time(item.get("published_at")),
+            "tags": [item["direction"]] if item.get("direction") else [],
+            "direction": item.get("direction"), "source": item.get("source"),
+            "decided_by": item.get("decided_by"),
+            "decided_at": item.get("decided_at") and iso_time(item["decided_at"])}
+    if (item.get("url") or "").startswith(("http://", "https://")):
+        sent["url"] = item["url"]
+    if item.get("summary"):
+        sent["summary"] = item["summary"]
+    return sent
 
 
 def queue_alerts(conn, target, settings):
     """Alerts for the posts classified since the target last looked: a post
+    published within VESTI_STORY_HOURS (not a new source's old backlog)
     whose relevance (and, where a model judged it, likely) passes the
-    target's thresholds queues one alert for its story. The look moves on
-    to the first post still waiting for the workers (one fetched more than
-    ALERT_WAIT ago is not waited for). Returns how many."""
+    target's thresholds queues one alert for its story, as it reads now.
+    The look moves on to the first post still waiting for the workers (one
+    fetched more than ALERT_WAIT ago is not waited for). Returns how many."""
     mark = target["alerts_from"]
     if mark is None:        # a new target: from the posts still waiting of the last ALERT_WAIT
         mark = conn.execute(f"SELECT coalesce(min(id), (SELECT coalesce(max(id), 0) + 1 FROM posts)) "
                             f"FROM posts WHERE ({IS_PENDING} OR classified = {PROCESSING}) "
                             f"AND fetched_at >= ?", (utc_text(time.time() - ALERT_WAIT),)).fetchone()[0]
-    rows = conn.execute(f"""SELECT id, classified, relevance, likely, direction, fetched_at FROM posts
+    rows = conn.execute(f"""SELECT id, classified, relevance, likely, direction, fetched_at,
+                                   published_at FROM posts
                             WHERE id >= ? ORDER BY id LIMIT ?""", (mark, ALERT_SCAN)).fetchall()
     recent = utc_text(time.time() - ALERT_WAIT)
+    fresh = utc_text(time.time() - settings.story_hours * HOUR)
     waiting = next((row["id"] for row in rows if row["classified"] not in (DONE, FAILED)
                     and (row["fetched_at"] or "") >= recent), None)
     passing = [row["id"] for row in rows if row["classified"] == DONE and row["direction"]
+               and (row["published_at"] or row["fetched_at"] or "") >= fresh
                and (row["relevance"] or 0) >= target["min_relevance"]
                and (target["min_likely"] is None or row["likely"] is None
                     or row["likely"] >= target["min_likely"])
@@ -9000,75 +9465,126 @@ def queue_alerts(conn, target, settings):
     queued = 0
     with transaction(conn):
         for post_id in passing:
-            post = conn.execute(f"{PUBLISHED_POST} WHERE p.id = ?", (post_id,)).fetchone()
-            lead = post["story_id"] or post["id"]
+            lead = conn.execute("SELECT coalesce(story_id, id) FROM posts WHERE id = ?",
+                                (post_id,)).fetchone()[0]
+            post = conn.execute(f"{PUBLISHED_POST} WHERE p.id = ?", (lead,)).fetchone()
             queued += conn.execute("""
-                INSERT INTO publications (post_id, target, state, text, queued_at, idempotency_key)
+                INSERT INTO publications (post_id, target, state, item, queued_at, idempotency_key)
                 VALUES (?, ?, 'queued', ?, ?, ?) ON CONFLICT (post_id, target) DO NOTHING""",
-                (lead, target["name"], alert_text(post, settings), utc_text(),
-                 secrets.token_hex(16))).rowcount
+                (lead, target["name"], item_of(post), utc_text(), secrets.token_hex(16))).rowcount
         mark = waiting if waiting is not None else (rows[-1]["id"] + 1 if rows else mark)
         conn.execute("UPDATE targets SET alerts_from = ? WHERE name = ?", (mark, target["name"]))
     return queued
 
 
 class Publisher:
-    """Sends what is due, target by target, as the one sender of each
-    target while it does (see take); `clock` is the wall clock."""
+    """Sends what is due, each target as its one sender (see take), the
+    targets side by side; `clock` is the wall clock."""
 
     def __init__(self, db, settings, clock=time.time):
         self.db, self.settings, self.clock = db, settings, clock
+        # Names the sender on /outbox; whether it still sends is told by its lease alone.
         self.me = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self.lease = 3 * settings.timeout + SENDER_MARGIN
         self.sent = self.failed = self.uncertain = 0
-        # Longer than any one call may take (a response gets 3x RSS_TIMEOUT).
-        self.lease = max(SENDER_LEASE, 6 * settings.timeout)
+        self.held = {}          # target: (sender, until) of the targets another sender held
+        self._counted = threading.Lock()
+        self._sends = itertools.count(1)
 
-    # -- one look at every target --------------------------------------------
+    def count(self, outcome, n=1):
+        with self._counted:
+            setattr(self, outcome, getattr(self, outcome) + n)
+
+    # -- looking for work -----------------------------------------------------
 
     def look(self, stop=None):
-        """Send everything due now; returns the seconds until something is
-        due again (a pace, a pause, a backoff), or None when nothing waits."""
-        conn = self.db.conn()
-        due = []
-        for target in conn.execute("SELECT * FROM targets WHERE enabled = 1 ORDER BY name").fetchall():
-            if stop is not None and stop.is_set():
-                break
-            if target["kind"] == "alert":
-                queue_alerts(conn, target, self.settings)
-            if not self.has_work(conn, target["name"]):
-                continue
-            problem = self.problem(target)
-            if problem:
-                self.note_problem(conn, target, problem)
-                continue
-            if not self.take(conn, target["name"]):
-                due.append(PUBLISH_LOOK)    # another sender has it
-                continue
+        """Send everything due now, the targets side by side; returns the
+        seconds until something is due again, or None when nothing waits."""
+        names = self.prepare()
+        waits = dict.fromkeys(names)
+
+        failures = []
+
+        def turn(name):
             try:
-                due.append(self.serve(target["name"], stop))
-            finally:
-                self.release(conn, target["name"])
-        waits = [wait for wait in due if wait is not None]
+                waits[name] = self.turn(name, stop)
+            except Exception as e:
+                failures.append(e)
+        turns = [threading.Thread(target=turn, args=(name,), name=f"publish {name}")
+                 for name in names]
+        for thread in turns:
+            thread.start()
+        for thread in turns:
+            thread.join()
+        if failures:
+            raise failures[0]
+        waits = [wait for wait in waits.values() if wait is not None]
         return min(waits) if waits else None
 
     def run(self, stop):
-        """Look, then wait for something to be queued or due, until `stop`."""
+        """Until `stop`: look for work when something is queued
+        (PUBLISH_WAKE) or every PUBLISH_LOOK; each target that has some is
+        served by a thread of its own until it has none."""
+        senders = {}
         while not stop.is_set():
             PUBLISH_WAKE.clear()
             try:
-                wait = self.look(stop)
+                names = self.prepare()
             except StorageError as e:
                 log.error("publish: %s; trying again in %d s", e, PUBLISH_AFTER_ERROR)
                 stop.wait(PUBLISH_AFTER_ERROR)
                 continue
             except Exception:
-                # The publisher of `run` keeps going: a send it was making is
-                # recorded as uncertain (see release), never sent twice.
-                log.exception("publish: unexpected error; trying again in %d s",
-                              PUBLISH_AFTER_ERROR)
+                log.exception("publish: unexpected error; trying again in %d s", PUBLISH_AFTER_ERROR)
                 stop.wait(PUBLISH_AFTER_ERROR)
                 continue
-            PUBLISH_WAKE.wait(PUBLISH_LOOK if wait is None else min(PUBLISH_LOOK, wait))
+            for name in names:
+                if name not in senders or not senders[name].is_alive():
+                    senders[name] = threading.Thread(target=self.keep_sending, args=(name, stop),
+                                                     name=f"publish {name}", daemon=True)
+                    senders[name].start()
+            PUBLISH_WAKE.wait(PUBLISH_LOOK)
+        for sender in senders.values():
+            sender.join(self.settings.stop_grace)
+
+    def keep_sending(self, name, stop):
+        """One target's sends, as they fall due, until it has none."""
+        while not stop.is_set():
+            try:
+                wait = self.turn(name, stop)
+            except StorageError as e:
+                log.error("publish: %s: %s; trying again in %d s", name, e, PUBLISH_AFTER_ERROR)
+                wait = PUBLISH_AFTER_ERROR
+            except Exception:
+                # The sender goes on: a send it was making is uncertain
+                # (see release), never sent twice.
+                log.exception("publish: %s: unexpected error; trying again in %d s", name,
+                              PUBLISH_AFTER_ERROR)
+                wait = PUBLISH_AFTER_ERROR
+            if wait is None:
+                return
+            stop.wait(min(wait, PUBLISH_LOOK) if wait != PUBLISH_AFTER_ERROR else wait)
+
+    def prepare(self):
+        """Alerts queued and texts composed; the names of the enabled
+        targets that have work."""
+        conn = self.db.conn()
+        names = []
+        for target in conn.execute("SELECT * FROM targets WHERE enabled = 1 ORDER BY name").fetchall():
+            if target["kind"] == "alert":
+                queue_alerts(conn, target, self.settings)
+            if self.has_work(conn, target["name"]):
+                names.append(target["name"])
+        if names:
+            compose_texts(conn, self.settings)
+        return names
+
+    @staticmethod
+    def has_work(conn, name):
+        return conn.execute("""SELECT 1 FROM publications WHERE target = ?
+                                   AND (state IN ('queued', 'sending')
+                                        OR (retract = 1 AND state = 'published'))
+                               LIMIT 1""", (name,)).fetchone() is not None
 
     def problem(self, target):
         if target["kind"] in ("telegram", "alert") and not self.settings.tg_bot_token:
@@ -9083,56 +9599,99 @@ class Publisher:
             with transaction(conn):
                 conn.execute("UPDATE targets SET error = ? WHERE name = ?", (problem, target["name"]))
 
-    @staticmethod
-    def has_work(conn, name):
-        return conn.execute("""SELECT 1 FROM publications WHERE target = ?
-                                   AND (state IN ('queued', 'sending')
-                                        OR (retract = 1 AND state = 'published'))
-                               LIMIT 1""", (name,)).fetchone() is not None
+    # -- one target -----------------------------------------------------------
 
-    # -- the one sender of a target -------------------------------------------
+    def turn(self, name, stop=None):
+        """The target's due sends, as its sender; the seconds until its next
+        is due, or None when nothing waits."""
+        conn = self.db.conn()
+        target = conn.execute("SELECT * FROM targets WHERE name = ?", (name,)).fetchone()
+        problem = self.problem(target)
+        if problem:
+            self.note_problem(conn, target, problem)
+            return None
+        due = self.due_in(conn, target)
+        if due != 0:
+            return due
+        if not self.take(conn, name):
+            return PUBLISH_LOOK
+        try:
+            return self.serve(name, stop)
+        finally:
+            self.release(conn, name)
+
+    def due_in(self, conn, target):
+        """0 when something of the target is due now (a deletion, a send, a
+        send left by a sender gone); else the seconds until one is (a
+        pause, a backoff, the pace, the hour's alerts), or None. Reads only."""
+        name, now = target["name"], self.clock()
+        if self.deletion_due(conn, name) is not None or conn.execute(
+                "SELECT 1 FROM publications WHERE target = ? AND state = 'sending' LIMIT 1",
+                (name,)).fetchone():
+            return 0
+        paused = (parse_utc(target["paused_until"]) or 0) - now
+        head = conn.execute("""SELECT * FROM publications WHERE target = ? AND state = 'queued'
+                               ORDER BY hurry DESC, queued_at, id LIMIT 1""", (name,)).fetchone()
+        later = [when - now for when in (parse_utc(row[0]) for row in conn.execute(
+            """SELECT min(next_attempt_at) FROM publications WHERE target = ? AND retract = 1
+                   AND state = 'published'""", (name,))) if when]
+        if head is None:
+            return max(PUBLISH_LOOK, min(later)) if later else None
+        if paused > 0:
+            return paused
+        backoff = (parse_utc(head["next_attempt_at"]) or 0) - now
+        if backoff > 0:
+            return min([backoff, *later])
+        if target["kind"] == "alert":
+            return self.hour_left(conn, target, now)
+        paced = (parse_utc(target["last_sent_at"]) or 0) + target["every"] - now
+        return paced if paced > 0 and not head["hurry"] else 0
+
+    def deletion_due(self, conn, name):
+        return conn.execute("""SELECT * FROM publications WHERE target = ? AND retract = 1
+                                   AND state = 'published'
+                                   AND (next_attempt_at IS NULL OR next_attempt_at <= ?)
+                               ORDER BY id LIMIT 1""", (name, utc_text(self.clock()))).fetchone()
+
+    def hour_left(self, conn, target, now):
+        """0 when the alert target may send a message now, else the seconds
+        until its hour allows one more."""
+        sent = conn.execute("""SELECT count(DISTINCT message_id), min(sent_at) FROM publications
+                               WHERE target = ? AND state IN ('published', 'cancelled')
+                                 AND sent_at >= ?""", (target["name"], utc_text(now - HOUR))).fetchone()
+        if target["per_hour"] - sent[0] > 0:
+            return 0
+        return max(1.0, (parse_utc(sent[1]) or now) + HOUR - now)
 
     def take(self, conn, name):
-        """Become the target's sender, unless a live one is: its lease not
-        run out, and not a process of this machine that is gone. Sends left
-        `sending` by a sender before are marked uncertain."""
+        """Become the target's sender where no other holds it: its lease is
+        free, this sender's, or ran out. Sends left `sending` by a sender
+        before are uncertain: they may have arrived."""
         now = self.clock()
         with transaction(conn):
-            row = conn.execute("SELECT sender, sender_until FROM targets WHERE name = ?",
-                               (name,)).fetchone()
-            held = row["sender"] not in (None, self.me) and \
-                (parse_utc(row["sender_until"]) or 0) > now and not self.gone(row["sender"])
-            # Taken only from the sender seen: of two processes that saw the
-            # same one, the second finds the row changed and takes nothing.
-            if held or not conn.execute(
-                    "UPDATE targets SET sender = ?, sender_until = ? WHERE name = ? "
-                    "AND coalesce(sender, '') = ?",
-                    (self.me, utc_text(now + self.lease), name, row["sender"] or "")).rowcount:
+            taken = conn.execute("""UPDATE targets SET sender = ?, sender_until = ? WHERE name = ?
+                                        AND (sender IS NULL OR sender = ?
+                                             OR coalesce(sender_until, '') <= ?)""",
+                                 (self.me, utc_text(now + self.lease), name, self.me,
+                                  utc_text(now))).rowcount
+            if not taken:
+                held = conn.execute("SELECT sender, sender_until FROM targets WHERE name = ?",
+                                    (name,)).fetchone()
+                self.held[name] = (held["sender"], held["sender_until"])
                 return False
-            lost = conn.execute("""UPDATE publications SET state = 'uncertain', token = NULL,
-                                       error = 'the sender stopped during the send: it may or '
-                                               || 'may not have arrived'
-                                   WHERE target = ? AND state = 'sending' AND token != ?""",
-                                (name, self.me)).rowcount
+            lost = doubt_lost_sends(conn, name)
+        self.held.pop(name, None)
         if lost:
-            self.uncertain += lost
+            self.count("uncertain", lost)
             log.warning("publish: %s: %d sends interrupted before they were recorded are "
                         "uncertain; see /outbox", name, lost)
         return True
 
-    @staticmethod
-    def gone(sender):
-        """A sender of this machine whose process no longer runs."""
-        host, _, rest = (sender or "").partition(":")
-        pid = rest.partition(":")[0]
-        return host == socket.gethostname() and pid.isdigit() and not process_alive(int(pid))
-
     def release(self, conn, name):
+        """The target is free again; a send of this sender that did not get
+        as far as its record (an error) is uncertain."""
         with transaction(conn):
-            conn.execute("""UPDATE publications SET state = 'uncertain', token = NULL,
-                                error = 'the send stopped before it was recorded'
-                            WHERE target = ? AND state = 'sending' AND token = ?""",
-                         (name, self.me))
+            doubt_lost_sends(conn, name, self.me, "the send stopped before it was recorded")
             conn.execute("UPDATE targets SET sender = NULL, sender_until = NULL "
                          "WHERE name = ? AND sender = ?", (name, self.me))
 
@@ -9142,172 +9701,154 @@ class Publisher:
         conn = self.db.conn()
         while stop is None or not stop.is_set():
             target = conn.execute("SELECT * FROM targets WHERE name = ?", (name,)).fetchone()
-            now = self.clock()
-            paused = (parse_utc(target["paused_until"]) or 0) - now
-            if paused > 0:
-                return paused
-            retract = conn.execute("""SELECT * FROM publications WHERE target = ? AND retract = 1
-                                          AND state = 'published' AND deleted_at IS NULL
-                                          AND (next_attempt_at IS NULL OR next_attempt_at <= ?)
-                                      ORDER BY id LIMIT 1""", (name, utc_text(now))).fetchone()
-            if retract is not None:
-                self.delete(target, retract)
+            due = self.due_in(conn, target)
+            if due != 0:
+                return due
+            deletion = self.deletion_due(conn, name)
+            if deletion is not None:
+                self.delete(target, deletion)
                 continue
-            head = conn.execute("""SELECT * FROM publications WHERE target = ? AND state = 'queued'
-                                   ORDER BY hurry DESC, queued_at, id LIMIT 1""", (name,)).fetchone()
-            if head is None:
-                return None
-            backoff = (parse_utc(head["next_attempt_at"]) or 0) - now
-            if backoff > 0:
-                return backoff
-            if target["kind"] == "alert":
-                rows = self.alerts_due(conn, target, now)
-            else:
-                paced = (parse_utc(target["last_sent_at"]) or 0) + target["every"] - now
-                if paced > 0 and not head["hurry"]:
-                    return paced
-                rows = [head]
-            if isinstance(rows, float):
-                return rows
-            claimed = self.claim(conn, name, rows, now)
+            rows = self.due_rows(conn, target)
+            if any(row["text"] is None for row in rows):
+                compose_texts(conn, self.settings, name)
+                continue
+            claimed = self.claim(conn, name, rows)
             if claimed is None:
                 return PUBLISH_LOOK         # the lease was lost
             if claimed:
                 self.send(target, claimed)
         return None
 
-    def alerts_due(self, conn, target, now):
-        """The alerts to send now: one, or, when the hour's last message is
-        left and more wait, all of them in one digest; or the seconds until
-        the hour allows another message."""
-        hour_ago = utc_text(now - HOUR)
-        sent = conn.execute("""SELECT count(DISTINCT message_id), min(sent_at) FROM publications
+    def due_rows(self, conn, target):
+        """What goes in the next message: the head of the queue; for an
+        alert target whose hour has one message left while more wait, all
+        of them (one digest)."""
+        single = """SELECT * FROM publications WHERE target = ? AND state = 'queued'
+                    ORDER BY hurry DESC, queued_at, id LIMIT ?"""
+        if target["kind"] != "alert":
+            return conn.execute(single, (target["name"], 1)).fetchall()
+        sent = conn.execute("""SELECT count(DISTINCT message_id) FROM publications
                                WHERE target = ? AND state IN ('published', 'cancelled')
-                                 AND sent_at >= ?""", (target["name"], hour_ago)).fetchone()
-        left = target["per_hour"] - sent[0]
-        if left <= 0:
-            return max(1.0, (parse_utc(sent[1]) or now) + HOUR - now)
-        queued = conn.execute("""SELECT * FROM publications WHERE target = ? AND state = 'queued'
-                                 ORDER BY queued_at, id LIMIT ?""",
-                              (target["name"], 1 if left > 1 else 1000)).fetchall()
-        return queued
+                                 AND sent_at >= ?""",
+                            (target["name"], utc_text(self.clock() - HOUR))).fetchone()[0]
+        return conn.execute(single, (target["name"], 1 if target["per_hour"] - sent > 1 else 1000)
+                            ).fetchall()
 
-    def claim(self, conn, name, rows, now):
-        """Mark the rows `sending` by this sender, renewing its lease;
-        None when the lease is no longer its own."""
+    def claim(self, conn, name, rows):
+        """Renew the lease and mark the rows `sending` under one new token;
+        None when the lease is no longer this sender's."""
+        token = f"{self.me}:{next(self._sends)}"
         with transaction(conn):
             kept = conn.execute("UPDATE targets SET sender_until = ? WHERE name = ? AND sender = ?",
-                                (utc_text(now + self.lease), name, self.me)).rowcount
+                                (utc_text(self.clock() + self.lease), name, self.me)).rowcount
             if not kept:
                 return None
-            claimed = []
-            for row in rows:
-                got = conn.execute("""UPDATE publications SET state = 'sending', token = ?,
-                                          attempts = attempts + 1
-                                      WHERE id = ? AND state = 'queued' RETURNING *""",
-                                   (self.me, row["id"])).fetchone()
-                if got is not None:
-                    claimed.append(got)
-            return claimed
+            return claim_publications(conn, [row["id"] for row in rows], token)
 
     def send(self, target, rows):
         """Make the call, then record what came of it."""
         conn = self.db.conn()
         try:
-            answer = self.call(target, rows)
+            message_id, chat = self.call(conn, target, rows)
         except SendFailed as e:
             self.record_failure(conn, target, rows, e)
             return
         now = utc_text(self.clock())
         with transaction(conn):
-            for row in rows:
-                conn.execute("""UPDATE publications SET state = 'published', message_id = ?,
-                                    sent_at = ?, error = NULL, token = NULL, next_attempt_at = NULL
-                                WHERE id = ? AND state = 'sending' AND token = ?""",
-                             (answer, now, row["id"], self.me))
+            delivered = sum(deliver_publication(conn, row["id"], row["token"], message_id, chat, now)
+                            for row in rows)
             conn.execute("UPDATE targets SET last_sent_at = ?, error = NULL, paused_until = NULL "
                          "WHERE name = ?", (now, target["name"]))
-        self.sent += len(rows)
-        log.info("publish: %s: sent post %s", target["name"],
-                 ", ".join(str(row["post_id"]) for row in rows))
+        self.count("sent", len(rows))
+        posts = ", ".join(str(row["post_id"]) for row in rows)
+        if delivered < len(rows):
+            log.error("publish: %s: post %s arrived (message %s) after its send was given up and "
+                      "sent again by an editor; see /outbox", target["name"], posts, message_id)
+        log.info("publish: %s: sent post %s", target["name"], posts)
 
-    def call(self, target, rows):
-        """The one call of a send: its message id (or the webhook's answer)."""
+    def call(self, conn, target, rows):
+        """The one call of a send: (its message id or the webhook's answer,
+        where it went)."""
         if target["kind"] == "webhook":
             row = rows[0]
-            post = self.db.conn().execute(f"{PUBLISHED_POST} WHERE p.id = ?",
-                                          (row["post_id"],)).fetchone()
-            if post is None:
+            item = publication_item(conn, row)
+            if item is None:
                 raise SendFailed("the post is no longer stored")
-            return post_webhook(self.settings, target["address"], webhook_item(post, row["text"]),
-                                row["idempotency_key"])
-        text = rows[0]["text"] if len(rows) == 1 else digest_text(rows)
+            return post_webhook(self.settings, target["address"], webhook_item(item, row["text"]),
+                                row["idempotency_key"]), target["address"]
+        if len(rows) == 1:
+            text = message_html(cut_message(rows[0]["text"]))
+        else:
+            text = digest_html([item for item in (publication_item(conn, row) for row in rows)
+                                if item], self.settings)
         result = bot_api(self.settings, "sendMessage", {
             "chat_id": target["address"], "text": text, "parse_mode": "HTML",
             "link_preview_options": {"is_disabled": target["kind"] == "alert"}})
         if not isinstance(result, dict) or "message_id" not in result:
-            raise SendFailed("Bot API sendMessage: an answer without message_id")
-        return str(result["message_id"])
+            raise SendFailed("Bot API sendMessage: an answer without message_id", unsure=True)
+        return str(result["message_id"]), target["address"]
 
     def record_failure(self, conn, target, rows, failure):
-        """A 429 pauses the target and puts the rows back uncounted; a retry
-        waits its backoff, until the attempts run out; anything else fails.
-        A post taken back meanwhile is cancelled instead."""
+        """A 429 pauses the target and puts the rows back uncounted; a
+        Telegram send that may have arrived is uncertain; one not done (or a
+        webhook's, whose key makes a retry safe) waits its backoff until its
+        attempts run out; a refusal fails. Each transition reads the row as
+        it is now: one taken back meanwhile is cancelled instead."""
         now = self.clock()
         error = str(failure)
+        telegram = target["kind"] != "webhook"
         with transaction(conn):
-            if failure.pause is not None:
-                conn.execute("UPDATE targets SET paused_until = ?, error = ? WHERE name = ?",
-                             (utc_text(now + failure.pause), error, target["name"]))
+            conn.execute("UPDATE targets SET error = ?, paused_until = ? WHERE name = ?",
+                         (error, utc_text(now + failure.pause) if failure.pause is not None
+                          else target["paused_until"], target["name"]))
             for row in rows:
-                retry = failure.retry and row["attempts"] < self.settings.publish_attempts
-                if row["retract"]:
-                    state, wait = "cancelled", None
-                elif failure.pause is not None:
-                    state, wait = "queued", None
-                elif retry:
-                    state = "queued"
-                    wait = utc_text(now + min(PUBLISH_BACKOFF_MAX,
-                                              PUBLISH_BACKOFF * 2 ** (row["attempts"] - 1)))
-                else:
-                    state, wait = "failed", None
-                attempts = "attempts - 1" if failure.pause is not None else "attempts"
-                conn.execute(f"""UPDATE publications SET state = ?, error = ?, next_attempt_at = ?,
-                                     token = NULL, attempts = {attempts}
-                                 WHERE id = ? AND state = 'sending' AND token = ?""",
-                             (state, error, wait, row["id"], self.me))
-                if state == "failed":
-                    self.failed += 1
+                if failure.pause is not None:
+                    retry_publication(conn, row["id"], row["token"], error, counted=False)
+                elif failure.unsure and telegram:
+                    if doubt_publication(conn, row["id"], row["token"],
+                                         f"{error}: it may or may not have arrived"):
+                        self.count("uncertain")
+                elif (failure.retry or failure.unsure) and \
+                        row["attempts"] < self.settings.publish_attempts:
+                    wait = min(PUBLISH_BACKOFF_MAX, PUBLISH_BACKOFF * 2 ** (row["attempts"] - 1))
+                    retry_publication(conn, row["id"], row["token"], error, utc_text(now + wait))
+                elif fail_publication(conn, row["id"], row["token"], error):
+                    self.count("failed")
         level = logging.WARNING if failure.pause is not None or failure.retry else logging.ERROR
         log.log(level, "publish: %s: post %s: %s", target["name"], rows[0]["post_id"], error)
 
     def delete(self, target, row):
-        """Take a sent post back where it went: deleteMessage, or the
-        webhook's `deleted` event. What cannot be deleted stays published,
-        with the reason."""
+        """Take a sent post back where it went (the chat it was sent to):
+        deleteMessage, or the webhook's `deleted` event. What cannot be
+        deleted stays published, with the reason; trouble on the way is
+        tried again (a deletion done twice does no harm)."""
         conn = self.db.conn()
         now = self.clock()
+        where = row["chat"] or target["address"]
         try:
             if target["kind"] == "webhook":
-                post_webhook(self.settings, target["address"],
-                             {"event": "deleted", "id": str(row["post_id"])},
+                post_webhook(self.settings, where, {"event": "deleted", "id": str(row["post_id"])},
                              f"{row['idempotency_key']}-deleted")
             else:
                 bot_api(self.settings, "deleteMessage",
-                        {"chat_id": target["address"], "message_id": int(row["message_id"])})
-        except (SendFailed, ValueError, TypeError) as e:
-            again = isinstance(e, SendFailed) and (e.retry or e.pause is not None)
+                        {"chat_id": where, "message_id": int(row["message_id"])})
+        except SendFailed as e:
+            if "message to delete not found" in str(e):
+                with transaction(conn):
+                    deleted_publication(conn, row["id"], utc_text(now), "it was no longer there")
+                return
+            again = e.retry or e.unsure or e.pause is not None
             with transaction(conn):
-                conn.execute("""UPDATE publications SET retract = ?, next_attempt_at = ?, error = ?
-                                WHERE id = ?""",
-                             (int(again), utc_text(now + (e.pause or PUBLISH_BACKOFF)) if again
-                              else None, f"not deleted: {e}", row["id"]))
+                undeleted_publication(conn, row["id"], f"not deleted: {e}",
+                                      utc_text(now + (e.pause or PUBLISH_BACKOFF)) if again else None)
             log.warning("publish: %s: post %s not deleted: %s", target["name"], row["post_id"], e)
             return
+        except (ValueError, TypeError):
+            with transaction(conn):
+                undeleted_publication(conn, row["id"], "not deleted: no message id was recorded")
+            return
         with transaction(conn):
-            conn.execute("""UPDATE publications SET state = 'cancelled', retract = 0, deleted_at = ?,
-                                error = NULL, next_attempt_at = NULL WHERE id = ?""",
-                         (utc_text(now), row["id"]))
+            deleted_publication(conn, row["id"], utc_text(now))
         log.info("publish: %s: post %s deleted", target["name"], row["post_id"])
 
 
@@ -9370,6 +9911,9 @@ td.when{min-width:7.5em}.moved{overflow-wrap:anywhere}td.run{min-width:11em}.val
 .failing,.silent{color:var(--warn);font-weight:600}
 .muted{color:var(--muted)}.small{font-size:.85em}
 table.outbox td{vertical-align:top}table.outbox textarea{width:100%;min-width:18em;font:inherit}
+table.outbox td.error{min-width:12em}.counter.over{color:var(--bad);font-weight:600}
+table.outbox .text{white-space:pre-wrap;font-size:.9em;max-height:16em;overflow:auto}
+section p{overflow-wrap:anywhere}
 tr.pub-uncertain,tr.pub-failed{background:#fef3f2}
 button{font:inherit;padding:.35em .9em;border-radius:6px;border:1px solid var(--line);background:#fff;cursor:pointer}
 button:disabled{opacity:.45;cursor:default}
@@ -9409,6 +9953,11 @@ details.filters>summary{cursor:pointer;font-weight:600;margin-bottom:.5em}
  table.sources td:empty{display:none}
  table.sources td::before{color:var(--muted);font-weight:400}
  table.sources td.wide{display:none}
+ table.outbox,table.outbox tbody,table.outbox tr,table.outbox td{display:block;width:100%}
+ table.outbox tr:first-child{display:none}
+ table.outbox tr{background:#fff;border:1px solid var(--line);border-radius:8px;margin-bottom:.6em;padding:.3em 0}
+ table.outbox td{border:0;padding:.15em .6em;overflow-wrap:anywhere;min-width:0}
+ table.outbox td:empty{display:none}table.outbox textarea{min-width:0}
 }
 """
 
@@ -9515,8 +10064,23 @@ STRINGS = {
         "o.state.failed": "failed", "o.state.uncertain": "uncertain",
         "o.state.cancelled": "cancelled",
         "o.deleting": "taken back: being deleted", "o.deleted": "deleted {when} UTC",
-        "o.uncertain": "The sender stopped during the send: it may or may not have arrived. "
-        "Look at the channel, then mark it published or send it again.",
+        "o.uncertain": "No answer said what became of this send: it may or may not have "
+        "arrived. Look at the channel, then mark it published or send it again.",
+        "o.taken_back_uncertain": "Taken back, but this send may have arrived in {chat}: no "
+        "answer named its message, so it cannot be deleted from here. Look in the channel, "
+        "delete it there if it is, then press the button.",
+        "o.checked": "Checked the channel", "o.text": "text sent",
+        "o.plain_hint": "Plain text: the first line goes in bold, links stay links.",
+        "o.empty_text": "The text to send must not be empty. Nothing was saved.",
+        "o.too_long": "This text is {n} characters as Telegram counts them (a link by its "
+        "label); at most {limit} fit. Nothing was saved: shorten it and save again.",
+        "o.sender": "sent by {who} until {until} UTC",
+        "banner_target": "Publishing to", "banner_paused": "paused until {when} UTC: {error}.",
+        "banner_failing": "failing: {error}.",
+        "banner_needs": ("{n} send needs an editor (failed, or may not have arrived).",
+                         "{n} sends need an editor (failed, or may not have arrived)."),
+        "banner_waiting": ("{n} post waits.", "{n} posts wait."),
+        "deletes": "This deletes the message in {where}. Take the decision back?",
         "o.save": "Save text", "o.now_button": "Publish now", "o.cancel": "Cancel",
         "o.published_button": "Mark published", "o.again": "Send again",
         "o.hurry": "next, ahead of the pace",
@@ -9649,8 +10213,24 @@ STRINGS = {
         "o.state.published": "опубликован", "o.state.failed": "не отправлен",
         "o.state.uncertain": "неизвестно", "o.state.cancelled": "отменён",
         "o.deleting": "отозван: удаляется", "o.deleted": "удалён {when} UTC",
-        "o.uncertain": "Отправка прервалась: сообщение могло дойти, а могло и нет. "
+        "o.uncertain": "Ответа не было: сообщение могло дойти, а могло и нет. "
         "Посмотрите в канал, затем отметьте его опубликованным или отправьте снова.",
+        "o.taken_back_uncertain": "Отозвано, но сообщение могло дойти в {chat}: ответ не назвал "
+        "его номер, поэтому удалить его отсюда нельзя. Посмотрите в канал, удалите его там, "
+        "если оно есть, затем нажмите кнопку.",
+        "o.checked": "Канал проверен", "o.text": "отправленный текст",
+        "o.plain_hint": "Простой текст: первая строка жирным, ссылки остаются ссылками.",
+        "o.empty_text": "Текст не может быть пустым. Ничего не сохранено.",
+        "o.too_long": "В этом тексте {n} знаков по счёту Telegram (ссылка — по её подписи); "
+        "помещается не больше {limit}. Ничего не сохранено: сократите текст и сохраните снова.",
+        "o.sender": "отправляет {who} до {until} UTC",
+        "banner_target": "Публикация в", "banner_paused": "на паузе до {when} UTC: {error}.",
+        "banner_failing": "сбой: {error}.",
+        "banner_needs": ("{n} отправка ждёт редактора (не отправлена или могла не дойти).",
+                         "{n} отправки ждут редактора (не отправлены или могли не дойти).",
+                         "{n} отправок ждут редактора (не отправлены или могли не дойти)."),
+        "banner_waiting": ("ждёт {n} пост.", "ждут {n} поста.", "ждут {n} постов."),
+        "deletes": "Это удалит сообщение в {where}. Отменить решение?",
         "o.save": "Сохранить текст", "o.now_button": "Опубликовать сейчас", "o.cancel": "Отменить",
         "o.published_button": "Отметить опубликованным", "o.again": "Отправить снова",
         "o.hurry": "следующий, вне темпа",
@@ -9699,9 +10279,10 @@ class Page:
     """What every page needs to speak: the language, the form token and the
     query it was asked with."""
 
-    def __init__(self, lang, token, query, account=None):
+    def __init__(self, lang, token, query, account=None, trouble=()):
         self.lang, self.token, self.query, self.account = lang, token, query, account
         self.strings = STRINGS[lang]
+        self.trouble = trouble      # outbox_trouble: the targets to name in a banner
 
     def may(self, role):
         """Whether the page's reader has this role (or a higher one)."""
@@ -9770,7 +10351,33 @@ def layout(page, title, body, here, refresh=False):
             f'<meta name="viewport" content="width=device-width,initial-scale=1">{meta}'
             f"<title>{esc(title)} · VESTI</title><style>{STYLE}</style></head>"
             f'<body><header><h1>VESTI</h1>{nav}<span class="lang">{langs}</span></header>'
-            f"<main>{body}</main></body></html>")
+            f"<main>{outbox_banners(page)}{body}</main></body></html>")
+
+
+def outbox_banners(page):
+    """A banner for every publish target that is failing, paused or has
+    sends an editor must look at, on every page: approvals pile up
+    unseen otherwise."""
+    shown = []
+    for target, stuck in page.trouble:
+        name = f'<a href="{esc(page.link("/outbox"))}#target-{esc(target["name"])}">' \
+               f'{esc(target["name"])}</a>'
+        error = shorten(target["error"] or "", 200)
+        if (target["paused_until"] or "") > utc_text():
+            text = page.t("banner_paused", when=target["paused_until"], error=error)
+        elif target["error"]:
+            text = page.t("banner_failing", error=error)
+        else:
+            text = ""
+        needs = stuck.get("failed", 0) + stuck.get("uncertain", 0)
+        if needs:
+            text += " " + page.t("banner_needs", n=needs)
+        waiting = stuck.get("queued", 0)
+        if waiting:
+            text += " " + page.t("banner_waiting", n=waiting)
+        shown.append(f'<p class="banner outbox-trouble" role="alert">'
+                     f'{page.t("banner_target")} {name}: {text.strip()}</p>')
+    return "".join(shown)
 
 
 def signed_in(page):
@@ -10392,9 +10999,12 @@ def edited_texts(post, words, text):
 def sent_to(conn, post_ids):
     """{post id: [publication rows]} of these posts: where each goes or went."""
     found = collections.defaultdict(list)
-    for among, values in conn.dialect.among("post_id", post_ids):
-        for row in conn.execute(f"SELECT id, post_id, target, state, retract FROM publications "
-                                f"WHERE {among} ORDER BY target", values):
+    for among, values in conn.dialect.among("u.post_id", post_ids):
+        for row in conn.execute(f"""SELECT u.id, u.post_id, u.target, u.state, u.retract,
+                                           coalesce(u.chat, t.address) AS chat, t.kind
+                                    FROM publications u LEFT JOIN targets t ON t.name = u.target
+                                    WHERE {among}
+                                    ORDER BY u.target""", values):
             found[row["post_id"]].append(row)
     return found
 
@@ -10408,6 +11018,15 @@ def outbox_line(publications, page):
         f'{page.t("o.deleting") if row["retract"] else page.t("o.state." + row["state"])}'
         for row in publications)
     return f'<p class="small muted outbox-line">{page.t("outbox")}: {shown}</p>'
+
+
+def published_where(publications):
+    """Where a card's post is out (or going out) to be deleted from if its
+    decision is taken back: a chat, or a webhook's name (its address is
+    its receiver's secret)."""
+    return ", ".join(row["chat"] if row["kind"] == "telegram" else row["target"]
+                     for row in publications if row["state"] in ("sending", "published")
+                     and not row["retract"] and row["kind"] in ("telegram", "webhook"))
 
 
 def card_html(post, page, back, story=None, weighed=(), publications=()):
@@ -10434,8 +11053,10 @@ def card_html(post, page, back, story=None, weighed=(), publications=()):
         stored = (f'<details><summary class="small">{words["stored_text"]}</summary>'
                   f'<div class="text">{esc(text)}</div></details>' if text else "")
     direction = esc(post["direction"]) or words["no_direction"]
+    published = published_where(publications)
+    published = f' data-published="{esc(published)}"' if published else ""
     return (f'<article class="post" id="post-{post["id"]}" data-id="{post["id"]}" '
-            f'data-status="{esc(post["status"])}"><h2>{link}</h2>'
+            f'data-status="{esc(post["status"])}"{published}><h2>{link}</h2>'
             f'<p class="small muted">{esc(post["source"])} · {card_time(post, words)} · '
             f'<span class="badge">{direction}</span> '
             f'{words["relevance"]} <b>{esc(post["relevance"])}</b> · '
@@ -10542,6 +11163,10 @@ function send(card,status){var form=card.querySelector('form.decide');
    saved before it, says why, and keeps the card in focus to try again. */
 function decide(card,status,move){
  if(!card.querySelector('form.decide'))return;
+ /* Taking back what went out deletes it there: asked first. */
+ if(status!=='approved'&&card.dataset.published&&
+    (card.saved===undefined?card.dataset.status:card.saved)==='approved'&&
+    !window.confirm(fill(words.deletes,{where:card.dataset.published})))return;
  last={card:card,previous:card.dataset.status};
  if(card.saved===undefined)card.saved=card.dataset.status;
  show(card,status);note(card,'');card.dataset.busy=(+card.dataset.busy||0)+1;
@@ -10611,7 +11236,7 @@ def script_words(lang):
     words = {"status": {s: strings[f"status.{s}"] for s in DECISIONS},
              "retry": {s: strings[f"retry.{s}"] for s in (*DECISIONS, "bulk")},
              **{key: strings[key] for key in ("not_saved", "unreachable", "answered", "changed",
-                                              "looking")}}
+                                              "looking", "deletes")}}
     return json.dumps(words, ensure_ascii=False).replace("<", "\\u003c")
 
 
@@ -10827,18 +11452,52 @@ def outbox_rows(conn, name):
     return sorted(waiting, key=lambda row: OUTBOX_ORDER[row["state"]]) + done
 
 
-def publication_actions(row, page):
-    """The forms of what an editor may do to a publication in its state."""
+def text_limit(kind):
+    """How long a text a target of this kind takes, as shown_length counts."""
+    return WEBHOOK_TEXT_LIMIT if kind == "webhook" else TELEGRAM_LIMIT
+
+
+def text_problem(kind, text, page):
+    """Why an editor's text cannot be sent, in the page's words; or None."""
+    if not text.strip():
+        return page.t("o.empty_text")
+    length = shown_length(text) if kind != "webhook" else len(text)
+    if length > text_limit(kind):
+        return page.t("o.too_long", n=length, limit=text_limit(kind))
+    return None
+
+
+def text_form(row, kind, page, draft=None):
+    """The text to send, as plain text, with what is left of the limit
+    (counted by the outbox's script as shown_length counts) and, for a text
+    refused, the editor's words and why."""
+    text, problem = draft or (row["text"], None)
+    counted = "telegram" if kind != "webhook" else "plain"
+    note = f'<p class="banner" role="alert">{problem}</p>' if problem else ""
+    hint = page.t("o.plain_hint") if kind != "webhook" else ""
+    return (f'{note}<textarea name="text" rows="6" data-limit="{text_limit(kind)}" '
+            f'data-count="{counted}">{esc(text if text is not None else "")}</textarea>'
+            f'<span class="small muted counter"></span> <span class="small muted">{hint}</span>')
+
+
+def publication_actions(row, kind, page, draft=None):
+    """The forms of what an editor may do to a publication in its state
+    (none for a reader who may not publish)."""
+    if not page.may("editor"):
+        return ""
+
     def form(action, label, extra=""):
         return (f'<form method="post" action="/publications/{row["id"]}" class="actions">'
                 f'<input type="hidden" name="token" value="{esc(page.token)}">'
                 f'<input type="hidden" name="back" value="/outbox">'
-                f'<input type="hidden" name="seen" value="{esc(row["state"])}">{extra}'
+                f'<input type="hidden" name="seen" value="{esc(row["state"])}">'
+                f'<input type="hidden" name="version" value="{row["version"]}">{extra}'
                 f'<button name="action" value="{action}">{page.t(label)}</button></form>')
+    if row["retract"] and row["state"] == "uncertain":
+        return form("cancel", "o.checked")
     parts = []
     if row["state"] in PUBLICATION_ACTIONS["text"]:
-        parts.append(form("text", "o.save", f'<textarea name="text" rows="4" cols="60">'
-                                            f'{esc(row["text"])}</textarea>'))
+        parts.append(form("text", "o.save", text_form(row, kind, page, draft)))
     for action, label in (("now", "o.now_button"), ("published", "o.published_button"),
                           ("again", "o.again"), ("cancel", "o.cancel")):
         if row["state"] in PUBLICATION_ACTIONS[action] and not (action == "now" and row["hurry"]):
@@ -10846,7 +11505,16 @@ def publication_actions(row, page):
     return "".join(parts)
 
 
-def publication_row(row, page):
+def publication_note(row, target, page):
+    """What an editor should know of an uncertain send."""
+    if row["state"] != "uncertain":
+        return ""
+    if row["retract"]:
+        return f'<p class="banner">{page.t("o.taken_back_uncertain", chat=shown_address(target))}</p>'
+    return f'<p class="muted">{page.t("o.uncertain")}</p>'
+
+
+def publication_row(row, target, page, draft=None):
     state = page.t(f"o.state.{row['state']}")
     if row["retract"] and row["state"] in ("sending", "published"):
         state += f'<br><small>{page.t("o.deleting")}</small>'
@@ -10857,12 +11525,16 @@ def publication_row(row, page):
     title = esc(row["title"] or f"post {row['post_id']}")
     if row["url"] and row["url"].startswith(("http://", "https://")):
         title = f'<a href="{esc(row["url"])}" rel="noreferrer">{title}</a>'
-    note = f'<p class="muted">{page.t("o.uncertain")}</p>' if row["state"] == "uncertain" else ""
-    return (f'<tr id="publication-{row["id"]}" class="pub-{esc(row["state"])}"><td>{title}</td>'
+    sent = row["text"] if row["state"] not in PUBLICATION_ACTIONS["text"] or not page.may("editor") \
+        else None
+    shown = f'<details><summary class="small">{page.t("o.text")}</summary>' \
+            f'<div class="text">{esc(sent)}</div></details>' if sent else ""
+    return (f'<tr id="publication-{row["id"]}" class="pub-{esc(row["state"])}"><td>{title}{shown}</td>'
             f'<td>{state}</td><td>{esc(row["queued_at"])}</td><td>{esc(row["sent_at"])}</td>'
             f'<td>{row["attempts"]}</td><td>{esc(shorten(row["message_id"] or "", 80))}</td>'
-            f'<td>{esc(shorten(row["error"] or "", 300))}</td>'
-            f'<td>{note}{publication_actions(row, page)}</td></tr>')
+            f'<td class="error">{esc(shorten(row["error"] or "", 300))}</td>'
+            f'<td>{publication_note(row, target, page)}'
+            f'{publication_actions(row, target["kind"], page, draft)}</td></tr>')
 
 
 def shown_address(target):
@@ -10875,7 +11547,7 @@ def shown_address(target):
     return f"{parts.scheme}://{parts.hostname}{port}/…"
 
 
-def outbox_section(conn, target, page):
+def outbox_section(conn, target, page, drafts=None):
     kind = page.t(f"o.kind.{target['kind']}")
     directions = ", ".join(json.loads(target["directions"])) if target["directions"] else \
         page.strings["o.all"]
@@ -10894,12 +11566,15 @@ def outbox_section(conn, target, page):
         warnings.append(page.t("o.paused", when=target["paused_until"]))
     if target["error"]:
         warnings.append(esc(target["error"]))
+    if target["sender"] and (target["sender_until"] or "") > utc_text():
+        facts.append(page.t("o.sender", who=target["sender"], until=target["sender_until"]))
     rows = outbox_rows(conn, target["name"])
     table = (f'<table class="outbox"><tr><th>{page.t("o.col.post")}</th>'
              f'<th>{page.t("o.col.state")}</th><th>{page.t("o.col.queued")}</th>'
              f'<th>{page.t("o.col.sent")}</th><th>{page.t("o.col.tries")}</th>'
              f'<th>{page.t("o.col.message")}</th><th>{page.t("o.col.error")}</th><th></th></tr>'
-             + "".join(publication_row(row, page) for row in rows) + "</table>") if rows else \
+             + "".join(publication_row(row, target, page, (drafts or {}).get(row["id"]))
+                       for row in rows) + "</table>") if rows else \
         f'<p class="muted">{page.t("o.empty")}</p>'
     return (f'<section id="target-{esc(target["name"])}"><h2>{esc(target["name"])}</h2>'
             f'<p class="muted">{" · ".join(facts)}</p>'
@@ -10971,11 +11646,30 @@ def users_page(conn, page, settings_user):
     return layout(page, page.strings["users"], body, "/users")
 
 
-def outbox_page(conn, page):
+# The outbox's script: what is left of a text's limit, counted as
+# shown_length counts (JavaScript's strings count UTF-16 code units, as
+# Telegram does; a link by its label).
+OUTBOX_SCRIPT = r"""
+(function(){
+var LINK=/https?:\/\/[^\s<>"]+/gi;
+function shown(text,kind){if(kind!=='telegram')return text.length;
+ return text.replace(LINK,function(url){return url.length<=%(link_max)d?url.slice(0,%(label)d):url}).length}
+function count(area){var limit=+area.dataset.limit,used=shown(area.value,area.dataset.count),
+ out=area.parentNode.querySelector('.counter');out.textContent=used+' / '+limit;
+ out.classList.toggle('over',used>limit);}
+[].forEach.call(document.querySelectorAll('textarea[data-limit]'),function(area){
+ count(area);area.addEventListener('input',function(){count(area)});});
+})();
+""" % {"link_max": LINK_MAX, "label": LABEL_CHARS}
+
+
+def outbox_page(conn, page, drafts=None):
+    """Every target and its publications; `drafts`: {publication id: (text,
+    why it was refused)} of texts an editor's save did not store."""
     targets = conn.execute("SELECT * FROM targets ORDER BY enabled DESC, name").fetchall()
-    body = "".join(outbox_section(conn, target, page) for target in targets) or \
+    body = "".join(outbox_section(conn, target, page, drafts) for target in targets) or \
         f'<p class="muted">{page.t("o.none")}</p>'
-    return layout(page, page.strings["outbox"], body, "/outbox")
+    return layout(page, page.strings["outbox"], body + f"<script>{OUTBOX_SCRIPT}</script>", "/outbox")
 
 
 ###############################################################################
@@ -11607,7 +12301,11 @@ class WebApp:
         try:
             self.route(request, method)
         except EarlyReply as e:
-            request.reply(e.status, "text/plain; charset=utf-8", f"{e.text}\n".encode(), e.headers)
+            if e.page:
+                request.reply(e.status, "text/html; charset=utf-8", e.text.encode(), e.headers)
+            else:
+                request.reply(e.status, "text/plain; charset=utf-8", f"{e.text}\n".encode(),
+                              e.headers)
 
     def route(self, request, method):
         path, _, query = request.path.partition("?")
@@ -11648,8 +12346,9 @@ class WebApp:
         lang = choose_language(self.settings.lang, query.get("lang"),
                                request.headers.get("Accept-Language"))
         account = request.account
+        trouble = outbox_trouble(self.db.conn()) if account is not None else ()
         return Page(lang, account.token if account else "", {k: v for k, v in query.items()
-                                                             if k == "lang"}, account)
+                                                             if k == "lang"}, account, trouble)
 
     def html(self, request, text):
         request.reply(200, "text/html; charset=utf-8", text.encode("utf-8"))
@@ -11678,15 +12377,15 @@ class WebApp:
         if action not in PUBLICATION_ACTIONS:
             abort(400, f"action must be one of {', '.join(PUBLICATION_ACTIONS)}")
         text = (form.get("text") or [""])[-1].replace("\r\n", "\n")
-        if action == "text" and not text.strip():
-            abort(400, "the text to send must not be empty")
-        if action == "text" and len(text) > TELEGRAM_LIMIT:
-            abort(400, f"the text to send may be at most {TELEGRAM_LIMIT} characters")
+        if action == "text":
+            self.check_text(request, query, int(publication_id), text)
         seen = (form.get("seen") or [""])[-1]
+        version = (form.get("version") or [""])[-1]
         try:
             row = act_on_publication(self.db.conn(), int(publication_id), action,
                                      request.account.name, text, seen=seen or None,
-                                     address=request.client_address[0])
+                                     address=request.client_address[0],
+                                     version=int(version) if version.isdigit() else None)
         except Conflict as e:
             abort(409, str(e))
         if row is None:
@@ -11699,6 +12398,22 @@ class WebApp:
         back = (form.get("back") or ["/outbox"])[-1]
         back = back if LOCAL_PATH.fullmatch(back) else "/outbox"
         request.reply(303, "text/plain", b"", {"Location": f"{back}#publication-{row['id']}"})
+
+    def check_text(self, request, query, publication_id, text):
+        """An editor's text that cannot be sent is refused (400) on the
+        outbox itself, the words kept in its form with the reason."""
+        conn = self.db.conn()
+        kind = conn.execute("SELECT t.kind FROM publications u JOIN targets t ON t.name = u.target "
+                            "WHERE u.id = ?", (publication_id,)).fetchone()
+        if kind is None:
+            abort(404, "No such publication")
+        page = self.page(request, query)
+        problem = text_problem(kind[0], text, page)
+        if problem is None:
+            return
+        if "application/json" in request.headers.get("Accept", ""):
+            abort(400, html.unescape(problem))
+        raise EarlyReply(400, outbox_page(conn, page, {publication_id: (text, problem)}), page=True)
 
     def api_posts(self, request, query, form):
         """The desk as JSON (see desk_answer)."""
@@ -13377,8 +14092,13 @@ def status_report(conn):
               "last_new_at", "silent_since", "week_posts", "relevant_share", "approved")
     sources = [{field: row[field] for field in fields} | {"state": source_state(row)}
                for row in source_health(conn)]
+    trouble = [{"target": target["name"], "paused_until": target["paused_until"],
+                "error": target["error"], "failed": stuck.get("failed", 0),
+                "uncertain": stuck.get("uncertain", 0), "queued": stuck.get("queued", 0)}
+               for target, stuck in outbox_trouble(conn)]
     return {"queue": queue_sizes(conn), "stories": story_figures(conn),
-            "publications": publication_counts(conn), "sources": sources}
+            "publications": publication_counts(conn), "publishing_trouble": trouble,
+            "sources": sources}
 
 
 def print_status(report):
@@ -13391,6 +14111,13 @@ def print_status(report):
     for target, states in report["publications"].items():
         print(f"publish {target}: " + ", ".join(f"{state} {states[state]}"
                                                 for state in PUBLICATION_STATES if state in states))
+    for trouble in report["publishing_trouble"]:
+        print(f"publish {trouble['target']}: NEEDS AN EDITOR: " + "; ".join(filter(None, (
+            trouble["paused_until"] and trouble["paused_until"] > utc_text()
+            and f"paused until {trouble['paused_until']} UTC",
+            trouble["error"] and shorten(trouble["error"], 200),
+            trouble["failed"] and f"{trouble['failed']} failed",
+            trouble["uncertain"] and f"{trouble['uncertain']} uncertain"))) + " (see /outbox)")
     rows = [("source", "crawler", "prio", "status", "errors", "posts", "7 days", "last new post",
              "last fetch", "last error")]
     for s in report["sources"]:
@@ -13420,6 +14147,9 @@ def cmd_publish(args, settings):
     waiting = db.conn().execute("SELECT count(*) FROM publications p JOIN targets t "
                                 "ON t.name = p.target AND t.enabled = 1 "
                                 "WHERE p.state = 'queued'").fetchone()[0]
+    for name, (sender, until) in sorted(publisher.held.items()):
+        print(f"publish: {name} is being sent by {sender} until {until} UTC (its lease); "
+              f"that sender sends its posts", flush=True)
     print(f"publish: {publisher.sent} sent, {publisher.failed} failed, "
           f"{publisher.uncertain} uncertain, {waiting} waiting in "
           f"{time.monotonic() - started:.1f} s", flush=True)
@@ -13692,6 +14422,9 @@ def configure_logging(verbose):
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    for handler in logging.getLogger().handlers:
+        if LOG_MASK not in handler.filters:
+            handler.addFilter(LOG_MASK)
     if verbose >= 2:
         log.setLevel(logging.DEBUG)
 
@@ -13704,6 +14437,8 @@ def main(argv=None):
     try:
         settings = load_settings(db=getattr(args, "db", None),
                                  sources=getattr(args, "sources", None))
+        LOG_MASK.keep_out(settings.tg_bot_token, settings.webhook_secret, settings.web_password,
+                          *secrets_of(settings.db))
         return args.handler(args, settings)
     except (ConfigError, MissingPackage) as e:
         print(f"vesti: {e}", file=sys.stderr)
