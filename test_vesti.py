@@ -7190,6 +7190,51 @@ def test_on_a_phone_each_source_shows_its_status_and_last_error(web, browser):
     assert "HTTP 500 Internal Server Error" in boxes["errorText"]
 
 
+def test_undoing_a_published_post_asks_first_and_the_outbox_fits_a_phone(home, bot, browser):
+    s, db, lwn_id = publish_home(home, bot, [{**CHANNEL, "every": "1h"}], VESTI_WEB_PASSWORD="s3cret")
+    web = Web(home, settings=s)
+    try:
+        conn = db.conn()
+        sent, waiting = desk_post(conn, lwn_id, 1), desk_post(conn, lwn_id, 2)
+        conn.execute("UPDATE posts SET url = ?, title = ? WHERE id = ?",
+                     ("https://news.example/" + "long-path/" * 150, "Word " * 60, waiting))
+        vesti.set_decisions(conn, [sent, waiting], "approved", "ed")
+        publisher = vesti.Publisher(db, s)
+        publisher.look()
+        assert len(bot.messages) == 1
+        browser.open(web.origin + "/?status=approved", {"Authorization": web.auth})
+        undo = "document.querySelector('#post-{} button[value=new]').click()"
+        browser.evaluate("window.confirm = m => { window.asked = m; return window.answer }")
+        browser.evaluate(f"window.answer = false; {undo.format(sent)}")
+        assert "This deletes the message in @vesti_test" in browser.evaluate("window.asked")
+        time.sleep(0.3)
+        assert conn.execute("SELECT status FROM posts WHERE id = ?", (sent,)).fetchone()[0] == "approved"
+        browser.evaluate(f"window.answer = true; window.asked = null; {undo.format(sent)}")
+        assert wait_for(lambda: conn.execute("SELECT status FROM posts WHERE id = ?",
+                                             (sent,)).fetchone()[0] == "new", timeout=10)
+        publisher.look()
+        assert bot.messages == [] and len(bot.deleted) == 1
+        # What was never sent is taken back without a question.
+        browser.evaluate(f"window.asked = null; {undo.format(waiting)}")
+        assert wait_for(lambda: conn.execute("SELECT status FROM posts WHERE id = ?",
+                                             (waiting,)).fetchone()[0] == "new", timeout=10)
+        assert browser.evaluate("window.asked") is None
+        vesti.set_decisions(conn, [waiting], "approved", "ed")
+        browser.call("Emulation.setDeviceMetricsOverride", session=True, width=390, height=844,
+                     deviceScaleFactor=3, mobile=True)
+        browser.open(web.origin + "/outbox", {"Authorization": web.auth})
+        shown = browser.evaluate("""(() => {
+            const row = document.querySelector('tr.pub-queued'), area = row.querySelector('textarea');
+            const r = row.getBoundingClientRect();
+            area.value = 'x'.repeat(5000); area.dispatchEvent(new Event('input'));
+            const counter = row.querySelector('.counter');
+            return {page: document.documentElement.scrollWidth, left: r.left, right: r.right,
+                    counter: counter.textContent, over: counter.classList.contains('over')}; })()""")
+        assert shown["page"] <= 390 and 0 <= shown["left"] and shown["right"] <= 390, shown
+        assert shown["counter"] == "5000 / 4096" and shown["over"]
+    finally:
+        web.close()
+
 CRAWLER_ERRORS = [
     "TLS certificate not accepted (certificate has expired)",
     "refused feeds.internal.example: it resolves to a private address (10.0.12.7); set "
