@@ -223,15 +223,20 @@ CREATE TABLE IF NOT EXISTS learn_pending (
 -- The newsroom's accounts (see Editors in vesti.py): passwords only as salted
 -- scrypt hashes; role viewer, editor or admin. A session is kept as the
 -- sha256 of its cookie, with the token its forms carry; events record who
--- did what, when and from which address.
+-- did what, when and from which address. name_key: the name as sign-in
+-- compares it (NFKC, case folded); settings: the account of VESTI_WEB_USER,
+-- whose hash is that of the settings' password.
 CREATE TABLE IF NOT EXISTS users (
     name TEXT PRIMARY KEY,
     role TEXT NOT NULL DEFAULT 'editor',
     password_hash TEXT NOT NULL,
     disabled INTEGER NOT NULL DEFAULT 0,
     created_at TEXT,
-    password_changed_at TEXT
+    password_changed_at TEXT,
+    name_key TEXT,
+    settings INTEGER NOT NULL DEFAULT 0
 );
+CREATE INDEX IF NOT EXISTS users_key ON users(name_key);
 CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY,
     user_name TEXT NOT NULL,
@@ -251,6 +256,17 @@ CREATE TABLE IF NOT EXISTS events (
     detail TEXT
 );
 CREATE INDEX IF NOT EXISTS events_subject ON events(subject, id);
+-- Wrong passwords of the last LOGIN_WINDOW, whatever process checked them:
+-- when, from which address (an IPv6 client's /64), for which name (its
+-- key); the locks are counted from them.
+CREATE TABLE IF NOT EXISTS sign_in_failures (
+    id INTEGER PRIMARY KEY,
+    at REAL NOT NULL,
+    address TEXT NOT NULL,
+    user_key TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sign_in_failures_user ON sign_in_failures(user_key, at);
+CREATE INDEX IF NOT EXISTS sign_in_failures_address ON sign_in_failures(address, at);
 -- Who is looking at which card now (the desk's "Anna is looking").
 CREATE TABLE IF NOT EXISTS looks (
     post_id INTEGER NOT NULL,

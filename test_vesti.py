@@ -5670,28 +5670,36 @@ def test_no_password_is_made_when_the_page_cannot_start(home):
     assert kept is None         # the next start makes one, and prints it
 
 
-def test_wrong_passwords_from_one_address_are_refused_for_a_while(web, caplog):
-    wrong = {"Authorization": "Basic " + base64.b64encode(b"admin:guess").decode()}
-    assert web.get("/", auth=False)[0] == 401             # a browser's first ask counts for nothing
+@both
+def test_a_locked_name_is_refused_right_password_or_not_and_stays_locked_after_a_restart(web, caplog):
+    wrong = basic("admin", "guess")
+    assert web.get("/", auth=False)[0] == 401             # a script's first ask counts for nothing
     assert [web.get("/", auth=False, headers=wrong)[0] for _ in range(5)] == [401] * 5
     status, headers, body = web.get("/", auth=False, headers=wrong)
     assert status == 429 and 0 < int(headers["Retry-After"]) <= 900
     assert "Too many wrong passwords" in body and "guess" not in body
-    assert web.get("/")[0] == 200                         # the right one still gets in
+    # The right password is answered the same: no oracle for a guesser.
+    for _ in range(3):
+        assert web.get("/")[:1] == (429,)
     assert web.get("/healthz", auth=False)[0] == 200
     warnings = [r.getMessage() for r in caplog.records if "wrong passwords" in r.getMessage()]
     assert len(warnings) == 1 and "guess" not in warnings[0]
-    web.app.wrong.clock = lambda: time.monotonic() + 901  # a quarter of an hour later
-    assert web.get("/", auth=False, headers=wrong)[0] == 401
+    # Another process (or this one restarted) sees the lock: it is in the database.
+    again = vesti.WebApp(web.db, web.settings, web.registry, "s3cret")
+    assert [kind for kind, *_ in vesti.sign_in_locks(web.db.conn())] == ["name"]
+    with pytest.raises(vesti.SignInLocked):
+        again.sign_in("127.0.0.1", "admin", "s3cret", "test")
+    events = [row["action"] for row in web.db.conn().execute("SELECT action FROM events")]
+    assert events.count("sign-in failed") == 5 and events.count("sign-in locked") == 1
+    # A quarter of an hour later it is over.
+    web.db.conn().execute("UPDATE sign_in_failures SET at = at - 901")
+    assert web.get("/")[0] == 200
 
 
-def test_tries_under_way_count_toward_the_limit_and_an_ipv6_client_is_its_64():
-    wrong = vesti.WrongPasswords()
-    assert [wrong.begin("2001:db8::1") for _ in range(5)] == [0] * 5     # five checks at once
-    assert wrong.begin("2001:db8::ffff") > 0                              # the same /64
-    assert wrong.begin("2001:db8:0:1::1") == 0 and wrong.begin("192.0.2.1") == 0
-    assert [wrong.end("2001:db8::1", failed=True) for _ in range(5)] == [False] * 4 + [True]
-    assert wrong.begin("2001:db8::1") > 60
+def test_an_ipv6_client_is_its_whole_64():
+    assert vesti.address_key("2001:db8::1") == vesti.address_key("2001:db8::ffff:1")
+    assert vesti.address_key("2001:db8:0:1::1") != vesti.address_key("2001:db8::1")
+    assert vesti.address_key("192.0.2.1") == "192.0.2.1"
 
 
 def test_unknown_paths_are_404_and_wrong_methods_405(web):
@@ -6984,10 +6992,21 @@ def test_an_editor_signs_in_sees_who_else_looks_and_signs_out_in_a_real_browser(
     web.post(f"/posts/{top}/status", {"token": boris, "status": "approved", "seen": "new"},
              auth=False, headers=accounts["boris"])
     press(browser, "r")                                     # anna's page still shows it new
-    assert wait_for(lambda: "by boris" in (browser.evaluate(
-        f"(document.querySelector('#post-{top} .unsaved') || {{}}).textContent") or ""), timeout=10)
+    # Refused, the card turns into what boris decided: no "to decide", no "boris looking".
+    assert wait_for(lambda: browser.evaluate(f"document.getElementById('post-{top}').dataset.status")
+                    == "approved", timeout=10)
+    card = browser.evaluate(f"""(() => {{ const c = document.getElementById('post-{top}');
+        return {{badge: c.querySelector('.state').textContent,
+                 decided: c.querySelector('p.decided').textContent,
+                 looking: c.querySelector('.looking').hidden,
+                 unsaved: (c.querySelector('.unsaved') || {{hidden: true}}).hidden}}; }})()""")
+    assert card["badge"] == "approved" and "Set to approved by boris meanwhile" in card["decided"]
+    assert card["looking"] and card["unsaved"]
     assert conn.execute("SELECT status, decided_by FROM posts WHERE id = ?", (top,)).fetchone()[:] \
         == ("approved", "boris")
+    browser.evaluate(f"document.querySelector('#post-{top} button[value=rejected]').click()")
+    assert wait_for(lambda: conn.execute("SELECT status, decided_by FROM posts WHERE id = ?",
+                                         (top,)).fetchone()[:] == ("rejected", "anna"), timeout=10)
     browser.events.clear()
     browser.evaluate("document.querySelector('form.signout button').click()")
     browser.wait_for_load()
@@ -7325,6 +7344,10 @@ def basic(name, password):
     return {"Authorization": "Basic " + base64.b64encode(f"{name}:{password}".encode()).decode()}
 
 
+# What a browser's request for a page accepts.
+PAGE = {"Accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"}
+
+
 def newsroom(web):
     """Three accounts beside the settings' admin: anna (editor), vera
     (viewer), olga (admin)."""
@@ -7413,7 +7436,7 @@ def test_an_editor_signs_in_works_signs_out_and_the_session_ends_on_the_server(w
     status, answer, _ = web.post("/logout", {"token": token}, auth=False, headers=signed_in)
     assert status == 303 and answer["Location"] == "/login" and "Max-Age=0" in answer["Set-Cookie"]
     assert web.db.conn().execute("SELECT count(*) FROM sessions").fetchone()[0] == 0
-    status, answer, _ = web.get("/", auth=False, headers=signed_in)        # the old cookie
+    status, answer, _ = web.get("/", auth=False, headers={**signed_in, **PAGE})   # the old cookie
     assert status == 303 and answer["Location"].startswith("/login")
     events = [tuple(r) for r in web.db.conn().execute(
         "SELECT user_name, action FROM events WHERE action LIKE 'sign%' ORDER BY id")]
@@ -7430,37 +7453,240 @@ def test_a_session_ends_after_its_hours_idle_and_when_the_password_changes(web, 
     conn.execute("UPDATE sessions SET last_seen_at = ?", (ago(11 * 3600),))
     assert web.get("/", auth=False, headers=signed_in)[0] == 200            # 11 h: still on
     conn.execute("UPDATE sessions SET last_seen_at = ?", (ago(13 * 3600),))
-    assert web.get("/", auth=False, headers=signed_in)[0] == 303            # 13 h: over
+    assert web.get("/", auth=False, headers={**signed_in, **PAGE})[0] == 303            # 13 h: over
     signed_in = session_of(login(web, "anna", "anna-password")[1])
     result = subprocess.run([*VESTI, "user", "passwd", "anna"], cwd=home, input="a-new-password\n",
                             env=cli_env({"VESTI_DB": BACKEND["db"] or str(home / "vesti.db")}),
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert web.get("/", auth=False, headers=signed_in)[0] == 303
+    assert web.get("/", auth=False, headers={**signed_in, **PAGE})[0] == 303
     assert web.get("/", auth=False, headers=basic("anna", "anna-password"))[0] == 401
     assert web.get("/", auth=False, headers=basic("anna", "a-new-password"))[0] == 200
     signed_in = session_of(login(web, "anna", "a-new-password")[1])
     vesti.change_user(conn, "anna", "olga", "127.0.0.1", disabled=True)
-    assert web.get("/", auth=False, headers=signed_in)[0] == 303
+    assert web.get("/", auth=False, headers={**signed_in, **PAGE})[0] == 303
     assert web.get("/", auth=False, headers=basic("anna", "a-new-password"))[0] == 401
 
 
-def test_guessing_is_refused_per_user_and_per_address_and_said_once(web, caplog):
+def test_one_editors_typos_lock_only_them_and_spraying_locks_the_address(web, caplog):
     newsroom(web)
     for _ in range(5):
-        assert login(web, "anna", "wrong-guess")[0] == 401
-    status, headers, body = login(web, "anna", "anna-password")          # even the right one waits
-    assert status == 429 and int(headers["Retry-After"]) > 0 and "Too many wrong" in body
+        assert login(web, "boris", "wrong-guess")[0] == 401
+    status, headers, body = login(web, "boris", "boris-password")        # even the right one
+    assert status == 429 and int(headers["Retry-After"]) > 0
+    assert "Too many wrong passwords for this name" in body and 'name="password"' in body
     # From another address too: the user's name is what is guessed.
     other = http.client.HTTPConnection("127.0.0.1", web.port, timeout=10,
                                        source_address=("127.0.0.2", 0))
-    other.request("GET", "/", headers=basic("anna", "anna-password"))
+    other.request("GET", "/", headers=basic("boris", "boris-password"))
     assert other.getresponse().status == 429
     other.close()
-    assert web.get("/", auth=False, headers=basic("boris", "boris-password"))[0] == 429  # address
+    # Anna, behind the same office address, is not locked out by Boris's typos.
+    assert login(web, "anna", "anna-password")[0] == 303
+    assert web.get("/", auth=False, headers=basic("anna", "anna-password"))[0] == 200
     warnings = [r.getMessage() for r in caplog.records if "wrong passwords" in r.getMessage()]
     assert len(warnings) == 1 and "wrong-guess" not in warnings[0]
-    assert "for user 'anna'" in warnings[0] and "from 127.0.0.1" in warnings[0]
+    assert "for user 'boris'" in warnings[0]
+    # Spraying many names from one address locks the address.
+    for k in range(vesti.ADDRESS_FAILURES - 5):
+        assert web.get("/", auth=False, headers=basic(f"name{k % 20}", "guess"))[0] == 401
+    assert web.get("/", auth=False, headers=basic("anna", "anna-password"))[0] == 429
+    users = web.get("/users")
+    assert users[0] == 429                       # the admin's Basic auth too, from this address
+    locks = {kind for kind, *_ in vesti.sign_in_locks(web.db.conn())}
+    assert locks == {"name", "address"}
+
+
+@both
+def test_the_settings_accounts_sessions_end_when_its_password_or_name_changes(home):
+    web = Web(home)
+    try:
+        status, answer, _ = login(web, "admin", "s3cret")
+        assert status == 303
+        cookie = session_of(answer)
+        assert web.get("/", auth=False, headers=cookie)[0] == 200
+        rows = {row["name"]: row for row in vesti.list_users(web.db.conn())}
+        assert rows["admin"]["settings"] == 1 and rows["admin"]["password_hash"].startswith("scrypt:")
+    finally:
+        web.close()
+    # Restarted with another VESTI_WEB_PASSWORD: the old session is over.
+    web = Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="n3w-secret"), password="n3w-secret")
+    try:
+        assert web.get("/", auth=False, headers={**cookie, **PAGE})[0] == 303
+        assert web.get("/", auth=False, headers=basic("admin", "s3cret"))[0] == 401
+        assert web.get("/", auth=False, headers=basic("admin", "n3w-secret"))[0] == 200
+        status, answer, _ = login(web, "admin", "n3w-secret")
+        cookie = session_of(answer)
+    finally:
+        web.close()
+    # Renamed (VESTI_WEB_USER=chief): the old name's sessions end, and it is disabled.
+    web = Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="n3w-secret",
+                                           VESTI_WEB_USER="chief"), password="n3w-secret")
+    try:
+        assert web.get("/", auth=False, headers=cookie)[0] == 401
+        assert web.get("/", auth=False, headers=basic("admin", "n3w-secret"))[0] == 401
+        assert web.get("/", auth=False, headers=basic("chief", "n3w-secret"))[0] == 200
+    finally:
+        web.close()
+    listed = cli("user", "list", cwd=home, env={"VESTI_WEB_USER": "chief"}).stdout
+    assert "chief: admin (VESTI_WEB_USER, by the settings)" in listed
+    assert "admin: admin, disabled" in listed
+
+
+def test_a_wrong_password_costs_the_same_check_whatever_the_name(web, monkeypatch):
+    newsroom(web)
+    checked = []
+    matches = vesti.password_matches
+    monkeypatch.setattr(vesti, "password_matches",
+                        lambda password, kept: checked.append(kept) or matches(password, kept))
+    for name in ("admin", "anna", "nobody-at-all"):
+        checked.clear()
+        assert web.get("/", auth=False, headers=basic(name, "wrong-guess"))[0] == 401
+        assert len(checked) == 1, name           # one scrypt check each: the time tells nothing
+        assert checked[0].startswith("scrypt:")
+
+
+def test_a_flood_of_wrong_passwords_is_refused_at_once_and_signed_in_pages_do_not_wait(web, monkeypatch):
+    newsroom(web)
+    status, answer, _ = login(web, "vera", "vera-password")
+    vera = session_of(answer)
+    matches = vesti.password_matches
+
+    def slow(password, kept):
+        time.sleep(0.2)                           # as long as scrypt at its real cost
+        return matches(password, kept)
+    monkeypatch.setattr(vesti, "password_matches", slow)
+    answers = collections.Counter()
+
+    def guesser(k):
+        source = f"127.0.{k // 200 + 1}.{k % 200 + 2}"
+        for _ in range(5):
+            conn = http.client.HTTPConnection("127.0.0.1", web.port, timeout=30,
+                                              source_address=(source, 0))
+            conn.request("GET", "/", headers=basic(f"guess{k}", "wrong-guess"))
+            answers[conn.getresponse().status] += 1
+            conn.close()
+    guessers = [threading.Thread(target=guesser, args=(k,)) for k in range(30)]
+    for thread in guessers:
+        thread.start()
+    waits = []
+    while any(thread.is_alive() for thread in guessers):
+        started = time.monotonic()
+        assert web.get("/crawlers", auth=False, headers=vera)[0] == 200
+        waits.append(time.monotonic() - started)
+    for thread in guessers:
+        thread.join()
+    assert max(waits) < 1.0, sorted(waits)[-5:]
+    assert answers[503] > 0 and answers[401] + answers[503] == 150, answers
+    assert answers[200] == 0
+
+
+def test_a_browser_is_sent_to_the_sign_in_page_and_a_script_gets_the_challenge(web):
+    status, answer, _ = web.get("/?direction=linux", auth=False, headers=PAGE)
+    assert status == 303 and answer["Location"] == "/login?next=%2F%3Fdirection%3Dlinux"
+    assert "WWW-Authenticate" not in answer
+    status, answer, _ = web.get("/approved.atom", auth=False)
+    assert status == 401 and answer["WWW-Authenticate"].startswith("Basic")
+    assert web.get("/", headers=PAGE)[0] == 200      # Basic auth works for browsers too
+    # A page's background request after its session ended: told, never challenged.
+    stale = {"Cookie": "vesti_session=gone", "Accept": "application/json"}
+    status, answer, body = web.get("/api/looks?ids=1", auth=False, headers=stale)
+    assert status == 401 and "WWW-Authenticate" not in answer and "sign in again" in body
+
+
+def test_pages_offer_only_what_the_role_can_do(web):
+    accounts = newsroom(web)
+    conn = web.db.conn()
+    for k in range(3):
+        desk_post(conn, lwn(web), k)
+    viewer = web.get("/", auth=False, headers=accounts["vera"])[2]
+    assert 'class="actions bulk"' not in viewer and 'class="decide"' not in viewer
+    editor = web.get("/", auth=False, headers=accounts["anna"])[2]
+    assert 'class="actions bulk"' in editor
+    assert 'action="/crawlers/reset"' not in web.get("/crawlers", auth=False,
+                                                        headers=accounts["anna"])[2]
+    assert 'action="/crawlers/reset"' in web.get("/crawlers", auth=False,
+                                                    headers=accounts["olga"])[2]
+
+
+@both
+def test_user_names_are_letters_of_any_script_and_unique_whatever_their_case(web):
+    conn = web.db.conn()
+    vesti.add_user(conn, "Анна", "editor", "anna-password", "test", "local")
+    with pytest.raises(vesti.ConfigError, match="exists already"):
+        vesti.add_user(conn, "анна", "editor", "other-password", "test", "local")
+    vesti.add_user(conn, "anna", "editor", "anna-password", "test", "local")
+    with pytest.raises(vesti.ConfigError, match="exists already"):
+        vesti.add_user(conn, "Anna", "viewer", "other-password", "test", "local")
+    for bad in ("a b", "/x", "_x", "x" * 65, ""):
+        with pytest.raises(vesti.ConfigError):
+            vesti.add_user(conn, bad, "editor", "long-enough", "test", "local")
+    assert web.get("/", auth=False, headers=basic("АННА", "anna-password"))[0] == 200
+    status, answer, _ = login(web, "анна", "anna-password")
+    assert status == 303
+    page = web.get("/", auth=False, headers=session_of(answer))[2]
+    assert "Анна" in re.search(r'<span class="account[^>]*>(.*?)</span>', page)[1]
+    token = form_token(web, basic("admin", "s3cret"))
+    assert web.post("/users/" + urllib.parse.quote("Анна"), {"token": token, "action": "disable"})[0] == 303
+    assert vesti.find_user(conn, "анна")["disabled"] == 1
+
+
+def test_russian_pages_say_a_sources_state_its_runs_and_the_audit_in_russian(web):
+    conn = web.db.conn()
+    run = vesti.start_run(conn, lwn(web), "rss", "schedule")
+    vesti.finish_run(conn, run, "ok", 20)
+    vesti.record_event(conn, "anna", "127.0.0.1", "sign in")
+    crawlers = web.get("/crawlers?lang=ru")[2]
+    row = re.search(r'<tr id="source-lwn">.*?</tr>', crawlers)[0]
+    assert ">работает<" in row and "по расписанию: успешно, +20" in row
+    assert "alive" not in row.replace('class="alive', "") and "schedule" not in row
+    assert ">вход<" in web.get("/users?lang=ru")[2]
+
+
+def test_the_page_listens_on_ipv6(home):
+    write_sources(home / "sources.yaml", [])
+    settings = make_settings(home, VESTI_WEB_PASSWORD="s3cret")
+    registry, db = vesti.open_intake(settings)
+    try:
+        server = vesti.make_web_server(vesti.WebApp(db, settings, registry, "s3cret"), "::1", 0)
+    except vesti.ConfigError as e:
+        pytest.skip(f"no IPv6 loopback here: {e}")
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        conn = http.client.HTTPConnection("::1", server.server_address[1], timeout=10)
+        conn.request("GET", "/", headers=basic("admin", "s3cret"))
+        assert conn.getresponse().status == 200
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_signed_out_desk_says_so_without_a_password_box_and_the_users_page_fits_a_phone(web, browser):
+    accounts = newsroom(web)
+    conn = web.db.conn()
+    desk_post(conn, lwn(web), 1)
+    browser.call("Page.addScriptToEvaluateOnNewDocument", session=True, source=(
+        "const every = window.setInterval;"
+        "window.setInterval = (f, ms, ...a) => every(f, ms / 10, ...a);"))
+    browser.open(web.origin + "/login", {})
+    browser.evaluate("document.querySelector('input[name=user]').value = 'olga';"
+                     "document.querySelector('input[name=password]').value = 'olga-password';")
+    browser.events.clear()
+    browser.evaluate("document.querySelector('form.login button').click()")
+    browser.wait_for_load()
+    assert browser.evaluate("location.pathname") == "/"
+    conn.execute("DELETE FROM sessions")                   # it ends on the server (12 h, disabled)
+    browser.evaluate("fetch('/api/looks?ids=1',{credentials:'same-origin',headers:{'Accept':'application/json'}}).then(r=>window.st=r.status)")
+    time.sleep(1)
+    assert wait_for(lambda: browser.evaluate("!!document.getElementById('signed-out')"), timeout=10)
+    banner = browser.evaluate("document.getElementById('signed-out').innerHTML")
+    assert "Sign in again" in banner and 'href="/login?next=' in banner
+    assert not [e for e in browser.events if e.get("method") == "Page.javascriptDialogOpening"]
+    browser.call("Emulation.setDeviceMetricsOverride", session=True, width=390, height=844,
+                 deviceScaleFactor=3, mobile=True)
+    browser.open(web.origin + "/users", accounts["olga"])
+    width = browser.evaluate("document.documentElement.scrollWidth")
+    assert width <= 390, width
 
 
 def test_each_decision_names_its_editor_and_is_an_event_and_a_stale_one_is_refused(web):
@@ -7531,7 +7757,7 @@ def test_an_admin_manages_accounts_on_the_users_page_and_names_are_safe(web):
                     headers=accounts["olga"])[0] == 303
     assert web.get("/", auth=False, headers=basic("petr", "long-enough"))[0] == 401
     page = web.get("/users", auth=False, headers=accounts["olga"])[2]
-    assert 'id="user-petr"' in page and "disabled" in page and "user add" in page
+    assert 'id="user-petr"' in page and "disabled" in page and "added a user" in page
     assert "long-enough" not in page
     # The sign-in page's own field says nothing a stranger's link put there.
     page = web.get('/login?next="><script>alert(1)</script>', auth=False)[2]

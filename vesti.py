@@ -324,6 +324,15 @@ class Redecided(VestiError):
         self.post_id, self.status, self.by, self.at = post_id, status, by, at
 
 
+class SignInLocked(VestiError):
+    """A sign-in refused before its password was looked at: the name or the
+    address (`kind`) gave too many wrong passwords lately, until `until`."""
+
+    def __init__(self, kind, until):
+        super().__init__(f"too many wrong passwords for this {kind}")
+        self.kind, self.until = kind, until
+
+
 class Conflict(VestiError):
     """An editor's action meets a state someone else (or a sender) changed
     since the page was loaded: nothing is done, the page says so (409)."""
@@ -869,6 +878,12 @@ LOG_MASK = SecretMask()
 
 def normalize_text(text):
     return " ".join((text or "").split())
+
+
+def user_key(name):
+    """A user name as sign-in compares it: "Anna", "anna" and "ＡＮＮＡ" are
+    one name."""
+    return unicodedata.normalize("NFKC", name or "").casefold()
 
 
 # Shorter than this, a text ("Read more…", an empty caption) cannot tell two
@@ -2316,15 +2331,20 @@ CREATE TABLE IF NOT EXISTS learn_pending (
 -- The newsroom's accounts (see Editors in vesti.py): passwords only as salted
 -- scrypt hashes; role viewer, editor or admin. A session is kept as the
 -- sha256 of its cookie, with the token its forms carry; events record who
--- did what, when and from which address.
+-- did what, when and from which address. name_key: the name as sign-in
+-- compares it (NFKC, case folded); settings: the account of VESTI_WEB_USER,
+-- whose hash is that of the settings' password.
 CREATE TABLE IF NOT EXISTS users (
     name TEXT PRIMARY KEY,
     role TEXT NOT NULL DEFAULT 'editor',
     password_hash TEXT NOT NULL,
     disabled INTEGER NOT NULL DEFAULT 0,
     created_at TEXT,
-    password_changed_at TEXT
+    password_changed_at TEXT,
+    name_key TEXT,
+    settings INTEGER NOT NULL DEFAULT 0
 );
+CREATE INDEX IF NOT EXISTS users_key ON users(name_key);
 CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY,
     user_name TEXT NOT NULL,
@@ -2344,6 +2364,17 @@ CREATE TABLE IF NOT EXISTS events (
     detail TEXT
 );
 CREATE INDEX IF NOT EXISTS events_subject ON events(subject, id);
+-- Wrong passwords of the last LOGIN_WINDOW, whatever process checked them:
+-- when, from which address (an IPv6 client's /64), for which name (its
+-- key); the locks are counted from them.
+CREATE TABLE IF NOT EXISTS sign_in_failures (
+    id INTEGER PRIMARY KEY,
+    at REAL NOT NULL,
+    address TEXT NOT NULL,
+    user_key TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sign_in_failures_user ON sign_in_failures(user_key, at);
+CREATE INDEX IF NOT EXISTS sign_in_failures_address ON sign_in_failures(address, at);
 -- Who is looking at which card now (the desk's "Anna is looking").
 CREATE TABLE IF NOT EXISTS looks (
     post_id INTEGER NOT NULL,
@@ -2498,11 +2529,17 @@ def plain_publication_texts(conn):
                      (html.unescape(re.sub(r"<[^>]*>", "", text)), row["id"]))
 
 
-# ... and once its item (the post as approved) is kept, a publication's text
-# is plain text.
+def user_keys(conn):
+    for row in conn.execute("SELECT name FROM users").fetchall():
+        conn.execute("UPDATE users SET name_key = ? WHERE name = ?", (user_key(row[0]), row[0]))
+
+
+# ... once its item (the post as approved) is kept, a publication's text is
+# plain text; users are found by their name's key.
 WHEN_ADDED = {("posts", "undated"):
               "UPDATE posts SET published_at = fetched_at WHERE published_at > fetched_at",
-              ("publications", "item"): plain_publication_texts}
+              ("publications", "item"): plain_publication_texts,
+              ("users", "name_key"): user_keys}
 
 
 def fill_added(conn, table, column):
@@ -4956,10 +4993,8 @@ def save_last_message_id(conn, source_id, message_id):
 # and publishes, an admin also resets sources and manages the accounts.
 
 ROLES = ("viewer", "editor", "admin")
-# The password hash of the row the VESTI_WEB_USER account gets when it signs
-# in on /login (its sessions need one): no password matches it.
-SETTINGS_ACCOUNT = "!settings"
-USER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# Letters and digits of any script, and . _ - after the first.
+USER_NAME = re.compile(r"[^\W_][\w.-]{0,63}")
 MIN_PASSWORD = 8
 # scrypt's cost for a kept password: one of OWASP's equivalent settings
 # (N=2**14, r=8, p=5: 16 MB, about a tenth of a second here), paid once per
@@ -4990,9 +5025,11 @@ def role_allows(role, needed):
 
 
 def check_user_name(name):
-    if not USER_NAME.fullmatch(name or ""):
-        raise ConfigError(f"user name {shorten(name or '', 40)!r}: 1 to 64 letters, digits, "
-                          f"'.', '_' or '-', starting with a letter or digit")
+    """The name as kept (NFKC); ConfigError for one that cannot be a name."""
+    name = unicodedata.normalize("NFKC", name or "")
+    if not USER_NAME.fullmatch(name):
+        raise ConfigError(f"user name {shorten(name, 40)!r}: 1 to 64 letters (of any script), "
+                          f"digits, '.', '_' or '-', starting with a letter or digit")
     return name
 
 
@@ -5012,22 +5049,64 @@ def record_event(conn, who, address, action, subject=None, detail=None):
 
 
 def find_user(conn, name):
-    return conn.execute("SELECT * FROM users WHERE name = ?", (name,)).fetchone()
+    """The account of this name, as written or as sign-in compares it."""
+    return conn.execute("SELECT * FROM users WHERE name = ?", (name,)).fetchone() or \
+        conn.execute("SELECT * FROM users WHERE name_key = ? ORDER BY name LIMIT 1",
+                     (user_key(name),)).fetchone()
 
 
 def add_user(conn, name, role, password, who, address):
-    """A new account; ConfigError when the name is taken or anything is wrong."""
-    check_user_name(name)
+    """A new account; ConfigError when the name is taken (in any case) or
+    anything is wrong."""
+    name = check_user_name(name)
     if role not in ROLES:
         raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     kept = password_hash(check_password(password))
     with transaction(conn):
-        if find_user(conn, name) is not None:
-            raise ConfigError(f"user {name!r} exists already (user passwd {name} changes "
-                              f"the password)")
-        conn.execute("INSERT INTO users (name, role, password_hash, created_at, password_changed_at) "
-                     "VALUES (?, ?, ?, ?, ?)", (name, role, kept, utc_text(), utc_text()))
+        taken = find_user(conn, name)
+        if taken is not None:
+            raise ConfigError(f"user {taken['name']!r} exists already (user passwd "
+                              f"{taken['name']} changes the password)")
+        conn.execute("INSERT INTO users (name, name_key, role, password_hash, created_at, "
+                     "password_changed_at) VALUES (?, ?, ?, ?, ?, ?)",
+                     (name, user_key(name), role, kept, utc_text(), utc_text()))
         record_event(conn, who, address, "user add", f"user:{name}", f"role {role}")
+
+
+def keep_settings_account(conn, name, password=None, kept=None):
+    """The VESTI_WEB_USER account as a row like any other, an admin whose
+    hash is that of the settings' password (VESTI_WEB_PASSWORD, or `kept`,
+    the generated one's hash): signing in compares it as any other, and a
+    new password or name ends the sessions made with the old one (a
+    renamed account is disabled). Returns its row."""
+    row = conn.execute("SELECT * FROM users WHERE name = ?", (name,)).fetchone()
+    same = row is not None and row["settings"] and not row["disabled"] and (
+        row["password_hash"] == kept if password is None else
+        password_matches(password, row["password_hash"]))
+    new_hash = kept if password is None else password_hash(password)
+    with transaction(conn):
+        for old in conn.execute("SELECT name FROM users WHERE settings = 1 AND name != ? "
+                                "AND disabled = 0", (name,)).fetchall():
+            conn.execute("UPDATE users SET disabled = 1 WHERE name = ?", (old[0],))
+            conn.execute("DELETE FROM sessions WHERE user_name = ?", (old[0],))
+            record_event(conn, "settings", "local", "user change", f"user:{old[0]}",
+                         f"VESTI_WEB_USER is {name} now: disabled, its sessions ended")
+        if not same:
+            if row is not None and not row["settings"]:
+                log.warning("web: the account %r of the users table is VESTI_WEB_USER's now: "
+                            "it signs in with the settings' password", name)
+            conn.execute("""INSERT INTO users (name, name_key, role, password_hash, created_at,
+                                               password_changed_at, settings)
+                            VALUES (?, ?, 'admin', ?, ?, ?, 1)
+                            ON CONFLICT (name) DO UPDATE SET role = 'admin', disabled = 0,
+                                password_hash = excluded.password_hash, settings = 1,
+                                password_changed_at = excluded.password_changed_at""",
+                         (name, user_key(name), new_hash, utc_text(), utc_text()))
+            if row is not None:
+                ended = conn.execute("DELETE FROM sessions WHERE user_name = ?", (name,)).rowcount
+                record_event(conn, "settings", "local", "user change", f"user:{name}",
+                             f"the settings' password changed; {ended} sessions ended")
+        return conn.execute("SELECT * FROM users WHERE name = ?", (name,)).fetchone()
 
 
 def change_user(conn, name, who, address, password=None, role=None, disabled=None):
@@ -5040,7 +5119,7 @@ def change_user(conn, name, who, address, password=None, role=None, disabled=Non
         user = find_user(conn, name)
         if user is None:
             raise ConfigError(f"no user {name!r} (user list shows them)")
-        said = []
+        name, said = user["name"], []
         if kept is not None:
             conn.execute("UPDATE users SET password_hash = ?, password_changed_at = ? WHERE name = ?",
                          (kept, utc_text(), name))
@@ -5051,6 +5130,9 @@ def change_user(conn, name, who, address, password=None, role=None, disabled=Non
         if disabled is not None and bool(disabled) != bool(user["disabled"]):
             conn.execute("UPDATE users SET disabled = ? WHERE name = ?", (int(disabled), name))
             said.append("disabled" if disabled else "enabled")
+        if user["settings"] and (kept is not None or disabled):
+            raise ConfigError(f"{name} is the account of VESTI_WEB_USER: its password is "
+                              f"VESTI_WEB_PASSWORD (change it there)")
         if kept is not None or disabled:
             ended = conn.execute("DELETE FROM sessions WHERE user_name = ?", (name,)).rowcount
             if ended:
@@ -5058,6 +5140,78 @@ def change_user(conn, name, who, address, password=None, role=None, disabled=Non
         if said:
             record_event(conn, who, address, "user change", f"user:{name}", "; ".join(said))
         return find_user(conn, name)
+
+
+# Wrong passwords in LOGIN_WINDOW seconds after which a name, or an address
+# (any names: a guesser spraying many), is locked: every try is then
+# refused (429), right password or not, until the oldest of them is that old.
+LOGIN_FAILURES = 5
+ADDRESS_FAILURES = 30
+LOGIN_WINDOW = 900
+
+
+def address_key(address):
+    """Who a client address is for the locks: an IPv6 client's whole /64
+    (one host has them all)."""
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(address).version == 6:
+            return str(ipaddress.ip_network(f"{address}/64", strict=False))
+    return address
+
+
+# What each lock counts: the column, and how many wrong passwords lock it.
+LOCKS = (("name", "user_key", LOGIN_FAILURES), ("address", "address", ADDRESS_FAILURES))
+
+
+def locked_until(conn, column, key, limit, now):
+    """When the lock on this key ends (a time), or None when it has none."""
+    recent = conn.execute(f"""SELECT at FROM sign_in_failures WHERE {column} = ? AND at > ?
+                              ORDER BY at DESC LIMIT ?""", (key, now - LOGIN_WINDOW, limit)).fetchall()
+    return recent[-1][0] + LOGIN_WINDOW if len(recent) == limit else None
+
+
+def sign_in_lock(conn, address, name, now=None):
+    """(what is locked: "name" or "address", until when as a time) when the
+    name or the address gave too many wrong passwords lately, else None.
+    Reads only."""
+    now = time.time() if now is None else now
+    keys = {"name": user_key(name), "address": address_key(address)}
+    for kind, column, limit in LOCKS:
+        until = locked_until(conn, column, keys[kind], limit, now)
+        if until is not None:
+            return kind, until
+    return None
+
+
+def note_wrong_password(conn, address, name, how, now=None):
+    """A wrong password, kept for every process (and recorded as an event);
+    the lock it starts, as sign_in_lock says, or None."""
+    now = time.time() if now is None else now
+    with transaction(conn):
+        conn.execute("DELETE FROM sign_in_failures WHERE at <= ?", (now - LOGIN_WINDOW,))
+        conn.execute("INSERT INTO sign_in_failures (at, address, user_key) VALUES (?, ?, ?)",
+                     (now, address_key(address), user_key(name)))
+        record_event(conn, None, address, "sign-in failed", f"user:{shorten(name, 64)}", how)
+        lock = sign_in_lock(conn, address, name, now)
+        if lock is not None:
+            subject = f"user:{shorten(name, 64)}" if lock[0] == "name" else f"address:{address_key(address)}"
+            record_event(conn, None, address, "sign-in locked", subject,
+                         f"until {utc_text(lock[1])} UTC")
+    return lock
+
+
+def sign_in_locks(conn, now=None):
+    """The names (their keys) and addresses locked now: [(kind, key, until)]."""
+    now = time.time() if now is None else now
+    found = []
+    for kind, column, limit in LOCKS:
+        for row in conn.execute(f"""SELECT {column} FROM sign_in_failures WHERE at > ?
+                                    GROUP BY {column} HAVING count(*) >= ? ORDER BY 1""",
+                                (now - LOGIN_WINDOW, limit)).fetchall():
+            until = locked_until(conn, column, row[0], limit, now)
+            if until is not None:
+                found.append((kind, row[0], until))
+    return found
 
 
 def list_users(conn):
@@ -9953,11 +10107,12 @@ details.filters>summary{cursor:pointer;font-weight:600;margin-bottom:.5em}
  table.sources td:empty{display:none}
  table.sources td::before{color:var(--muted);font-weight:400}
  table.sources td.wide{display:none}
- table.outbox,table.outbox tbody,table.outbox tr,table.outbox td{display:block;width:100%}
- table.outbox tr:first-child{display:none}
- table.outbox tr{background:#fff;border:1px solid var(--line);border-radius:8px;margin-bottom:.6em;padding:.3em 0}
- table.outbox td{border:0;padding:.15em .6em;overflow-wrap:anywhere;min-width:0}
- table.outbox td:empty{display:none}table.outbox textarea{min-width:0}
+ table.stack,table.stack tbody,table.stack tr,table.stack td{display:block;width:100%}
+ table.stack tr:first-child{display:none}
+ table.stack tr{background:#fff;border:1px solid var(--line);border-radius:8px;margin-bottom:.6em;padding:.3em 0}
+ table.stack td{border:0;padding:.15em .6em;overflow-wrap:anywhere;min-width:0}
+ table.stack td:empty{display:none}table.stack textarea{min-width:0}
+ form.actions input,form.actions select{min-width:0;max-width:100%}
 }
 """
 
@@ -10081,6 +10236,11 @@ STRINGS = {
                          "{n} sends need an editor (failed, or may not have arrived)."),
         "banner_waiting": ("{n} post waits.", "{n} posts wait."),
         "deletes": "This deletes the message in {where}. Take the decision back?",
+        "state.alive": "alive", "state.dead": "dead", "state.silent": "silent",
+        "state.disabled": "disabled",
+        "signed_out": "You are signed out (the session ended): nothing more is saved from this "
+        "page.", "sign_in_again": "Sign in again",
+        "set_by": "Set to {status} by {who} meanwhile.",
         "o.save": "Save text", "o.now_button": "Publish now", "o.cancel": "Cancel",
         "o.published_button": "Mark published", "o.again": "Send again",
         "o.hurry": "next, ahead of the pace",
@@ -10088,12 +10248,30 @@ STRINGS = {
         "role.viewer": "viewer", "role.editor": "editor", "role.admin": "admin",
         "login.title": "Sign in to VESTI", "login.user": "Name", "login.password": "Password",
         "login.wrong": "Wrong name or password.",
+        "login.locked.name": "Too many wrong passwords for this name: every try is refused "
+        "until {when} UTC (in {minutes} min), the right password too. Ask an admin if it "
+        "was not you.",
+        "login.locked.address": "Too many wrong passwords from this address: every try from "
+        "it is refused until {when} UTC (in {minutes} min).",
         "u.name": "name", "u.role": "role", "u.state": "state", "u.created": "created (UTC)",
         "u.sessions": "sessions", "u.disabled": "disabled", "u.enabled": "active",
         "u.add": "Add user", "u.password": "new password (8 characters or more)",
         "u.set_role": "Change role", "u.set_password": "Set password",
         "u.disable": "Disable", "u.enable": "Enable",
-        "u.env": "{name} (VESTI_WEB_USER) is an admin by the settings, not listed here.",
+        "u.env": "{name} (VESTI_WEB_USER) is an admin by the settings: its password is "
+        "VESTI_WEB_PASSWORD (or the one printed at the first start).",
+        "u.by_settings": "by the settings (VESTI_WEB_USER)",
+        "u.locks": "Sign-ins refused now", "u.no_locks": "None: no name or address gave too "
+        "many wrong passwords in the last 15 minutes.",
+        "u.locked": "locked", "u.until": "until (UTC)", "u.lock.name": "name",
+        "u.lock.address": "address",
+        "event.decide": "decided", "event.sign in": "signed in", "event.sign out": "signed out",
+        "event.sign-in failed": "wrong password", "event.sign-in locked": "sign-ins locked",
+        "event.user add": "added a user", "event.user change": "changed a user",
+        "event.reset dead": "reset dead sources",
+        "event.publication text": "edited a publication's text",
+        "event.publication now": "published now", "event.publication cancel": "cancelled a publication",
+        "event.publication published": "marked published", "event.publication again": "sent again",
         "u.events": "What was done lately", "u.when": "when (UTC)", "u.who": "who",
         "u.from": "from", "u.what": "what",
         "decided_by": "{decision} by {who}, {when} UTC", "looking": "· {names} looking",
@@ -10231,6 +10409,14 @@ STRINGS = {
                          "{n} отправок ждут редактора (не отправлены или могли не дойти)."),
         "banner_waiting": ("ждёт {n} пост.", "ждут {n} поста.", "ждут {n} постов."),
         "deletes": "Это удалит сообщение в {where}. Отменить решение?",
+        "state.alive": "работает", "state.dead": "dead (не отвечает)", "state.silent": "молчит",
+        "state.disabled": "отключён", "trigger.schedule": "по расписанию", "trigger.cli": "вручную",
+        "trigger.cron": "cron", "trigger.web": "со страницы", "run.ok": "успешно",
+        "run.error": "ошибка", "run.deferred": "отложено", "run.running": "идёт",
+        "run.interrupted": "прервано",
+        "signed_out": "Вы вышли (сеанс закончился): с этой страницы больше ничего не "
+        "сохраняется.", "sign_in_again": "Войти снова",
+        "set_by": "Тем временем {who}: {status}.",
         "o.save": "Сохранить текст", "o.now_button": "Опубликовать сейчас", "o.cancel": "Отменить",
         "o.published_button": "Отметить опубликованным", "o.again": "Отправить снова",
         "o.hurry": "следующий, вне темпа",
@@ -10238,12 +10424,31 @@ STRINGS = {
         "role.viewer": "читатель", "role.editor": "редактор", "role.admin": "администратор",
         "login.title": "Вход в VESTI", "login.user": "Имя", "login.password": "Пароль",
         "login.wrong": "Неверное имя или пароль.",
+        "login.locked.name": "Слишком много неверных паролей для этого имени: до {when} UTC "
+        "(ещё {minutes} мин) отказ на любую попытку, и с верным паролем тоже. Если это были "
+        "не вы, скажите администратору.",
+        "login.locked.address": "Слишком много неверных паролей с этого адреса: до {when} UTC "
+        "(ещё {minutes} мин) отказ на любую попытку с него.",
         "u.name": "имя", "u.role": "роль", "u.state": "состояние", "u.created": "создан (UTC)",
         "u.sessions": "сеансы", "u.disabled": "отключён", "u.enabled": "активен",
         "u.add": "Добавить", "u.password": "новый пароль (от 8 символов)",
         "u.set_role": "Сменить роль", "u.set_password": "Задать пароль",
         "u.disable": "Отключить", "u.enable": "Включить",
-        "u.env": "{name} (VESTI_WEB_USER) — администратор по настройкам, здесь не показан.",
+        "u.env": "{name} (VESTI_WEB_USER) — администратор по настройкам: его пароль — "
+        "VESTI_WEB_PASSWORD (или напечатанный при первом запуске).",
+        "u.by_settings": "задан настройками (VESTI_WEB_USER)",
+        "u.locks": "Кому сейчас отказано во входе", "u.no_locks": "Никому: за последние 15 минут "
+        "ни одно имя и ни один адрес не дали слишком много неверных паролей.",
+        "u.locked": "заблокировано", "u.until": "до (UTC)", "u.lock.name": "имя",
+        "u.lock.address": "адрес",
+        "event.decide": "решение", "event.sign in": "вход", "event.sign out": "выход",
+        "event.sign-in failed": "неверный пароль", "event.sign-in locked": "вход заблокирован",
+        "event.user add": "добавлен пользователь", "event.user change": "изменён пользователь",
+        "event.reset dead": "сброс dead-источников",
+        "event.publication text": "изменён текст публикации",
+        "event.publication now": "опубликовать сейчас", "event.publication cancel": "публикация отменена",
+        "event.publication published": "отмечено опубликованным",
+        "event.publication again": "отправить снова",
         "u.events": "Последние действия", "u.when": "когда (UTC)", "u.who": "кто",
         "u.from": "откуда", "u.what": "что",
         "decided_by": "{decision}: {who}, {when} UTC", "looking": "· смотрит: {names}",
@@ -10468,8 +10673,8 @@ def source_row(s, lang, silent):
     makes again only the rows of the sources that changed."""
     status = source_state(s)
     slug, crawler = esc(s["slug"]), esc(s["crawler"])
-    last_run = (f'{esc(s["run_started"])} <span class="muted">{esc(s["run_trigger"])}: '
-                f'{esc(s["run_status"])}, +{esc(s["run_new_posts"])}</span>'
+    last_run = (f'{esc(s["run_started"])} <span class="muted">{word(lang, "trigger", s["run_trigger"])}: '
+                f'{word(lang, "run", s["run_status"])}, +{esc(s["run_new_posts"])}</span>'
                 if s["run_started"] else f'<span class="muted">{said(lang, "never_fetched")}</span>')
     name = f'<br><span class="small">{esc(s["name"])}</span>' if s["name"] != s["slug"] else ""
     moved = (f'<br><span class="small moved">'
@@ -10478,7 +10683,8 @@ def source_row(s, lang, silent):
     failing = " failing" if status in ("alive", "silent") and s["error_count"] else ""
     return (f'<tr id="source-{slug}"><td class="source"><b>{slug}</b>{name}{moved}</td>'
             f'<td>{crawler}</td>'
-            f'<td class="{status}{failing}">{status}{silent}</td><td>{esc(s["priority"])}</td>'
+            f'<td class="{status}{failing}">{word(lang, "state", status)}{silent}</td>'
+            f'<td>{esc(s["priority"])}</td>'
             f'<td class="small when">{esc(s["last_fetch"] or STRINGS[lang]["never_fetched"])}</td>'
             f'<td>{esc(s["error_count"])}</td>'
             f'<td class="error">{last_error_html(s)}</td>'
@@ -10486,6 +10692,13 @@ def source_row(s, lang, silent):
             f'<td class="small when">{esc(s["last_new_at"])}</td>'
             f'<td>{share_text(s["relevant_share"])}</td><td>{esc(s["approved"])}</td>'
             f'<td class="small wide run">{last_run}{validators_html(s, lang)}</td></tr>')
+
+
+def word(lang, kind, value):
+    """A stored word (a source's state, a run's trigger or outcome) in the
+    page's language; one it has no word for, as stored."""
+    key = f"{kind}.{value}"
+    return said(lang, key) if key in STRINGS[lang] else esc(value)
 
 
 def validators_html(s, lang):
@@ -10528,7 +10741,9 @@ def crawlers_page(conn, page, settings):
     reset = (f'<form method="post" action="/crawlers/reset" class="actions">'
              f'<input type="hidden" name="token" value="{esc(page.token)}">'
              f'<button class="primary" type="submit">{page.t("reset_dead")}</button>'
-             f'<span class="muted">{page.t("dead_count", n=dead)}</span></form>')
+             f'<span class="muted">{page.t("dead_count", n=dead)}</span></form>') \
+        if page.may("admin") else \
+        f'<p class="actions muted">{page.t("dead_count", n=dead)}</p>'
     html_body = (f"{card_labels(page)}{banners(conn, settings, page)}{queue_cards(queue, page)}{reset}"
                  f"<div class=table><table class=sources><thead><tr>{head}</tr></thead>"
                  f"<tbody>{body}</tbody></table></div>")
@@ -11119,15 +11334,25 @@ function focus(i){if(!cards.length)return;cur=Math.max(0,Math.min(i,cards.length
  cards[cur].scrollIntoView({block:'nearest'});look(cards[cur]);}
 /* The others see which card an editor is on; the editor sees theirs. */
 var looker=document.getElementById('look'),looked=null;
-function look(card){if(!looker||!card)return;looked=card;
+/* A session that ended says so once, with a link to sign in again: never a
+   password pop-up over the desk (the server sends no challenge to it). */
+var out=false;
+function signedOut(){if(out)return;out=true;
+ var p=document.createElement('p'),a=document.createElement('a');
+ p.id='signed-out';p.className='banner';p.setAttribute('role','alert');
+ p.textContent=words.signed_out+' ';a.textContent=words.sign_in_again;
+ a.href='/login?'+new URLSearchParams({next:location.pathname+location.search});
+ p.appendChild(a);document.querySelector('main').prepend(p);}
+function look(card){if(!looker||!card||out)return;looked=card;
  fetch('/posts/'+card.dataset.id+'/look',{method:'POST',credentials:'same-origin',
   body:new URLSearchParams({token:looker.dataset.token}),
   headers:{'Accept':'application/json','Content-Type':'application/x-www-form-urlencoded'}})
- .catch(function(){});}
-function lookers(){if(!cards.length)return;
+ .then(function(r){if(r.status===401)signedOut()}).catch(function(){});}
+function lookers(){if(!cards.length||out)return;
  fetch('/api/looks?ids='+cards.map(function(c){return c.dataset.id}).join(','),
   {credentials:'same-origin',headers:{'Accept':'application/json'}})
- .then(function(r){return r.ok?r.json():{}}).then(function(found){cards.forEach(function(c){
+ .then(function(r){if(r.status===401)signedOut();return r.ok?r.json():{}})
+ .then(function(found){cards.forEach(function(c){
   var s=c.querySelector('.looking'),names=found[c.dataset.id];if(!s)return;
   s.hidden=!names;s.textContent=names?' '+fill(words.looking,{names:names.join(', ')}):'';})})
  .catch(function(){});}
@@ -11149,9 +11374,10 @@ function post(action,fields){
   headers:{'Accept':'application/json','Content-Type':'application/x-www-form-urlencoded'}})
  .catch(function(){throw words.unreachable})
  .then(function(r){if(r.ok)return r.json();
+  if(r.status===401){signedOut();throw words.signed_out}
   if(r.status===409&&r.headers.get('X-Vesti-Conflict')==='decided')
-   return r.text().catch(function(){return ''}).then(function(t){
-    throw t.trim().split('\n')[0]||words.changed});
+   throw {decided:r.headers.get('X-Vesti-Status'),
+          by:decodeURIComponent(r.headers.get('X-Vesti-Decided-By')||'')};
   if(r.status===409)throw words.changed;
   return r.text().catch(function(){return ''}).then(function(t){
    throw fill(words.answered,{status:r.status,answer:t.trim().split('\n')[0].slice(0,200)})})});}
@@ -11173,11 +11399,19 @@ function decide(card,status,move){
  /* One card's decisions reach the server in the order they were made. */
  card.chain=(card.chain||Promise.resolve()).then(function(){return send(card,status)})
  .then(function(j){saved(card,j.status);if(+card.dataset.busy===1){show(card,j.status);note(card,'')}},
-  function(why){if(+card.dataset.busy===1)show(card,card.saved);
+  function(why){if(why&&why.decided){decidedElsewhere(card,why);return}
+   if(+card.dataset.busy===1)show(card,card.saved);
    note(card,fill(words.not_saved,{why:String(why),retry:words.retry[status]}));
    focus(cards.indexOf(card));})
  .then(function(){card.dataset.busy=+card.dataset.busy-1});
  if(move)focus(cards.indexOf(card)+1);}
+/* Another editor decided the card meanwhile: it shows what they decided,
+   and the next key press decides knowing it. */
+function decidedElsewhere(card,why){saved(card,why.decided);show(card,why.decided);
+ var line=card.querySelector('p.decided'),looking=line&&line.querySelector('.looking');
+ if(line){line.textContent=fill(words.set_by,{status:words.status[why.decided]||why.decided,
+  who:why.by||'?'})+' ';if(looking){looking.hidden=true;line.appendChild(looking)}}
+ note(card,'');}
 /* "Reject all shown" asks in place first, then offers to undo for a while:
    each post goes back to the decision it had. */
 var bulk=document.querySelector('form.bulk'),undoTimer=null,UNDO_MS=10000;
@@ -11236,7 +11470,8 @@ def script_words(lang):
     words = {"status": {s: strings[f"status.{s}"] for s in DECISIONS},
              "retry": {s: strings[f"retry.{s}"] for s in (*DECISIONS, "bulk")},
              **{key: strings[key] for key in ("not_saved", "unreachable", "answered", "changed",
-                                              "looking", "deletes")}}
+                                              "looking", "deletes", "signed_out",
+                                              "sign_in_again", "set_by")}}
     return json.dumps(words, ensure_ascii=False).replace("<", "\\u003c")
 
 
@@ -11328,7 +11563,7 @@ def desk_page(conn, desk, page, directions, settings, sources=None, learners=Non
     sources = source_options(conn) if sources is None else sources
     filters = filters_html(page, desk, directions, counts, sources, settings.min_relevance)
     body = (f"{banners(conn, settings, page)}{filters}{hidden}{waiting_note(conn, page, settings)}"
-            f"{cards}{bulk_form(page, posts, here) if desk.status == 'new' else ''}"
+            f"{cards}{bulk_form(page, posts, here) if desk.status == 'new' and page.may('editor') else ''}"
             f"<nav class=pages>{pager}</nav>"
             f"{keys_overlay(page)}"
             f'<span id="look" data-token="{esc(page.token)}" hidden></span>'
@@ -11569,7 +11804,7 @@ def outbox_section(conn, target, page, drafts=None):
     if target["sender"] and (target["sender_until"] or "") > utc_text():
         facts.append(page.t("o.sender", who=target["sender"], until=target["sender_until"]))
     rows = outbox_rows(conn, target["name"])
-    table = (f'<table class="outbox"><tr><th>{page.t("o.col.post")}</th>'
+    table = (f'<table class="outbox stack"><tr><th>{page.t("o.col.post")}</th>'
              f'<th>{page.t("o.col.state")}</th><th>{page.t("o.col.queued")}</th>'
              f'<th>{page.t("o.col.sent")}</th><th>{page.t("o.col.tries")}</th>'
              f'<th>{page.t("o.col.message")}</th><th>{page.t("o.col.error")}</th><th></th></tr>'
@@ -11581,15 +11816,27 @@ def outbox_section(conn, target, page, drafts=None):
             + "".join(f'<p class="banner">{w}</p>' for w in warnings) + table + "</section>")
 
 
-def login_form(page, token, after, wrong=False):
-    """The sign-in form: name, password, and its hidden fields."""
-    note = f'<p class="banner" role="alert">{page.t("login.wrong")}</p>' if wrong else ""
-    return (f'<h2>{page.t("login.title")}</h2>{note}'
+def login_problem(page, problem):
+    """Why the last try did not sign in, in the page's words."""
+    if problem is None:
+        return ""
+    if problem[0] == "locked":
+        text = page.t(f"login.locked.{problem[1]}", when=utc_text(problem[2]),
+                      minutes=max(1, math.ceil((problem[2] - time.time()) / 60)))
+    else:
+        text = page.t("login.wrong")
+    return f'<p class="banner" role="alert">{text}</p>'
+
+
+def login_form(page, token, after, problem=None, name=""):
+    """The sign-in form: name, password, and its hidden fields; `problem`:
+    why the last try did not sign in (see login_problem)."""
+    return (f'<h2>{page.t("login.title")}</h2>{login_problem(page, problem)}'
             f'<form method="post" action="/login" class="login">'
             f'<input type="hidden" name="token" value="{esc(token)}">'
             f'<input type="hidden" name="next" value="{esc(after)}">'
             f'<p><label>{page.t("login.user")}<br><input name="user" autocomplete="username" '
-            f'required autofocus></label></p>'
+            f'value="{esc(name)}" required autofocus></label></p>'
             f'<p><label>{page.t("login.password")}<br><input name="password" type="password" '
             f'autocomplete="current-password" required></label></p>'
             f'<p><button class="primary">{page.t("sign_in")}</button></p></form>')
@@ -11602,14 +11849,17 @@ def role_options(page, chosen):
 
 def user_row(user, page):
     def form(action, label, extra=""):
-        return (f'<form method="post" action="/users/{esc(user["name"])}" class="actions">'
-                f'<input type="hidden" name="token" value="{esc(page.token)}">{extra}'
-                f'<button name="action" value="{action}">{page.t(label)}</button></form>')
+        return (f'<form method="post" action="/users/{esc(urllib.parse.quote(user["name"]))}" '
+                f'class="actions"><input type="hidden" name="token" value="{esc(page.token)}">'
+                f'{extra}<button name="action" value="{action}">{page.t(label)}</button></form>')
     own = page.account is not None and page.account.name == user["name"]
-    actions = [form("password", "u.set_password",
-                    f'<input type="password" name="password" autocomplete="new-password" '
-                    f'minlength="{MIN_PASSWORD}" placeholder="{page.t("u.password")}">')]
-    if not own:
+    if user["settings"]:
+        actions = [f'<span class="small muted">{page.t("u.by_settings")}</span>']
+    else:
+        actions = [form("password", "u.set_password",
+                        f'<input type="password" name="password" autocomplete="new-password" '
+                        f'minlength="{MIN_PASSWORD}" placeholder="{page.t("u.password")}">')]
+    if not own and not user["settings"]:
         actions.append(form("role", "u.set_role",
                             f'<select name="role">{role_options(page, user["role"])}</select>'))
         actions.append(form("enable", "u.enable") if user["disabled"] else
@@ -11621,26 +11871,44 @@ def user_row(user, page):
             f'<td>{"".join(actions)}</td></tr>')
 
 
+def event_words(event, page):
+    """An event's action in the page's language (an older or unknown one as kept)."""
+    key = "event." + (event["action"] or "")
+    return page.t(key) if key in page.strings else esc(event["action"])
+
+
+def locks_table(conn, page):
+    """The names and addresses whose sign-ins are refused now, and until when."""
+    locks = sign_in_locks(conn)
+    if not locks:
+        return f'<p class="muted">{page.t("u.no_locks")}</p>'
+    rows = "".join(f'<tr><td>{page.t("u.lock." + kind)}</td><td>{esc(key)}</td>'
+                   f'<td>{esc(utc_text(until))}</td></tr>' for kind, key, until in locks)
+    return (f'<table class="locks stack"><tr><th>{page.t("u.locked")}</th><th></th>'
+            f'<th>{page.t("u.until")}</th></tr>{rows}</table>')
+
+
 def users_page(conn, page, settings_user):
-    """The accounts, a form to add one, and the latest events."""
-    users = "".join(user_row(user, page) for user in list_users(conn)
-                    if user["password_hash"] != SETTINGS_ACCOUNT)
+    """The accounts, a form to add one, the sign-ins refused now, and the
+    latest events."""
+    users = "".join(user_row(user, page) for user in list_users(conn))
     add = (f'<form method="post" action="/users" class="actions">'
            f'<input type="hidden" name="token" value="{esc(page.token)}">'
-           f'<input name="name" required pattern="[A-Za-z0-9][A-Za-z0-9._-]{{0,63}}" '
-           f'placeholder="{page.t("u.name")}"> <select name="role">{role_options(page, "editor")}'
+           f'<input name="name" required maxlength="64" placeholder="{page.t("u.name")}"> '
+           f'<select name="role">{role_options(page, "editor")}'
            f'</select> <input type="password" name="password" autocomplete="new-password" '
            f'minlength="{MIN_PASSWORD}" required placeholder="{page.t("u.password")}"> '
            f'<button class="primary">{page.t("u.add")}</button></form>')
     events = "".join(f'<tr><td>{esc(e["at"])}</td><td>{esc(e["user_name"])}</td>'
-                     f'<td>{esc(e["address"])}</td><td>{esc(e["action"])}</td>'
+                     f'<td>{esc(e["address"])}</td><td>{event_words(e, page)}</td>'
                      f'<td>{esc(e["subject"])}</td><td>{esc(e["detail"])}</td></tr>'
                      for e in recent_events(conn))
     body = (f'<h2>{page.t("users")}</h2><p class="muted">{page.t("u.env", name=settings_user)}</p>'
-            f'<table class="users"><tr><th>{page.t("u.name")}</th><th>{page.t("u.role")}</th>'
+            f'<table class="users stack"><tr><th>{page.t("u.name")}</th><th>{page.t("u.role")}</th>'
             f'<th>{page.t("u.state")}</th><th>{page.t("u.created")}</th>'
             f'<th>{page.t("u.sessions")}</th><th></th></tr>{users}</table>{add}'
-            f'<h2>{page.t("u.events")}</h2><table class="events"><tr><th>{page.t("u.when")}</th>'
+            f'<h2>{page.t("u.locks")}</h2>{locks_table(conn, page)}'
+            f'<h2>{page.t("u.events")}</h2><table class="events stack"><tr><th>{page.t("u.when")}</th>'
             f'<th>{page.t("u.who")}</th><th>{page.t("u.from")}</th><th>{page.t("u.what")}</th>'
             f'<th></th><th></th></tr>{events}</table>')
     return layout(page, page.strings["users"], body, "/users")
@@ -11874,12 +12142,10 @@ def generated_web_password(conn):
     return password if get_meta(conn, "web_password")[0] == kept else None
 
 
-# Wrong passwords from one address in LOGIN_WINDOW seconds after which its
-# further tries are refused (429) until the oldest of them is that old.
-LOGIN_FAILURES = 5
-LOGIN_WINDOW = 900
-# Addresses remembered at most (the oldest forgotten first).
-LOGIN_ADDRESSES = 10_000
+# Password checks (scrypt) that may wait for the one under way at a time;
+# a sign-in beyond them is refused at once (503): guessers from many
+# addresses cannot take every thread of the page from signed-in editors.
+CHECKS_WAITING = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -11924,58 +12190,6 @@ def cookie(headers, name, value, max_age=None):
 
 def ended_cookie(headers):
     return cookie(headers, SESSION_COOKIE, "", max_age=0)
-
-
-class WrongPasswords:
-    """Wrong passwords per client address (an IPv6 client's whole /64), to
-    slow down guessing. A check under way counts as a try until it is over,
-    so many tries at once cannot slip past the limit."""
-
-    def __init__(self, clock=time.monotonic):
-        self.clock, self.lock = clock, threading.Lock()
-        self.failures = collections.OrderedDict()      # address: deque of times
-        self.trying = collections.Counter()
-
-    @staticmethod
-    def key(address):
-        with contextlib.suppress(ValueError):
-            if ipaddress.ip_address(address).version == 6:
-                return str(ipaddress.ip_network(f"{address}/64", strict=False))
-        return address
-
-    def begin(self, address):
-        """Seconds the address must wait before it may try (0: its try is
-        under way now; end() says how it went)."""
-        address = self.key(address)
-        with self.lock:
-            times = self.recent(address)
-            if len(times) + self.trying[address] < LOGIN_FAILURES:
-                self.trying[address] += 1
-                return 0
-            return max(1, math.ceil(times[0] + LOGIN_WINDOW - self.clock())) if times else 1
-
-    def end(self, address, failed):
-        """The try is over; True when it is the wrong password that reaches the limit."""
-        address = self.key(address)
-        with self.lock:
-            self.trying[address] -= 1
-            if not self.trying[address]:
-                del self.trying[address]
-            if not failed:
-                return False
-            times = self.recent(address)
-            times.append(self.clock())
-            self.failures[address] = times
-            self.failures.move_to_end(address)
-            while len(self.failures) > LOGIN_ADDRESSES:
-                self.failures.popitem(last=False)
-            return len(times) == LOGIN_FAILURES
-
-    def recent(self, address):
-        times = self.failures.get(address, collections.deque())
-        while times and times[0] <= self.clock() - LOGIN_WINDOW:
-            times.popleft()
-        return times
 
 
 def basic_credentials(header):
@@ -12115,12 +12329,12 @@ class WebApp:
         self.db, self.settings, self.registry = db, settings, registry
         # VESTI_WEB_PASSWORD, or None for the one kept hashed in the database.
         self.user, self.password = settings.web_user, password or None
-        self.kept = None if self.password else get_meta(db.conn(), "web_password")[0]
-        self.matched = set()        # the sha256 of the kept password, once it was given
-        self.wrong = WrongPasswords()
+        self.matched = set()        # sha256 of each hash and the password that matched it
         # One scrypt check at a time: guesses from many addresses at once cost
-        # one core and 16 MB, not one of each per thread.
+        # one core and 16 MB, not one of each per thread; at most
+        # CHECKS_WAITING more wait for it.
         self.hashing = threading.Lock()
+        self.checks = threading.BoundedSemaphore(1 + CHECKS_WAITING)
         self._sources = (-math.inf, "")
         # Kept in the database: pages left open across a restart still post.
         self.secret = lasting_secret(db.conn(), "web_secret").encode()
@@ -12129,6 +12343,7 @@ class WebApp:
                         "(slower on a big database)")
         self.learners = Learners(settings.learn_min)
         self.rescorer = Rescorer(db, self.learners)
+        self.keep_settings_account()
         # (method, path, handler, the role it needs; None: no sign-in).
         self.routes = [
             ("GET", re.compile(r"/"), self.desk, "viewer"),
@@ -12148,8 +12363,7 @@ class WebApp:
             ("GET", re.compile(r"/metrics"), self.metrics, "viewer"),
             ("GET", re.compile(r"/users"), self.users, "admin"),
             ("POST", re.compile(r"/users"), self.add_account, "admin"),
-            ("POST", re.compile(r"/users/([A-Za-z0-9][A-Za-z0-9._-]{0,63})"), self.change_account,
-             "admin"),
+            ("POST", re.compile(r"/users/([^/?#]{1,200})"), self.change_account, "admin"),
             ("GET", re.compile(r"/login"), self.login_page, None),
             ("POST", re.compile(r"/login"), self.login, None),
             ("POST", re.compile(r"/logout"), self.logout, "viewer"),
@@ -12161,16 +12375,23 @@ class WebApp:
         self.registry = registry
         self._sources = (-math.inf, "")
 
+    def keep_settings_account(self):
+        """The VESTI_WEB_USER account's row, with the hash of
+        VESTI_WEB_PASSWORD or of the generated password kept in the
+        database (see keep_settings_account); none yet while there is no
+        password at all (make_password makes one)."""
+        kept = None if self.password else get_meta(self.db.conn(), "web_password")[0]
+        if self.password or kept:
+            keep_settings_account(self.db.conn(), self.user, self.password, kept)
+
     def token(self):
-        """The forms' token of the VESTI_WEB_USER account: the same across
-        restarts (a page left open overnight still posts), another once the
-        password changes."""
-        password = self.password if self.password is not None else self.kept or ""
-        signed = f"{self.user}\0{hashlib.sha256(password.encode()).hexdigest()}"
-        return hmac.new(self.secret, signed.encode(), hashlib.sha256).hexdigest()
+        """The forms' token of the VESTI_WEB_USER account (see user_token)."""
+        return self.user_token(find_user(self.db.conn(), self.user))
 
     def user_token(self, user):
-        """The forms' token of an account signing in with Basic auth."""
+        """The forms' token of an account signing in with Basic auth: the
+        same across restarts (a page left open overnight still posts),
+        another once the password changes."""
         signed = f"user\0{user['name']}\0{user['password_hash']}"
         return hmac.new(self.secret, signed.encode(), hashlib.sha256).hexdigest()
 
@@ -12180,22 +12401,13 @@ class WebApp:
         if self.password is not None:
             return None
         made = generated_web_password(self.db.conn())
-        self.kept = get_meta(self.db.conn(), "web_password")[0]
+        self.keep_settings_account()
         return made
-
-    def right_password(self, password, slow=True):
-        """The VESTI_WEB_USER account's password (VESTI_WEB_PASSWORD, or the
-        kept one)."""
-        if self.password is not None:
-            return hmac.compare_digest(password.encode(), self.password.encode())
-        return self.matches(password, self.kept, slow)
 
     def matches(self, password, kept, slow=True):
         """password_matches, remembered once it did: a client sends its
         password with every request. Without `slow`, a password that would
         need a scrypt check is taken as wrong (see check_login)."""
-        if kept is None:
-            return False
         seen = hashlib.sha256(f"{kept}\0{password}".encode()).digest()
         if seen in self.matched:
             return True
@@ -12208,14 +12420,12 @@ class WebApp:
         return True
 
     def account(self, name, password, slow=True):
-        """The Account these credentials sign in as, or None: the
-        VESTI_WEB_USER admin first, then the users table."""
-        if hmac.compare_digest(name.encode(), self.user.encode()) & \
-                self.right_password(password, slow):
-            return Account(self.user, "admin", self.token())
-        user = find_user(self.db.conn(), name) if USER_NAME.fullmatch(name) else None
+        """The Account these credentials sign in as, or None. A name no
+        enabled account has costs a check as long as a real one: the time
+        tells no name."""
+        user = find_user(self.db.conn(), name) if len(name) <= 200 else None
         if user is None or user["disabled"]:
-            if slow:        # as long as a real check: the time tells no name
+            if slow:
                 self.matches(password, self.decoy, slow)
             return None
         if not self.matches(password, user["password_hash"], slow):
@@ -12229,12 +12439,9 @@ class WebApp:
         return password_hash(secrets.token_urlsafe(16))
 
     def check_login(self, request):
-        """Who is asking: a signed-in session's cookie, or Basic auth. Basic
-        credentials told right without scrypt (VESTI_WEB_PASSWORD, or a
-        password given before) always pass; otherwise an address or a user
-        name that gave LOGIN_FAILURES wrong passwords lately waits (429)
-        before it may try again. A request with no credentials (a browser's
-        first) is no wrong password."""
+        """Who is asking: a signed-in session's cookie, or Basic auth (see
+        sign_in). A request with no credentials (a browser's first) is no
+        wrong password: it is asked to sign in (ask_for_login)."""
         cookie = session_cookie(request.headers)
         if cookie:
             row = session_of(self.db.conn(), cookie, self.settings.session_hours)
@@ -12243,49 +12450,63 @@ class WebApp:
         header = request.headers.get("Authorization")
         credentials = basic_credentials(header) if header else None
         if credentials is None:
-            if cookie and request.command in ("GET", "HEAD") and not header:
-                # A browser whose session ended: to the sign-in page.
-                abort(303, "Signed out", {"Location": "/login?" + urllib.parse.urlencode(
-                    {"next": request.path if LOCAL_PATH.fullmatch(request.path) else "/"}),
-                    "Set-Cookie": ended_cookie(request.headers)})
-            self.ask_for_login()
-        name, password = credentials
-        found = self.account(name, password, slow=False)
-        if found is None:
-            found = self.guarded(request.client_address[0], name,
-                                 lambda: self.account(name, password))
-        if found is None:
-            self.ask_for_login()
-        return found
-
-    def guarded(self, address, name, check):
-        """check() under the limit on wrong passwords per address and per
-        user name: 429 while either is over it. Returns what check returned."""
-        keys = [address, f"user:{name}"]
-        begun = []
-        for key in keys:
-            wait = self.wrong.begin(key)
-            if wait:
-                for done in begun:
-                    self.wrong.end(done, failed=False)
-                who = f"for {name}" if key.startswith("user:") else f"from {address}"
-                abort(429, f"Too many wrong passwords {who}; try again in "
-                           f"{math.ceil(wait / 60)} min", {"Retry-After": str(wait)})
-            begun.append(key)
-        found = None
+            self.ask_for_login(request, stale=bool(cookie) and not header)
         try:
-            found = check()
-        finally:
-            reached = [f"for user {shorten(name, 64)!r}" if key.startswith("user:") else
-                       f"from {address}" for key in keys if self.wrong.end(key, failed=not found)]
-            if reached:
-                log.warning("web: %d wrong passwords %s in %d minutes; further tries are "
-                            "refused for a while", LOGIN_FAILURES, " and ".join(reached),
-                            LOGIN_WINDOW // 60)
+            found = self.sign_in(request.client_address[0], *credentials, how="basic auth")
+        except SignInLocked as e:
+            wait = max(1, math.ceil(e.until - time.time()))
+            abort(429, f"Too many wrong passwords for this {e.kind}; every try is refused "
+                       f"until {utc_text(e.until)} UTC", {"Retry-After": str(wait)})
+        if found is None:
+            self.ask_for_login(request)
         return found
 
-    @staticmethod
-    def ask_for_login():
+    def sign_in(self, address, name, password, how):
+        """The account these credentials sign in as, or None for a wrong
+        password (kept: see note_wrong_password). A locked name or address
+        is answered 429 before any password is looked at, right or not; a
+        password given right before passes without scrypt; a check beyond
+        the ones that may wait is refused at once (503)."""
+        conn = self.db.conn()
+        lock = sign_in_lock(conn, address, name)
+        if lock is not None:
+            raise SignInLocked(*lock)
+        found = self.account(name, password, slow=False)
+        if found is not None:
+            return found
+        if not self.checks.acquire(blocking=False):
+            abort(503, "Too many sign-ins at once; try again in a few seconds",
+                  {"Retry-After": "5"})
+        try:
+            found = self.account(name, password)
+        finally:
+            self.checks.release()
+        if found is None:
+            lock = note_wrong_password(conn, address, name, how)
+            if lock is not None:
+                log.warning("web: %d wrong passwords %s in %d minutes; its tries are refused "
+                            "until %s UTC", LOGIN_FAILURES if lock[0] == "name" else ADDRESS_FAILURES,
+                            f"for user {shorten(name, 64)!r}" if lock[0] == "name" else
+                            f"from {address_key(address)}", LOGIN_WINDOW // 60, utc_text(lock[1]))
+        return found
+
+    def ask_for_login(self, request, stale=False):
+        """No (or wrong) credentials: a browser (a page, accepting HTML) goes
+        to the sign-in page; a script, a feed reader or a metrics scraper
+        gets 401 with the Basic challenge; a page's own background request
+        (a browser says so in Sec-Fetch-Mode), or one whose session ended,
+        gets 401 without it: no password pop-up over the desk."""
+        headers = request.headers
+        wants_page = "text/html" in headers.get("Accept", "") and \
+            request.command in ("GET", "HEAD") and not headers.get("Authorization") and \
+            headers.get("Sec-Fetch-Mode", "navigate") == "navigate"
+        if wants_page:
+            after = request.path if LOCAL_PATH.fullmatch(request.path) else "/"
+            abort(303, "Sign in at /login", {
+                "Location": "/login?" + urllib.parse.urlencode({"next": after}),
+                **({"Set-Cookie": ended_cookie(headers)} if stale else {})})
+        if stale or headers.get("Sec-Fetch-Mode", "navigate") != "navigate":
+            abort(401, "Signed out: sign in again at /login", {"X-Vesti-Signed-Out": "1"})
         abort(401, "Authentication required (browsers: sign in at /login)",
               {"WWW-Authenticate": 'Basic realm="VESTI", charset="UTF-8"'})
 
@@ -12464,8 +12685,6 @@ class WebApp:
     def add_account(self, request, query, form):
         self.check_forgery(request, form)
         name, role = (form.get("name") or [""])[-1].strip(), (form.get("role") or [""])[-1]
-        if name == self.user:
-            abort(400, f"{name} is the VESTI_WEB_USER account of the settings")
         try:
             add_user(self.db.conn(), name, role, (form.get("password") or [""])[-1],
                      request.account.name, request.client_address[0])
@@ -12476,6 +12695,7 @@ class WebApp:
 
     def change_account(self, request, query, form, name):
         self.check_forgery(request, form)
+        name = urllib.parse.unquote(name)
         action = (form.get("action") or [""])[-1]
         changes = {"role": {"role": (form.get("role") or [""])[-1]},
                    "password": {"password": (form.get("password") or [""])[-1]},
@@ -12491,7 +12711,7 @@ class WebApp:
         except ConfigError as e:
             abort(404 if "no user" in str(e) else 400, str(e))
         log.info("web: user %s: %s by %s", name, action, request.account.name)
-        request.reply(303, "text/plain", b"", {"Location": f"/users#user-{name}"})
+        request.reply(303, "text/plain", b"", {"Location": f"/users#user-{urllib.parse.quote(name)}"})
 
     def login_nonce(self, request):
         """The sign-in form's token, tied to a cookie of this browser (a page
@@ -12503,14 +12723,20 @@ class WebApp:
         token = hmac.new(self.secret, f"login\0{nonce}".encode(), hashlib.sha256).hexdigest()
         return token, (cookie(request.headers, LOGIN_COOKIE, nonce) if made else None)
 
-    def login_page(self, request, query, form, wrong=False):
+    def login_page(self, request, query, form, problem=None, status=200):
+        """The sign-in form; `problem`: why the last try did not sign in
+        (a wrong password, a lock and when it ends)."""
         token, made = self.login_nonce(request)
         after = query.get("next") or (form.get("next") or ["/"])[-1]
         page = self.page(request, query)
-        body = login_form(page, token, after if LOCAL_PATH.fullmatch(after) else "/", wrong)
-        request.reply(401 if wrong else 200, "text/html; charset=utf-8",
+        name = (form.get("user") or [""])[-1]
+        body = login_form(page, token, after if LOCAL_PATH.fullmatch(after) else "/", problem, name)
+        headers = {"Set-Cookie": made} if made else {}
+        if status == 429:
+            headers["Retry-After"] = str(max(1, math.ceil(problem[2] - time.time())))
+        request.reply(status, "text/html; charset=utf-8",
                       layout(page, page.strings["login.title"], body, "/login").encode(),
-                      {"Set-Cookie": made} if made else None)
+                      headers or None)
 
     def login(self, request, query, form):
         """Sign in: a session for the account, its cookie in the answer."""
@@ -12518,16 +12744,13 @@ class WebApp:
         self.check_forgery(request, form, token)
         name, password = (form.get("user") or [""])[-1], (form.get("password") or [""])[-1]
         address = request.client_address[0]
-        found = self.guarded(address, name, lambda: self.account(name, password))
+        try:
+            found = self.sign_in(address, name, password, how="sign-in page")
+        except SignInLocked as e:
+            return self.login_page(request, query, form, ("locked", e.kind, e.until), 429)
         if found is None:
             log.warning("web: sign-in refused for %r from %s", shorten(name, 64), address)
-            return self.login_page(request, query, form, wrong=True)
-        if found.name == self.user and find_user(self.db.conn(), found.name) is None:
-            # The settings' account gets a row, so that its sessions have one.
-            with transaction(self.db.conn()) as conn:
-                conn.execute("INSERT INTO users (name, role, password_hash, created_at) "
-                             "VALUES (?, 'admin', ?, ?) ON CONFLICT DO NOTHING",
-                             (found.name, SETTINGS_ACCOUNT, utc_text()))
+            return self.login_page(request, query, form, ("wrong",), 401)
         session, _ = start_session(self.db.conn(), found.name, address)
         after = (form.get("next") or ["/"])[-1]
         request.reply(303, "text/plain", b"", {
@@ -12600,7 +12823,8 @@ class WebApp:
             post = "this post" if len(ids) == 1 else f"post {e.post_id}"
             abort(409, f"{post} changed since your page was loaded; reload to see it")
         except Redecided as e:
-            abort(409, str(e), {"X-Vesti-Conflict": "decided"})
+            abort(409, str(e), {"X-Vesti-Conflict": "decided", "X-Vesti-Status": e.status,
+                                "X-Vesti-Decided-By": urllib.parse.quote(e.by or "")})
         self.rescorer.ask(decided_directions(self.db.conn(), ids))
         return found
 
@@ -12699,7 +12923,7 @@ class WebConnection:
     def __init__(self, sock, address):
         self.sock, self.address = sock, address
         # Counted per client: an IPv6 client is its whole /64.
-        self.client = WrongPasswords.key(address[0])
+        self.client = address_key(address[0])
         self.received = bytearray()
         self.scanned, self.head_end, self.body = 0, None, 0
         self.deadline = math.inf
@@ -12993,6 +13217,8 @@ class WebServer(http.server.HTTPServer):
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.wake_reader, selectors.EVENT_READ, self.take_back)
         self.next_tell, self.accepting_again = 0.0, math.inf
+        if ":" in address[0]:           # an IPv6 address: "::" takes IPv4 clients too
+            self.address_family = socket.AF_INET6
         super().__init__(address, handler)
 
     def server_activate(self):
@@ -13221,6 +13447,7 @@ def make_web_server(app, host, port):
 def announce_web(server, settings, generated):
     """Where the page is, and the password when it was just made."""
     host, port = server.server_address[:2]
+    host = f"[{host}]" if ":" in host else host
     print(f"web: http://{host}:{port}/ (user {settings.web_user})", flush=True)
     if generated:
         print(f"web: generated password {generated}, kept (hashed) in the database: it stays "
@@ -14176,11 +14403,17 @@ def cmd_user(args, settings):
     conn = db.conn()
     who = "cli:" + (os.environ.get("USER") or os.environ.get("LOGNAME") or "?")
     if args.action == "list":
-        users = [u for u in list_users(conn) if u["password_hash"] != SETTINGS_ACCOUNT]
-        print(f"{settings.web_user}: admin (VESTI_WEB_USER, by the settings)")
+        users = list_users(conn)
+        if not any(user["settings"] and not user["disabled"] for user in users):
+            print(f"{settings.web_user}: admin (VESTI_WEB_USER, by the settings; "
+                  f"no password yet: serve or run makes one)")
         for user in users:
-            print(f"{user['name']}: {user['role']}{', disabled' if user['disabled'] else ''}, "
+            print(f"{user['name']}: {user['role']}{', disabled' if user['disabled'] else ''}"
+                  f"{' (VESTI_WEB_USER, by the settings)' if user['settings'] else ''}, "
                   f"{user['sessions']} sessions, since {user['created_at'] or '-'} UTC")
+        for kind, key, until in sign_in_locks(conn):
+            print(f"sign-ins refused for the {kind} {key} until {utc_text(until)} UTC "
+                  f"(too many wrong passwords)")
         return 0
     if not args.name:
         raise ConfigError(f"user {args.action}: name the user (user {args.action} NAME)")

@@ -936,14 +936,15 @@ def restore_posts(db, rows):
 
 
 def web_token(db, password=PASSWORD):
-    """WebApp.token() of a server on `db` with `password`: hmac-sha256, with
-    the secret it keeps in the meta table, of the web user and the sha256 of
-    the password (the token changes with the password)."""
+    """WebApp.token() of a server on `db`: hmac-sha256, with the secret it
+    keeps in the meta table, of the web user's name and its password's hash
+    in the users table (the token changes with the password)."""
     with contextlib.closing(sqlite3.connect(db)) as conn:
         row = conn.execute("SELECT value FROM meta WHERE key = 'web_secret'").fetchone()
-    if not row:
+        user = conn.execute("SELECT password_hash FROM users WHERE name = ?", (USER,)).fetchone()
+    if not row or not user:
         return None
-    signed = f"{USER}\0{hashlib.sha256(password.encode()).hexdigest()}"
+    signed = f"user\0{USER}\0{user[0]}"
     return hmac.new(row[0].encode(), signed.encode(), hashlib.sha256).hexdigest()
 
 
