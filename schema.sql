@@ -79,7 +79,12 @@ CREATE TABLE IF NOT EXISTS posts (
     -- decision, the direction), NULL when it counts as nothing: a story's
     -- decision counts once, as its first post (see learn_decisions).
     learned_as TEXT,
-    learned_in TEXT
+    learned_in TEXT,
+    -- Of a copy: the sites and channels it links to or names that its
+    -- story's first post does not (space-separated). Such a copy is in its
+    -- story but never leads it, so it is never what is shown, published,
+    -- exported or alerted for it; its card shows them as the copy's own.
+    adds TEXT
 );
 -- The queue: each state has its own small index, so a claim or a completion
 -- touches only the indexes of the states it leaves and enters, and each

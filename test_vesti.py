@@ -1425,11 +1425,12 @@ ADVERT = (" Our partners also want you to know that the best mortgage rates in t
 
 @both
 @pytest.mark.parametrize("asked", ["llm", "keywords"])
-def test_a_copy_that_adds_a_link_or_sentences_is_classified_on_its_own(home, asked):
-    """A copy with a link of its own or much text of its own is no copy: it
-    is classified on its own words and is a card of its own, which deciding
-    the story leaves alone. Wrappers, a link to the story's own site and a
-    Telegram repost's source link still join."""
+def test_a_copy_that_adds_a_link_joins_its_story_but_one_with_sentences_stands_alone(home, asked):
+    """A copy with a link (or a channel) of its own is in its story: it
+    takes the story's verdict, is decided with it, and its card names the
+    link as the copy's own; but the card, the approved feed and what is
+    published are the story's first post. A copy with much text of its own
+    is no copy: classified on its own words, a card of its own."""
     fake = FakeOllama()
     try:
         s, db, registry = story_home(home, fake.url if asked == "llm" else "")
@@ -1441,24 +1442,28 @@ def test_a_copy_that_adds_a_link_or_sentences_is_classified_on_its_own(home, ask
                        ("daily", f"From our correspondent: {STORY} Read more on our site."),
                        ("radio", f"{STORY[:300]} Full story: https://wire.example/budget"),
                        ("daily", f"{STORY}\n\nИсточник: @citywire https://t.me/citywire/4821")], 1)]
-        own = [add_copy(conn, slug, title, text, f"2026-12-01 09:{n}0:00")
-               for n, (slug, title, text) in enumerate([
-                   ("daily", "Budget news", f"{STORY} Cheap loans: https://loans.example/offer"),
-                   ("radio", "Budget and mortgages", STORY + ADVERT)])]
+        linked = add_copy(conn, "daily", "Budget news",
+                          f"{STORY} Cheap loans: https://loans.example/offer", "2026-12-01 09:00:00")
+        own = add_copy(conn, "radio", "Budget and mortgages", STORY + ADVERT, "2026-12-01 09:10:00")
         vesti.run_workers(db, s, registry, workers=1, quiet=True)
         stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
-        assert [stories[post] for post in [first, *joining, *own]] == [first] * 4 + own
+        assert [stories[post] for post in [first, *joining, linked, own]] == [first] * 5 + [own]
+        adds = dict(conn.execute("SELECT id, adds FROM posts"))
+        assert adds[linked] == "loans.example" and not any(adds[post] for post in joining)
         if asked == "llm":
-            assert sorted(fake.titles()) == ["Budget and mortgages", "Budget news",
+            assert sorted(fake.titles()) == ["Budget and mortgages",
                                              "Council approves transport budget"]
         web = Web(home, settings=s.replace(web_password="s3cret"))
         try:
             page = web.get("/?min=0")[2]
-            assert card_ids(page) == [*reversed(own), first]
-            assert "+3 sources" in re.search(rf'id="post-{first}".*?</article>', page, re.S)[0]
+            assert card_ids(page) == [own, first]
+            card = re.search(rf'id="post-{first}".*?</article>', page, re.S)[0]
+            assert "+4 sources" in card and "its own: loans.example" in card
             web.post(f"/posts/{first}/status", {"status": "approved", "token": web.token()})
             assert dict(conn.execute("SELECT id, status FROM posts")) == \
-                {**{post: "approved" for post in [first, *joining]}, **{post: "new" for post in own}}
+                {**{post: "approved" for post in [first, *joining, linked]}, own: "new"}
+            feed = json.loads(web.get("/approved.json")[2])
+            assert [item["id"] for item in feed["items"]] == [str(first)]
             assert counts_match_posts(conn)
         finally:
             web.close()
@@ -1467,11 +1472,35 @@ def test_a_copy_that_adds_a_link_or_sentences_is_classified_on_its_own(home, ask
 
 
 @both
-def test_a_copy_of_a_cut_short_post_or_a_telegram_post_with_a_link_of_its_own_stands_alone(home):
+def test_a_copy_with_a_link_of_its_own_never_leads_even_from_an_established_source(home):
+    """An established source's copy takes over a new source's story, unless
+    it adds a link of its own: then the story stays led by its first post,
+    and only that post is published or alerted for the story."""
+    s, db, registry = story_home(home, "")
+    conn = db.conn()
+    read_for_a_month(conn, "daily")
+    first = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    advert = add_copy(conn, "daily", "Budget", f"{STORY}\n\nПодписывайтесь: @casino_bonus",
+                      "2026-12-01 08:30:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    rows = {row["id"]: row for row in conn.execute("SELECT id, story_id, adds FROM posts")}
+    assert rows[advert]["story_id"] == first and rows[first]["story_id"] == first
+    assert rows[advert]["adds"] == "t.me/casino_bonus"
+    with open(home / "sources.yaml", "a", encoding="utf-8") as f:
+        f.write("publish:\n" + yaml.safe_dump([{"name": "channel", "telegram": "@vesti_test"}]))
+    registry, db = vesti.open_intake(s)
+    vesti.set_decisions(conn, [advert], "approved", "editor")      # decided on the copy: the story
+    assert [row["post_id"] for row in conn.execute("SELECT post_id FROM publications")] == [first]
+
+
+@both
+def test_copies_of_a_cut_short_post_or_of_a_telegram_post_keep_the_links_they_add_as_their_own(home):
     """A first post cut short ("…") lets its article go on where it stops,
     and a repost links to the channel it names as its source, or to the
-    story's own: a copy that adds a link to another site, or to another
-    channel's post, is classified on its own all the same."""
+    story's own: those add nothing. A copy that links to another site, or
+    to another channel's post, is in the story with that link as its own;
+    deciding the story decides it, and the story's card is the first post."""
     s, db, registry = story_home(home, "")
     conn = db.conn()
     teaser = add_copy(conn, "wire", "Budget", STORY[:180] + "…", "2026-12-01 08:00:00")
@@ -1482,20 +1511,24 @@ def test_a_copy_of_a_cut_short_post_or_a_telegram_post_with_a_link_of_its_own_st
                       for n, (slug, text) in enumerate([
                           ("daily", f"{OTHER}\n\nhttps://t.me/skywire/7"),
                           ("radio", f"{OTHER}\n\nИсточник: @skynews https://t.me/skynews/12")], 2)]}
-    own = [add_copy(conn, slug, "Budget or comet", text, f"2026-12-01 09:{n}0:00")
-           for n, (slug, text) in enumerate([
-               ("radio", f"{STORY[:180]}… Cheap loans: https://loans.example/offer"),
-               ("daily", f"{OTHER}\n\nПодписывайтесь: @casino https://t.me/casino/77"),
-               ("radio", f"{OTHER}\n\nИсточник: @skynews https://t.me/bonus/5")])]
+    adding = {add_copy(conn, slug, "Budget or comet", text, f"2026-12-01 09:{n}0:00"): (story, sites)
+              for n, (slug, text, story, sites) in enumerate([
+                  ("radio", f"{STORY[:180]}… Cheap loans: https://loans.example/offer", teaser,
+                   "loans.example"),
+                  ("daily", f"{OTHER}\n\nПодписывайтесь: @casino https://t.me/casino/77", told,
+                   "t.me/casino"),
+                  ("radio", f"{OTHER}\n\nИсточник: @skynews https://t.me/bonus/5", told,
+                   "t.me/bonus")])}
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
-    assert {post: stories[post] for post in [teaser, told, *own]} == \
-        {post: post for post in [teaser, told, *own]}
-    assert {post: stories[post] for story, posts in joining.items() for post in posts} == \
+    rows = {row["id"]: row for row in conn.execute("SELECT id, story_id, adds, status FROM posts")}
+    assert {post: rows[post]["story_id"] for story, posts in joining.items() for post in posts} == \
         {post: story for story, posts in joining.items() for post in posts}
+    assert not any(rows[post]["adds"] for posts in joining.values() for post in posts)
+    assert {post: (rows[post]["story_id"], rows[post]["adds"]) for post in adding} == adding
+    assert rows[teaser]["story_id"] == teaser and rows[told]["story_id"] == told
     vesti.set_decisions(conn, [teaser, told], "approved", "editor")
     statuses = dict(conn.execute("SELECT id, status FROM posts"))
-    assert [statuses[post] for post in own] == ["new"] * len(own)
+    assert [statuses[post] for post in adding] == ["approved"] * len(adding)
 
 
 def read_for_a_month(conn, *slugs):
@@ -1764,7 +1797,7 @@ def test_a_key_thousands_of_posts_share_costs_a_look_up_no_more_than_a_rare_one(
         entry = vesti.StoryEntry(post, "Budget", STORY + " Copied.", keys, vesti.story_since(72))
         found = {}
         work[flood] = database_work(conn, lambda: found.update(vesti.find_stories(conn, [entry])))
-        assert found == {post: lead}
+        assert found == {post: (lead, set())}
     assert work[2000] < 1.5 * work[50], work
 
 

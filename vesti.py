@@ -2187,7 +2187,12 @@ CREATE TABLE IF NOT EXISTS posts (
     -- decision, the direction), NULL when it counts as nothing: a story's
     -- decision counts once, as its first post (see learn_decisions).
     learned_as TEXT,
-    learned_in TEXT
+    learned_in TEXT,
+    -- Of a copy: the sites and channels it links to or names that its
+    -- story's first post does not (space-separated). Such a copy is in its
+    -- story but never leads it, so it is never what is shown, published,
+    -- exported or alerted for it; its card shows them as the copy's own.
+    adds TEXT
 );
 -- The queue: each state has its own small index, so a claim or a completion
 -- touches only the indexes of the states it leaves and enters, and each
@@ -3092,15 +3097,19 @@ def same_story(words, other_words):
 
 # A copy takes its story's verdict unseen, is shown under its card and is
 # decided with it: it is taken on trust for what the story's first post says,
-# and for no more. A copy that adds a link to another site (an advert around a
-# copied post), or much text of its own, is no copy: it is classified on its
-# own words and is a card of its own, which deciding the story leaves alone.
-# "Much": more than ADDED_SHARE of its shingles are not the first post's. On
-# the labelled set a changed sentence adds up to 0.44 of a copy's shingles,
-# boilerplate around it 0.1; all of a post's words and as many again, 0.5. A
-# teaser is all a story's first post may say of it: when that post ends cut
-# short ("…"), a copy may go on where it stops (its article, links and all);
-# but the teaser with a link of its own is an advert all the same.
+# and for no more. A copy with much text of its own is no copy: it is
+# classified on its own words and is a card of its own, which deciding the
+# story leaves alone. "Much": more than ADDED_SHARE of its shingles are not
+# the first post's. On the labelled set a changed sentence adds up to 0.44 of
+# a copy's shingles, boilerplate around it 0.1; all of a post's words and as
+# many again, 0.5. A teaser is all a story's first post may say of it: when
+# that post ends cut short ("…"), a copy may go on where it stops (its
+# article). A copy that adds a link to another site or names another channel
+# (the lead and "Read more: <link>" most reposts are, or an advert around a
+# copied post) is in its story all the same, but what it adds is its own
+# (posts.adds): it never leads the story (see may_lead), so the card, what is
+# published, exported and alerted are the first post's, and the card names
+# the copy's links as the copy's.
 ADDED_SHARE = 0.45
 STORY_LINK = re.compile(r"https?://[^\s<>\"']+|www\.[^\s<>\"']+")
 # Each Telegram channel is a site of its own (t.me/<channel>). A repost's
@@ -3110,26 +3119,66 @@ TELEGRAM_CHANNEL = re.compile(r"(?:https?://)?(?:www\.)?(?:t|telegram)\.me/(?:s/
 SOURCE_NAMED = re.compile(r"(?<!\w)(?:источник|source|via)\s*[:—-]?\s*"
                           r"(?:@|(?:https?://)?(?:www\.)?(?:t|telegram)\.me/(?:s/)?)(\w+)", re.I)
 CUT_SHORT = re.compile(r"(?:…|\.\.\.|\[…\]|\[\.\.\.\])\s*$")
+# A channel named in a text ("Подписывайтесь: @casino").
+CHANNEL_NAMED = re.compile(r"(?<![\w@./])@(\w{4,32})")
+# "More than a few sentences of its own", whatever the length of the text
+# around them: a sentence (at least SENTENCE_WORDS words) is the copy's own
+# when less than a fifth of its shingles are the first post's. One changed
+# sentence, a source line or "Read more: <link>" are not a few.
+OWN_SENTENCES = 3
+SENTENCE_WORDS = 5
+SENTENCE_END = re.compile(r"(?<=[.!?…])\s+|\n\s*\n")
+
+
+def goes_on(words, text, lead_words, lead_text):
+    """True when a copy (its words and text) says much of its own beside
+    its story's first post: more than ADDED_SHARE of its shingles, or
+    OWN_SENTENCES sentences, are not the first post's (one cut short may be
+    gone on from)."""
+    if CUT_SHORT.search(lead_text or ""):
+        return False
+    own, lead = shingles(words), shingles(lead_words)
+    return len(own - lead) > ADDED_SHARE * len(own) or own_sentences(text, lead) >= OWN_SENTENCES
+
+
+def own_sentences(text, lead):
+    """How many sentences of `text` are its own beside the shingles `lead`."""
+    counted = 0
+    for sentence in SENTENCE_END.split(STORY_NOISE.sub(" ", (text or "").casefold())):
+        words = STORY_WORD.findall(sentence)
+        if len(words) >= SENTENCE_WORDS:
+            mine = shingles(words)
+            counted += len(mine & lead) < 0.2 * len(mine)
+    return counted
+
+
+def teaser_of(words, lead_words):
+    """True when a post is no more than the opening of another (see same_story)."""
+    return len(shingles(words)) <= TEASER_SHARE * len(shingles(lead_words))
+
+
+def added_sites(text, lead_text, lead_url, mentions=True):
+    """The sites (and, with `mentions`, the channels named) a copy links to
+    that its story's first post (its text and address) does not, nor the
+    channel the copy names as its source."""
+    named = {f"t.me/{channel.lower()}" for channel in SOURCE_NAMED.findall(text or "")}
+    return link_sites(text, mentions) - link_sites(lead_text) - {link_site(lead_url or "")} - named
 
 
 def adds_to(words, text, lead_words, lead_text, lead_url):
-    """True when a copy (its story words and text) carries what its story's
-    first post (its words, text and address) does not: a link to a site
-    other than the first post's own, those it links to and the channel the
-    copy names as its source, or more than ADDED_SHARE of its shingles; of
-    a first post cut short, a link of its own without that much text."""
-    named = {f"t.me/{channel.lower()}" for channel in SOURCE_NAMED.findall(text or "")}
-    linked = bool(link_sites(text) - link_sites(lead_text) - {link_site(lead_url or "")} - named)
-    own = shingles(words)
-    goes_on = len(own - shingles(lead_words)) > ADDED_SHARE * len(own)
-    if CUT_SHORT.search(lead_text or ""):
-        return linked and not goes_on
-    return linked or goes_on
+    """True when a post carries what another (its words, text and address)
+    does not: much text of its own (goes_on), or a link to a site of its
+    own (added_sites; a handle named in an article is no advert)."""
+    return goes_on(words, text, lead_words, lead_text) or \
+        bool(added_sites(text, lead_text, lead_url, mentions=False))
 
 
-def link_sites(text):
-    """The sites a text links to (see link_site)."""
-    return {link_site(link) for link in STORY_LINK.findall(text or "")}
+def link_sites(text, mentions=True):
+    """The sites a text links to (see link_site), and the channels it names."""
+    sites = {link_site(link) for link in STORY_LINK.findall(text or "")}
+    if mentions:
+        sites |= {f"t.me/{channel.lower()}" for channel in CHANNEL_NAMED.findall(text or "")}
+    return sites
 
 
 def link_site(link):
@@ -3239,14 +3288,16 @@ def story_posts(conn, ids):
 
 
 def find_stories(conn, entries):
-    """{post id: its story (the story's first post's id), or None} for
-    entries looked up together, in order: one may find the story of one
-    before it. Candidates are checked exactly, oldest first, among the posts
-    fetched since the entry's `since`; a story the entry adds to (adds_to),
-    or whose first post, from a new source, adds to the entry, is not its
-    story. An entry's own text stands for its stored text (which an article
-    fetched for it may have replaced). Words are worked out for the posts
-    checked, and only once."""
+    """{post id: (its story (the story's first post's id), or None; the
+    sites it adds to it)} for entries looked up together, in order: one may
+    find the story of one before it. Candidates are checked exactly, oldest
+    first, among the posts fetched since the entry's `since`; a story the
+    entry goes on from with much text of its own (goes_on), or whose first
+    post, from a new source, adds to the entry, is not its story; the sites
+    and channels the entry adds to its story's first post are its own
+    (added_sites). An entry's own text stands for its stored text (which an
+    article fetched for it may have replaced). Words are worked out for the
+    posts checked, and only once."""
     candidates = story_candidates(newest_with_keys(conn, [k for e in entries for k in e.keys]),
                                   entries)
     rows = candidate_posts(conn, {i for ids in candidates.values() for i in ids}
@@ -3262,27 +3313,33 @@ def find_stories(conn, entries):
             words[post_id] = story_words(*told(post_id))
         return words[post_id]
 
-    def adds_to_story(entry, story, candidate):
+    def added_to_story(entry, story, candidate):
+        """What the entry adds to the story (a set of sites), or None when
+        it is no copy of it."""
         lead = story if story in rows else candidate
         mine, theirs = (words_of(entry.post_id), entry.text), (words_of(lead), told(lead)[1])
-        if adds_to(*mine, *theirs, rows[lead]["url"]):
-            return True
+        if goes_on(*mine, *theirs):
+            return None
         # A new source's first post is trusted no more than a copy: a post it
-        # adds to does not join its story (nor lead it, see lead_after).
-        return is_new_source(rows[lead]["source_since"]) and \
-            adds_to(*theirs, *mine, rows[entry.post_id]["url"] if entry.post_id in rows else "")
+        # adds to does not join its story (nor lead it, see lead_after), but
+        # a teaser of it, its lead reposted, is what every article has.
+        if is_new_source(rows[lead]["source_since"]) and not teaser_of(mine[0], theirs[0]) and \
+                adds_to(*theirs, *mine, rows[entry.post_id]["url"] if entry.post_id in rows else ""):
+            return None
+        return added_sites(entry.text, theirs[1], rows[lead]["url"])
 
     stories = {}
     for entry in entries:
-        stories[entry.post_id] = None
+        stories[entry.post_id] = (None, set())
         for candidate in candidates[entry.post_id]:
             row = rows.get(candidate)
             if row is None or row["fetched_at"] < entry.since or \
                     not same_story(words_of(entry.post_id), words_of(candidate)):
                 continue
-            story = (stories[candidate] if candidate in stories else row["story_id"]) or candidate
-            if not adds_to_story(entry, story, candidate):
-                stories[entry.post_id] = story
+            story = (stories[candidate][0] if candidate in stories else row["story_id"]) or candidate
+            sites = added_to_story(entry, story, candidate)
+            if sites is not None:
+                stories[entry.post_id] = (story, sites)
                 break
     return stories
 
@@ -3300,12 +3357,15 @@ def enter_stories(conn, entries):
     (take_over_story, leave_story) until its verdict is written; a post
     that starts its story is written as such with its verdict (until then
     its NULL story_id says the same)."""
-    stories = {post_id: found or post_id
-               for post_id, found in find_stories(conn, entries).items()}
+    found = find_stories(conn, entries)
+    stories = {post_id: story or post_id for post_id, (story, _) in found.items()}
     for post_id, story in stories.items():
         if story != post_id:
             conn.execute(f"UPDATE posts SET story_id = ? WHERE {copies_of()} OR id = ?",
                          (story, post_id, post_id))
+            sites = found[post_id][1]
+            conn.execute("UPDATE posts SET adds = ? WHERE id = ?",
+                         (" ".join(sorted(sites)) or None, post_id))
     # In key order: each index page the keys land on is visited once.
     conn.dialect.store_story_keys(conn, [(key, entry.post_id) for entry in entries
                                          for key in entry.keys])
@@ -3400,11 +3460,12 @@ def settled_verdict(verdict, post_id, story, found):
 
 def leads_instead(lead, copy, now=None):
     """True when a copy should lead its story rather than its first post
-    (rows of status, old_decision and source_since): an established
-    source's copy of an undecided story a new source told first. A post
-    edited after its decision is not taken over: it would be hidden under
-    the copy's card instead of being decided again."""
-    return lead["status"] == "new" and lead["old_decision"] is None and \
+    (rows of status, old_decision, adds and source_since): an established
+    source's copy of an undecided story a new source told first, one that
+    adds nothing of its own. A post edited after its decision is not taken
+    over: it would be hidden under the copy's card instead of being decided
+    again."""
+    return lead["status"] == "new" and lead["old_decision"] is None and not copy["adds"] and \
         is_new_source(lead["source_since"], now) and not is_new_source(copy["source_since"], now)
 
 
@@ -3412,13 +3473,18 @@ def lead_after(conn, story, post_id, verdict):
     """The first post of a story from now on, as a copy that joined it sees
     it (with the story's `verdict`, None when it has none): the copy, when
     the story's first post failed or is gone (or its copies would stay
-    behind a card that is not there) or when leads_instead; else the same."""
-    if verdict is not None:
-        rows = {row["id"]: row for row in conn.execute(
-            f"SELECT p.id, p.status, p.old_decision, {SOURCE_SINCE} AS source_since FROM posts p "
-            f"WHERE p.id IN (?, ?)", (story, post_id))}
-        if story not in rows or post_id not in rows or not leads_instead(rows[story], rows[post_id]):
-            return story
+    behind a card that is not there) or when leads_instead; else the same.
+    A copy that adds sites of its own never leads: with no verdict to take,
+    it leaves the story and is a post of its own."""
+    rows = {row["id"]: row for row in conn.execute(
+        f"SELECT p.id, p.status, p.old_decision, p.adds, {SOURCE_SINCE} AS source_since "
+        f"FROM posts p WHERE p.id IN (?, ?)", (story, post_id))}
+    if verdict is not None and (story not in rows or post_id not in rows or
+                                not leads_instead(rows[story], rows[post_id])):
+        return story
+    if post_id in rows and rows[post_id]["adds"]:
+        conn.execute("UPDATE posts SET story_id = NULL, adds = NULL WHERE id = ?", (post_id,))
+        return post_id
     take_over_story(conn, story, post_id)
     return post_id
 
@@ -3642,7 +3708,7 @@ def story_leads(conn, stories):
     if not stories:
         return []
     return conn.execute(f"""
-        SELECT p.id, p.url, s.name AS source,
+        SELECT p.id, p.url, s.name AS source, p.adds,
                (SELECT count(*) FROM (SELECT 1 FROM posts c WHERE c.story_id = p.id
                                       AND c.story_id != c.id ORDER BY c.id
                                       LIMIT {STORY_COUNTED}) AS c) AS copies
@@ -3657,7 +3723,7 @@ def first_copies(conn, stories):
     if not stories:
         return []
     return conn.execute(" UNION ALL ".join(f"""
-        SELECT * FROM (SELECT p.story_id, p.id, p.url, s.name AS source
+        SELECT * FROM (SELECT p.story_id, p.id, p.url, s.name AS source, p.adds
                        FROM posts p LEFT JOIN sources s ON s.id = p.source_id
                        WHERE {copies_of("p.")} ORDER BY p.id LIMIT {STORY_NAMED + 1}) AS story{n}"""
                                              for n in range(len(stories))), stories).fetchall()
@@ -5896,9 +5962,9 @@ def reword_post(conn, row, draft, before, words):
                        old_decision=row["status"], old_decided_at=row["decided_at"],
                        old_decided_by=row["decided_by"], old_title=row["title"],
                        old_text=row["text"])
-    heir = leave_story(conn, row)
+    heir, alone = leave_story(conn, row)
     store_edit(conn, row["id"], changes)
-    learn_decisions(conn, [row["id"], *([heir] if heir else [])])
+    learn_decisions(conn, [row["id"], *([heir] if heir else []), *alone])
     if row["status"] == "approved":
         withdraw_publications(conn, [row["id"]])
         if heir is not None:
@@ -5928,16 +5994,25 @@ def leave_story(conn, post):
     every story until it is decided again), so it cannot slip back under an
     approved story's card either. A first post still being classified has
     no story_id yet (its verdict writes it), but may have copies already.
-    Returns the copy that leads the story now, or None."""
+    A copy that adds sites of its own never leads (see find_stories): with
+    no other copy to follow, such copies are posts of their own, classified
+    and decided again on their own words. Returns (the copy that leads the
+    story now, or None; the copies left on their own)."""
     if post["story_id"] not in (None, post["id"]):
-        return None
-    heir = conn.execute(f"""SELECT id FROM posts WHERE {copies_of()}
+        return None, []
+    heir = conn.execute(f"""SELECT id FROM posts WHERE {copies_of()} AND adds IS NULL
                             ORDER BY CASE WHEN classified = {DONE} THEN 0 ELSE 1 END, id
                             LIMIT 1""", (post["id"],)).fetchone()
-    if heir is None:
-        return None
-    conn.execute(f"UPDATE posts SET story_id = ? WHERE {copies_of()}", (heir[0], post["id"]))
-    return heir[0]
+    if heir is not None:
+        conn.execute(f"UPDATE posts SET story_id = ? WHERE {copies_of()}", (heir[0], post["id"]))
+        return heir[0], []
+    alone = [row[0] for row in conn.execute(
+        f"""UPDATE posts SET story_id = NULL, adds = NULL, status = 'new', decided_at = NULL,
+                decided_by = NULL, classified = CASE WHEN classified = {PROCESSING}
+                                                     THEN classified ELSE {PENDING} END,
+                attempts = 0, next_attempt_at = NULL
+            WHERE {copies_of()} RETURNING id""", (post["id"],))]
+    return None, alone
 
 
 def find_source(conn, slug):
@@ -10146,6 +10221,7 @@ STRINGS = {
         "weighed": "weighed most",
         "keywords": "keywords", "reason": "why", "stored_text": "Stored text",
         "more_sources": ("+{count} source", "+{count} sources"), "every_copy": "every copy",
+        "adds": "its own: {sites}",
         "more_copies": ("and {count} more", "and {count} more"),
         "older": "older →", "first": "← newest", "next": "next →", "to_first": "← first",
         "untitled": "(untitled)",
@@ -10311,6 +10387,7 @@ STRINGS = {
         "likely": "вероятность одобрения", "weighed": "больше всего весили",
         "reason": "почему", "stored_text": "Сохранённый текст", "older": "старше →",
         "next": "дальше →", "to_first": "← в начало",
+        "adds": "от себя: {sites}",
         "more_sources": ("ещё {count} источник", "ещё {count} источника",
                          "ещё {count} источников"),
         "every_copy": "все копии",
@@ -11160,9 +11237,12 @@ def story_line(post, story, page):
         return ""
     def name(copy):
         return copy["source"] or urllib.parse.urlsplit(copy["url"] or "").hostname or f'#{copy["id"]}'
+    def adds(copy):
+        return f' <span class="adds">({page.t("adds", sites=copy["adds"].replace(" ", ", "))})</span>' \
+            if copy["adds"] else ""
     links = ", ".join(
-        f'<a href="{esc(c["url"])}" rel="noopener noreferrer" target="_blank">{esc(name(c))}</a>'
-        if is_web_link(c["url"]) else esc(name(c)) for c in story.named)
+        (f'<a href="{esc(c["url"])}" rel="noopener noreferrer" target="_blank">{esc(name(c))}</a>'
+         if is_web_link(c["url"]) else esc(name(c))) + adds(c) for c in story.named)
     capped = story.count >= STORY_COUNTED       # counted no further (see story_leads)
 
     def counted(n):
