@@ -5347,8 +5347,63 @@ def test_a_webhook_whose_answer_is_lost_is_sent_again_with_the_same_key(home):
         (first, item), (again, same) = receiver.deliveries
         assert first["Idempotency-Key"] == again["Idempotency-Key"] and item == same
         assert publications(conn)[0]["state"] == "published"
+        # Lost again and taken back before the retry: the receiver may have
+        # kept it, so it hears of the withdrawal all the same.
+        receiver.script = [("hang", 3, 200)]
+        other = desk_post(conn, lwn_id, 2)
+        vesti.set_decisions(conn, [other], "approved", "ed")
+        publisher.look()
+        vesti.set_decisions(conn, [other], "new", "ed")
+        clock.now += 3600
+        publisher.look()
+        assert receiver.deliveries[-1][1] == {"event": "deleted", "id": str(other)}
+        row = publications(conn)[1]
+        assert row["state"] == "cancelled" and row["deleted_at"] and not row["retract"]
     finally:
         receiver.close()
+
+
+def test_a_webhook_send_cut_off_by_a_crash_is_sent_again_with_its_key(home):
+    receiver = WebhookReceiver("hook-secret")
+    try:
+        s, db, lwn_id = publish_home(home, targets=[{"name": "cms", "webhook": receiver.url + "/in"}],
+                                     VESTI_WEBHOOK_SECRET="hook-secret")
+        conn = db.conn()
+        receiver.script = [("hang", 60, 200)]
+        vesti.set_decisions(conn, [desk_post(conn, lwn_id, 1)], "approved", "ed")
+        process = subprocess.Popen([*VESTI, "publish", "--forever"], cwd=home,
+                                   env=cli_env({"VESTI_WEBHOOK_SECRET": "hook-secret"}),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert receiver.received.wait(30)
+        finally:
+            process.kill()
+            process.wait()
+        clock = Clock()
+        clock.now += 3600                      # the dead sender's lease ran out
+        vesti.Publisher(db, s, clock).look()
+        (first, item), (again, same) = receiver.deliveries
+        assert first["Idempotency-Key"] == again["Idempotency-Key"] and item == same
+        assert publications(conn)[0]["state"] == "published"
+    finally:
+        receiver.close()
+
+
+def test_a_pause_a_429_asks_for_is_never_cut_short(home, bot):
+    s, db, lwn_id = publish_home(home, bot)
+    conn = db.conn()
+    bot.script = [("429", 7)]
+    vesti.set_decisions(conn, [desk_post(conn, lwn_id, 1)], "approved", "ed")
+    clock = Clock()
+    clock.now = int(clock.now) + 0.9             # late in its second
+    publisher = vesti.Publisher(db, s, clock)
+    publisher.look()
+    clock.now += 6.95                            # 7 s not yet over
+    publisher.look()
+    assert not bot.messages
+    clock.now += 1.1
+    publisher.look()
+    assert len(bot.messages) == 1
 
 
 @both
@@ -8393,6 +8448,7 @@ def test_init_is_idempotent_and_reports_the_sources(home):
     ("first_morning", r"full desk +\d+\.\d"),
     ("learning", r"mean P@20 = \d\.\d\d +goal >= 0\.9"),
     ("publish", r"run +approve to message: median min \d+\.\d+ s"),
+    ("outbox", r"13 +\| T hostile link \(6,300 ch\) +\| sqlite +\| 2 +\| 1/1/1"),
 ])
 def test_every_benchmark_runs_in_smoke_mode(name, marker):
     """Each benchmark runs end to end with tiny sizes, prints its figures and

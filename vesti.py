@@ -782,6 +782,12 @@ def utc_text(timestamp=None):
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(timestamp))
 
 
+def not_before(timestamp):
+    """utc_text of a time nothing may happen before (a pause a 429 asked
+    for): rounded up to the second, never down."""
+    return utc_text(math.ceil(timestamp))
+
+
 def iso_time(stamp):
     """'2026-11-30 10:00:00' (UTC) -> '2026-11-30T10:00:00Z'."""
     return (stamp or "1970-01-01 00:00:00").replace(" ", "T") + "Z"
@@ -5686,9 +5692,10 @@ def compose_texts(conn, settings=None, target=None, limit=100):
 def withdraw_publications(conn, post_ids):
     """In the caller's transaction, for posts no longer approved: what waits
     (queued, failed) is cancelled; what is being sent or was sent is marked
-    to be deleted where it went; an uncertain send, which may have arrived
-    where no answer says, is marked for an editor to check. Alerts stay:
-    they were never an approval. Returns how many changed."""
+    to be deleted where it went (a webhook tried before, too: its receiver
+    may have kept it); an uncertain send, which may have arrived where no
+    answer says, is marked for an editor to check. Alerts stay: they were
+    never an approval. Returns how many changed."""
     if conn.execute("SELECT 1 FROM publications LIMIT 1").fetchone() is None:
         return 0
     leads = sorted({row[0] for post_id in post_ids for row in conn.execute(
@@ -5696,8 +5703,13 @@ def withdraw_publications(conn, post_ids):
         (post_id,))})
     changed = 0
     for lead in leads:
+        # A webhook tried before may have kept the item though no answer
+        # said so: it hears of the withdrawal (its `deleted` event) all the same.
         changed += conn.execute("""UPDATE publications SET state = 'cancelled', token = NULL,
-                                       next_attempt_at = NULL, version = version + 1
+                                       next_attempt_at = NULL, version = version + 1,
+                                       retract = CASE WHEN attempts > 0 AND target IN
+                                           (SELECT name FROM targets WHERE kind = 'webhook')
+                                           THEN 1 ELSE 0 END
                                    WHERE post_id = ? AND state IN ('queued', 'failed')""",
                                 (lead,)).rowcount
         changed += conn.execute("""UPDATE publications SET retract = 1, version = version + 1
@@ -5733,25 +5745,29 @@ def deliver_publication(conn, publication_id, token, message_id, chat, now):
                         (message_id, chat, now, publication_id, token)).rowcount
 
 
-def retry_publication(conn, publication_id, token, error, wait=None, counted=True):
+def retry_publication(conn, publication_id, token, error, wait=None, counted=True, kept=False):
     """sending -> queued, to be tried again at `wait` (UTC text) or at once;
     an attempt not `counted` (a pause) is given back. Taken back meanwhile:
-    cancelled."""
+    cancelled, and, where the receiver may have `kept` it (a webhook with
+    no answer), still to be deleted there."""
     return conn.execute(f"""UPDATE publications SET
                                 state = CASE WHEN retract = 1 THEN 'cancelled' ELSE 'queued' END,
-                                retract = 0, error = ?, next_attempt_at = ?, token = NULL,
+                                retract = CASE WHEN retract = 1 AND ? = 1 THEN 1 ELSE 0 END,
+                                error = ?, next_attempt_at = ?, token = NULL,
                                 attempts = attempts - {0 if counted else 1}, version = version + 1
                             WHERE id = ? AND token = ? AND state = 'sending'""",
-                        (error, wait, publication_id, token)).rowcount
+                        (int(kept), error, wait, publication_id, token)).rowcount
 
 
-def fail_publication(conn, publication_id, token, error):
-    """sending -> failed (taken back meanwhile: cancelled)."""
+def fail_publication(conn, publication_id, token, error, kept=False):
+    """sending -> failed (taken back meanwhile: cancelled, and deleted where
+    the receiver may have `kept` it)."""
     return conn.execute("""UPDATE publications SET
                                state = CASE WHEN retract = 1 THEN 'cancelled' ELSE 'failed' END,
-                               retract = 0, error = ?, token = NULL, version = version + 1
+                               retract = CASE WHEN retract = 1 AND ? = 1 THEN 1 ELSE 0 END,
+                               error = ?, token = NULL, version = version + 1
                            WHERE id = ? AND token = ? AND state = 'sending'""",
-                        (error, publication_id, token)).rowcount
+                        (int(kept), error, publication_id, token)).rowcount
 
 
 def doubt_publication(conn, publication_id, token, error):
@@ -5766,29 +5782,45 @@ def doubt_publication(conn, publication_id, token, error):
 def doubt_lost_sends(conn, target, sender=None,
                      error="the sender stopped during the send: it may or may not have arrived"):
     """Sends of the target still `sending` (of one sender, or of any when
-    its lease ran out or its process died): uncertain. Returns how many."""
+    its lease ran out or its process died) may have arrived: a Telegram
+    send is uncertain; a webhook's is tried again with its key (taken back
+    meanwhile: cancelled, its receiver told). Returns how many were made
+    uncertain."""
     mine = "AND substr(token, 1, ?) = ?" if sender else ""
+    values = (target, *((len(sender) + 1, sender + ":") if sender else ()))
+    if conn.execute("SELECT kind FROM targets WHERE name = ?", (target,)).fetchone()[0] == "webhook":
+        conn.execute(f"""UPDATE publications SET
+                             state = CASE WHEN retract = 1 THEN 'cancelled' ELSE 'queued' END,
+                             error = ?, token = NULL, version = version + 1
+                         WHERE target = ? AND state = 'sending' {mine}""",
+                     (error + "; tried again with the same Idempotency-Key", *values))
+        return 0
     return conn.execute(f"""UPDATE publications SET state = 'uncertain', error = ?,
                                 version = version + 1
                             WHERE target = ? AND state = 'sending' {mine}""",
-                        (error, target, *((len(sender) + 1, sender + ":") if sender else ()))
-                        ).rowcount
+                        (error, *values)).rowcount
+
+
+# What may be deleted where it went: a message sent, or a webhook's item
+# cancelled after a try its receiver may have kept.
+TO_DELETE = "retract = 1 AND state IN ('published', 'cancelled')"
 
 
 def deleted_publication(conn, publication_id, now, note=None):
-    """published (marked to be deleted) -> cancelled: its message is gone."""
-    return conn.execute("""UPDATE publications SET state = 'cancelled', retract = 0, deleted_at = ?,
-                               error = ?, next_attempt_at = NULL, version = version + 1
-                           WHERE id = ? AND state = 'published' AND retract = 1""",
+    """published (or cancelled) and marked to be deleted -> cancelled: its
+    message is gone."""
+    return conn.execute(f"""UPDATE publications SET state = 'cancelled', retract = 0, deleted_at = ?,
+                                error = ?, next_attempt_at = NULL, version = version + 1
+                            WHERE id = ? AND {TO_DELETE}""",
                         (now, note, publication_id)).rowcount
 
 
 def undeleted_publication(conn, publication_id, error, again_at=None):
     """A deletion that did not go through: tried again at `again_at`, or,
-    with none, given up (it stays published, with the reason)."""
-    return conn.execute("""UPDATE publications SET retract = ?, next_attempt_at = ?, error = ?,
-                               version = version + 1
-                           WHERE id = ? AND state = 'published' AND retract = 1""",
+    with none, given up (a message stays published, with the reason)."""
+    return conn.execute(f"""UPDATE publications SET retract = ?, next_attempt_at = ?, error = ?,
+                                version = version + 1
+                            WHERE id = ? AND {TO_DELETE}""",
                         (int(again_at is not None), again_at, error, publication_id)).rowcount
 
 
@@ -9810,10 +9842,9 @@ class Publisher:
 
     @staticmethod
     def has_work(conn, name):
-        return conn.execute("""SELECT 1 FROM publications WHERE target = ?
-                                   AND (state IN ('queued', 'sending')
-                                        OR (retract = 1 AND state = 'published'))
-                               LIMIT 1""", (name,)).fetchone() is not None
+        return conn.execute(f"""SELECT 1 FROM publications WHERE target = ?
+                                    AND (state IN ('queued', 'sending') OR ({TO_DELETE}))
+                                LIMIT 1""", (name,)).fetchone() is not None
 
     def problem(self, target):
         if target["kind"] in ("telegram", "alert") and not self.settings.tg_bot_token:
@@ -9862,8 +9893,8 @@ class Publisher:
         head = conn.execute("""SELECT * FROM publications WHERE target = ? AND state = 'queued'
                                ORDER BY hurry DESC, queued_at, id LIMIT 1""", (name,)).fetchone()
         later = [when - now for when in (parse_utc(row[0]) for row in conn.execute(
-            """SELECT min(next_attempt_at) FROM publications WHERE target = ? AND retract = 1
-                   AND state = 'published'""", (name,))) if when]
+            f"SELECT min(next_attempt_at) FROM publications WHERE target = ? AND {TO_DELETE}",
+            (name,))) if when]
         if head is None:
             return max(PUBLISH_LOOK, min(later)) if later else None
         if paused > 0:
@@ -9877,10 +9908,9 @@ class Publisher:
         return paced if paced > 0 and not head["hurry"] else 0
 
     def deletion_due(self, conn, name):
-        return conn.execute("""SELECT * FROM publications WHERE target = ? AND retract = 1
-                                   AND state = 'published'
-                                   AND (next_attempt_at IS NULL OR next_attempt_at <= ?)
-                               ORDER BY id LIMIT 1""", (name, utc_text(self.clock()))).fetchone()
+        return conn.execute(f"""SELECT * FROM publications WHERE target = ? AND {TO_DELETE}
+                                    AND (next_attempt_at IS NULL OR next_attempt_at <= ?)
+                                ORDER BY id LIMIT 1""", (name, utc_text(self.clock()))).fetchone()
 
     def hour_left(self, conn, target, now):
         """0 when the alert target may send a message now, else the seconds
@@ -9935,6 +9965,10 @@ class Publisher:
                 return due
             deletion = self.deletion_due(conn, name)
             if deletion is not None:
+                with transaction(conn):
+                    kept = self.renew(conn, name)
+                if not kept:
+                    return PUBLISH_LOOK     # the lease was lost
                 self.delete(target, deletion)
                 continue
             rows = self.due_rows(conn, target)
@@ -9963,14 +9997,18 @@ class Publisher:
         return conn.execute(single, (target["name"], 1 if target["per_hour"] - sent > 1 else 1000)
                             ).fetchall()
 
+    def renew(self, conn, name):
+        """The lease renewed before a call (whose deadline it outlasts), in
+        the caller's transaction; False when it is no longer this sender's."""
+        return bool(conn.execute("UPDATE targets SET sender_until = ? WHERE name = ? AND sender = ?",
+                                 (utc_text(self.clock() + self.lease), name, self.me)).rowcount)
+
     def claim(self, conn, name, rows):
         """Renew the lease and mark the rows `sending` under one new token;
         None when the lease is no longer this sender's."""
         token = f"{self.me}:{next(self._sends)}"
         with transaction(conn):
-            kept = conn.execute("UPDATE targets SET sender_until = ? WHERE name = ? AND sender = ?",
-                                (utc_text(self.clock() + self.lease), name, self.me)).rowcount
-            if not kept:
+            if not self.renew(conn, name):
                 return None
             return claim_publications(conn, [row["id"] for row in rows], token)
 
@@ -10026,9 +10064,10 @@ class Publisher:
         now = self.clock()
         error = str(failure)
         telegram = target["kind"] != "webhook"
+        kept = failure.unsure and not telegram     # a webhook's receiver may have it
         with transaction(conn):
             conn.execute("UPDATE targets SET error = ?, paused_until = ? WHERE name = ?",
-                         (error, utc_text(now + failure.pause) if failure.pause is not None
+                         (error, not_before(now + failure.pause) if failure.pause is not None
                           else target["paused_until"], target["name"]))
             for row in rows:
                 if failure.pause is not None:
@@ -10040,8 +10079,9 @@ class Publisher:
                 elif (failure.retry or failure.unsure) and \
                         row["attempts"] < self.settings.publish_attempts:
                     wait = min(PUBLISH_BACKOFF_MAX, PUBLISH_BACKOFF * 2 ** (row["attempts"] - 1))
-                    retry_publication(conn, row["id"], row["token"], error, utc_text(now + wait))
-                elif fail_publication(conn, row["id"], row["token"], error):
+                    retry_publication(conn, row["id"], row["token"], error, not_before(now + wait),
+                                      kept=kept)
+                elif fail_publication(conn, row["id"], row["token"], error, kept=kept):
                     self.count("failed")
         level = logging.WARNING if failure.pause is not None or failure.retry else logging.ERROR
         log.log(level, "publish: %s: post %s: %s", target["name"], rows[0]["post_id"], error)
@@ -10069,7 +10109,7 @@ class Publisher:
             again = e.retry or e.unsure or e.pause is not None
             with transaction(conn):
                 undeleted_publication(conn, row["id"], f"not deleted: {e}",
-                                      utc_text(now + (e.pause or PUBLISH_BACKOFF)) if again else None)
+                                      not_before(now + (e.pause or PUBLISH_BACKOFF)) if again else None)
             log.warning("publish: %s: post %s not deleted: %s", target["name"], row["post_id"], e)
             return
         except (ValueError, TypeError):
@@ -11831,7 +11871,7 @@ def publication_note(row, target, page):
 
 def publication_row(row, target, page, draft=None):
     state = page.t(f"o.state.{row['state']}")
-    if row["retract"] and row["state"] in ("sending", "published"):
+    if row["retract"] and row["state"] in ("sending", "published", "cancelled"):
         state += f'<br><small>{page.t("o.deleting")}</small>'
     if row["deleted_at"]:
         state += f'<br><small>{page.t("o.deleted", when=row["deleted_at"])}</small>'
@@ -12415,6 +12455,9 @@ class WebApp:
         # CHECKS_WAITING more wait for it.
         self.hashing = threading.Lock()
         self.checks = threading.BoundedSemaphore(1 + CHECKS_WAITING)
+        # A hash no password is known to match, checked for a name no account
+        # has: made now, so that even the first such check costs no more.
+        self.decoy = password_hash(secrets.token_urlsafe(16))
         self._sources = (-math.inf, "")
         # Kept in the database: pages left open across a restart still post.
         self.secret = lasting_secret(db.conn(), "web_secret").encode()
@@ -12512,11 +12555,6 @@ class WebApp:
             return None
         return Account(user["name"], user["role"], self.user_token(user))
 
-    @functools.cached_property
-    def decoy(self):
-        """A hash no password is known to match, checked for a name no
-        account has."""
-        return password_hash(secrets.token_urlsafe(16))
 
     def check_login(self, request):
         """Who is asking: a signed-in session's cookie, or Basic auth (see

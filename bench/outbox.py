@@ -115,8 +115,8 @@ sources:
 publish:
 {targets}
 """
-LOST = ("the receiver kept the item (its answer was lost); a webhook row undone before its "
-        "retry is cancelled with no `deleted` event, so the item stays")
+LOST = ("the receiver kept the item though its answer was lost; undone, the row is cancelled "
+        "and the receiver gets the `deleted` event all the same")
 UNCERTAIN = ("an uncertain Telegram send has no message id: it cannot be deleted, "
              "the editor is told on /outbox to look in the channel")
 
@@ -248,9 +248,11 @@ class Clock:
 
 
 class Home:
-    """A folder with sources.yaml naming `targets` ([(name, kind, address)]),
-    a database, the fakes the targets need, and a publisher in this
-    process whose clock the trial moves."""
+    """A folder with sources.yaml naming the targets of `kind` ("telegram":
+    the channel `channel` on a FakeBotApi, "telegram-flood": the same on a
+    FloodBotApi, "webhook": `cms` on a WebhookReceiver, "both": channel
+    and cms), a database, and a publisher in this process whose clock the
+    trial moves."""
 
     def __init__(self, tmp, backend, kind, timeout=TIMEOUT):
         self.backend = backend
@@ -488,7 +490,7 @@ def fault_429(home, out):
         out.facts["waited retry_after before sending again"] = sends[1] - sends[0] >= 1.0
         out.facts["seconds between the 429 and the next send"] = sends[1] - sends[0]
     out.facts["sends Telegram refused again as too early"] = home.bot.early
-    out.facts["seconds from the approval to the message"] = \
+    out.facts["seconds from the first try to the message"] = \
         home.bot.messages[0]["at"] - sends[0] if home.bot.messages and sends else -1.0
     undo(home, out, [post], {post: "Story 1:"})
 
@@ -744,9 +746,9 @@ FAULTS = {
         "a Bot API 5xx counts as maybe-arrived: uncertain, never re-sent on its own; "
         "the editor's Send again sends it", True),
     6: ("T 429 retry_after=1, ok", "telegram-flood", fault_429, TIMEOUT,
-        "the pause is kept as a whole-second UTC text, cut down (utc_text): the next send "
-        "comes up to 1 s before retry_after has passed; this fake, as Telegram, answers such "
-        "a send 429 again", False),
+        "the pause is kept rounded up to the second (not_before): the next send comes after "
+        "retry_after has passed; this fake, as Telegram, answers one too early 429 again",
+        False),
     7: ("publisher kill -9 mid-send", "telegram", fault_killed, 5, UNCERTAIN, True),
     8: ("two publishers at once", "telegram", fault_two_publishers, 2, None, False),
     9: ("W undo during failing send", "webhook", fault_undo_during_failing_send, 1,
@@ -763,8 +765,8 @@ FAULTS = {
     16: ("T undo mid-send (answer in time)", "telegram", fault_undo_mid_telegram_send, 1, None,
          False),
     17: ("W publisher kill -9 mid-send", "webhook", fault_webhook_killed, 5,
-         "a webhook send cut off by a crash is made uncertain as a Telegram one is, though its "
-         "Idempotency-Key would make a retry, or a `deleted` event, safe", False),
+         "a webhook send cut off by a crash is tried again with its Idempotency-Key once the "
+         "dead sender's lease ran out; undone, its receiver gets the `deleted` event", False),
 }
 
 
@@ -774,12 +776,12 @@ WHY = {
     3: "uncertain: no message id, cannot be deleted (/outbox tells the editor)",
     4: "uncertain: no message id, cannot be deleted (/outbox tells the editor)",
     5: "a 5xx counts as maybe-arrived: uncertain until the editor's Send again",
-    6: "resent before retry_after passed (see notes)",
+    6: "",
     7: "uncertain: no message id, cannot be deleted (/outbox tells the editor)",
     9: "undone mid-send: only the undo's figure applies",
-    14: "no `deleted` event for a webhook send that may have been kept",
-    15: "no `deleted` event for a webhook send that may have been kept",
-    17: "a webhook cut off by a crash: uncertain, never retried nor retracted",
+    14: "",
+    15: "",
+    17: "",
 }
 
 
