@@ -6851,7 +6851,7 @@ def test_the_desk_as_json_pages_through_every_card_once_with_its_story(web):
     seen, after, pages = [], None, 0
     while True:
         status, headers, body = web.get("/api/posts?limit=3&sort=relevance"
-                                        + (f"&after={urllib.parse.quote(after)}" if after else ""))
+                                        + (f"&after={after}" if after else ""))
         assert status == 200 and headers["Content-Type"].startswith("application/json")
         answer = json.loads(body)
         seen += answer["posts"]
@@ -6859,6 +6859,7 @@ def test_the_desk_as_json_pages_through_every_card_once_with_its_story(web):
         after = answer.get("next")
         if after is None:
             break
+        assert urllib.parse.quote(after, safe="") == after          # URL-safe as it is
     assert pages == 2 and len(seen) == 6                # the story's copy is not a card
     assert [p["relevance"] for p in seen] == sorted([p["relevance"] for p in seen], reverse=True)
     story = next(p for p in seen if p["id"] == ids[6])
@@ -6866,7 +6867,12 @@ def test_the_desk_as_json_pages_through_every_card_once_with_its_story(web):
     assert set(seen[0]) >= {"id", "url", "title", "source", "published_at", "direction",
                             "relevance", "interest", "likely", "status", "decided_by",
                             "decided_at", "story"}
-    assert len(json.loads(web.get("/api/posts?limit=9999")[2])["posts"]) == 6
+    assert len(json.loads(web.get("/api/posts?limit=500")[2])["posts"]) == 6
+    for asked, named in (("after=garbage", "after"), ("limit=abc", "limit"), ("limit=0", "limit"),
+                         ("direction=nope", "direction"), ("status=maybe", "status"),
+                         ("sort=oldest", "sort"), ("min=11", "min")):
+        status, _, body = web.get(f"/api/posts?{asked}")
+        assert status == 400 and body.startswith(f"{named}:"), (asked, body)
     by_likely = json.loads(web.get("/api/posts?sort=likely")[2])["posts"]      # nothing learned
     assert [p["id"] for p in by_likely] == \
         [p["id"] for p in json.loads(web.get("/api/posts?sort=relevance")[2])["posts"]]

@@ -10902,8 +10902,14 @@ class DeskQuery:
         return desk
 
     def cursor(self, text):
-        """(score, published_at, id) from 'score~published~id'; None if malformed."""
+        """(score, published_at, id) from 'score~published~id' (its time
+        written 20261101T000700: a cursor is URL-safe as it is); None if
+        malformed."""
         parts = text.split("~")
+        compact = re.fullmatch(r"(\d{4})(\d\d)(\d\d)T(\d\d)(\d\d)(\d\d)", parts[1]) \
+            if len(parts) == 3 else None
+        if compact:
+            parts[1] = "{}-{}-{} {}:{}:{}".format(*compact.groups())
         if len(parts) != 3 or not re.fullmatch(r"[0-9]{1,18}", parts[2]) or \
                 not re.fullmatch(r"(?:[0-9]{1,2}(?:\.[0-9]{1,20})?)?", parts[0]) or len(parts[1]) > 40:
             return None
@@ -11088,7 +11094,8 @@ def desk_score(desk, post):
 
 def next_cursor(desk, post):
     score = desk_score(desk, post)
-    return f"{'' if score is None else repr(score)}~{post['published_at']}~{post['id']}"
+    published = re.sub(r"[-:]", "", (post["published_at"] or "")).replace(" ", "T")
+    return f"{'' if score is None else repr(score)}~{published}~{post['id']}"
 
 
 def desk_counts(conn, desk):
@@ -12755,11 +12762,27 @@ class WebApp:
         raise EarlyReply(400, outbox_page(conn, page, {publication_id: (text, problem)}), page=True)
 
     def api_posts(self, request, query, form):
-        """The desk as JSON (see desk_answer)."""
+        """The desk as JSON (see desk_answer); a parameter it cannot read is
+        400 naming it, rather than a page of something else."""
         desk = DeskQuery.read(query, self.registry.directions, self.settings.min_relevance)
-        limit = query.get("limit", "")
-        limit = min(int(limit), MAX_API_POSTS) if re.fullmatch(r"[1-9][0-9]{0,5}", limit) \
-            else API_POSTS
+        limit = query.get("limit", str(API_POSTS))
+        wrong = [f"after: not a cursor this answer gave ({shorten(query['after'], 40)!r})"
+                 if "after" in query and desk.after is None else None,
+                 f"limit: a number from 1 (at most {MAX_API_POSTS} are given) ({shorten(limit, 20)!r})"
+                 if not re.fullmatch(r"[1-9][0-9]{0,5}", limit) else None,
+                 f"direction: none of {', '.join(self.registry.directions) or 'no direction'} "
+                 f"nor 'none' ({shorten(query['direction'], 40)!r})"
+                 if query.get("direction") and desk.direction is None else None,
+                 f"status: one of new, approved, rejected, any ({shorten(query['status'], 20)!r})"
+                 if query.get("status") and query["status"] not in (*DECISIONS, "any") else None,
+                 f"sort: one of {', '.join(SORTS)} ({shorten(query['sort'], 20)!r})"
+                 if query.get("sort") and query["sort"] not in SORTS else None,
+                 f"min: a relevance from 0 to 10 ({shorten(query['min'], 20)!r})"
+                 if query.get("min") and not desk.chosen else None]
+        wrong = [problem for problem in wrong if problem]
+        if wrong:
+            abort(400, "; ".join(wrong))
+        limit = min(int(limit), MAX_API_POSTS)
         self.rescorer.wait(desk.direction)
         self.json(request, desk_answer(self.db.conn(), desk, limit))
 

@@ -86,7 +86,13 @@ GROWTH = 5
 BASE_TIME = 1_700_000_000
 ENTRY_SPACING = 600
 RSS_SLACK_MB = 20
+# "VESTI": the crawl as the README's cron lines start it, `python -m
+# crawler.rss_crawler --all`, which imports vesti.py from its cached
+# bytecode, as reader's crawl imports reader; "vesti.py": `python vesti.py rss
+# --all`, which Python compiles from source at every start (a script's
+# bytecode is never cached), shown beside it.
 TOOLS = ("VESTI", "reader")
+SHOWN = ("VESTI", "vesti.py", "reader")
 # Crawl kinds, in the order of a round: (key, label, goal for wall VESTI / reader).
 CRAWLS = (("first", "first", 0.7),
           ("second", "second, all 304", 1.0),
@@ -251,17 +257,25 @@ def count_rows(db, table):
 # The two crawlers --------------------------------------------------------------
 
 class VestiCrawler:
-    name = "VESTI"
+    """`python -m crawler.rss_crawler --all` (name VESTI), or, as a
+    `script`, `python vesti.py rss --all` (name vesti.py)."""
 
-    def __init__(self, python, work, farm, workers, max_entries, timeout):
-        self.python, self.timeout = python, timeout
+    def __init__(self, python, work, farm, workers, max_entries, timeout, script=False):
+        self.python, self.timeout, self.script = python, timeout, script
+        self.name = "vesti.py" if script else "VESTI"
         self.cwd = os.path.join(work, "vesti-cwd")   # empty: no .env is read
-        os.makedirs(self.cwd)
+        os.makedirs(self.cwd, exist_ok=True)
         self.sources = os.path.join(work, "sources.yaml")
         crawl.write_sources(self.sources, [(f"feed{n}", url, None)
                                            for n, url in enumerate(farm.urls, 1)])
         self.env = crawl.child_env(RSS_HOST_DELAY=0, RSS_CONCURRENCY=workers,
                                    RSS_MAX_ENTRIES=max_entries)
+        if not script:
+            self.env["PYTHONPATH"] = REPO
+            # The bytecode a deployed copy has after its first run (the
+            # environment may say not to write it, as this machine's does).
+            subprocess.run([python, "-m", "py_compile", os.path.join(REPO, "vesti.py")],
+                           check=True)
         self.db = None
 
     def fresh_database(self, round_dir):
@@ -270,11 +284,13 @@ class VestiCrawler:
     def crawl(self, report_path):
         """(Measured, stored entries, problem or None)."""
         before = self.last_run_id()
-        got = measure(self.python, [self.python, os.path.join(REPO, "vesti.py"), "rss", "--all",
-                                    "--db", self.db, "--sources", self.sources],
+        launch = [os.path.join(REPO, "vesti.py"), "rss"] if self.script else \
+            ["-m", "crawler.rss_crawler"]
+        got = measure(self.python, [self.python, *launch, "--all", "--db", self.db,
+                                    "--sources", self.sources],
                       self.cwd, self.env, self.timeout, report_path)
         if got.exit != 0:
-            return got, None, f"`vesti.py rss --all` exited {got.exit}"
+            return got, None, f"`{' '.join(launch)} --all` exited {got.exit}"
         failed = self.failed_runs(before)
         problem = f"{len(failed)} feeds failed, e.g. {failed[0]}" if failed else None
         return got, count_rows(self.db, "posts"), problem
@@ -332,7 +348,7 @@ def crawl_both(kind, order, farm, results, expect_entries, report_path):
         got, stored, problem = crawler.crawl(report_path)
         served = dict(farm.served() - before)
         stored_text = "-" if stored is None else f"{stored}"
-        print(f"    {kind:6} {crawler.name:6} {got.wall:7.2f} s  peak RSS {got.peak_mb:6.1f} MB"
+        print(f"    {kind:6} {crawler.name:8} {got.wall:7.2f} s  peak RSS {got.peak_mb:6.1f} MB"
               f"  {stored_text:>6} entries  served {served}", flush=True)
         if problem:
             for line in got.tail():
@@ -381,13 +397,14 @@ def summarize(results):
         rows = results[kind]
         if not all(rows[name] for name in TOOLS):
             continue
-        walls = {name: [row["wall"] for row in rows[name]] for name in TOOLS}
-        peaks = {name: statistics.median(row["peak"] for row in rows[name]) for name in TOOLS}
-        median = {name: statistics.median(walls[name]) for name in TOOLS}
+        shown = [name for name in SHOWN if rows[name]]
+        walls = {name: [row["wall"] for row in rows[name]] for name in shown}
+        peaks = {name: statistics.median(row["peak"] for row in rows[name]) for name in shown}
+        median = {name: statistics.median(walls[name]) for name in shown}
         print(f"\ncrawl: {label}")
-        for name in TOOLS:
+        for name in shown:
             stored = sorted({row["stored"] for row in rows[name]}, key=str)
-            print(f"    {name:6}  wall min {min(walls[name]):6.2f} s  median {median[name]:6.2f} s"
+            print(f"    {name:8}  wall min {min(walls[name]):6.2f} s  median {median[name]:6.2f} s"
                   f"   peak RSS median {peaks[name]:6.1f} MB   stored entries "
                   f"{', '.join(str(s) for s in stored)}")
         wall_ratio = ratio_text(median["VESTI"], median["reader"])
@@ -397,11 +414,19 @@ def summarize(results):
         print(f"    peak RSS VESTI / reader = {rss_ratio}   ({peaks['VESTI']:.1f} vs "
               f"{peaks['reader']:.1f} MB; goal VESTI <= reader + {RSS_SLACK_MB} MB)   "
               f"{verdict(peaks['VESTI'] <= peaks['reader'] + RSS_SLACK_MB)}")
+        if "vesti.py" in peaks:
+            print(f"    vesti.py (compiled at each start) / reader: wall "
+                  f"{ratio_text(median['vesti.py'], median['reader'])}, peak RSS "
+                  f"{ratio_text(peaks['vesti.py'], peaks['reader'])} ({peaks['vesti.py']:.1f} MB); "
+                  f"the compile costs {peaks['vesti.py'] - peaks['VESTI']:+.1f} MB, "
+                  f"{median['vesti.py'] - median['VESTI']:+.2f} s")
         mismatched = [i + 1 for i, (v, r) in enumerate(zip(rows["VESTI"], rows["reader"]))
                       if v["stored"] != r["stored"]]
         if mismatched:
             print(f"    WARNING: stored-entry counts differ in round(s) {mismatched}")
-        table.append((label, wall_ratio, rss_ratio))
+        table.append((label, wall_ratio, rss_ratio,
+                      ratio_text(peaks["vesti.py"], peaks["reader"]) if "vesti.py" in peaks
+                      else "n/a"))
     return table
 
 
@@ -411,10 +436,10 @@ def print_table(table, args, versions):
           f"{feed_host(args.feeds).rsplit('.', 1)[1]} with {args.latency * 1000:.0f} ms "
           f"latency and {args.workers} workers, Python {versions['python']}, medians of "
           f"{args.rounds} rotating rounds:")
-    print("| crawl | VESTI / reader (wall) | peak RSS VESTI / reader |")
-    print("|---|---|---|")
-    for label, wall_ratio, rss_ratio in table:
-        print(f"| {label} | {wall_ratio} | {rss_ratio} |")
+    print("| crawl | VESTI / reader (wall) | peak RSS VESTI / reader | peak RSS vesti.py / reader |")
+    print("|---|---|---|---|")
+    for label, wall_ratio, rss_ratio, script_ratio in table:
+        print(f"| {label} | {wall_ratio} | {rss_ratio} | {script_ratio} |")
 
 
 # Interpreter ---------------------------------------------------------------------
@@ -508,14 +533,16 @@ def main(argv=None):
           f"{args.rounds} round(s); Python {versions['python']} ({python})", flush=True)
     timeout = 120 + 10 * (args.feeds * args.latency / args.workers
                           + args.feeds * (args.entries + GROWTH) / 1000)
-    results = {kind: {name: [] for name in TOOLS} for kind, _, _ in CRAWLS}
+    results = {kind: {name: [] for name in SHOWN} for kind, _, _ in CRAWLS}
     started = time.monotonic()
     work = tempfile.mkdtemp(prefix="vesti-reader-")
     try:
         with feed_farm(args.feeds, args.latency) as farm:
             crawlers = [VestiCrawler(python, work, farm, args.workers,
                                      max(200, args.entries + GROWTH), timeout),
-                        ReaderCrawler(python, work, farm, args.workers, timeout)]
+                        ReaderCrawler(python, work, farm, args.workers, timeout),
+                        VestiCrawler(python, work, farm, args.workers,
+                                     max(200, args.entries + GROWTH), timeout, script=True)]
             for number in range(1, args.rounds + 1):
                 run_round(number, crawlers, farm, work, args.entries, results)
     finally:
