@@ -2470,6 +2470,11 @@ COLUMN_DEFINITION = re.compile(r"(?P<indent> +)(?P<name>\w+) (?P<type>\w+)(?P<co
                                r"(?: DEFAULT (?P<default>.+?))?(?P<comma>,?)")
 TABLE_CONSTRAINTS = ("PRIMARY", "UNIQUE", "CHECK", "FOREIGN", "CONSTRAINT")
 
+# The tables whose ids PostgreSQL's identity sequences give (POSTGRES_ID).
+IDENTITY_TABLES = tuple(statement.split()[5] for statement in schema_statements(fts5=False)
+                        if statement.startswith("CREATE TABLE") and
+                        any(line.strip().rstrip(",") in POSTGRES_ID for line in statement.splitlines()))
+
 # The desk's counts, kept by one trigger function (see COUNT_EVENTS); ids
 # given explicitly (a copy, a test) move the id sequences past them, as
 # SQLite's next id follows the largest; and the search index (FTS5's part):
@@ -2485,7 +2490,7 @@ BEGIN
     RETURN NULL;
 END $$;
 CREATE TRIGGER {table}_ids_ahead AFTER INSERT ON {table} REFERENCING NEW TABLE AS inserted
-FOR EACH STATEMENT EXECUTE FUNCTION vesti_{table}_ids_ahead()""") for table in ("sources", "posts", "runs")),
+FOR EACH STATEMENT EXECUTE FUNCTION vesti_{table}_ids_ahead()""") for table in IDENTITY_TABLES),
     ("post_words", "", """
 CREATE TABLE IF NOT EXISTS post_words (post_id BIGINT PRIMARY KEY, words tsvector NOT NULL)"""),
     ("post_words_search", "DROP INDEX IF EXISTS post_words_search", """
@@ -5674,14 +5679,21 @@ def prune_runs(conn, days, now=None):
 
 
 # What copy-db moves, each table after the ones its rows point to, with its
-# key. The count tables and the search index are made again from the posts.
+# key: every table of the schema but REBUILT_TABLES (a test holds the two
+# lists to the schema, so a table added later is copied or named there).
 COPIED_TABLES = (("sources", ("id",)), ("rss_state", ("source_id",)),
                  ("tg_state", ("source_id",)), ("posts", ("id",)), ("runs", ("id",)),
                  ("source_days", ("source_id", "day")), ("counters", ("name", "labels")),
                  ("meta", ("key",)), ("story_keys", ("key", "post_id")),
                  ("learners", ("direction",)), ("learned_words", ("direction", "feature")),
                  ("learn_pending", ("post_id",)), ("targets", ("name",)),
-                 ("publications", ("id",)))
+                 ("publications", ("id",)), ("users", ("name",)), ("sessions", ("id",)),
+                 ("events", ("id",)), ("looks", ("post_id", "user_name")))
+# What the target makes again from the posts it was given (reindex_posts):
+# the desk's counts and the search index (FTS5's on SQLite, post_words on
+# PostgreSQL). Copied, they would count and find by the other database's
+# rules, and the search index of one dialect has no place in the other.
+REBUILT_TABLES = ("post_counts", "source_post_counts", "posts_fts", "post_words")
 # What each database keeps of itself: its schema, its counting mark, who it is
 # and what it is a copy of.
 OWN_META = ("indexed_to", "count_keys", "pg_schema", "pg_ddl:%", "database_id", "copy_of")
@@ -5756,7 +5768,8 @@ def copy_database(source, target, quiet=False):
     with transaction(target):
         reindex_posts(target)
     progress.finish(", ".join(f"{n:,} {table}" for table, n in counts.items()) +
-                    f" copied to {target.path}")
+                    f" copied to {target.path}; post_counts, source_post_counts and the "
+                    f"search index made again from its posts")
     return counts
 
 
