@@ -957,6 +957,41 @@ def test_an_interrupted_copy_db_is_completed_by_running_it_again(home, backend, 
     assert [post["id"] for post in found] == list(range(10, 0, -1))
 
 
+@postgres_only
+def test_copy_db_loses_no_row_to_a_postgresql_collation_of_a_language(home, backend,
+                                                                    postgres_server, monkeypatch):
+    """A server made with a language's collation (en-US puts 'B' after 'a'
+    and passes over punctuation) orders text keys as SQLite does not: each
+    chunk's range is still found in the other database, both ways."""
+    psycopg = pytest.importorskip("psycopg")
+    name = f"{postgres_server.prefix}_en_us"
+    postgres_server.drop(postgres_server.database_url(name))
+    try:
+        postgres_server.admin(f"CREATE DATABASE {name} TEMPLATE template0 LOCALE_PROVIDER icu "
+                              f"ICU_LOCALE 'en-US' LOCALE 'C.UTF-8'")
+    except psycopg.Error as e:
+        pytest.skip(f"no ICU collation on this PostgreSQL server: {e}")
+    url = postgres_server.database_url(name)
+    try:
+        write_sources(home / "sources.yaml", [])
+        _, db = vesti.open_intake(make_settings(home).replace(db=str(home / "vesti.db")))
+        conn = db.conn()
+        features = ["Zebra", "apple", "B", "b", "E", "e", "a_b", "ab", "a-c", "a c", "src:lwn",
+                    "srcb", "Ёж", "ежик", "éclair", "eclair"]
+        conn.executemany("INSERT INTO learned_words (direction, feature, approved) "
+                         "VALUES ('linux', ?, 1)", [(f,) for f in features])
+        monkeypatch.setattr(vesti, "COPY_CHUNK", 3)
+        target = vesti.Database(url).conn()
+        vesti.copy_database(conn, target, quiet=True)
+        back = vesti.Database(str(home / "back.db")).conn()
+        vesti.copy_database(target, back, quiet=True)
+        for copy in (target, back):
+            assert sorted(r[0] for r in copy.execute("SELECT feature FROM learned_words")) == \
+                sorted(features)
+    finally:
+        postgres_server.drop(url)
+
+
 def tables_of(conn):
     """The tables a migrated database has (FTS5's own tables behind posts_fts
     left out: they are the search index's insides)."""

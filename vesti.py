@@ -1298,6 +1298,11 @@ class SQLiteDialect:
         clause, values = self.search_filter(text)
         return f"SELECT p.id FROM posts p WHERE {clause} AND p.id < ? ORDER BY p.id DESC LIMIT ?", values
 
+    def in_byte_order(self, column):
+        """A text column as compared byte by byte (SQLite's default, BINARY):
+        what two databases agree on, whatever their collations."""
+        return column
+
     def clear_search(self, conn):
         if self.fts5:
             conn.execute("INSERT INTO posts_fts (posts_fts) VALUES ('delete-all')")
@@ -1373,6 +1378,11 @@ class PostgresDialect(SQLiteDialect):
             return "SELECT post_id FROM post_words WHERE false AND post_id < ? LIMIT ?", []
         return ("SELECT post_id FROM post_words WHERE words @@ to_tsquery('simple', ?) "
                 "AND post_id < ? ORDER BY post_id DESC LIMIT ?"), [query]
+
+    def in_byte_order(self, column):
+        # A database's collation may be a language's: en-US puts 'B' after
+        # 'a' and passes over punctuation.
+        return f'{column} COLLATE "C"'
 
     def clear_search(self, conn):
         conn.execute("DELETE FROM post_words")
@@ -5700,6 +5710,14 @@ OWN_META = ("indexed_to", "count_keys", "pg_schema", "pg_ddl:%", "database_id", 
 COPY_CHUNK = 5000
 
 
+def key_in_byte_order(conn, table, key):
+    """A table's key as `conn` orders it byte by byte: the order in which
+    the source gives a chunk's rows must be the one in which the target
+    finds that chunk's range."""
+    kinds = {column: kind for name, column, kind, _ in schema_columns() if name == table}
+    return ", ".join(conn.dialect.in_byte_order(k) if kinds[k] == "TEXT" else k for k in key)
+
+
 def copy_table(source, target, table, key, progress):
     """The target's table made the same as the source's, in key order and in
     chunks: rows upserted by key, and the target's rows the source does not
@@ -5712,16 +5730,19 @@ def copy_table(source, target, table, key, progress):
               f"ON CONFLICT ({keys}) DO {'UPDATE SET ' + updates if updates else 'NOTHING'}")
     own = OWN_META if table == "meta" else ()
     mine = ["key NOT LIKE ?" for _ in own]
-    row_key, marks = f"({keys})", f"({', '.join('?' * len(key))})"
+    ordered = key_in_byte_order(source, table, key)
+    row_key, target_key = f"({keys})", f"({key_in_byte_order(target, table, key)})"
+    marks = f"({', '.join('?' * len(key))})"
     copied, after = 0, None
     while True:
-        later = [f"{row_key} > {marks}"] if after else []
+        later = [f"({ordered}) > {marks}"] if after else []
         rows = source.execute(
             f"SELECT {names} FROM {table} WHERE {' AND '.join(mine + later) or 'true'} "
-            f"ORDER BY {keys} LIMIT {COPY_CHUNK}", [*own, *(after or ())]).fetchall()
+            f"ORDER BY {ordered} LIMIT {COPY_CHUNK}", [*own, *(after or ())]).fetchall()
         last = [rows[-1][columns.index(k)] for k in key] if rows else None
-        gone = mine + later + ([f"{row_key} <= {marks}", f"{row_key} NOT IN (VALUES "
-                                f"{', '.join([marks] * len(rows))})"] if rows else [])
+        gone = mine + ([f"{target_key} > {marks}"] if after else []) + (
+            [f"{target_key} <= {marks}", f"{row_key} NOT IN (VALUES "
+             f"{', '.join([marks] * len(rows))})"] if rows else [])
         chunk_keys = [row[columns.index(k)] for row in rows for k in key]
         with transaction(target):
             target.execute(f"DELETE FROM {table} WHERE {' AND '.join(gone) or 'true'}",
