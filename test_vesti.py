@@ -7848,12 +7848,13 @@ def test_init_is_idempotent_and_reports_the_sources(home):
     ("learning", r"mean P@20 = \d\.\d\d +goal >= 0\.9"),
     ("publish", r"run +approve to message: median min \d+\.\d+ s"),
 ])
-def test_every_benchmark_runs_in_smoke_mode(name, marker):
+def test_every_benchmark_runs_in_smoke_mode(name, marker, tmp_path):
     """Each benchmark runs end to end with tiny sizes, prints its figures and
     exits 0; one that a change in vesti broke (an exception, a vesti command
     exiting non-zero, a check not holding, no posts stored) exits non-zero."""
-    proc = subprocess.run([sys.executable, f"bench/{name}.py", "--smoke"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    corpus = ["--corpus", str(CORPUS)] if name in ("stories", "first_morning") else []
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), "--smoke", *corpus],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-3000:]
     assert re.search(marker, output), output[-3000:]
@@ -7882,9 +7883,9 @@ def test_the_web_comparison_sums_up_its_rounds(capsys, monkeypatch):
 
 @pytest.mark.skipif(not os.environ.get("VESTI_READER_PYTHON"),
                     reason="VESTI_READER_PYTHON (a 3.12+ venv with reader, made by .ci/run) not set")
-def test_the_reader_comparison_runs_in_smoke_mode():
-    proc = subprocess.run([sys.executable, "bench/reader_compare.py", "--smoke", "--python",
-                           os.environ["VESTI_READER_PYTHON"]], cwd=ROOT,
+def test_the_reader_comparison_runs_in_smoke_mode(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "reader_compare.py"), "--smoke",
+                           "--python", os.environ["VESTI_READER_PYTHON"]], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-3000:]
