@@ -71,6 +71,14 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(autouse=True)
+def away_from_the_checkout(tmp_path, monkeypatch):
+    """Every test runs in a directory of its own: VESTI's defaults
+    (sources.yaml, .env, vesti.db in the working directory) never reach the
+    checkout's, which a newsroom edits."""
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(autouse=True)
 def cheap_password_hashes(monkeypatch):
     """Passwords hashed in a test's own process cost scrypt's least
     (N=2**10, p=1) instead of a tenth of a second each: a hash carries its
