@@ -421,7 +421,7 @@ def flood_child(program, args):
                    "--flood-out", out]
         timeout = 1800 + args.flood / 10
         try:
-            code = subprocess.run(command, cwd=REPO, timeout=timeout).returncode
+            code = subprocess.run(command, cwd=tmp, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             code = f"none, killed after {timeout:.0f} s"
         if code != 0:
