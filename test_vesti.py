@@ -132,6 +132,19 @@ def cli(*args, cwd, env=None, timeout=60):
                           env=cli_env(env), capture_output=True, text=True, timeout=timeout)
 
 
+def first_lines(process, count=1):
+    """The first `count` lines a process wrote to its stdout pipe, read a
+    byte at a time: a buffered readline() takes whatever else has come
+    too, and communicate(), which reads the pipe itself, never sees it."""
+    said = b""
+    while said.count(b"\n") < count:
+        byte = os.read(process.stdout.fileno(), 1)
+        if not byte:
+            break
+        said += byte
+    return said.decode()
+
+
 # Settings ---------------------------------------------------------------------
 
 def test_settings_defaults_match_the_contract():
@@ -607,7 +620,7 @@ def test_vv_shows_no_password_nor_secret(home, backend):
     serve = subprocess.Popen([*VESTI, "-vv", "serve", "--port", "0"], cwd=home, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
-        said = serve.stdout.readline() + serve.stdout.readline()
+        said = first_lines(serve, 2)
         password = re.search(r"generated password (\S+),", said)[1]
     finally:
         _, err = stop_process(serve)
@@ -1219,7 +1232,7 @@ def test_two_workers_and_a_crawler_on_postgresql_survive_a_kill_9_and_a_restart(
         return subprocess.Popen([*VESTI, *args], cwd=home,
                                 env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     crawler = start("run", "--workers", "0")
-    port = int(re.search(r"http://127\.0\.0\.1:(\d+)/", crawler.stdout.readline())[1])
+    port = int(re.search(r"http://127\.0\.0\.1:(\d+)/", first_lines(crawler))[1])
     workers = [start("worker", "--forever", "--workers", "4") for _ in range(2)]
     db = vesti.Database(backend)
 
@@ -5404,7 +5417,7 @@ def test_the_generated_password_stays_the_same_across_restarts(home):
                                    cwd=home, text=True, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, env=env)
         try:
-            said = process.stdout.readline() + process.stdout.readline()
+            said = first_lines(process, 2)
             port = int(re.search(r"http://127\.0\.0\.1:(\d+)/", said)[1])
             if run == 0:
                 password = re.search(r"generated password (\S+),", said)[1]
@@ -7609,8 +7622,7 @@ def run_process(home, *args, env=None):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env={**os.environ, "VESTI_WEB_PORT": "0", "RSS_HOST_DELAY": "0",
              "VESTI_WEB_PASSWORD": "pw", **(env or {})})
-    line = process.stdout.readline()
-    return process, int(re.search(r"http://127\.0\.0\.1:(\d+)/", line)[1])
+    return process, int(re.search(r"http://127\.0\.0\.1:(\d+)/", first_lines(process))[1])
 
 
 def stop_process(process):
