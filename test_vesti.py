@@ -4694,6 +4694,35 @@ def test_workers_stopped_right_after_their_last_post_still_say_what_they_did(hom
     assert spells == [("3", "nothing left to claim")]
 
 
+def test_a_spell_being_said_when_the_stop_grace_runs_out_is_said_by_the_stop(home, capsys,
+                                                                            monkeypatch):
+    """A worker that is looking up the queue for its line of work (a
+    database that does not answer) when a stop's grace runs out is left
+    behind, and `run` exits without it: the line said at the stop counts
+    the posts of that spell, so the console still accounts for every post."""
+    s, db, registry = worker_home(home, "", VESTI_STOP_GRACE=0.5)
+    add_posts(db.conn(), 6)
+    monkeypatch.setattr(vesti, "WORK_REPORT", 0)        # a line after every turn of work
+    stop, answer = threading.Event(), threading.Event()
+    count = vesti.pending_count
+
+    def stuck_in_a_worker(conn):
+        if threading.current_thread().name.startswith("worker"):
+            stop.set()
+            answer.wait(30)
+        return count(conn)
+    monkeypatch.setattr(vesti, "pending_count", stuck_in_a_worker)
+    try:
+        stats, finished = vesti.run_workers(db, s, registry, workers=1, forever=True, stop=stop,
+                                            quiet=True)
+        said = capsys.readouterr().out
+    finally:
+        answer.set()
+    assert not finished and stats.processed >= 1
+    spells = re.findall(r"^worker: (\d+) processed \(.*\) in [0-9.]+ s; (.*)$", said, re.M)
+    assert sum(int(n) for n, _ in spells) == stats.processed, said
+
+
 @both
 def test_a_forever_worker_takes_back_expired_leases_while_it_runs(home):
     s, db, registry = worker_home(home, "", VESTI_LEASE_SECONDS=1)

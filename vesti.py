@@ -8506,17 +8506,28 @@ class WorkerPool:
         """With `report`: a console line of what the workers did since the
         last one, once nothing is left to claim (`dry`), after WORK_REPORT
         seconds of work, or as they stop (`stopping`): the console accounts
-        for every post."""
+        for every post. The queue is looked up before the posts are taken
+        into a line, and the line is said as they are: a worker that a stop
+        leaves behind in the look-up (past the grace, `run` exits without
+        it) has taken none, and the stop's line says them."""
+        if not self.spell_due(dry or stopping):
+            return
+        waiting = 0 if dry else pending_count(self.db.conn())
         with self.lock:
             done = self.stats.since(self.said)
+            if not done.processed:
+                return              # another worker said them meanwhile
             now = time.monotonic()
-            if not self.report or not done.processed or (
-                    not dry and not stopping and now - self.said_at < WORK_REPORT):
-                return
             seconds, self.said, self.said_at = now - self.said_at, dataclasses.replace(self.stats), now
-        waiting = 0 if dry else pending_count(self.db.conn())
-        left = f"{waiting} waiting" if waiting else "nothing left to claim"
-        print(f"worker: {done.line()} in {seconds:.1f} s; {left}", flush=True)
+            left = f"{waiting} waiting" if waiting else "nothing left to claim"
+            print(f"worker: {done.line()} in {seconds:.1f} s; {left}", flush=True)
+
+    def spell_due(self, at_once):
+        """Whether posts done are to be said now: `at_once`, or after
+        WORK_REPORT seconds of work."""
+        with self.lock:
+            return self.report and self.stats.since(self.said).processed > 0 and (
+                at_once or time.monotonic() - self.said_at >= WORK_REPORT)
 
     def heartbeat(self):
         """Tell the page, every HEARTBEAT seconds, that workers are running and
