@@ -1400,6 +1400,11 @@ class SQLiteDialect:
         clause, values = self.search_filter(text)
         return f"SELECT p.id FROM posts p WHERE {clause} AND p.id < ? ORDER BY p.id DESC LIMIT ?", values
 
+    def in_byte_order(self, column):
+        """A text column as compared byte by byte (SQLite's default, BINARY):
+        what two databases agree on, whatever their collations."""
+        return column
+
     def clear_search(self, conn):
         if self.fts5:
             conn.execute("INSERT INTO posts_fts (posts_fts) VALUES ('delete-all')")
@@ -1475,6 +1480,11 @@ class PostgresDialect(SQLiteDialect):
             return "SELECT post_id FROM post_words WHERE false AND post_id < ? LIMIT ?", []
         return ("SELECT post_id FROM post_words WHERE words @@ to_tsquery('simple', ?) "
                 "AND post_id < ? ORDER BY post_id DESC LIMIT ?"), [query]
+
+    def in_byte_order(self, column):
+        # A database's collation may be a language's: en-US puts 'B' after
+        # 'a' and passes over punctuation.
+        return f'{column} COLLATE "C"'
 
     def clear_search(self, conn):
         conn.execute("DELETE FROM post_words")
@@ -2623,6 +2633,11 @@ COLUMN_DEFINITION = re.compile(r"(?P<indent> +)(?P<name>\w+) (?P<type>\w+)(?P<co
                                r"(?: DEFAULT (?P<default>.+?))?(?P<comma>,?)")
 TABLE_CONSTRAINTS = ("PRIMARY", "UNIQUE", "CHECK", "FOREIGN", "CONSTRAINT")
 
+# The tables whose ids PostgreSQL's identity sequences give (POSTGRES_ID).
+IDENTITY_TABLES = tuple(statement.split()[5] for statement in schema_statements(fts5=False)
+                        if statement.startswith("CREATE TABLE") and
+                        any(line.strip().rstrip(",") in POSTGRES_ID for line in statement.splitlines()))
+
 # The desk's counts, kept by one trigger function (see COUNT_EVENTS); ids
 # given explicitly (a copy, a test) move the id sequences past them, as
 # SQLite's next id follows the largest; and the search index (FTS5's part):
@@ -2638,7 +2653,7 @@ BEGIN
     RETURN NULL;
 END $$;
 CREATE TRIGGER {table}_ids_ahead AFTER INSERT ON {table} REFERENCING NEW TABLE AS inserted
-FOR EACH STATEMENT EXECUTE FUNCTION vesti_{table}_ids_ahead()""") for table in ("sources", "posts", "runs")),
+FOR EACH STATEMENT EXECUTE FUNCTION vesti_{table}_ids_ahead()""") for table in IDENTITY_TABLES),
     ("post_words", "", """
 CREATE TABLE IF NOT EXISTS post_words (post_id BIGINT PRIMARY KEY, words tsvector NOT NULL)"""),
     ("post_words_search", "DROP INDEX IF EXISTS post_words_search", """
@@ -6376,18 +6391,34 @@ def prune_runs(conn, days, now=None):
 
 
 # What copy-db moves, each table after the ones its rows point to, with its
-# key. The count tables and the search index are made again from the posts.
+# key: every table of the schema but REBUILT_TABLES (a test holds the two
+# lists to the schema, so a table added later is copied or named there).
 COPIED_TABLES = (("sources", ("id",)), ("rss_state", ("source_id",)),
                  ("tg_state", ("source_id",)), ("posts", ("id",)), ("runs", ("id",)),
                  ("source_days", ("source_id", "day")), ("counters", ("name", "labels")),
                  ("meta", ("key",)), ("story_keys", ("key", "post_id")),
                  ("learners", ("direction",)), ("learned_words", ("direction", "feature")),
                  ("learn_pending", ("post_id",)), ("targets", ("name",)),
-                 ("publications", ("id",)))
+                 ("publications", ("id",)), ("users", ("name",)), ("sessions", ("id",)),
+                 ("events", ("id",)), ("looks", ("post_id", "user_name")),
+                 ("sign_in_failures", ("id",)))
+# What the target makes again from the posts it was given (reindex_posts):
+# the desk's counts and the search index (FTS5's on SQLite, post_words on
+# PostgreSQL). Copied, they would count and find by the other database's
+# rules, and the search index of one dialect has no place in the other.
+REBUILT_TABLES = ("post_counts", "source_post_counts", "posts_fts", "post_words")
 # What each database keeps of itself: its schema, its counting mark, who it is
 # and what it is a copy of.
 OWN_META = ("indexed_to", "count_keys", "pg_schema", "pg_ddl:%", "database_id", "copy_of")
 COPY_CHUNK = 5000
+
+
+def key_in_byte_order(conn, table, key):
+    """A table's key as `conn` orders it byte by byte: the order in which
+    the source gives a chunk's rows must be the one in which the target
+    finds that chunk's range."""
+    kinds = {column: kind for name, column, kind, _ in schema_columns() if name == table}
+    return ", ".join(conn.dialect.in_byte_order(k) if kinds[k] == "TEXT" else k for k in key)
 
 
 def copy_table(source, target, table, key, progress):
@@ -6402,16 +6433,19 @@ def copy_table(source, target, table, key, progress):
               f"ON CONFLICT ({keys}) DO {'UPDATE SET ' + updates if updates else 'NOTHING'}")
     own = OWN_META if table == "meta" else ()
     mine = ["key NOT LIKE ?" for _ in own]
-    row_key, marks = f"({keys})", f"({', '.join('?' * len(key))})"
+    ordered = key_in_byte_order(source, table, key)
+    row_key, target_key = f"({keys})", f"({key_in_byte_order(target, table, key)})"
+    marks = f"({', '.join('?' * len(key))})"
     copied, after = 0, None
     while True:
-        later = [f"{row_key} > {marks}"] if after else []
+        later = [f"({ordered}) > {marks}"] if after else []
         rows = source.execute(
             f"SELECT {names} FROM {table} WHERE {' AND '.join(mine + later) or 'true'} "
-            f"ORDER BY {keys} LIMIT {COPY_CHUNK}", [*own, *(after or ())]).fetchall()
+            f"ORDER BY {ordered} LIMIT {COPY_CHUNK}", [*own, *(after or ())]).fetchall()
         last = [rows[-1][columns.index(k)] for k in key] if rows else None
-        gone = mine + later + ([f"{row_key} <= {marks}", f"{row_key} NOT IN (VALUES "
-                                f"{', '.join([marks] * len(rows))})"] if rows else [])
+        gone = mine + ([f"{target_key} > {marks}"] if after else []) + (
+            [f"{target_key} <= {marks}", f"{row_key} NOT IN (VALUES "
+             f"{', '.join([marks] * len(rows))})"] if rows else [])
         chunk_keys = [row[columns.index(k)] for row in rows for k in key]
         with transaction(target):
             target.execute(f"DELETE FROM {table} WHERE {' AND '.join(gone) or 'true'}",
@@ -6458,7 +6492,8 @@ def copy_database(source, target, quiet=False):
     with transaction(target):
         reindex_posts(target)
     progress.finish(", ".join(f"{n:,} {table}" for table, n in counts.items()) +
-                    f" copied to {target.path}")
+                    f" copied to {target.path}; post_counts, source_post_counts and the "
+                    f"search index made again from its posts")
     return counts
 
 
@@ -9177,17 +9212,28 @@ class WorkerPool:
         """With `report`: a console line of what the workers did since the
         last one, once nothing is left to claim (`dry`), after WORK_REPORT
         seconds of work, or as they stop (`stopping`): the console accounts
-        for every post."""
+        for every post. The queue is looked up before the posts are taken
+        into a line, and the line is said as they are: a worker that a stop
+        leaves behind in the look-up (past the grace, `run` exits without
+        it) has taken none, and the stop's line says them."""
+        if not self.spell_due(dry or stopping):
+            return
+        waiting = 0 if dry else pending_count(self.db.conn())
         with self.lock:
             done = self.stats.since(self.said)
+            if not done.processed:
+                return              # another worker said them meanwhile
             now = time.monotonic()
-            if not self.report or not done.processed or (
-                    not dry and not stopping and now - self.said_at < WORK_REPORT):
-                return
             seconds, self.said, self.said_at = now - self.said_at, dataclasses.replace(self.stats), now
-        waiting = 0 if dry else pending_count(self.db.conn())
-        left = f"{waiting} waiting" if waiting else "nothing left to claim"
-        print(f"worker: {done.line()} in {seconds:.1f} s; {left}", flush=True)
+            left = f"{waiting} waiting" if waiting else "nothing left to claim"
+            print(f"worker: {done.line()} in {seconds:.1f} s; {left}", flush=True)
+
+    def spell_due(self, at_once):
+        """Whether posts done are to be said now: `at_once`, or after
+        WORK_REPORT seconds of work."""
+        with self.lock:
+            return self.report and self.stats.since(self.said).processed > 0 and (
+                at_once or time.monotonic() - self.said_at >= WORK_REPORT)
 
     def heartbeat(self):
         """Tell the page, every HEARTBEAT seconds, that workers are running and

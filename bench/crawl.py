@@ -217,9 +217,10 @@ def child_env(**settings):
 def run_crawl(db, sources, env, timeout):
     """(wall seconds, CompletedProcess) of `vesti.py rss --all`."""
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "vesti.py", "rss", "--all", "--db", db,
-                           "--sources", sources], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    # Run beside its sources.yaml: a .env in the checkout is not the benchmark's.
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "vesti.py"), "rss", "--all",
+                           "--db", db, "--sources", sources], cwd=os.path.dirname(sources),
+                          env=env, capture_output=True, text=True, timeout=timeout)
     return time.monotonic() - started, proc
 
 

@@ -86,6 +86,8 @@ from harness import fail, run  # noqa: E402
 from worker import POLL, SMOKE_POLL, fake_ollama, post_text  # noqa: E402
 
 CORPUS = os.path.join(os.path.dirname(REPO), "shared", "corpus")
+if not os.path.isdir(CORPUS):       # a checkout on its own: the part of it the tests read
+    CORPUS = os.path.join(REPO, "tests", "fixtures", "corpus")
 KEYS_PER_POST = vesti.LEAD_BANDS + vesti.BODY_BANDS
 CACHE_VERSION = 2
 
@@ -419,7 +421,7 @@ def flood_child(program, args):
                    "--flood-out", out]
         timeout = 1800 + args.flood / 10
         try:
-            code = subprocess.run(command, cwd=REPO, timeout=timeout).returncode
+            code = subprocess.run(command, cwd=tmp, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             code = f"none, killed after {timeout:.0f} s"
         if code != 0:
@@ -501,6 +503,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int,
                         help=f"flood runs of each vesti.py (default {FLOOD['rounds']}; "
                              f"{FLOOD_SMOKE['rounds']} with --smoke)")
+    parser.add_argument("--corpus", default=CORPUS, help=f"the corpus (default {CORPUS})")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds")
     # One flood run, in a process of its own (see flood_child).
     parser.add_argument("--flood-run", metavar="PATH", help=argparse.SUPPRESS)
@@ -520,7 +523,7 @@ def main(argv=None):
     windows = args.window or ([2000] if args.smoke else [100_000, 1_000_000])
     probes = 40 if args.smoke else args.probes
     if {"quality", "lookup", "llm"} & set(sections):
-        pairs = story_set.labelled_pairs(CORPUS, feeds=4 if args.smoke else None)
+        pairs = story_set.labelled_pairs(args.corpus, feeds=4 if args.smoke else None)
         rng = random.Random(5)
         texts = [post for _, _, a, b in pairs for post in (a, b)]
         texts = [texts[i] for i in sorted(rng.sample(range(len(texts)), min(probes, len(texts))))]

@@ -683,7 +683,7 @@ class Serve:
         self.proc = subprocess.Popen(
             [*cached(program), "serve", "--host", "127.0.0.1", "--port", "0",
              "--db", db, "--sources", sources],
-            cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log,
+            cwd=tmp, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log,
             text=True, env=child_env(VESTI_WEB_PASSWORD=PASSWORD, VESTI_WEB_USER=USER,
                                      VESTI_WEB_HOST="127.0.0.1", **settings))
         threading.Thread(target=self._read, daemon=True).start()

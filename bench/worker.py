@@ -184,12 +184,13 @@ def child_env(**settings):
     return env
 
 
-def run_vesti(args, env, timeout):
-    """(wall seconds, CompletedProcess) of `vesti.py ARGS` from the repo root."""
-    command = [sys.executable, "vesti.py", *args]
+def run_vesti(args, env, timeout, cwd):
+    """(wall seconds, CompletedProcess) of `vesti.py ARGS` in `cwd` (beside
+    its sources.yaml: a .env in the checkout is not the benchmark's)."""
+    command = [sys.executable, os.path.join(REPO, "vesti.py"), *args]
     started = time.monotonic()
     try:
-        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+        proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
                               timeout=timeout)
     except subprocess.TimeoutExpired:
         proc = subprocess.CompletedProcess(command, f"none, killed after {timeout:.0f} s", "", "")
@@ -206,7 +207,7 @@ def show_output(proc, lines=5):
 
 def run_worker_cli(db, sources, workers, env, timeout):
     wall, proc = run_vesti(["worker", "--workers", str(workers), "--db", db,
-                            "--sources", sources], env, timeout)
+                            "--sources", sources], env, timeout, os.path.dirname(sources))
     return wall, proc
 
 
@@ -215,7 +216,8 @@ def startup_seconds(db, sources, env, runs=STARTUP_RUNS):
     settings, sources.yaml, schema check, a few queries."""
     walls = []
     for _ in range(runs):
-        wall, proc = run_vesti(["status", "--db", db, "--sources", sources], env, 120)
+        wall, proc = run_vesti(["status", "--db", db, "--sources", sources], env, 120,
+                               os.path.dirname(sources))
         if proc.returncode != 0:
             show_output(proc)
             return None
@@ -357,10 +359,11 @@ class PostgresStore:
 def run_workers_at_once(db, sources, workers, env, processes, timeout):
     """(wall seconds, exit codes) of `processes` worker commands started
     together on one database, until the last one exits."""
-    command = [sys.executable, "vesti.py", "worker", "--workers", str(workers), "--db", db,
-               "--sources", sources]
+    command = [sys.executable, os.path.join(REPO, "vesti.py"), "worker", "--workers",
+               str(workers), "--db", db, "--sources", sources]
     started = time.monotonic()
-    running = [subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+    running = [subprocess.Popen(command, cwd=os.path.dirname(sources), env=env,
+                                stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True) for _ in range(processes)]
     codes = []
     for process in running:
