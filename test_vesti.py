@@ -5722,7 +5722,7 @@ def test_two_publishers_in_containers_of_one_host_never_send_at_once(home, bot):
     conn = db.conn()
     ids = [desk_post(conn, lwn_id, k) for k in range(4)]
     vesti.set_decisions(conn, ids, "approved", "ed")
-    bot.script = [("hang", 3), ("hang", 3)]
+    bot.script = [("hang", 1.5), ("hang", 1.5)]
     env = cli_env({"TG_BOT_TOKEN": bot.TOKEN, "TG_BOT_API": bot.url, "RSS_TIMEOUT": "5"})
     publish = " ".join(map(shlex.quote, [*VESTI, "publish", "--forever"]))
     # The first runs as PID 2 of its namespace, the second as PID 3: in the
@@ -5744,23 +5744,24 @@ def test_two_publishers_in_containers_of_one_host_never_send_at_once(home, bot):
         first.wait()
     assert shown_titles(bot) == [f"Post {k}" for k in range(4)]
     sends = [at for method, _, at in bot.calls if method == "sendMessage"]
-    assert all(b - a >= 3 for a, b in zip(sends, sends[1:3]))   # none while another was out
+    assert all(b - a >= 1.5 for a, b in zip(sends, sends[1:3]))   # none while another was out
 
 
 def test_one_slow_webhook_delays_no_other_target(home, bot):
-    drip = DripServer(every=0.3, lifetime=20)
+    drip = DripServer(every=0.2, lifetime=20)
     try:
         targets = [{"name": "a-cms", "webhook": drip.url + "/in"}, CHANNEL]
-        s, db, lwn_id = publish_home(home, bot, targets, VESTI_WEBHOOK_SECRET="k", RSS_TIMEOUT="1")
+        s, db, lwn_id = publish_home(home, bot, targets, VESTI_WEBHOOK_SECRET="k",
+                                     RSS_TIMEOUT="0.5")
         conn = db.conn()
         vesti.set_decisions(conn, [desk_post(conn, lwn_id, 1)], "approved", "ed")
         started = time.time()
         vesti.Publisher(db, s).look()
         took = time.time() - started
-        assert bot.messages[0]["at"] - started < 1.5
-        assert took < 6                  # the webhook's whole answer had 3 s
+        assert bot.messages[0]["at"] - started < 1.0
+        assert took < 4                  # the webhook's whole answer had 1.5 s
         cms = publications(conn, "a-cms")[0]
-        assert cms["state"] == "queued" and "no whole answer within 3 s" in cms["error"]
+        assert cms["state"] == "queued" and "no whole answer within 1.5 s" in cms["error"]
     finally:
         drip.close()
 
@@ -8657,14 +8658,17 @@ def test_init_is_idempotent_and_reports_the_sources(home):
     ("first_morning", r"full desk +\d+\.\d"),
     ("learning", r"mean P@20 = \d\.\d\d +goal >= 0\.9"),
     ("publish", r"run +approve to message: median min \d+\.\d+ s"),
-    ("outbox", r"13 +\| T hostile link \(6,300 ch\) +\| sqlite +\| 2 +\| 1/1/1"),
+    # its faults that take no waiting out (the suite has a test of each)
+    ("outbox --faults 1,9,10,13", r"13 +\| T hostile link \(6,300 ch\) +\| sqlite +\| 2 +\| 1/1/1"),
 ])
 def test_every_benchmark_runs_in_smoke_mode(name, marker, tmp_path):
     """Each benchmark runs end to end with tiny sizes, prints its figures and
     exits 0; one that a change in vesti broke (an exception, a vesti command
     exiting non-zero, a check not holding, no posts stored) exits non-zero."""
+    name, *more = name.split()
     corpus = ["--corpus", str(CORPUS)] if name in ("stories", "first_morning") else []
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), "--smoke", *corpus],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), "--smoke", *corpus,
+                           *more],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-3000:]
