@@ -5617,7 +5617,7 @@ def test_an_undo_while_the_send_fails_cancels_it_for_good(home):
         s, db, lwn_id = publish_home(home, targets=[{"name": "cms", "webhook": receiver.url + "/in"}],
                                      VESTI_WEBHOOK_SECRET="hook-secret")
         conn = db.conn()
-        receiver.script = [("hang", 1.5, 503)]
+        receiver.script = [("hang", 0.8, 503)]
         post = desk_post(conn, lwn_id, 1)
         vesti.set_decisions(conn, [post], "approved", "ed")
         clock = Clock()
@@ -7852,7 +7852,7 @@ def test_a_flood_of_wrong_passwords_is_refused_at_once_and_signed_in_pages_do_no
     matches = vesti.password_matches
 
     def slow(password, kept):
-        time.sleep(0.2)                           # as long as scrypt at its real cost
+        time.sleep(0.1)                           # as long as scrypt at its real cost
         return matches(password, kept)
     monkeypatch.setattr(vesti, "password_matches", slow)
     answers = collections.Counter()
