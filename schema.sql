@@ -219,6 +219,7 @@ CREATE TABLE IF NOT EXISTS learned_words (
     PRIMARY KEY (direction, feature)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS learned_words_version ON learned_words(direction, version);
+CREATE INDEX IF NOT EXISTS learned_words_seen ON learned_words(direction, (approved + rejected));
 -- Posts whose decision changed and is not counted in learned_words yet: a
 -- decision notes its posts here and answers; whichever process next judges
 -- by the models counts them (learn_owed), several decisions in one go.
@@ -344,14 +345,14 @@ BEGIN
       AND status = new.status
       AND direction = coalesce(new.direction, '')
       AND relevance = coalesce(new.relevance, 0)
-      AND liked = (CASE WHEN new.likely IS NULL THEN -1 WHEN new.likely >= 0.5 THEN 1 ELSE 0 END);
+      AND liked = (CASE WHEN new.likely IS NULL THEN -1 WHEN new.likely >= 0.75 THEN 2 WHEN new.likely >= 0.35 THEN 1 ELSE 0 END);
     UPDATE source_post_counts SET n = n + 1
     WHERE new.classified = 1
       AND source_id = coalesce(new.source_id, 0)
       AND status = new.status
       AND direction = coalesce(new.direction, '')
       AND relevance = coalesce(new.relevance, 0)
-      AND liked = (CASE WHEN new.likely IS NULL THEN -1 WHEN new.likely >= 0.5 THEN 1 ELSE 0 END);
+      AND liked = (CASE WHEN new.likely IS NULL THEN -1 WHEN new.likely >= 0.75 THEN 2 WHEN new.likely >= 0.35 THEN 1 ELSE 0 END);
 END;
 CREATE TRIGGER IF NOT EXISTS posts_recounted AFTER UPDATE OF classified, status, direction, relevance, source_id, likely, story_id ON posts
 WHEN ((old.classified = 1 OR new.classified = 1) AND NOT (new.classified = 1 AND coalesce(old.classified, 0) != 1 AND new.status = 'new'))
@@ -362,20 +363,20 @@ BEGIN
       AND status = old.status
       AND direction = coalesce(old.direction, '')
       AND relevance = coalesce(old.relevance, 0)
-      AND liked = (CASE WHEN old.likely IS NULL THEN -1 WHEN old.likely >= 0.5 THEN 1 ELSE 0 END);
+      AND liked = (CASE WHEN old.likely IS NULL THEN -1 WHEN old.likely >= 0.75 THEN 2 WHEN old.likely >= 0.35 THEN 1 ELSE 0 END);
     UPDATE source_post_counts SET n = n - 1
     WHERE old.classified = 1
       AND source_id = coalesce(old.source_id, 0)
       AND status = old.status
       AND direction = coalesce(old.direction, '')
       AND relevance = coalesce(old.relevance, 0)
-      AND liked = (CASE WHEN old.likely IS NULL THEN -1 WHEN old.likely >= 0.5 THEN 1 ELSE 0 END);
+      AND liked = (CASE WHEN old.likely IS NULL THEN -1 WHEN old.likely >= 0.75 THEN 2 WHEN old.likely >= 0.35 THEN 1 ELSE 0 END);
     INSERT INTO post_counts (status, direction, relevance, liked, n)
-    SELECT new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), (CASE WHEN new.likely IS NULL THEN -1 WHEN new.likely >= 0.5 THEN 1 ELSE 0 END), 1
+    SELECT new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), (CASE WHEN new.likely IS NULL THEN -1 WHEN new.likely >= 0.75 THEN 2 WHEN new.likely >= 0.35 THEN 1 ELSE 0 END), 1
     WHERE new.classified = 1 AND (new.story_id IS NULL OR new.story_id = new.id)
     ON CONFLICT (status, direction, relevance, liked) DO UPDATE SET n = post_counts.n + 1;
     INSERT INTO source_post_counts (source_id, status, direction, relevance, liked, n)
-    SELECT coalesce(new.source_id, 0), new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), (CASE WHEN new.likely IS NULL THEN -1 WHEN new.likely >= 0.5 THEN 1 ELSE 0 END), 1
+    SELECT coalesce(new.source_id, 0), new.status, coalesce(new.direction, ''), coalesce(new.relevance, 0), (CASE WHEN new.likely IS NULL THEN -1 WHEN new.likely >= 0.75 THEN 2 WHEN new.likely >= 0.35 THEN 1 ELSE 0 END), 1
     WHERE new.classified = 1
     ON CONFLICT (source_id, status, direction, relevance, liked) DO UPDATE SET n = source_post_counts.n + 1;
 END;
@@ -388,14 +389,14 @@ BEGIN
       AND status = old.status
       AND direction = coalesce(old.direction, '')
       AND relevance = coalesce(old.relevance, 0)
-      AND liked = (CASE WHEN old.likely IS NULL THEN -1 WHEN old.likely >= 0.5 THEN 1 ELSE 0 END);
+      AND liked = (CASE WHEN old.likely IS NULL THEN -1 WHEN old.likely >= 0.75 THEN 2 WHEN old.likely >= 0.35 THEN 1 ELSE 0 END);
     UPDATE source_post_counts SET n = n - 1
     WHERE old.classified = 1
       AND source_id = coalesce(old.source_id, 0)
       AND status = old.status
       AND direction = coalesce(old.direction, '')
       AND relevance = coalesce(old.relevance, 0)
-      AND liked = (CASE WHEN old.likely IS NULL THEN -1 WHEN old.likely >= 0.5 THEN 1 ELSE 0 END);
+      AND liked = (CASE WHEN old.likely IS NULL THEN -1 WHEN old.likely >= 0.75 THEN 2 WHEN old.likely >= 0.35 THEN 1 ELSE 0 END);
 END;
 
 -- Full-text search over title and text (SQLite FTS5; where a Python build

@@ -2163,7 +2163,7 @@ def test_each_decision_teaches_its_direction_and_an_undo_takes_it_back(home):
     vesti.set_decisions(conn, garden, "rejected", "ed")
     counts, words = learned(conn)
     assert counts == (3, 2)
-    assert (words["kernel"], words["linux kernel"], words["roses"]) == ((3, 0), (3, 0), (0, 2))
+    assert (words["kernel"], words["linux kernel"], words["rose"]) == ((3, 0), (3, 0), (0, 2))
     assert words[f"@{wire}"] == (3, 2)                  # the source weighs too
     vesti.set_decisions(conn, kernel[:1], "new", "ed")  # an undo
     counts, words = learned(conn)
@@ -2173,6 +2173,17 @@ def test_each_decision_teaches_its_direction_and_an_undo_takes_it_back(home):
     before = learned(conn)
     assert vesti.rebuild_learning(conn) == {"linux": (3, 1)}
     assert learned(conn) == before
+
+
+def test_words_are_learned_by_their_stems_and_function_words_not_at_all():
+    russian = vesti.post_features("Выборы в городе", "Итоги выборов и новые выборах", None)
+    assert {"выбор", "город", "итог"} <= russian and not {"в", "и"} & russian
+    english = vesti.post_features("The elections", "Election results are in and the count goes on",
+                                  7)
+    assert {"elect", "result", "count", "@7"} <= english
+    assert not {"the", "and", "are", "in"} & english
+    assert vesti.reason_words(["elect", "elect result"], "The elections",
+                              "Election results are in") == ["elections", "election results"]
 
 
 @both
@@ -6271,7 +6282,8 @@ def counts_match_posts(conn):
     def rows(sql):
         return {tuple(r[:-1]): r[-1] for r in conn.execute(sql)}
     columns = ("status, coalesce(direction, ''), coalesce(relevance, 0), "
-               "CASE WHEN likely IS NULL THEN -1 WHEN likely >= 0.5 THEN 1 ELSE 0 END")
+               f"CASE WHEN likely IS NULL THEN -1 WHEN likely >= {vesti.LIKELY_HIGH} THEN 2 "
+               f"WHEN likely >= {vesti.LIKELY_LOW} THEN 1 ELSE 0 END")
     by_source = rows(f"SELECT source_id, {columns}, count(*) FROM posts WHERE classified = 1 "
                      f"GROUP BY 1, 2, 3, 4, 5")
     cards = rows(f"SELECT {columns}, count(*) FROM posts WHERE classified = 1 "
@@ -8721,7 +8733,9 @@ def test_requirements_are_pinned_and_name_what_the_contract_needs():
              (ROOT / "requirements.txt").read_text().splitlines()]
     pins = dict(line.split("==") for line in lines if line)
     assert {name.lower() for name in pins} == {"feedparser", "chardet", "trafilatura",
-                                               "lxml_html_clean", "telethon", "pyyaml"}
+                                               "lxml_html_clean", "telethon", "pyyaml",
+                                               # stems, for learning (the README says why)
+                                               "snowballstemmer", "pystemmer"}
 
 
 def test_env_example_names_every_setting():

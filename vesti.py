@@ -2000,20 +2000,28 @@ CountTable = collections.namedtuple("CountTable", "name key cards_only")
 COUNT_TABLES = (CountTable("post_counts", ("status", "direction", "relevance", "liked"), True),
                 CountTable("source_post_counts",
                            ("source_id", "status", "direction", "relevance", "liked"), False))
-# A post an editor would more likely approve than not (posts.likely) is
-# above the desk's default floor in a direction that has learned a model.
+# What a direction's learned model does to the desk's default floor, by the
+# chance it gives a post that an editor approves it (posts.likely): one of
+# LIKELY_HIGH or more is shown whatever its relevance, one under LIKELY_LOW
+# is not, and between the two the relevance floor decides, as with keywords
+# alone. A model whose decisions carry no signal gives every post about the
+# direction's approval rate: between the two, the desk as keywords made it.
+# LIKELY_FLOOR: where a chance says yes rather than no (a card's reasons).
+LIKELY_LOW = 0.35
+LIKELY_HIGH = 0.75
 LIKELY_FLOOR = 0.5
 # A post's value in each key column: no direction, relevance or source
-# counts as '' or 0; liked is 1 above LIKELY_FLOOR, 0 below, -1 with no
-# likely.
+# counts as '' or 0; liked is 2 at LIKELY_HIGH or more, 0 under LIKELY_LOW,
+# 1 between, -1 with no likely.
 COUNTED_AS = {"status": "{row}status", "direction": "coalesce({row}direction, '')",
               "relevance": "coalesce({row}relevance, 0)",
               "source_id": "coalesce({row}source_id, 0)",
               "liked": f"(CASE WHEN {{row}}likely IS NULL THEN -1 "
-                       f"WHEN {{row}}likely >= {LIKELY_FLOOR} THEN 1 ELSE 0 END)"}
+                       f"WHEN {{row}}likely >= {LIKELY_HIGH} THEN 2 "
+                       f"WHEN {{row}}likely >= {LIKELY_LOW} THEN 1 ELSE 0 END)"}
 # The column of posts each key column is worked out from.
 COUNTED_FROM = {"liked": "likely"}
-LIKED = (-1, 0, 1)
+LIKED = (-1, 0, 1, 2)
 # Posts up to this id are counted in post_counts and searchable in posts_fts.
 INDEXED_TO = "indexed_to"
 
@@ -2343,6 +2351,7 @@ CREATE TABLE IF NOT EXISTS learned_words (
     PRIMARY KEY (direction, feature)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS learned_words_version ON learned_words(direction, version);
+CREATE INDEX IF NOT EXISTS learned_words_seen ON learned_words(direction, (approved + rejected));
 -- Posts whose decision changed and is not counted in learned_words yet: a
 -- decision notes its posts here and answers; whichever process next judges
 -- by the models counts them (learn_owed), several decisions in one go.
@@ -4227,30 +4236,95 @@ LEARN_EXAMPLE_CHARS = 120
 LEARN_EXAMPLES_FROM = 300
 # What news looks like in general is read from this many of the newest
 # classified posts, moved on every BACKGROUND_REFRESH seconds.
-BACKGROUND_POSTS = 2000
+BACKGROUND_POSTS = 1000
 BACKGROUND_REFRESH = 600
 CALIBRATION_PULL = 0.01
 # A model's curve is fitted again once its decisions changed by this many.
 RECALIBRATE = 5
 LEARN_SMOOTHING = 100
+# A direction's model, and the news in general, keep at most about this many
+# features: past it, those in the fewest posts go (see seen_floor). A word
+# of a single random post is no evidence; load time, page time and memory
+# stay flat however many posts are decided.
+MODEL_FEATURES = 50_000
+# Decisions at the direction's own rate a source's approval rate starts from:
+# a few decisions on a source say little, ten rejections running a lot.
+SOURCE_PRIOR = 20
 # A post some keyword of the direction matched has this much more evidence
 # for approval than its features alone give, and each keyword it matched
 # KEYWORD_EVIDENCE more: the editors' own words are a judgement the model
 # would need many decisions to learn.
 KEYWORD_HIT_EVIDENCE = 0.3
 KEYWORD_EVIDENCE = 0.05
-# A post no keyword matched is classified into a direction whose model's
-# evidence for it is above this (see Learners.wanted).
-WANTED_EVIDENCE = 0.0
-LEARN_WORD = re.compile(r"\w+")
+# Words of its own that must speak for a direction before a post no keyword
+# matched joins it (see Learners.wanted).
+WANTED_WORDS = 3
+LEARN_WORD = re.compile(r"[^\W\d_]{2,}")
+CYRILLIC_WORD = re.compile(r"[а-яё]").match
+_stemming = threading.Lock()
+
+
+@functools.lru_cache(maxsize=1)
+def stemmers():
+    """Snowball's English and Russian stemmers (snowballstemmer; in C, and
+    keeping the stems of the words it saw last, when PyStemmer is there)."""
+    snowball = import_optional("snowballstemmer", "snowballstemmer", "learning from decisions")
+    return snowball.stemmer("english"), snowball.stemmer("russian")
+
+
+def stems(words):
+    """The words' stems, each by the stemmer of its script: "выборах" and
+    "выборы" are one, "elections" and "election" too. Stemmed in one call
+    per script; a stemmer keeps state while it works, so one call at a time."""
+    english, russian = stemmers()
+    russian_words = [CYRILLIC_WORD(word) is not None for word in words]
+    with _stemming:
+        if not any(russian_words):
+            return english.stemWords(words)
+        if all(russian_words):
+            return russian.stemWords(words)
+        russian_stems = iter(russian.stemWords([w for w, r in zip(words, russian_words) if r]))
+        english_stems = iter(english.stemWords([w for w, r in zip(words, russian_words) if not r]))
+    return [next(russian_stems) if r else next(english_stems) for r in russian_words]
+
+
+
+# Words that say nothing of what a post is about, whatever the direction: a
+# card's reasons never name them, and they weigh nothing (nor does any
+# stem found in more than COMMON_SHARE of the news in general).
+FUNCTION_WORDS = """
+a about above after again against all also am an and any are as at be because been before
+being below between both but by can could did do does doing down during each few for from
+further had has have having he her here hers herself him himself his how i if in into is it
+its itself just me more most my myself no nor not now of off on once only or other our ours
+ourselves out over own same she should so some such than that the their theirs them
+themselves then there these they this those through to too under until up very was we were
+what when where which while who whom why will with would you your yours yourself yourselves
+says said say new one two also get got like just year years day days time week news read
+more via full story click here today still much many even may might must since though
+а без более бы был была были было быть в вам вас весь во вот все всего всех вы где да даже
+для до его ее ей ему если есть еще же за здесь и из или им их к как ко когда кто ли либо мне
+может мы на над надо наш не него нее нет ни них но ну о об однако он она они оно от очень по
+под при с со так также такой там те тем то того тоже той только том ты у уже хотя чего чей
+чем что чтобы чье чья эта эти это я который которая которые которых этот этой этого года
+году год также время сообщает сообщил заявил заявила рассказал отметил подробнее читать
+""".split()
+COMMON_SHARE = 0.3
+
+
+@functools.lru_cache(maxsize=1)
+def function_stems():
+    return frozenset(stems(FUNCTION_WORDS))
 
 
 def post_features(title, text, source_id):
-    """What a post is learned and judged by: the distinct words of its lead
-    (two letters or more, not bare numbers), each pair of words that follow
-    each other, and its source (as '@' and the source's id)."""
+    """What a post is learned and judged by: the stems of the words of its
+    lead (two letters or more, no numbers), each pair of stems that
+    follow each other, and its source (as '@' and the source's id). Words
+    of every post (function words) are no evidence: see Model.weights."""
     lead = f"{title or ''}\n{(text or '')[:LEARN_CHARS]}".casefold()
-    words = [w for w in LEARN_WORD.findall(lead) if len(w) > 1 and not w.isdigit()][:LEARN_WORDS]
+    dropped = function_stems()
+    words = [word for word in stems(LEARN_WORD.findall(lead)[:LEARN_WORDS]) if word not in dropped]
     features = set(words)
     features.update(f"{a} {b}" for a, b in zip(words, words[1:]))
     if source_id is not None:
@@ -4272,9 +4346,14 @@ class Background:
         background = cls(mark)
         for row in conn.execute(f"""SELECT title, substr(text, 1, {LEARN_CHARS}) AS text, source_id
                                     FROM posts WHERE id <= ? AND classified = {DONE}
-                                    ORDER BY id DESC LIMIT ?""", (mark, BACKGROUND_POSTS)):
+                                    ORDER BY id DESC LIMIT ?""", (mark, BACKGROUND_POSTS)).fetchall():
             background.counts.update(post_features(row["title"], row["text"], row["source_id"]))
             background.docs += 1
+        floor = 2
+        while len(background.counts) > MODEL_FEATURES:
+            background.counts = collections.Counter(
+                {feature: n for feature, n in background.counts.items() if n >= floor})
+            floor += 1
         return background
 
 
@@ -4311,6 +4390,7 @@ class Model:
         self.epoch, self.since = None, None
         self.counts = {}                # feature: (approved, rejected)
         self.totals = [0, 0]
+        self.floor = 1                  # of the decided posts a feature is in (seen_floor)
         self.background = Background()
         self.elsewhere = Approvals()
         self.scale, self.shift = 1.0, 0.0
@@ -4354,8 +4434,11 @@ class Model:
         # Smoothed by as many posts as it has decisions, up to LEARN_SMOOTHING:
         # a few decisions are not drowned by it, many are steadied.
         smoothing = min(LEARN_SMOOTHING, self.approved + self.rejected)
+        common = COMMON_SHARE * background.docs
         found = []
         for feature in features:
+            if feature[0] == "@" or (common and background.counts.get(feature, 0) > common):
+                continue            # the source weighs on its own (source_weight)
             wanted, unwanted = self.counts.get(feature, (0, 0))
             unwanted += background.counts.get(feature, 0) + elsewhere.counts.get(feature, 0) - \
                 mine * wanted
@@ -4368,14 +4451,30 @@ class Model:
                           feature))
         return found
 
+    def source_weight(self, features, own=(0, 0)):
+        """How much a post's source speaks for approval: the log odds of its
+        posts' approval in the direction (smoothed toward the direction's
+        rate by SOURCE_PRIOR decisions) over the direction's own. A source
+        rejected ten times running sinks, whatever its posts' words."""
+        source = next((feature for feature in features if feature[0] == "@"), None)
+        if source is None:
+            return 0.0
+        approved, rejected = self.counts.get(source, (0, 0))
+        approved, rejected = approved - own[0], rejected - own[1]
+        total_approved, total_rejected = self.approved - own[0], self.rejected - own[1]
+        rate = (total_approved + 1) / (total_approved + total_rejected + 2)
+        share = (approved + SOURCE_PRIOR * rate) / (approved + rejected + SOURCE_PRIOR)
+        return math.log(share / (1 - share)) - math.log(rate / (1 - rate))
+
     def score(self, features, keywords=0, own=(0, 0)):
-        """The evidence of a post's features for approval: their weights'
-        mean (naive Bayes would add them up, counting words that come
-        together as if each were news, and be sure of itself far beyond what
-        it knows), and for the `keywords` of the direction it matched,
-        KEYWORD_HIT_EVIDENCE and KEYWORD_EVIDENCE for each."""
+        """The evidence of a post for approval: its words' weights' mean
+        (naive Bayes would add them up, counting words that come together as
+        if each were news, and be sure of itself far beyond what it knows),
+        its source's weight, and for the `keywords` of the direction it
+        matched, KEYWORD_HIT_EVIDENCE and KEYWORD_EVIDENCE for each."""
         weights = self.weights(features, own)
         return sum(weight for weight, _ in weights) / max(1, len(weights)) + \
+            self.source_weight(features, own) + \
             (KEYWORD_HIT_EVIDENCE + KEYWORD_EVIDENCE * keywords if keywords else 0.0)
 
     def likely(self, features, keywords=0):
@@ -4417,11 +4516,42 @@ class Model:
         self.scale, self.shift = max(scale, 0.05), shift
 
     def reasons(self, features, likely):
-        """The features that weighed most toward its verdict, heaviest first."""
+        """The features that weighed most toward its verdict, heaviest first:
+        its source when that weighs more than any word."""
         toward = 1 if likely >= LIKELY_FLOOR else -1
-        weights = sorted(((toward * w, f) for w, f in self.weights(features) if toward * w > 0),
-                         reverse=True)
-        return [feature for _, feature in weights[:LEARN_REASONS]]
+        weights = [(toward * w, f) for w, f in self.weights(features) if toward * w > 0]
+        source = self.source_weight(features)
+        if toward * source > 0:
+            weights.append((toward * source, next(f for f in features if f[0] == "@")))
+        return [feature for _, feature in sorted(weights, reverse=True)[:LEARN_REASONS]]
+
+
+def reason_words(reasons, title, text, source=None):
+    """A card's reasons (Model.reasons) in the post's own words: each stem as
+    the word of the post it stands for, a pair as the two words, the source
+    by `source` (its name)."""
+    lead = f"{title or ''}\n{(text or '')[:LEARN_CHARS]}".casefold()
+    dropped, said = function_stems(), {}
+    found = LEARN_WORD.findall(lead)[:LEARN_WORDS]
+    words = [(word, root) for word, root in zip(found, stems(found)) if root not in dropped]
+    for (word, root), after in zip(words, [*words[1:], None]):
+        said.setdefault(root, word)
+        if after is not None:
+            said.setdefault(f"{root} {after[1]}", f"{word} {after[0]}")
+    return [source or reason if reason[0] == "@" else said.get(reason, reason)
+            for reason in reasons]
+
+
+def seen_floor(conn, direction):
+    """The fewest decided posts a feature of the direction must be in to be
+    kept in its model: 1 while it has at most MODEL_FEATURES features, else
+    the least that keeps it under that (each count stops past it)."""
+    floor = 1
+    while conn.execute("""SELECT count(*) FROM (SELECT 1 FROM learned_words WHERE direction = ?
+                              AND approved + rejected >= ? LIMIT ?) AS kept""",
+                       (direction, floor, MODEL_FEATURES + 1)).fetchone()[0] > MODEL_FEATURES:
+        floor += 1
+    return floor
 
 
 def calibration_loss(points, scale, shift):
@@ -4481,11 +4611,7 @@ class Learners:
                         abs(row["approved"] + row["rejected"] - model.calibrated_at) >= RECALIBRATE:
                     recalibrate.append(model)
                 if model.version != row["version"]:
-                    for feature, approved, rejected in conn.execute(
-                            "SELECT feature, approved, rejected FROM learned_words "
-                            "WHERE direction = ? AND version > ?", (model.direction, model.version)):
-                        approvals.move(feature, model.counts.get(feature, (0, 0))[0], approved)
-                        model.set(feature, approved, rejected)
+                    self.read_counts(conn, model, approvals)
                 approvals.total += row["approved"] - model.approved
                 model.approved, model.rejected = row["approved"], row["rejected"]
                 model.version, model.since = row["version"], row["since"]
@@ -4501,6 +4627,30 @@ class Learners:
                                      for features, _, keywords, decision in self.latest(conn, model)])
                     model.calibrated_at = model.approved + model.rejected
         return self
+
+    @staticmethod
+    def read_counts(conn, model, approvals):
+        """A model's counts changed since it last read them (all of them, the
+        first time: only those of its features in at least its seen_floor
+        posts); one grown past twice MODEL_FEATURES is read anew."""
+        if model.version and len(model.counts) > 2 * MODEL_FEATURES:
+            for feature, (approved, _) in model.counts.items():
+                approvals.move(feature, approved, 0)
+            model.counts, model.totals, model.version = {}, [0, 0], 0
+        if model.version == 0:
+            model.floor = seen_floor(conn, model.direction)
+            rows = conn.execute("SELECT feature, approved, rejected FROM learned_words "
+                                "WHERE direction = ? AND approved + rejected >= ?",
+                                (model.direction, model.floor)).fetchall()
+        else:
+            rows = conn.execute("SELECT feature, approved, rejected FROM learned_words "
+                                "WHERE direction = ? AND version > ?",
+                                (model.direction, model.version)).fetchall()
+        for feature, approved, rejected in rows:
+            if approved + rejected < model.floor:
+                approved = rejected = 0
+            approvals.move(feature, model.counts.get(feature, (0, 0))[0], approved)
+            model.set(feature, approved, rejected)
 
     def read_background(self, conn):
         """The background every process judges by: the newest posts up to the
@@ -4561,16 +4711,19 @@ class Learners:
                 for score, k in alike[:LEARN_EXAMPLES] if score > 0]
 
     def wanted(self, features):
-        """(direction, likely) of the direction whose model most wants a post
-        no keyword matched, when one does: its features speak for approval
-        (WANTED_EVIDENCE) against the news in general, not only the editors'
-        habit of approving what keywords found. Its likely, with no keyword's
-        evidence, says whether the desk's default floor shows it."""
-        best = max(((model.score(features), direction) for direction in list(self.models)
+        """(direction, likely) of the direction whose model wants a post no
+        keyword matched, on its own evidence: with no keyword's, its chance
+        is above LIKELY_FLOOR, and WANTED_WORDS of its words each were in
+        approved posts of the direction more than in the news in general.
+        Else None: the post stays out of every direction. One that joins is
+        on the desk only at LIKELY_HIGH (see floor_clause); below, it waits
+        in the direction's list for an editor who looks further."""
+        best = max(((model.likely(features), direction) for direction in list(self.models)
                     if (model := self.model(direction)) is not None), default=None)
-        if best is None or best[0] <= WANTED_EVIDENCE:
+        if best is None or best[0] < LIKELY_FLOOR:
             return None
-        return best[1], self.models[best[1]].likely(features)
+        own = [weight for weight, _ in self.models[best[1]].weights(features) if weight > 0]
+        return (best[1], best[0]) if len(own) >= WANTED_WORDS else None
 
 
 # A post's decision counts in its direction's model when the post is a card
@@ -6311,9 +6464,10 @@ def direction_quality(conn, direction, settings, learners):
         return {k: {"approved": a, "decided": n, "rate": round(a / n, 3)}
                 for k, (a, n) in sorted(groups.items())}
 
-    def shown(row):     # what the desk's default floor says of the post
-        if row["likely"] is not None:
-            return row["likely"] >= LIKELY_FLOOR
+    def shown(row):     # what the desk's default floor says of the post (floor_clause)
+        likely = row["likely"]
+        if likely is not None and (likely >= LIKELY_HIGH or likely < LIKELY_LOW):
+            return likely >= LIKELY_HIGH
         return (row["relevance"] or 0) >= settings.min_relevance
     sources = rates(lambda row: row["source"] or "-")
     for figures in sources.values():
@@ -6341,7 +6495,8 @@ def direction_quality(conn, direction, settings, learners):
         "keyword_misses": missed,
         "worst": [{"id": row["id"], "title": row["title"], "url": row["url"],
                    "decision": row["status"], "likely": row["likely"],
-                   "weighed": model.reasons(row["features"], row["likely"]) if model else []}
+                   "weighed": reason_words(model.reasons(row["features"], row["likely"]),
+                                           row["title"], row["text"]) if model else []}
                   for row in wrong[:QUALITY_WORST]],
         "editors": {name: {"decisions": e["decisions"], "approval_rate":
                            round(e["approved"] / e["decisions"], 3),
@@ -10308,6 +10463,7 @@ STRINGS = {
         "keywords": "keywords", "reason": "why", "stored_text": "Stored text",
         "more_sources": ("+{count} source", "+{count} sources"), "every_copy": "every copy",
         "adds": "its own: {sites}",
+        "unsure": "the model is unsure of this one: your decision teaches it most",
         "more_copies": ("and {count} more", "and {count} more"),
         "older": "older →", "first": "← newest", "next": "next →", "to_first": "← first",
         "untitled": "(untitled)",
@@ -10474,6 +10630,7 @@ STRINGS = {
         "reason": "почему", "stored_text": "Сохранённый текст", "older": "старше →",
         "next": "дальше →", "to_first": "← в начало",
         "adds": "от себя: {sites}",
+        "unsure": "модель не уверена в этом посте: ваше решение научит её больше всего",
         "more_sources": ("ещё {count} источник", "ещё {count} источника",
                          "ещё {count} источников"),
         "every_copy": "все копии",
@@ -10980,21 +11137,20 @@ def search_words(text):
 
 def floor_clause(desk, row="", counted=False):
     """SQL of the desk's floor and its parameters. One asked for (min) is on
-    relevance. The default floor is too, but for a post still to decide in a
-    direction that has learned a model: that is shown when an editor would
-    more likely approve it than not (LIKELY_FLOOR). On posts (`row` their
-    alias and a dot), or on the count tables' rows (`counted`). The relevance
-    is marked not to pick an index (the unary +) unless the order is by
-    relevance."""
+    relevance. The default floor is too, but for a post still to decide that
+    a direction's learned model is sure of: shown at LIKELY_HIGH or more,
+    not under LIKELY_LOW. On posts (`row` their alias and a dot), or on the
+    count tables' rows (`counted`). The relevance is marked not to pick an
+    index (the unary +) unless the order is by relevance."""
     if not desk.min:
         return "1 = 1", []
     relevance = f"{'' if desk.sort == 'relevance' or counted else '+'}{row}relevance >= ?"
     if desk.chosen:
         return relevance, [desk.min]
-    liked, unjudged = ("liked = 1", "liked = -1") if counted else \
-        (f"{row}likely >= {LIKELY_FLOOR}", f"{row}likely IS NULL")
+    liked, open_ = ("liked = 2", "liked IN (-1, 1)") if counted else \
+        (f"{row}likely >= {LIKELY_HIGH}", f"({row}likely IS NULL OR {row}likely >= {LIKELY_LOW})")
     return (f"({row}status != 'new' AND {relevance} OR {row}status = 'new' "
-            f"AND ({liked} OR {unjudged} AND {relevance}))"), [desk.min, desk.min]
+            f"AND ({liked} OR {open_} AND {relevance}))"), [desk.min, desk.min]
 
 
 def desk_filters(desk):
@@ -11417,9 +11573,10 @@ def published_where(publications):
                      and not row["retract"] and row["kind"] in ("telegram", "webhook"))
 
 
-def card_html(post, page, back, story=None, weighed=(), publications=()):
+def card_html(post, page, back, story=None, weighed=(), publications=(), unsure=False):
     """A post's card; `weighed`: what weighed most in its likely (see
-    Model.reasons); `publications`: where it goes or went (see sent_to)."""
+    Model.reasons); `publications`: where it goes or went (see sent_to);
+    `unsure`: the card the desk asks about (see question_card)."""
     words = card_words(page.lang)
     title = esc(post["title"]) or words["untitled"]
     link = (f'<a href="{esc(post["url"])}" rel="noopener noreferrer" target="_blank">{title}</a>'
@@ -11433,6 +11590,8 @@ def card_html(post, page, back, story=None, weighed=(), publications=()):
         why.append(f'{words["weighed"]}: {esc(", ".join(weighed))}')
     likely = "" if post["likely"] is None else \
         f' · {words["likely"]} <b class="likely">{post["likely"]:.2f}</b>'
+    if unsure:
+        likely += f' <span class="badge unsure">{page.t("unsure")}</span>'
     why_html = f'<p class="why small muted">{" · ".join(why)}</p>' if why else ""
     text = shorten(post["text"], CARD_TEXT)
     if post["old_decision"]:
@@ -11673,9 +11832,8 @@ def weighed_most(post, learners):
     if model is None:
         return ()
     features = post_features(post["title"], post["text"], post["source_id"])
-    source = f'@{post["source_id"]}'
-    return tuple(post["source"] or source if feature == source else feature
-                 for feature in model.reasons(features, post["likely"]))
+    return tuple(reason_words(model.reasons(features, post["likely"]), post["title"], post["text"],
+                              post["source"] or f'@{post["source_id"]}'))
 
 
 # GET /api/posts: this many posts a page unless `limit` says otherwise, and at most this many.
@@ -11683,24 +11841,72 @@ API_POSTS = 50
 MAX_API_POSTS = 500
 
 
+# Every QUESTION_EVERY-th decision of a direction, its default desk opens on
+# the card its model is least sure of (the chance nearest LIKELY_FLOOR,
+# between LIKELY_LOW and LIKELY_HIGH), marked as such: an editor who decides
+# the top card teaches the model where it is unsure, not only where it is
+# right, and sees such a card at most once in three.
+QUESTION_EVERY = 3
+
+
+def question_card(conn, desk):
+    """The card the desk opens on to ask the editor (see QUESTION_EVERY), or
+    None: only on the first page of a direction's default desk, once its
+    model judged its cards."""
+    if not desk.direction or desk.direction == "none" or desk.status != "new" or desk.chosen \
+            or desk.sort != "newest" or desk.q or desk.source or desk.story or desk.after:
+        return None
+    decided = conn.execute("""SELECT coalesce(sum(n), 0) FROM post_counts WHERE direction = ?
+                                  AND status IN ('approved', 'rejected')""",
+                           (desk.direction,)).fetchone()[0]
+    if decided % QUESTION_EVERY != QUESTION_EVERY - 1:
+        return None
+    chance = "coalesce(p.likely, p.relevance / 10.0)"
+    nearest = []
+    for side, order, bound in ((">=", "ASC", LIKELY_HIGH), ("<", "DESC", LIKELY_LOW)):
+        nearest += conn.execute(f"""
+            SELECT {DESK_COLUMNS} FROM posts p LEFT JOIN sources s ON s.id = p.source_id
+            WHERE p.classified = {DONE} AND p.status = 'new' AND {chance} {side} ?
+              AND {chance} {'<' if side == '>=' else '>='} ? AND p.likely IS NOT NULL
+              AND p.direction = ? AND {card('p.')}
+            ORDER BY {chance} {order} LIMIT 1""",
+                                (LIKELY_FLOOR, bound, desk.direction)).fetchall()
+    return min(nearest, key=lambda post: abs(post["likely"] - LIKELY_FLOOR), default=None)
+
+
+def asked_first(conn, desk, posts):
+    """The page's posts with the question card first, when it has one (see
+    question_card), and its id (or None)."""
+    asked = question_card(conn, desk)
+    if asked is None:
+        return posts, None
+    return [asked, *[post for post in posts if post["id"] != asked["id"]]], asked["id"]
+
+
 def desk_answer(conn, desk, limit):
     """The desk as JSON (GET /api/posts): a page of posts in the desk's
     order, one per story with its copies, and the cursor of the next page
-    when there is one."""
+    when there is one. A question card (see question_card) comes first,
+    marked `unsure`."""
     catch_up_index(conn)
     posts = desk_posts(conn, desk, limit + 1)
     more, posts = len(posts) > limit, posts[:limit]
+    cursor = next_cursor(desk, posts[-1]) if more else None
+    posts, asked = asked_first(conn, desk, posts)
+    posts = posts[:limit]
     stories = {} if desk.story else story_copies(conn, posts)
-    answer = {"posts": [api_post(post, stories.get(post["id"])) for post in posts]}
-    if more:
-        answer["next"] = next_cursor(desk, posts[-1])
+    answer = {"posts": [api_post(post, stories.get(post["id"]), post["id"] == asked)
+                        for post in posts]}
+    if cursor:
+        answer["next"] = cursor
     return answer
 
 
-def api_post(post, story):
+def api_post(post, story, unsure=False):
     fields = ("id", "url", "title", "source", "published_at", "direction", "relevance",
               "interest", "likely", "status", "decided_by", "decided_at")
     answer = {field: post[field] for field in fields}
+    answer["unsure"] = unsure
     answer["story"] = [{"id": c["id"], "url": c["url"], "source": c["source"]}
                        for c in (story.named if story else ())]
     answer["story_count"] = story.count if story else 0
@@ -11711,13 +11917,16 @@ def desk_page(conn, desk, page, directions, settings, sources=None, learners=Non
     catch_up_index(conn)
     posts = desk_posts(conn, desk)
     more, posts = len(posts) > PAGE_SIZE, posts[:PAGE_SIZE]
+    following = next_cursor(desk, posts[-1]) if more else None
+    posts, asked = asked_first(conn, desk, posts)
+    posts = posts[:PAGE_SIZE]
     counts = desk_counts(conn, desk)
     here = page.link("/", **desk.params(after="~".join(
         "" if v is None else str(v) for v in desk.after) if desk.after else None))
     stories = {} if desk.story else story_copies(conn, posts)
     sent = sent_to(conn, [p["id"] for p in posts if p["status"] == "approved"])
     cards = "".join(card_html(p, page, here, stories.get(p["id"]), weighed_most(p, learners),
-                              sent.get(p["id"], ()))
+                              sent.get(p["id"], ()), p["id"] == asked)
                     for p in posts)
     if not cards:
         empty = "empty_filtered" if desk.direction or desk.q or desk.source or \
@@ -11727,12 +11936,12 @@ def desk_page(conn, desk, page, directions, settings, sources=None, learners=Non
               f'<a href="{esc(page.link("/", **desk.params(min=0)))}">{page.t("show_all")}</a></p>'
               if counts["hidden"] and desk.min else "")
     # Only newest first leads to older posts; another order leads to the next ones.
-    first, following = ("first", "older") if desk.sort == "newest" else ("to_first", "next")
+    first, further = ("first", "older") if desk.sort == "newest" else ("to_first", "next")
     pager = "".join([
         f'<a href="{esc(page.link("/", **desk.params()))}">{page.t(first)}</a>'
         if desk.after else "",
-        f'<a href="{esc(page.link("/", **desk.params(after=next_cursor(desk, posts[-1]))))}" '
-        f'rel="next">{page.t(following)}</a>' if more else ""])
+        f'<a href="{esc(page.link("/", **desk.params(after=following)))}" '
+        f'rel="next">{page.t(further)}</a>' if more else ""])
     sources = source_options(conn) if sources is None else sources
     filters = filters_html(page, desk, directions, counts, sources, settings.min_relevance)
     body = (f"{banners(conn, settings, page)}{filters}{hidden}{waiting_note(conn, page, settings)}"
