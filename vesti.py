@@ -4720,7 +4720,7 @@ class Learners:
         in the direction's list for an editor who looks further."""
         best = max(((model.likely(features), direction) for direction in list(self.models)
                     if (model := self.model(direction)) is not None), default=None)
-        if best is None or best[0] < LIKELY_FLOOR:
+        if best is None or best[0] < LIKELY_LOW:
             return None
         own = [weight for weight, _ in self.models[best[1]].weights(features) if weight > 0]
         return (best[1], best[0]) if len(own) >= WANTED_WORDS else None
