@@ -4242,14 +4242,21 @@ CALIBRATION_PULL = 0.01
 # A model's curve is fitted again once its decisions changed by this many.
 RECALIBRATE = 5
 LEARN_SMOOTHING = 100
+# A feature's weight counts seen / (seen + WEIGHT_SHRINK) of itself, seen
+# the posts it was in (decided, or in the news in general).
+WEIGHT_SHRINK = 1
 # A direction's model, and the news in general, keep at most about this many
 # features: past it, those in the fewest posts go (see seen_floor). A word
 # of a single random post is no evidence; load time, page time and memory
 # stay flat however many posts are decided.
 MODEL_FEATURES = 50_000
-# Decisions at the direction's own rate a source's approval rate starts from:
-# a few decisions on a source say little, ten rejections running a lot.
-SOURCE_PRIOR = 20
+# A source's own approval rate weighs once it differs from the direction's
+# beyond chance (a binomial test at SOURCE_SURE), counted from SOURCE_PRIOR
+# decisions at the direction's rate: a few decisions on a source say
+# nothing, seven rejections running of a direction approved 60 % of the time
+# a lot.
+SOURCE_PRIOR = 4
+SOURCE_SURE = 0.01
 # A post some keyword of the direction matched has this much more evidence
 # for approval than its features alone give, and each keyword it matched
 # KEYWORD_EVIDENCE more: the editors' own words are a judgement the model
@@ -4259,6 +4266,9 @@ KEYWORD_EVIDENCE = 0.05
 # Words of its own that must speak for a direction before a post no keyword
 # matched joins it (see Learners.wanted).
 WANTED_WORDS = 3
+# ... and its chance there is at least this: it is in the direction's lists,
+# ranked by its likely, but on the default desk only from LIKELY_HIGH.
+WANTED_LIKELY = 0.2
 LEARN_WORD = re.compile(r"[^\W\d_]{2,}")
 CYRILLIC_WORD = re.compile(r"[а-яё]").match
 _stemming = threading.Lock()
@@ -4446,9 +4456,12 @@ class Model:
             if wanted + unwanted <= 0:
                 continue            # never seen but in this post: it says nothing
             share = (wanted + unwanted + 1) / (everything + 2)
-            found.append((math.log((wanted + smoothing * share) / (approved + smoothing))
-                          - math.log((unwanted + smoothing * share) / (other + smoothing)),
-                          feature))
+            weight = math.log((wanted + smoothing * share) / (approved + smoothing)) \
+                - math.log((unwanted + smoothing * share) / (other + smoothing))
+            # A word in one post, and nowhere in the news in general, says
+            # little, however far its share is from the others'.
+            seen = wanted + unwanted
+            found.append((weight * seen / (seen + WEIGHT_SHRINK), feature))
         return found
 
     def source_weight(self, features, own=(0, 0)):
@@ -4463,6 +4476,8 @@ class Model:
         approved, rejected = approved - own[0], rejected - own[1]
         total_approved, total_rejected = self.approved - own[0], self.rejected - own[1]
         rate = (total_approved + 1) / (total_approved + total_rejected + 2)
+        if binomial_tail(approved, approved + rejected, rate) >= SOURCE_SURE:
+            return 0.0
         share = (approved + SOURCE_PRIOR * rate) / (approved + rejected + SOURCE_PRIOR)
         return math.log(share / (1 - share)) - math.log(rate / (1 - rate))
 
@@ -4540,6 +4555,20 @@ def reason_words(reasons, title, text, source=None):
             said.setdefault(f"{root} {after[1]}", f"{word} {after[0]}")
     return [source or reason if reason[0] == "@" else said.get(reason, reason)
             for reason in reasons]
+
+
+def binomial_tail(successes, trials, rate):
+    """The chance of a count as far from trials x rate as `successes` is, or
+    farther on its side, were each trial a success with chance `rate`."""
+    if trials <= 0:
+        return 1.0
+    if trials > 500:        # the normal curve, near enough
+        spread = math.sqrt(trials * rate * (1 - rate)) or 1.0
+        return 0.5 * math.erfc(abs(successes - trials * rate) / spread / math.sqrt(2))
+    below = successes <= trials * rate
+    counts = range(0, successes + 1) if below else range(successes, trials + 1)
+    return min(1.0, sum(math.comb(trials, k) * rate ** k * (1 - rate) ** (trials - k)
+                        for k in counts))
 
 
 def seen_floor(conn, direction):
@@ -4713,14 +4742,14 @@ class Learners:
     def wanted(self, features):
         """(direction, likely) of the direction whose model wants a post no
         keyword matched, on its own evidence: with no keyword's, its chance
-        is above LIKELY_FLOOR, and WANTED_WORDS of its words each were in
+        is WANTED_LIKELY or more, and WANTED_WORDS of its words each were in
         approved posts of the direction more than in the news in general.
         Else None: the post stays out of every direction. One that joins is
         on the desk only at LIKELY_HIGH (see floor_clause); below, it waits
         in the direction's list for an editor who looks further."""
         best = max(((model.likely(features), direction) for direction in list(self.models)
                     if (model := self.model(direction)) is not None), default=None)
-        if best is None or best[0] < LIKELY_LOW:
+        if best is None or best[0] < WANTED_LIKELY:
             return None
         own = [weight for weight, _ in self.models[best[1]].weights(features) if weight > 0]
         return (best[1], best[0]) if len(own) >= WANTED_WORDS else None
