@@ -2219,13 +2219,32 @@ def test_learn_shows_each_model_and_rebuild_learns_it_again_from_the_decisions(h
     result = cli("learn", cwd=home)
     assert result.returncode == 0, result.stderr
     assert re.search(r"^linux: 3 approved, 1 rejected, \d+ features, since 20\d\d-.* UTC; "
-                     r"not used yet \(needs 30 decisions, 5 of each\)$", result.stdout, re.M)
+                     r"no model yet \(needs 30 decisions, 5 of each\)$", result.stdout, re.M)
     before = learned(conn)
     conn.execute("DELETE FROM learned_words")           # counts lost or damaged by hand
     result = cli("learn", "--rebuild", cwd=home)
     assert result.returncode == 0, result.stderr
-    assert "4 decisions learned in 1 directions" in result.stdout
+    assert "4 decisions counted in 1 direction;" in result.stdout
     assert learned(conn) == before
+
+
+@both
+def test_learn_rebuild_says_how_many_undecided_posts_it_judged_not_only_how_many_changed(home):
+    s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10)
+    conn = db.conn()
+    decided_space(conn, wire, MISSIONS, GAMES)
+    for k in range(5):
+        desk_post(conn, wire, 300 + k, text=MISSIONS[k], title=f"Waiting {k}", direction="space")
+    env = {"VESTI_LEARN_MIN": "10"}
+    first = cli("learn", "--rebuild", cwd=home, env=env)
+    assert first.returncode == 0, first.stderr
+    assert "12 decisions counted in 1 direction; 5 undecided posts judged again (5 changed)" \
+        in first.stdout
+    # The same decisions give the same chances: judged all the same, and said so.
+    again = cli("learn", "--rebuild", cwd=home, env=env).stdout
+    assert "12 decisions counted in 1 direction; 5 undecided posts judged again (0 changed)" in again
+    assert re.search(r"^space: 6 approved, 6 rejected, \d+ features, since 20\d\d-.* UTC; used$",
+                     again, re.M) and "None" not in again
 
 
 def space_home(home, **settings):

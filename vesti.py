@@ -14644,28 +14644,53 @@ def learning_report(conn, learn_min):
                                        FROM learners l ORDER BY l.direction""")]
 
 
+def undecided_cards(conn, direction):
+    """How many undecided cards of a direction there are: what judge_every_card judges."""
+    return conn.execute(f"""SELECT count(*) FROM posts p WHERE p.status = 'new'
+                            AND p.classified = {DONE} AND p.direction = ? AND {card('p.')}""",
+                        (direction,)).fetchone()[0]
+
+
+def many(n, word):
+    """'1 direction', '2 directions': a count in the terminal's words."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def rebuild_models(conn, settings):
+    """learn --rebuild: every model counted again from the decisions, then
+    every undecided card of a direction with a model judged again by it (and
+    the posts no keyword matched offered to the models). It says how many it
+    judged, not only how many changed: a model rebuilt from the same
+    decisions judges as the one it replaces."""
+    decided = conn.execute("SELECT count(*) FROM posts WHERE status IN ('approved', 'rejected')"
+                           ).fetchone()[0]
+    progress = Progress("learn --rebuild", decided)
+    learned = rebuild_learning(conn, progress)
+    learners = Learners(settings.learn_min).refresh(conn, now=True)
+    judged = sum(undecided_cards(conn, d) for d in learned if learners.model(d) is not None)
+    changed = sum(judge_every_card(conn, learners, direction) for direction in learned)
+    joined = take_in_missed(conn, learners)
+    progress.finish(f"{many(sum(a + r for a, r in learned.values()), 'decision')} counted in "
+                    f"{many(len(learned), 'direction')}; {many(judged, 'undecided post')} judged "
+                    f"again ({changed} changed); {many(joined, 'post')} no keyword matched "
+                    f"joined a direction")
+
+
 def cmd_learn(args, settings):
     registry, db = open_intake(settings)
     conn = db.conn()
     learn_owed(conn)
     if args.rebuild:
-        decided = conn.execute("SELECT count(*) FROM posts WHERE status IN ('approved', 'rejected')"
-                               ).fetchone()[0]
-        progress = Progress("learn --rebuild", decided)
-        learned = rebuild_learning(conn, progress)
-        learners = Learners(settings.learn_min).refresh(conn, now=True)
-        judged = sum(judge_every_card(conn, learners, direction) for direction in learned) + \
-            take_in_missed(conn, learners)
-        progress.finish(f"{sum(a + r for a, r in learned.values())} decisions learned in "
-                        f"{len(learned)} directions, {judged} undecided posts judged again")
+        rebuild_models(conn, settings)
     report = learning_report(conn, settings.learn_min)
     if not report:
         print("no decisions learned yet: approve and reject posts on the desk")
     for model in report:
         state = "used" if model["used"] else \
-            f"not used yet (needs {settings.learn_min} decisions, {LEARN_EACH} of each)"
+            f"no model yet (needs {settings.learn_min} decisions, {LEARN_EACH} of each)"
+        since = f", since {model['since']} UTC" if model["since"] else ""
         print(f"{model['direction']}: {model['approved']} approved, {model['rejected']} rejected, "
-              f"{model['features']} features, since {model['since'] or '-'} UTC; {state}")
+              f"{model['features']} features{since}; {state}")
     return 0
 
 
