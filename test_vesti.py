@@ -8148,6 +8148,35 @@ def test_the_page_listens_on_ipv6(home):
         server.server_close()
 
 
+def test_the_report_cards_chart_has_its_labels_inside_it_and_the_card_fits_a_phone(home, browser):
+    s, db = rocket_desk(home)
+    web = Web(home, settings=s)
+    try:
+        for width in (1200, 390):
+            browser.call("Emulation.setDeviceMetricsOverride", session=True, width=width,
+                         height=844, deviceScaleFactor=1, mobile=width < 600)
+            browser.open(web.origin + "/quality", {"Authorization": web.auth})
+            chart = browser.evaluate("""(() => {
+                const svg = document.querySelector('svg.calibration'), r = svg.getBoundingClientRect();
+                const texts = [...svg.querySelectorAll('text')].map(t => {
+                    const b = t.getBoundingClientRect();
+                    return {text: t.textContent, inside: b.left >= r.left - 1 && b.right <= r.right + 1
+                            && b.top >= r.top - 1 && b.bottom <= r.bottom + 1}; });
+                return {role: svg.getAttribute('role'), label: svg.getAttribute('aria-label'),
+                        width: r.width, texts: texts, page: document.documentElement.scrollWidth,
+                        caption: svg.closest('figure').querySelector('figcaption').textContent};
+                })()""")
+            assert chart["role"] == "img" and "diagonal" in chart["label"]
+            assert all(t["inside"] for t in chart["texts"]), (width, chart["texts"])
+            labels = {t["text"] for t in chart["texts"]}
+            assert {"0", "0.2", "1", "0 %", "50 %", "100 %", "the chance the model gave (likely "
+                    "approved)", "approved by the editors", "24", "14", "22"} <= labels, labels
+            assert "a chance of 0.7 approved 7 times in 10" in chart["caption"]
+            assert chart["width"] >= min(400, width - 60) and chart["page"] <= width, (width, chart)
+    finally:
+        web.close()
+
+
 def test_a_signed_out_desk_says_so_without_a_password_box_and_the_users_page_fits_a_phone(web, browser):
     accounts = newsroom(web)
     conn = web.db.conn()

@@ -10457,6 +10457,10 @@ table.outbox td.error{min-width:12em}.counter.over{color:var(--bad);font-weight:
 table.outbox .text{white-space:pre-wrap;font-size:.9em;max-height:16em;overflow:auto}
 section p{overflow-wrap:anywhere}
 tr.pub-uncertain,tr.pub-failed{background:#fef3f2}
+section.quality{background:#fff;border:1px solid var(--line);border-radius:8px;padding:.2em 1.2em 1em;margin-bottom:1.2em}
+section.quality table{width:auto;min-width:min(26em,100%);margin:.3em 0 .6em}
+section.quality h3{font-size:1em;margin:1.3em 0 .3em}section.quality figure{margin:.4em 0}
+svg.calibration{display:block;max-width:100%;height:auto}figcaption{max-width:46em;margin-top:.3em}
 button{font:inherit;padding:.35em .9em;border-radius:6px;border:1px solid var(--line);background:#fff;cursor:pointer}
 button:disabled{opacity:.45;cursor:default}
 button.primary{background:var(--accent);border-color:var(--accent);color:#fff}
