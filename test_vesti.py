@@ -2219,13 +2219,32 @@ def test_learn_shows_each_model_and_rebuild_learns_it_again_from_the_decisions(h
     result = cli("learn", cwd=home)
     assert result.returncode == 0, result.stderr
     assert re.search(r"^linux: 3 approved, 1 rejected, \d+ features, since 20\d\d-.* UTC; "
-                     r"not used yet \(needs 30 decisions, 5 of each\)$", result.stdout, re.M)
+                     r"no model yet \(needs 30 decisions, 5 of each\)$", result.stdout, re.M)
     before = learned(conn)
     conn.execute("DELETE FROM learned_words")           # counts lost or damaged by hand
     result = cli("learn", "--rebuild", cwd=home)
     assert result.returncode == 0, result.stderr
-    assert "4 decisions learned in 1 directions" in result.stdout
+    assert "4 decisions counted in 1 direction;" in result.stdout
     assert learned(conn) == before
+
+
+@both
+def test_learn_rebuild_says_how_many_undecided_posts_it_judged_not_only_how_many_changed(home):
+    s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10)
+    conn = db.conn()
+    decided_space(conn, wire, MISSIONS, GAMES)
+    for k in range(5):
+        desk_post(conn, wire, 300 + k, text=MISSIONS[k], title=f"Waiting {k}", direction="space")
+    env = {"VESTI_LEARN_MIN": "10"}
+    first = cli("learn", "--rebuild", cwd=home, env=env)
+    assert first.returncode == 0, first.stderr
+    assert "12 decisions counted in 1 direction; 5 undecided posts judged again (5 changed)" \
+        in first.stdout
+    # The same decisions give the same chances: judged all the same, and said so.
+    again = cli("learn", "--rebuild", cwd=home, env=env).stdout
+    assert "12 decisions counted in 1 direction; 5 undecided posts judged again (0 changed)" in again
+    assert re.search(r"^space: 6 approved, 6 rejected, \d+ features, since 20\d\d-.* UTC; used$",
+                     again, re.M) and "None" not in again
 
 
 def space_home(home, **settings):
@@ -7211,7 +7230,8 @@ def test_the_report_card_says_how_the_classifier_agrees_with_the_editors(home):
     assert space["editors"]["ed"]["decisions"] == 14
     assert space["keyword_misses"] == 1                 # the Moon, not the roses
     text = cli("quality", "--direction", "space", cwd=home, env={"VESTI_LEARN_MIN": "10"})
-    assert text.returncode == 0 and text.stdout.startswith("space: 14 decisions")
+    assert text.returncode == 0 and \
+        text.stdout.startswith("space (Space): Editors approved 8 of 14 decisions (57 %).")
     web = Web(home, settings=s)
     try:
         assert web.get("/quality", auth=False)[0] == 401
@@ -7222,6 +7242,162 @@ def test_the_report_card_says_how_the_classifier_agrees_with_the_editors(home):
         assert "Качество" in web.get("/quality?lang=ru")[2]
     finally:
         web.close()
+
+
+def rocket_desk(home, **settings):
+    """A space desk titled "Space and rockets" whose editor decided 60 posts:
+    30 missions approved (6 at a chance of 0.55, the rest at 0.85) and 30
+    games rejected (8 at 0.55, the rest at 0.15), all of relevance 7. The
+    desk's floor shows every mission and the 8 games at 0.55: it agrees on
+    52 (87 %), 0.73 beyond chance (half approved, 38 of 60 shown)."""
+    s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10, VESTI_WEB_PASSWORD="s3cret",
+                                       **settings)
+    path = home / "sources.yaml"
+    path.write_text(path.read_text().replace("title: Space", "title: Space and rockets"))
+    conn = db.conn()
+    missions = [desk_post(conn, wire, 100 + k, text=f"{MISSIONS[k % 6]} Flight {k}.",
+                          title=f"Mission {k}", direction="space") for k in range(30)]
+    games = [desk_post(conn, wire, 200 + k, text=f"{GAMES[k % 6]} Match {k}.",
+                       title=f"Game {k}", direction="space") for k in range(30)]
+    for post in missions + games:
+        sure = post in missions[6:] or post in games[8:]
+        likely = (0.85 if post in missions else 0.15) if sure else 0.55
+        conn.execute("UPDATE posts SET likely = ? WHERE id = ?", (likely, post))
+    vesti.set_decisions(conn, missions, "approved", "ed")
+    vesti.set_decisions(conn, games, "rejected", "ed")
+    for k, post in enumerate(itertools.chain(*zip(missions, games))):
+        conn.execute("UPDATE posts SET decided_at = ? WHERE id = ?", (november(1000 + k), post))
+    return s, db     # decided in turn, a minute apart: the newest 12 hold both
+
+
+@both
+def test_the_report_card_reads_in_plain_words_under_the_directions_titles(home):
+    s, db = rocket_desk(home)
+    env = {"VESTI_LEARN_MIN": "10"}
+    [space] = [card for card in json.loads(cli("quality", "--json", cwd=home, env=env).stdout)
+               if card["direction"] == "space"]
+    assert (space["title"], space["decisions"], space["agreed"]) == ("Space and rockets", 60, 52)
+    assert space["kappa"] == pytest.approx(0.733, abs=0.001)
+    assert space["precision"]["held_out"] == 12 and space["precision"]["rests_on"] == \
+        {"p20": 12, "p50": 12}
+    web = Web(home, settings=s)
+    try:
+        page = web.get("/quality")[2]
+        russian = web.get("/quality?lang=ru")[2]
+    finally:
+        web.close()
+    section = re.search(r'<section class="quality" id="direction-space">.*?</section>', page, re.S)[0]
+    assert "<h2>Space and rockets</h2>" in section and "<h2>space</h2>" not in section
+    text = html.unescape(re.sub(r"<[^>]+>", " ", section))
+    assert "Editors approved 30 of 60 decisions (50 %)." in text
+    assert "The desk agrees with the editors on 87 % of 60 decisions, 0.73 beyond chance " \
+        "(Cohen's κ)." in text
+    assert "0 is no better than chance, 1 is agreeing on every post" in text   # κ explained
+    # P@20 on 12 held-out decisions says so, with how loose it is.
+    learned = re.search(r"by the learned model\s*(\d+) of (\d+): (\d\.\d\d) \(95 %: (\d\.\d\d)–",
+                        text)
+    assert learned[2] == "12" and float(learned[4]) < float(learned[3])
+    assert "Only 12 are held out, so the first 20 are all of them" in text
+    # Every table says what its columns are.
+    tables = re.findall(r"<table>(.*?)</table>", section, re.S)
+    assert len(tables) == 5 and all(t.startswith("<tr><th>") for t in tables)
+    assert "<th>chance</th><th>approved of decided</th><th>share approved</th>" in section
+    assert "<th>relevance</th><th>approved of decided</th><th>share approved</th>" in section
+    assert "<th>source</th><th>approved of decided</th><th>share approved</th><th>95 % range</th>" \
+        in section
+    # Each editor's decisions under a heading of their own.
+    assert re.search(r"<h3>Each editor's decisions</h3><table><tr><th>editor</th><th>decisions</th>"
+                     r"<th>a day</th><th>share approved</th></tr><tr><td>ed</td><td>60</td>",
+                     html.unescape(section))
+    assert "Editors who decided the same story" not in section
+    # The direction nobody decided in one line, not drawn in full.
+    assert 'id="direction-linux"' not in page
+    assert '<p class="muted" id="no-decisions">No decisions yet: Linux.</p>' in page
+    # The Russian page says it all in Russian.
+    ru = html.unescape(re.sub(r"<[^>]+>", " ", re.sub(r"<ol>.*?</ol>", "", re.search(
+        r'<section class="quality" id="direction-space">.*?</section>', russian, re.S)[0])))
+    assert "Редакторы одобрили 30 из 60 решений (50 %)." in ru
+    assert "Отбор согласен с редакторами в 87 % из 60 решений, на 0.73 лучше случайного" in ru
+    assert "Пока без решений: Linux." in russian
+    english = [word for word in re.findall(r"[A-Za-z]{4,}", ru)
+               if word not in {"Space", "rockets", "wire"}]      # the titles, the source
+    assert not english, english
+
+
+@both
+def test_the_report_card_says_too_few_to_say_and_the_terminal_never_none(home):
+    s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10, VESTI_WEB_PASSWORD="s3cret")
+    conn = db.conn()
+    decided_space(conn, wire, MISSIONS[:4], GAMES[:4])
+    env = {"VESTI_LEARN_MIN": "10"}
+    text = cli("quality", cwd=home, env=env)
+    assert text.returncode == 0, text.stderr
+    assert "None" not in text.stdout
+    assert "Agreement with the editors: too few to say (8 decisions; 20 needed)." in text.stdout
+    assert "The first 20 and 50 of each order: too few to say (0 decisions held out; " \
+        "10 needed)." in text.stdout
+    assert "No model yet: one is learned from 10 decisions, at least 5 approved and 5 rejected" \
+        in text.stdout
+    assert "linux (Linux): no decisions yet" in text.stdout
+    assert "approved per tenth of the chance (likely): No decided post had a chance" in text.stdout
+    [space] = [c for c in json.loads(cli("quality", "--json", cwd=home, env=env).stdout)
+               if c["direction"] == "space"]
+    assert space["precision"] is None and space["minimum"] == {"decisions": 20, "held_out": 10}
+    empty = cli("quality", "--direction", "linux", cwd=home, env=env)
+    assert empty.stdout == "linux (Linux): no decisions yet\n"
+    web = Web(home, settings=s)
+    try:
+        page = web.get("/quality")[2]
+    finally:
+        web.close()
+    assert "too few to say (8 decisions; 20 needed)" in page and "beyond chance" not in page
+    assert "<svg" not in page and "No decided post had a chance from the model yet" in page
+
+
+@both
+def test_the_report_card_says_what_learning_changed_on_the_desk_this_week(home):
+    s, db = rocket_desk(home)
+    conn = db.conn()
+    wire = source_row(db, "wire")["id"]
+
+    def post(k, relevance, likely, status="new", published=ago(3600)):
+        post = desk_post(conn, wire, 300 + k, relevance=relevance, direction="space",
+                         title=f"This week {k}")
+        if status != "new":
+            vesti.set_decisions(conn, [post], status, "ed")
+        conn.execute("UPDATE posts SET likely = ?, published_at = ?, keywords = ? WHERE id = ?",
+                     (likely, published, None if relevance < 3 else "rocket", post))
+    post(0, 2, 0.8, "approved")                 # raised: shown by the model alone
+    post(1, 2, 0.9, "rejected")
+    post(2, 2, 0.8)
+    post(3, 2, 0.8, "approved", published=november(5))      # raised, but weeks ago
+    post(4, 6, 0.2, "rejected")                 # lowered: hidden by the model alone
+    post(5, 6, 0.3)
+    post(6, 2, 0.5)                             # under the floor by relevance: not the model
+    post(7, 6, 0.9)                             # shown anyway
+    [space] = [c for c in json.loads(cli("quality", "--json", "--direction", "space", cwd=home,
+                                         env={"VESTI_LEARN_MIN": "10"}).stdout)]
+    week = space["changed_this_week"]
+    assert week["raised"] == {"posts": 3, "decided": 2, "approved": 1}
+    assert week["lowered"] == {"posts": 2, "decided": 1, "approved": 0}
+    # The posts no keyword matched that the model let in, and what editors made of them.
+    assert (space["keyword_misses"], space["keyword_misses_decided"],
+            space["keyword_misses_approved"]) == (5, 3, 2)
+    web = Web(home, settings=s)
+    try:
+        page = html.unescape(web.get("/quality")[2])
+    finally:
+        web.close()
+    assert "<h3>What learning changed on the desk in the last 7 days</h3><table><tr><th>change" in page
+    assert "<td>shown by the model: relevance under 3, chance 0.75 or more</td><td>3</td><td>2</td>" \
+        "<td>1/2 (50 %)</td>" in page
+    assert "<td>hidden by the model: relevance 3 or more, chance under 0.35</td><td>2</td><td>1</td>" \
+        "<td>0/1 (0 %)</td>" in page
+    assert "The model let in 5 posts no keyword matched; the editors approved 2 of the 3 they " \
+        "decided." in page
+    text = cli("quality", "--direction", "space", cwd=home, env={"VESTI_LEARN_MIN": "10"}).stdout
+    assert "shown by the model: relevance under 3, chance 0.75 or more: 3 posts, 2 decided, " \
+        "approved 1/2 (50 %)" in text
 
 
 # Web pages: in a real browser -------------------------------------------------
@@ -7975,6 +8151,35 @@ def test_the_page_listens_on_ipv6(home):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_report_cards_chart_has_its_labels_inside_it_and_the_card_fits_a_phone(home, browser):
+    s, db = rocket_desk(home)
+    web = Web(home, settings=s)
+    try:
+        for width in (1200, 390):
+            browser.call("Emulation.setDeviceMetricsOverride", session=True, width=width,
+                         height=844, deviceScaleFactor=1, mobile=width < 600)
+            browser.open(web.origin + "/quality", {"Authorization": web.auth})
+            chart = browser.evaluate("""(() => {
+                const svg = document.querySelector('svg.calibration'), r = svg.getBoundingClientRect();
+                const texts = [...svg.querySelectorAll('text')].map(t => {
+                    const b = t.getBoundingClientRect();
+                    return {text: t.textContent, inside: b.left >= r.left - 1 && b.right <= r.right + 1
+                            && b.top >= r.top - 1 && b.bottom <= r.bottom + 1}; });
+                return {role: svg.getAttribute('role'), label: svg.getAttribute('aria-label'),
+                        width: r.width, texts: texts, page: document.documentElement.scrollWidth,
+                        caption: svg.closest('figure').querySelector('figcaption').textContent};
+                })()""")
+            assert chart["role"] == "img" and "diagonal" in chart["label"]
+            assert all(t["inside"] for t in chart["texts"]), (width, chart["texts"])
+            labels = {t["text"] for t in chart["texts"]}
+            assert {"0", "0.2", "1", "0 %", "50 %", "100 %", "the chance the model gave (likely "
+                    "approved)", "approved by the editors", "24", "14", "22"} <= labels, labels
+            assert "a chance of 0.7 approved 7 times in 10" in chart["caption"]
+            assert chart["width"] >= min(400, width - 60) and chart["page"] <= width, (width, chart)
+    finally:
+        web.close()
 
 
 def test_a_signed_out_desk_says_so_without_a_password_box_and_the_users_page_fits_a_phone(web, browser):

@@ -6420,6 +6420,12 @@ QUALITY_DECISIONS = 5000        # the latest decisions of a direction the report
 QUALITY_HELD_OUT = 0.2
 QUALITY_WORST = 10
 Z95 = 1.959964
+# Below these a figure is "too few to say": on fewer than 20 decisions one
+# more moves an agreement by 5 points and κ by a tenth or more, and a
+# precision on fewer than 10 held-out decisions is a handful of coin tosses.
+QUALITY_MIN_DECISIONS = 20
+QUALITY_MIN_HELD_OUT = 10
+QUALITY_WEEK = 7 * 86400        # what learning changed on the desk: posts of this long
 
 
 def wilson(approved, decided):
@@ -6453,7 +6459,9 @@ def precision_at(ranked, k):
 def held_out_precision(rows, background):
     """Precision at 20 and 50 of the newest QUALITY_HELD_OUT of decisions (rows
     oldest first), ranked by a model learned from the older ones, and by
-    relevance as the classifier alone ranks them."""
+    relevance as the classifier alone ranks them; `rests_on`: how many
+    held-out decisions each is the share of (fewer than k when fewer are
+    held out)."""
     split = int(len(rows) * (1 - QUALITY_HELD_OUT))
     older, newer = rows[:split], rows[split:]
     model = Model(None)
@@ -6465,13 +6473,16 @@ def held_out_precision(rows, background):
     by_relevance = [row["status"] == "approved" for row in
                     sorted(newer, key=lambda r: -(r["relevance"] or 0))]
     return {"held_out": len(newer), "learned_from": len(older),
+            "enough": len(newer) >= QUALITY_MIN_HELD_OUT,
+            "rests_on": {"p20": min(20, len(newer)), "p50": min(50, len(newer))},
             "learned": {"p20": precision_at(learned, 20), "p50": precision_at(learned, 50)},
             "relevance": {"p20": precision_at(by_relevance, 20),
                           "p50": precision_at(by_relevance, 50)}}
 
 
-def direction_quality(conn, direction, settings, learners):
-    """The report card of one direction (see quality_report)."""
+def decided_rows(conn, direction):
+    """The direction's latest QUALITY_DECISIONS counted decisions, oldest
+    first, each with its features."""
     rows = [dict(row) for row in conn.execute(
         f"""SELECT p.id, p.title, p.url, p.status, p.relevance, p.likely, p.decided_by,
                    p.decided_at, p.keywords, p.source_id, s.name AS source,
@@ -6481,64 +6492,125 @@ def direction_quality(conn, direction, settings, learners):
             ORDER BY p.decided_at DESC, p.id DESC LIMIT ?""", (direction, QUALITY_DECISIONS))][::-1]
     for row in rows:
         row["features"] = post_features(row["title"], row["text"], row["source_id"])
-    approved = sum(row["status"] == "approved" for row in rows)
-    model = learners.model(direction)
+    return rows
 
-    def rates(key):
-        groups = collections.defaultdict(lambda: [0, 0])
-        for row in rows:
-            if key(row) is not None:
-                groups[key(row)][0] += row["status"] == "approved"
-                groups[key(row)][1] += 1
-        return {k: {"approved": a, "decided": n, "rate": round(a / n, 3)}
-                for k, (a, n) in sorted(groups.items())}
 
-    def shown(row):     # what the desk's default floor says of the post (floor_clause)
-        likely = row["likely"]
-        if likely is not None and (likely >= LIKELY_HIGH or likely < LIKELY_LOW):
-            return likely >= LIKELY_HIGH
-        return (row["relevance"] or 0) >= settings.min_relevance
-    sources = rates(lambda row: row["source"] or "-")
-    for figures in sources.values():
-        figures["interval"] = wilson(figures["approved"], figures["decided"])
+def approval_rates(rows, key):
+    """{key: {approved, decided, rate}} of the rows grouped by key(row) (None: left out)."""
+    groups = collections.defaultdict(lambda: [0, 0])
+    for row in rows:
+        if key(row) is not None:
+            groups[key(row)][0] += row["status"] == "approved"
+            groups[key(row)][1] += 1
+    return {k: {"approved": a, "decided": n, "rate": round(a / n, 3)}
+            for k, (a, n) in sorted(groups.items())}
+
+
+def shown_by_floor(row, floor):
+    """Whether the desk's default floor shows the post (see floor_clause)."""
+    likely = row["likely"]
+    if likely is not None and (likely >= LIKELY_HIGH or likely < LIKELY_LOW):
+        return likely >= LIKELY_HIGH
+    return (row["relevance"] or 0) >= floor
+
+
+def editors_of(rows):
+    """{editor: {decisions, approval_rate, per_day}} of the rows."""
     editors = collections.defaultdict(lambda: {"decisions": 0, "approved": 0, "days": set()})
     for row in rows:
         editor = editors[row["decided_by"] or "-"]
         editor["decisions"] += 1
         editor["approved"] += row["status"] == "approved"
         editor["days"].add((row["decided_at"] or "")[:10])
+    return {name: {"decisions": e["decisions"],
+                   "approval_rate": round(e["approved"] / e["decisions"], 3),
+                   "per_day": round(e["decisions"] / max(1, len(e["days"])), 1)}
+            for name, e in sorted(editors.items())}
+
+
+def worst_disagreements(rows, model):
+    """The QUALITY_WORST decisions furthest from the chance the model gave, with why."""
     wrong = sorted((row for row in rows if row["likely"] is not None),
                    key=lambda row: -abs((row["status"] == "approved") - row["likely"]))
-    missed = conn.execute(f"""SELECT count(*) FROM posts WHERE direction = ? AND keywords IS NULL
-                              AND classified = {DONE}""", (direction,)).fetchone()[0]
+    return [{"id": row["id"], "title": row["title"], "url": row["url"],
+             "decision": row["status"], "likely": row["likely"],
+             "weighed": reason_words(model.reasons(row["features"], row["likely"]),
+                                     row["title"], row["text"]) if model else []}
+            for row in wrong[:QUALITY_WORST]]
+
+
+def decided_counts(rows):
+    """{posts, decided, approved} of (status, count) rows."""
+    counts = dict(rows)
+    return {"posts": sum(counts.values()),
+            "decided": counts.get("approved", 0) + counts.get("rejected", 0),
+            "approved": counts.get("approved", 0)}
+
+
+def keyword_misses(conn, direction):
+    """{posts, decided, approved} of the posts no keyword matched that the
+    direction's model let in (see Learners.wanted)."""
+    return decided_counts(conn.execute(
+        f"""SELECT status, count(*) FROM posts WHERE direction = ? AND keywords IS NULL
+            AND classified = {DONE} GROUP BY status""", (direction,)).fetchall())
+
+
+def changed_this_week(conn, direction, floor, now=None):
+    """What the direction's model did to the desk's default floor among the
+    cards of the last QUALITY_WEEK: posts it raised (shown at LIKELY_HIGH
+    though their relevance is under the floor) and lowered (hidden under
+    LIKELY_LOW though it is at the floor or above), each {posts, decided,
+    approved}. A decided post keeps the chance it was decided at."""
+    since = utc_text((time.time() if now is None else now) - QUALITY_WEEK)
+    rows = conn.execute(f"""
+        SELECT CASE WHEN p.likely >= {LIKELY_HIGH} THEN 'raised' ELSE 'lowered' END AS change,
+               p.status, count(*) FROM posts p
+        WHERE p.direction = ? AND p.classified = {DONE} AND p.published_at >= ? AND {card('p.')}
+          AND (p.likely >= {LIKELY_HIGH} AND coalesce(p.relevance, 0) < ?
+               OR p.likely < {LIKELY_LOW} AND coalesce(p.relevance, 0) >= ?)
+        GROUP BY 1, 2""", (direction, since, floor, floor)).fetchall()
+    return {"since": since, "floor": floor, **{
+        change: decided_counts([(row[1], row[2]) for row in rows if row[0] == change])
+        for change in ("raised", "lowered")}}
+
+
+def direction_quality(conn, direction, settings, learners):
+    """The report card of one direction (see quality_report)."""
+    rows = decided_rows(conn, direction.id)
+    approved = sum(row["status"] == "approved" for row in rows)
+    model = learners.model(direction.id)
+    agreement = [(shown_by_floor(row, settings.min_relevance), row["status"] == "approved")
+                 for row in rows]
+    sources = approval_rates(rows, lambda row: row["source"] or "-")
+    for figures in sources.values():
+        figures["interval"] = wilson(figures["approved"], figures["decided"])
+    misses = keyword_misses(conn, direction.id)
     return {
-        "direction": direction, "decisions": len(rows), "approved": approved,
+        "direction": direction.id, "title": direction.title,
+        "decisions": len(rows), "approved": approved,
         "approval_rate": round(approved / len(rows), 3) if rows else None,
-        "model_used": model is not None,
+        "minimum": {"decisions": QUALITY_MIN_DECISIONS, "held_out": QUALITY_MIN_HELD_OUT},
+        "model_used": model is not None, "learn_min": settings.learn_min,
         "precision": held_out_precision(rows, learners.background) if len(rows) >= 10 else None,
-        "by_relevance": rates(lambda row: row["relevance"]),
-        "by_likely": rates(lambda row: None if row["likely"] is None else
-                           min(9, int(row["likely"] * 10)) / 10),
-        "kappa": kappa([(shown(row), row["status"] == "approved") for row in rows]),
+        "by_relevance": approval_rates(rows, lambda row: row["relevance"]),
+        "by_likely": approval_rates(rows, lambda row: None if row["likely"] is None else
+                                    min(9, int(row["likely"] * 10)) / 10),
+        "agreed": sum(a == b for a, b in agreement), "kappa": kappa(agreement),
         "sources": sources,
-        "keyword_misses": missed,
-        "worst": [{"id": row["id"], "title": row["title"], "url": row["url"],
-                   "decision": row["status"], "likely": row["likely"],
-                   "weighed": reason_words(model.reasons(row["features"], row["likely"]),
-                                           row["title"], row["text"]) if model else []}
-                  for row in wrong[:QUALITY_WORST]],
-        "editors": {name: {"decisions": e["decisions"], "approval_rate":
-                           round(e["approved"] / e["decisions"], 3),
-                           "per_day": round(e["decisions"] / max(1, len(e["days"])), 1)}
-                    for name, e in sorted(editors.items())},
+        "keyword_misses": misses["posts"], "keyword_misses_decided": misses["decided"],
+        "keyword_misses_approved": misses["approved"],
+        "changed_this_week": changed_this_week(conn, direction.id, settings.min_relevance),
+        "worst": worst_disagreements(rows, model),
+        "editors": editors_of(rows),
     }
 
 
 def quality_report(conn, directions, settings, direction=None):
-    """The classifier's report card of every direction (or one)."""
+    """The classifier's report card of every direction (or one): `directions`
+    as the registry has them, {id: Direction}."""
     learners = Learners(settings.learn_min).refresh(conn, now=True)
     return [direction_quality(conn, d, settings, learners)
-            for d in directions if direction in (None, d)]
+            for d in directions.values() if direction in (None, d.id)]
 
 
 AGREEMENT_EVENTS = 20000        # the latest decisions the editors' agreement is read from
@@ -10414,6 +10486,10 @@ table.outbox td.error{min-width:12em}.counter.over{color:var(--bad);font-weight:
 table.outbox .text{white-space:pre-wrap;font-size:.9em;max-height:16em;overflow:auto}
 section p{overflow-wrap:anywhere}
 tr.pub-uncertain,tr.pub-failed{background:#fef3f2}
+section.quality{background:#fff;border:1px solid var(--line);border-radius:8px;padding:.2em 1.2em 1em;margin-bottom:1.2em}
+section.quality table{width:auto;min-width:min(26em,100%);margin:.3em 0 .6em}
+section.quality h3{font-size:1em;margin:1.3em 0 .3em}section.quality figure{margin:.4em 0}
+svg.calibration{display:block;max-width:100%;height:auto}figcaption{max-width:46em;margin-top:.3em}
 button{font:inherit;padding:.35em .9em;border-radius:6px;border:1px solid var(--line);background:#fff;cursor:pointer}
 button:disabled{opacity:.45;cursor:default}
 button.primary{background:var(--accent);border-color:var(--accent);color:#fff}
@@ -10466,17 +10542,6 @@ details.filters>summary{cursor:pointer;font-weight:600;margin-bottom:.5em}
 STRINGS = {
     "en": {
         "desk": "Desk", "crawlers": "Crawlers", "pending": "pending", "processing": "processing",
-        "quality": "Report card", "q.calibration": "Approved, per tenth of likely",
-        "q.decisions": ("{n} decision", "{n} decisions"), "q.approval": "approval rate",
-        "q.misses": ("{n} post no keyword matched that the model wants",
-                     "{n} posts no keyword matched that the model wants"),
-        "q.used": "its learned model is used", "q.unused": "no learned model used yet",
-        "q.learned": "by the learned model", "q.by_relevance": "by relevance alone",
-        "q.held_out": ("on the newest decision, learned from the older ones",
-                       "on the newest {n} decisions, learned from the older ones"),
-        "q.sources": "Approved of decided per source (95 % interval)",
-        "q.worst": "Where the model and the editors disagree most", "q.editors": "Editors",
-        "q.decided": "decisions", "q.per_day": "a day", "q.none": "No direction to report on.",
         "done_today": "done today", "failed": "failed", "reset_dead": "Reset dead sources",
         "dead_count": "{n} dead", "status.new": "to decide", "status.approved": "approved",
         "status.rejected": "rejected", "status.any": "any status",
@@ -10622,26 +10687,84 @@ STRINGS = {
         "u.events": "What was done lately", "u.when": "when (UTC)", "u.who": "who",
         "u.from": "from", "u.what": "what",
         "decided_by": "{decision} by {who}, {when} UTC", "looking": "· {names} looking",
-        "q.editors": "Editors who decided the same story",
+        "quality": "Report card", "q.none": "No direction to report on.",
+        "q.no_decisions": "No decisions yet: {titles}.",
+        "q.approved_of": ("Editors approved {approved} of {n} decision ({rate} %).",
+                          "Editors approved {approved} of {n} decisions ({rate} %)."),
+        "q.used": "Its learned model is used: each card's chance (likely approved) and the "
+                  "desk's floor come from it.",
+        "q.unused": "No model yet: one is learned from {min} decisions, at least {each} approved "
+                    "and {each} rejected; until then the desk is as keywords make it.",
+        "q.agrees": ("The desk agrees with the editors on {share} % of {n} decision, {kappa} "
+                     "beyond chance (Cohen's κ).",
+                     "The desk agrees with the editors on {share} % of {n} decisions, {kappa} "
+                     "beyond chance (Cohen's κ)."),
+        "q.agrees_alike": ("The desk agrees with the editors on {share} % of {n} decision; how far "
+                           "beyond chance cannot be told, as the desk or the editors said the same "
+                           "of every post.",
+                           "The desk agrees with the editors on {share} % of {n} decisions; how far "
+                           "beyond chance cannot be told, as the desk or the editors said the same "
+                           "of every post."),
+        "q.agree_few": ("Agreement with the editors: too few to say ({n} decision; {min} needed).",
+                        "Agreement with the editors: too few to say ({n} decisions; {min} needed)."),
+        "q.kappa_means": "The desk agrees when it shows a post the editors approve or hides one "
+                         "they reject. Cohen's κ takes away the agreement chance alone would give: "
+                         "0 is no better than chance, 1 is agreeing on every post, below 0 is worse "
+                         "than chance.",
+        "q.misses": ("The model let in {n} post no keyword matched; the editors approved "
+                     "{approved} of the {decided} they decided.",
+                     "The model let in {n} posts no keyword matched; the editors approved "
+                     "{approved} of the {decided} they decided."),
+        "q.week": "What learning changed on the desk in the last 7 days",
+        "q.week_none": "Nothing: no post of the last 7 days was shown or hidden because of the model.",
+        "q.change": "change", "q.posts": "posts", "q.decided": "decided",
+        "q.approved": "approved of decided", "q.share": "share approved",
+        "q.raised": "shown by the model: relevance under {floor}, chance {high} or more",
+        "q.lowered": "hidden by the model: relevance {floor} or more, chance under {low}",
+        "q.precision": "The first 20 and 50 posts of each order, approved",
+        "q.precision_few": ("The first 20 and 50 of each order: too few to say ({n} decision held "
+                            "out; {min} needed).",
+                            "The first 20 and 50 of each order: too few to say ({n} decisions held "
+                            "out; {min} needed)."),
+        "q.order": "order", "q.first": "first {k}",
+        "q.learned": "by the learned model", "q.by_relevance": "by relevance alone",
+        "q.cell": "{approved} of {n}: {rate} (95 %: {low}–{high})",
+        "q.held_out": ("Held out: the newest {n} decision, ranked as a model learned from the "
+                       "{older} before it ranks it. In brackets: where the share likely lies.",
+                       "Held out: the newest {n} decisions, ranked as a model learned from the "
+                       "{older} before them ranks them. In brackets: where each share likely lies."),
+        "q.fewer": "Only {n} are held out, so the first {k} are all of them: the range in brackets "
+                   "says how loose that is.",
+        "q.calibration": "Does the model's chance come true?",
+        "q.calibration_label": "Chart: for each tenth of the chance the model gave, the share of "
+                               "those posts the editors approved, beside the diagonal where a "
+                               "chance comes true as often as it says",
+        "q.axis_likely": "the chance the model gave (likely approved)",
+        "q.axis_approved": "approved by the editors",
+        "q.bars": ("Bars: what the editors did with the {n} post decided while the model gave a "
+                   "chance, the number over a bar how many it rests on",
+                   "Bars: what the editors did with the {n} posts decided while the model gave a "
+                   "chance, the number over a bar how many it rests on"),
+        "q.diagonal": "the dashed diagonal: a chance that comes true, a chance of 0.7 approved "
+                      "7 times in 10",
+        "q.reading": "A bar under the diagonal: the model promised more than the editors approved; "
+                     "over it, less.",
+        "q.calibration_none": "No decided post had a chance from the model yet: this waits for "
+                              "decisions made while the model is used.",
+        "q.tenth": "chance", "q.by_relevance_title": "Approved per relevance",
+        "q.sources": "Approved per source", "q.source": "source", "q.range": "95 % range",
+        "q.interval_means": "The 95 % range is where a source's share likely lies: the fewer its "
+                            "decisions, the wider it is.",
+        "q.worst": "Where the model and the editors disagree most",
+        "q.editors": "Each editor's decisions", "q.editor": "editor",
+        "q.decisions_col": "decisions", "q.per_day": "a day",
+        "q.pairs": "Editors who decided the same story", "q.editor_pair": "editors",
+        "q.agreed": "agreed",
         "q.agreement": "{agreed} of {pairs} agreed",
         "q.no_pairs": "No story was decided by two editors yet.",
     },
     "ru": {
         "desk": "Отбор", "crawlers": "Источники", "pending": "в очереди",
-        "quality": "Качество", "q.calibration": "Одобрено, по десятым вероятности",
-        "q.decisions": ("{n} решение", "{n} решения", "{n} решений"),
-        "q.approval": "доля одобренных",
-        "q.misses": ("{n} пост без ключевых слов нужен модели",
-                     "{n} поста без ключевых слов нужны модели",
-                     "{n} постов без ключевых слов нужны модели"),
-        "q.used": "обученная модель используется", "q.unused": "обученная модель пока не используется",
-        "q.learned": "по обученной модели", "q.by_relevance": "только по релевантности",
-        "q.held_out": ("на последнем решении, обучено на более ранних",
-                       "на последних {n} решениях, обучено на более ранних",
-                       "на последних {n} решениях, обучено на более ранних"),
-        "q.sources": "Одобрено из решённых по источникам (интервал 95 %)",
-        "q.worst": "Где модель и редакторы расходятся сильнее всего", "q.editors": "Редакторы",
-        "q.decided": "решений", "q.per_day": "в день", "q.none": "Нет направлений для отчёта.",
         "processing": "в работе", "done_today": "готово сегодня", "failed": "ошибки",
         "reset_dead": "Сбросить dead", "dead_count": "мёртвых: {n}",
         "status.new": "к решению", "status.approved": "одобрено", "status.rejected": "отклонено",
@@ -10801,7 +10924,97 @@ STRINGS = {
         "u.events": "Последние действия", "u.when": "когда (UTC)", "u.who": "кто",
         "u.from": "откуда", "u.what": "что",
         "decided_by": "{decision}: {who}, {when} UTC", "looking": "· смотрит: {names}",
-        "q.editors": "Редакторы, решавшие одну историю",
+        "quality": "Качество", "q.none": "Нет направлений для отчёта.",
+        "q.no_decisions": "Пока без решений: {titles}.",
+        "q.approved_of": ("Редакторы одобрили {approved} из {n} решения ({rate} %).",
+                          "Редакторы одобрили {approved} из {n} решений ({rate} %).",
+                          "Редакторы одобрили {approved} из {n} решений ({rate} %)."),
+        "q.used": "Обученная модель используется: от неё вероятность одобрения на каждой "
+                  "карточке и порог отбора.",
+        "q.unused": "Модели пока нет: она обучается с {min} решений, среди них не меньше {each} "
+                    "одобренных и {each} отклонённых; до тех пор отбор идёт по ключевым словам.",
+        "q.agrees": ("Отбор согласен с редакторами в {share} % из {n} решения, на {kappa} лучше "
+                     "случайного (каппа Коэна, κ).",
+                     "Отбор согласен с редакторами в {share} % из {n} решений, на {kappa} лучше "
+                     "случайного (каппа Коэна, κ).",
+                     "Отбор согласен с редакторами в {share} % из {n} решений, на {kappa} лучше "
+                     "случайного (каппа Коэна, κ)."),
+        "q.agrees_alike": ("Отбор согласен с редакторами в {share} % из {n} решения; насколько "
+                           "это лучше случайного, не сказать: отбор или редакторы решили обо всех "
+                           "постах одно и то же.",
+                           "Отбор согласен с редакторами в {share} % из {n} решений; насколько "
+                           "это лучше случайного, не сказать: отбор или редакторы решили обо всех "
+                           "постах одно и то же.",
+                           "Отбор согласен с редакторами в {share} % из {n} решений; насколько "
+                           "это лучше случайного, не сказать: отбор или редакторы решили обо всех "
+                           "постах одно и то же."),
+        "q.agree_few": ("Согласие с редакторами: слишком мало, чтобы судить ({n} решение; "
+                        "нужно {min}).",
+                        "Согласие с редакторами: слишком мало, чтобы судить ({n} решения; "
+                        "нужно {min}).",
+                        "Согласие с редакторами: слишком мало, чтобы судить ({n} решений; "
+                        "нужно {min})."),
+        "q.kappa_means": "Отбор согласен, когда показывает пост, который редакторы одобряют, или "
+                         "скрывает тот, что они отклоняют. Каппа Коэна вычитает согласие, которое "
+                         "дал бы один случай: 0 — не лучше случая, 1 — согласие во всём, меньше 0 "
+                         "— хуже случая.",
+        "q.misses": ("Модель приняла {n} пост, в котором не нашлось ключевых слов; редакторы "
+                     "одобрили {approved} из {decided} решённых.",
+                     "Модель приняла {n} поста, в которых не нашлось ключевых слов; редакторы "
+                     "одобрили {approved} из {decided} решённых.",
+                     "Модель приняла {n} постов, в которых не нашлось ключевых слов; редакторы "
+                     "одобрили {approved} из {decided} решённых."),
+        "q.week": "Что обучение изменило в отборе за последние 7 дней",
+        "q.week_none": "Ничего: ни один пост последних 7 дней не показан и не скрыт из-за модели.",
+        "q.change": "изменение", "q.posts": "постов", "q.decided": "решено",
+        "q.approved": "одобрено из решённых", "q.share": "доля одобренных",
+        "q.raised": "показаны моделью: релевантность ниже {floor}, вероятность {high} и выше",
+        "q.lowered": "скрыты моделью: релевантность {floor} и выше, вероятность ниже {low}",
+        "q.precision": "Одобрено из первых 20 и 50 постов каждого порядка",
+        "q.precision_few": ("Первые 20 и 50 каждого порядка: слишком мало, чтобы судить "
+                            "(отложено {n} решение; нужно {min}).",
+                            "Первые 20 и 50 каждого порядка: слишком мало, чтобы судить "
+                            "(отложено {n} решения; нужно {min}).",
+                            "Первые 20 и 50 каждого порядка: слишком мало, чтобы судить "
+                            "(отложено {n} решений; нужно {min})."),
+        "q.order": "порядок", "q.first": "первые {k}",
+        "q.learned": "по обученной модели", "q.by_relevance": "только по релевантности",
+        "q.cell": "{approved} из {n}: {rate} (95 %: {low}–{high})",
+        "q.held_out": ("Отложено последнее {n} решение; порядок — как у модели, обученной на "
+                       "более ранних ({older}). В скобках — где вероятно лежит доля.",
+                       "Отложены последние {n} решения; порядок — как у модели, обученной на "
+                       "более ранних ({older}). В скобках — где вероятно лежит каждая доля.",
+                       "Отложены последние {n} решений; порядок — как у модели, обученной на "
+                       "более ранних ({older}). В скобках — где вероятно лежит каждая доля."),
+        "q.fewer": "Отложено всего {n}, и первые {k} — это все они: насколько цифра нетвёрдая, "
+                   "показывает диапазон в скобках.",
+        "q.calibration": "Сбывается ли вероятность модели?",
+        "q.calibration_label": "График: для каждой десятой доли вероятности, которую дала модель, "
+                               "доля таких постов, одобренных редакторами, рядом с диагональю, где "
+                               "вероятность сбывается так часто, как обещает",
+        "q.axis_likely": "вероятность одобрения по модели",
+        "q.axis_approved": "одобрено редакторами",
+        "q.bars": ("Столбцы: что редакторы решили о {n} посте, решённом, пока модель давала "
+                   "вероятность; число над столбцом — на скольких он основан",
+                   "Столбцы: что редакторы решили о {n} постах, решённых, пока модель давала "
+                   "вероятность; число над столбцом — на скольких он основан",
+                   "Столбцы: что редакторы решили о {n} постах, решённых, пока модель давала "
+                   "вероятность; число над столбцом — на скольких он основан"),
+        "q.diagonal": "пунктирная диагональ — вероятность, которая сбывается: из постов с "
+                      "вероятностью 0,7 одобрены 7 из 10",
+        "q.reading": "Столбец ниже диагонали: модель обещала больше, чем одобрили редакторы; "
+                     "выше — меньше.",
+        "q.calibration_none": "Ещё ни один решённый пост не получил вероятность от модели: "
+                              "график ждёт решений, принятых, пока модель используется.",
+        "q.tenth": "вероятность", "q.by_relevance_title": "Одобрено по релевантности",
+        "q.sources": "Одобрено по источникам", "q.source": "источник", "q.range": "диапазон 95 %",
+        "q.interval_means": "Диапазон 95 % — где вероятно лежит доля источника: чем меньше у него "
+                            "решений, тем диапазон шире.",
+        "q.worst": "Где модель и редакторы расходятся сильнее всего",
+        "q.editors": "Решения каждого редактора", "q.editor": "редактор",
+        "q.decisions_col": "решений", "q.per_day": "в день",
+        "q.pairs": "Редакторы, решавшие одну историю", "q.editor_pair": "редакторы",
+        "q.agreed": "согласие",
         "q.agreement": "согласились {agreed} из {pairs}",
         "q.no_pairs": "Пока ни одну историю не решали два редактора.",
     },
@@ -11983,32 +12196,125 @@ def desk_page(conn, desk, page, directions, settings, sources=None, learners=Non
     return layout(page, page.strings["desk"], body, "/")
 
 
+def percent(share):
+    return round(share * 100)
+
+
+def card_sentences(card, say):
+    """A direction's figures in plain words, each with the decisions it
+    rests on: [approved, model, agreement, posts let in]. `say(key,
+    **values)` speaks the page's language (Page.t) or the terminal's."""
+    n = card["decisions"]
+    if n < card["minimum"]["decisions"]:
+        agrees = say("q.agree_few", n=n, min=card["minimum"]["decisions"])
+    elif card["kappa"] is None:
+        agrees = say("q.agrees_alike", n=n, share=percent(card["agreed"] / n))
+    else:
+        agrees = say("q.agrees", n=n, share=percent(card["agreed"] / n), kappa=f"{card['kappa']:.2f}")
+    model = say("q.used") if card["model_used"] else \
+        say("q.unused", min=card["learn_min"], each=LEARN_EACH)
+    misses = say("q.misses", n=card["keyword_misses"], decided=card["keyword_misses_decided"],
+                 approved=card["keyword_misses_approved"])
+    return [say("q.approved_of", n=n, approved=card["approved"], rate=percent(card["approval_rate"])),
+            model, agrees, misses]
+
+
+def change_label(change, week, say):
+    """What a row of changed_this_week counts, in words."""
+    return say(f"q.{change}", floor=week["floor"], high=LIKELY_HIGH, low=LIKELY_LOW)
+
+
+def share_of(figures):
+    """'3/4 (75 %)' approved of decided, or '—' with none decided."""
+    if not figures["decided"]:
+        return "—"
+    approved, decided = figures["approved"], figures["decided"]
+    return f"{approved}/{decided} ({percent(approved / decided)} %)"
+
+
+def precision_cell(rate, n, say):
+    """A precision with the decisions it rests on and its 95 % range."""
+    if rate is None:
+        return "—"
+    approved = round(rate * n)
+    low, high = wilson(approved, n)
+    return say("q.cell", approved=approved, n=n, rate=f"{rate:.2f}", low=f"{low:.2f}",
+               high=f"{high:.2f}")
+
+
+# The calibration chart's frame: the plot's left, right, top and bottom
+# edges in the SVG's units, with room outside them for ticks and labels.
+CHART = {"width": 440, "height": 270, "left": 56, "right": 426, "top": 16, "bottom": 206}
+
+
+def chart_x(share):
+    return round(CHART["left"] + share * (CHART["right"] - CHART["left"]), 1)
+
+
+def chart_y(share):
+    return round(CHART["bottom"] - share * (CHART["bottom"] - CHART["top"]), 1)
+
+
+def chart_axes(page):
+    """Both axes with their ticks, tick labels and titles."""
+    left, right, top, bottom = CHART["left"], CHART["right"], CHART["top"], CHART["bottom"]
+    parts = [f'<line x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}" stroke="#333"/>',
+             f'<line x1="{left}" y1="{top}" x2="{left}" y2="{bottom}" stroke="#333"/>']
+    for k in range(11):
+        x = chart_x(k / 10)
+        parts.append(f'<line x1="{x}" y1="{bottom}" x2="{x}" y2="{bottom + (6 if k % 2 == 0 else 3)}" '
+                     f'stroke="#333"/>')
+        if k % 2 == 0:
+            parts.append(f'<text x="{x}" y="{bottom + 19}" text-anchor="middle">{k / 10:g}</text>')
+    for k in range(5):
+        y = chart_y(k / 4)
+        parts.append(f'<line x1="{left - 5}" y1="{y}" x2="{left}" y2="{y}" stroke="#333"/>'
+                     f'<text x="{left - 8}" y="{y + 4}" text-anchor="end">{k * 25} %</text>')
+    parts.append(f'<text x="{(left + right) / 2}" y="{bottom + 40}" text-anchor="middle">'
+                 f'{page.t("q.axis_likely")}</text>'
+                 f'<text transform="translate(14 {(top + bottom) / 2}) rotate(-90)" '
+                 f'text-anchor="middle">{page.t("q.axis_approved")}</text>')
+    return "".join(parts)
+
+
+def chart_bar(tenth, figures):
+    """One tenth's bar: the share approved, how many decided above it."""
+    x, width = chart_x(tenth) + 4, chart_x(0.1) - chart_x(0) - 8
+    y = chart_y(figures["rate"])
+    return (f'<rect x="{x}" y="{y}" width="{width}" height="{round(CHART["bottom"] - y, 1)}" '
+            f'fill="#4a7"><title>{tenth:.1f}–{tenth + 0.1:.1f}: {figures["approved"]}/'
+            f'{figures["decided"]}</title></rect>'
+            f'<text x="{x + width / 2}" y="{y - 3}" text-anchor="middle">{figures["decided"]}</text>')
+
+
 def calibration_svg(by_likely, page):
     """Approval rate per tenth of likely as bars beside the honest line (a
-    score of 0.7 approved 7 times in 10), in plain SVG."""
-    bars = []
-    for k in range(10):
-        figures = by_likely.get(k / 10)
-        if figures:
-            height = round(figures["rate"] * 100)
-            bars.append(f'<rect x="{k * 30 + 3}" y="{110 - height}" width="24" height="{height}" '
-                        f'fill="#4a7"><title>{k / 10:.1f}-{(k + 1) / 10:.1f}: '
-                        f'{figures["approved"]}/{figures["decided"]}</title></rect>')
-    return (f'<svg class="calibration" viewBox="0 0 300 125" width="300" height="125" role="img" '
-            f'aria-label="{page.t("q.calibration")}">'
-            f'<line x1="0" y1="110" x2="300" y2="10" stroke="#999" stroke-dasharray="4"/>'
-            f'{"".join(bars)}<line x1="0" y1="110" x2="300" y2="110" stroke="#333"/>'
-            f'<text x="0" y="123" font-size="10">0</text><text x="285" y="123" font-size="10">1</text>'
-            f'</svg>')
+    chance of 0.7 approved 7 times in 10), on labelled axes, in plain SVG."""
+    bars = "".join(chart_bar(tenth, figures) for tenth, figures in sorted(by_likely.items()))
+    return (f'<svg class="calibration" viewBox="0 0 {CHART["width"]} {CHART["height"]}" '
+            f'width="{CHART["width"]}" height="{CHART["height"]}" role="img" '
+            f'aria-label="{page.t("q.calibration_label")}" font-size="11" fill="#1d2330">'
+            f'{bars}<line x1="{chart_x(0)}" y1="{chart_y(0)}" x2="{chart_x(1)}" y2="{chart_y(1)}" '
+            f'stroke="#999" stroke-dasharray="5 4"/>{chart_axes(page)}</svg>')
 
 
-def figure(value):
-    return "—" if value is None else esc(value)
+def calibration_figure(by_likely, page):
+    """The chart with what it shows in words, or why there is none yet."""
+    if not by_likely:
+        return f'<p class="muted">{page.t("q.calibration_none")}</p>'
+    decided = sum(f["decided"] for f in by_likely.values())
+    return (f'<figure>{calibration_svg(by_likely, page)}<figcaption class="small muted">'
+            f'{page.t("q.bars", n=decided)}; {page.t("q.diagonal")}. {page.t("q.reading")}'
+            f'</figcaption></figure>')
+
+
+def header_row(page, *keys):
+    return "<tr>" + "".join(f"<th>{page.t(key)}</th>" for key in keys) + "</tr>"
 
 
 def rate_rows(rates, label):
     return "".join(f'<tr><td>{label(k)}</td><td>{f["approved"]}/{f["decided"]}</td>'
-                   f'<td>{f["rate"]:.2f}</td></tr>' for k, f in rates.items())
+                   f'<td>{percent(f["rate"])} %</td></tr>' for k, f in rates.items())
 
 
 def worst_item(worst, page):
@@ -12022,35 +12328,74 @@ def worst_item(worst, page):
             f'{worst["likely"]:.2f} · {title}{weighed}</li>')
 
 
+def week_part(card, page):
+    """What learning changed on the desk in the last 7 days (nothing to say
+    while the direction has no model and nothing changed)."""
+    week = card["changed_this_week"]
+    if not week["raised"]["posts"] and not week["lowered"]["posts"]:
+        return "" if not card["model_used"] else \
+            f'<h3>{page.t("q.week")}</h3><p class="muted">{page.t("q.week_none")}</p>'
+    rows = "".join(f'<tr><td>{change_label(change, week, page.t)}</td><td>{week[change]["posts"]}</td>'
+                   f'<td>{week[change]["decided"]}</td><td>{share_of(week[change])}</td></tr>'
+                   for change in ("raised", "lowered"))
+    return (f'<h3>{page.t("q.week")}</h3><table>'
+            f'{header_row(page, "q.change", "q.posts", "q.decided", "q.approved")}{rows}</table>')
+
+
+def precision_part(card, page):
+    """The first 20 and 50 of each order on the held-out decisions."""
+    precision = card["precision"]
+    held_out = precision["held_out"] if precision else 0
+    if held_out < card["minimum"]["held_out"]:
+        return (f'<h3>{page.t("q.precision")}</h3><p class="muted">'
+                f'{page.t("q.precision_few", n=held_out, min=card["minimum"]["held_out"])}</p>')
+    rests_on = precision["rests_on"]
+    rows = "".join(f'<tr><td>{page.t(label)}</td>'
+                   f'<td>{precision_cell(precision[order]["p20"], rests_on["p20"], page.t)}</td>'
+                   f'<td>{precision_cell(precision[order]["p50"], rests_on["p50"], page.t)}</td></tr>'
+                   for order, label in (("learned", "q.learned"), ("relevance", "q.by_relevance")))
+    fewer = "" if held_out >= 50 else f' {page.t("q.fewer", n=held_out, k=20 if held_out < 20 else 50)}'
+    return (f'<h3>{page.t("q.precision")}</h3><table><tr><th>{page.t("q.order")}</th>'
+            f'<th>{page.t("q.first", k=20)}</th><th>{page.t("q.first", k=50)}</th></tr>{rows}</table>'
+            f'<p class="small muted">{page.t("q.held_out", n=held_out, older=precision["learned_from"])}'
+            f'{fewer}</p>')
+
+
+def sources_part(card, page):
+    rows = "".join(f'<tr><td>{esc(name)}</td><td>{f["approved"]}/{f["decided"]}</td>'
+                   f'<td>{percent(f["rate"])} %</td>'
+                   f'<td>{percent(f["interval"][0])}–{percent(f["interval"][1])} %</td></tr>'
+                   for name, f in card["sources"].items())
+    return (f'<h3>{page.t("q.sources")}</h3><table>'
+            f'{header_row(page, "q.source", "q.approved", "q.share", "q.range")}{rows}</table>'
+            f'<p class="small muted">{page.t("q.interval_means")}</p>')
+
+
+def editors_part(card, page):
+    rows = "".join(f'<tr><td>{esc(name)}</td><td>{e["decisions"]}</td><td>{e["per_day"]}</td>'
+                   f'<td>{percent(e["approval_rate"])} %</td></tr>' for name, e in card["editors"].items())
+    return (f'<h3>{page.t("q.editors")}</h3><table>'
+            f'{header_row(page, "q.editor", "q.decisions_col", "q.per_day", "q.share")}{rows}</table>')
+
+
 def quality_section(card, page):
-    """One direction's report card."""
-    precision = card["precision"] or {}
-    learned, relevance = precision.get("learned", {}), precision.get("relevance", {})
-    sources = "".join(f'<tr><td>{esc(name)}</td><td>{f["approved"]}/{f["decided"]}</td>'
-                      f'<td>{f["interval"][0]:.2f}–{f["interval"][1]:.2f}</td></tr>'
-                      for name, f in card["sources"].items())
+    """One direction's report card (one with decisions)."""
+    approved, model, agrees, misses = card_sentences(card, page.t)
     worst = "".join(worst_item(w, page) for w in card["worst"])
-    editors = "".join(f'<tr><td>{esc(name)}</td><td>{e["decisions"]}</td><td>{e["per_day"]}</td>'
-                      f'<td>{e["approval_rate"]:.2f}</td></tr>' for name, e in card["editors"].items())
-    rate = "—" if card["approval_rate"] is None else f'{card["approval_rate"]:.2f}'
-    return (f'<section class="quality"><h2>{esc(card["direction"])}</h2>'
-            f'<p>{page.t("q.decisions", n=card["decisions"])} · {page.t("q.approval")} <b>{rate}</b> · '
-            f'κ <b>{figure(card["kappa"])}</b> · {page.t("q.misses", n=card["keyword_misses"])} · '
-            f'{page.t("q.used" if card["model_used"] else "q.unused")}</p>'
-            f'<table><tr><th></th><th>P@20</th><th>P@50</th></tr>'
-            f'<tr><td>{page.t("q.learned")}</td><td>{figure(learned.get("p20"))}</td>'
-            f'<td>{figure(learned.get("p50"))}</td></tr>'
-            f'<tr><td>{page.t("q.by_relevance")}</td><td>{figure(relevance.get("p20"))}</td>'
-            f'<td>{figure(relevance.get("p50"))}</td></tr></table>'
-            f'<p class="small muted">{page.t("q.held_out", n=precision.get("held_out", 0))}</p>'
-            f'<h3>{page.t("q.calibration")}</h3>{calibration_svg(card["by_likely"], page)}'
-            f'<table>{rate_rows(card["by_likely"], lambda k: f"{k:.1f}–{k + 0.1:.1f}")}</table>'
-            f'<h3>{page.t("relevance")}</h3><table>{rate_rows(card["by_relevance"], str)}</table>'
-            f'<h3>{page.t("q.sources")}</h3><table>{sources}</table>'
-            f'<h3>{page.t("q.worst")}</h3><ol>{worst}</ol>'
-            f'<h3>{page.t("q.editors")}</h3><table><tr><th></th><th>{page.t("q.decided")}</th>'
-            f'<th>{page.t("q.per_day")}</th><th>{page.t("q.approval")}</th></tr>{editors}</table>'
-            f'</section>')
+    kappa_means = f'<p class="small muted">{page.t("q.kappa_means")}</p>' \
+        if card["decisions"] >= card["minimum"]["decisions"] else ""
+    return (f'<section class="quality" id="direction-{esc(card["direction"])}">'
+            f'<h2>{esc(card["title"])}</h2><p>{approved} {model}</p><p>{agrees}</p>{kappa_means}'
+            f'<p>{misses}</p>{week_part(card, page)}{precision_part(card, page)}'
+            f'<h3>{page.t("q.calibration")}</h3>{calibration_figure(card["by_likely"], page)}'
+            + (f'<table>{header_row(page, "q.tenth", "q.approved", "q.share")}'
+               f'{rate_rows(card["by_likely"], lambda k: f"{k:.1f}–{k + 0.1:.1f}")}</table>'
+               if card["by_likely"] else "") +
+            f'<h3>{page.t("q.by_relevance_title")}</h3><table>'
+            f'{header_row(page, "relevance", "q.approved", "q.share")}'
+            f'{rate_rows(card["by_relevance"], str)}</table>{sources_part(card, page)}'
+            + (f'<h3>{page.t("q.worst")}</h3><ol>{worst}</ol>' if worst else "") +
+            f'{editors_part(card, page)}</section>')
 
 
 def agreement_section(agreement, page):
@@ -12058,14 +12403,20 @@ def agreement_section(agreement, page):
         return f'<section id="agreement"><p class="muted">{page.t("q.no_pairs")}</p></section>'
     rows = "".join(f'<tr><td>{esc(pair)}</td><td>{page.t("q.agreement", **f)}</td></tr>'
                    for pair, f in agreement["by_pair"].items())
-    return (f'<section id="agreement"><h2>{page.t("q.editors")}</h2>'
+    return (f'<section id="agreement"><h2>{page.t("q.pairs")}</h2>'
             f'<p>{page.t("q.agreement", pairs=agreement["pairs"], agreed=agreement["agreed"])}</p>'
-            f'<table>{rows}</table></section>')
+            f'<table>{header_row(page, "q.editor_pair", "q.agreed")}{rows}</table></section>')
 
 
 def quality_page(report, page, agreement=None):
-    body = "".join(quality_section(card, page) for card in report) or \
-        f'<p class="muted">{page.t("q.none")}</p>'
+    """Every direction with decisions in full; those without, in one line."""
+    body = "".join(quality_section(card, page) for card in report if card["decisions"])
+    idle = [card["title"] for card in report if not card["decisions"]]
+    if idle:
+        body += (f'<p class="muted" id="no-decisions">'
+                 f'{page.t("q.no_decisions", titles=", ".join(idle))}</p>')
+    if not report:
+        body = f'<p class="muted">{page.t("q.none")}</p>'
     if agreement is not None:
         body += agreement_section(agreement, page)
     return layout(page, page.strings["quality"], body, "/quality")
@@ -14673,29 +15024,114 @@ def learning_report(conn, learn_min):
                                        FROM learners l ORDER BY l.direction""")]
 
 
+def undecided_cards(conn, direction):
+    """How many undecided cards of a direction there are: what judge_every_card judges."""
+    return conn.execute(f"""SELECT count(*) FROM posts p WHERE p.status = 'new'
+                            AND p.classified = {DONE} AND p.direction = ? AND {card('p.')}""",
+                        (direction,)).fetchone()[0]
+
+
+def many(n, word):
+    """'1 direction', '2 directions': a count in the terminal's words."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def rebuild_models(conn, settings):
+    """learn --rebuild: every model counted again from the decisions, then
+    every undecided card of a direction with a model judged again by it (and
+    the posts no keyword matched offered to the models). It says how many it
+    judged, not only how many changed: a model rebuilt from the same
+    decisions judges as the one it replaces."""
+    decided = conn.execute("SELECT count(*) FROM posts WHERE status IN ('approved', 'rejected')"
+                           ).fetchone()[0]
+    progress = Progress("learn --rebuild", decided)
+    learned = rebuild_learning(conn, progress)
+    learners = Learners(settings.learn_min).refresh(conn, now=True)
+    judged = sum(undecided_cards(conn, d) for d in learned if learners.model(d) is not None)
+    changed = sum(judge_every_card(conn, learners, direction) for direction in learned)
+    joined = take_in_missed(conn, learners)
+    progress.finish(f"{many(sum(a + r for a, r in learned.values()), 'decision')} counted in "
+                    f"{many(len(learned), 'direction')}; {many(judged, 'undecided post')} judged "
+                    f"again ({changed} changed); {many(joined, 'post')} no keyword matched "
+                    f"joined a direction")
+
+
 def cmd_learn(args, settings):
     registry, db = open_intake(settings)
     conn = db.conn()
     learn_owed(conn)
     if args.rebuild:
-        decided = conn.execute("SELECT count(*) FROM posts WHERE status IN ('approved', 'rejected')"
-                               ).fetchone()[0]
-        progress = Progress("learn --rebuild", decided)
-        learned = rebuild_learning(conn, progress)
-        learners = Learners(settings.learn_min).refresh(conn, now=True)
-        judged = sum(judge_every_card(conn, learners, direction) for direction in learned) + \
-            take_in_missed(conn, learners)
-        progress.finish(f"{sum(a + r for a, r in learned.values())} decisions learned in "
-                        f"{len(learned)} directions, {judged} undecided posts judged again")
+        rebuild_models(conn, settings)
     report = learning_report(conn, settings.learn_min)
     if not report:
         print("no decisions learned yet: approve and reject posts on the desk")
     for model in report:
         state = "used" if model["used"] else \
-            f"not used yet (needs {settings.learn_min} decisions, {LEARN_EACH} of each)"
+            f"no model yet (needs {settings.learn_min} decisions, {LEARN_EACH} of each)"
+        since = f", since {model['since']} UTC" if model["since"] else ""
         print(f"{model['direction']}: {model['approved']} approved, {model['rejected']} rejected, "
-              f"{model['features']} features, since {model['since'] or '-'} UTC; {state}")
+              f"{model['features']} features{since}; {state}")
     return 0
+
+
+def say_en(key, **values):
+    """A report card's phrase as the terminal says it (English, unescaped)."""
+    return phrase("en", key, **values)
+
+
+def rates_text(rates, label):
+    """'0.9: 1/2 (50 %), …' of approval_rates, or '—'."""
+    return ", ".join(f"{label(k)}: {f['approved']}/{f['decided']} ({percent(f['rate'])} %)"
+                     for k, f in rates.items()) or "—"
+
+
+def precision_lines(card):
+    """The first 20 and 50 of each order (see precision_part)."""
+    precision = card["precision"]
+    held_out = precision["held_out"] if precision else 0
+    if held_out < card["minimum"]["held_out"]:
+        return [f"  {say_en('q.precision_few', n=held_out, min=card['minimum']['held_out'])}"]
+    rests_on = precision["rests_on"]
+    return [f"  {say_en('q.precision')}. "
+            f"{say_en('q.held_out', n=held_out, older=precision['learned_from'])}"] + [
+        f"    {say_en(label)}: " + "; ".join(
+            f"{say_en('q.first', k=k)} — "
+            f"{precision_cell(precision[order][f'p{k}'], rests_on[f'p{k}'], say_en)}"
+            for k in (20, 50))
+        for order, label in (("learned", "q.learned"), ("relevance", "q.by_relevance"))]
+
+
+def week_lines(card):
+    """What learning changed on the desk in the last 7 days (see week_part)."""
+    week = card["changed_this_week"]
+    if not week["raised"]["posts"] and not week["lowered"]["posts"]:
+        return [f"  {say_en('q.week')}: {say_en('q.week_none')}"] if card["model_used"] else []
+    return [f"  {say_en('q.week')}:"] + [
+        f"    {change_label(change, week, say_en)}: {many(week[change]['posts'], 'post')}, "
+        f"{week[change]['decided']} decided, approved {share_of(week[change])}"
+        for change in ("raised", "lowered")]
+
+
+def quality_lines(card):
+    """A direction's report card as the terminal shows it: the page's words
+    and figures, never a None."""
+    head = f"{card['direction']} ({card['title']})"
+    if not card["decisions"]:
+        return [f"{head}: no decisions yet"]
+    approved, model, agrees, misses = card_sentences(card, say_en)
+    calibration = rates_text(card["by_likely"], lambda k: f"{k:.1f}") if card["by_likely"] else \
+        say_en("q.calibration_none")
+    return [f"{head}: {approved}", f"  {model}", f"  {agrees}", f"  {misses}",
+            *week_lines(card), *precision_lines(card),
+            f"  approved per tenth of the chance (likely): {calibration}",
+            f"  approved per relevance: {rates_text(card['by_relevance'], str)}",
+            *(f"  source {name}: {f['approved']}/{f['decided']} approved ({percent(f['rate'])} %, "
+              f"95 % range {percent(f['interval'][0])}–{percent(f['interval'][1])} %)"
+              for name, f in card["sources"].items()),
+            *(f"  disagreement: {w['decision']} at likely {w['likely']:.2f}: "
+              f"{shorten(w['title'] or '', 80)} {w['url'] or ''}".rstrip() for w in card["worst"]),
+            *(f"  editor {name}: {e['decisions']} decisions, {e['per_day']} a day, "
+              f"{percent(e['approval_rate'])} % approved" for name, e in card["editors"].items())]
 
 
 def cmd_quality(args, settings):
@@ -14706,28 +15142,7 @@ def cmd_quality(args, settings):
         print(json.dumps(report, ensure_ascii=False, indent=2))
         return 0
     for card in report:
-        precision = card["precision"] or {}
-        learned, relevance = precision.get("learned", {}), precision.get("relevance", {})
-        print(f"{card['direction']}: {card['decisions']} decisions, approval rate "
-              f"{card['approval_rate']}, kappa {card['kappa']}, "
-              f"model {'used' if card['model_used'] else 'not used yet'}")
-        print(f"  precision on the newest {precision.get('held_out', 0)} decisions: learned "
-              f"P@20 {learned.get('p20')} P@50 {learned.get('p50')}; by relevance "
-              f"P@20 {relevance.get('p20')} P@50 {relevance.get('p50')}")
-        print("  approved per tenth of likely: " + ", ".join(
-            f"{k:.1f} {f['approved']}/{f['decided']}" for k, f in card["by_likely"].items()))
-        print("  approved per relevance: " + ", ".join(
-            f"{k} {f['approved']}/{f['decided']}" for k, f in card["by_relevance"].items()))
-        print(f"  posts no keyword matched that the model wants: {card['keyword_misses']}")
-        for name, f in card["sources"].items():
-            print(f"  source {name}: {f['approved']}/{f['decided']} approved "
-                  f"(95 % {f['interval'][0]:.2f}-{f['interval'][1]:.2f})")
-        for worst in card["worst"]:
-            print(f"  disagreement: {worst['decision']} at likely {worst['likely']:.2f}: "
-                  f"{shorten(worst['title'] or '', 80)} {worst['url'] or ''}")
-        for name, e in card["editors"].items():
-            print(f"  editor {name}: {e['decisions']} decisions, {e['per_day']} a day, "
-                  f"approval rate {e['approval_rate']}")
+        print("\n".join(quality_lines(card)))
     agreement = editor_agreement(db.conn())
     if agreement["pairs"]:
         print(f"editors who decided the same post: {agreement['agreed']} of "
