@@ -4303,6 +4303,9 @@ def stems(words):
 # card's reasons never name them, and they weigh nothing (nor does any
 # stem found in more than COMMON_SHARE of the news in general).
 FUNCTION_WORDS = """
+der die das den dem des ein eine einer eines einem und oder mit von für auf aus bei nach
+über unter vor zum zur im ist sind war wird werden wurde hat haben nicht auch sich es wie
+als an dass noch nur mehr sehr schon wenn aber bis durch
 a about above after again against all also am an and any are as at be because been before
 being below between both but by can could did do does doing down during each few for from
 further had has have having he her here hers herself him himself his how i if in into is it
@@ -4742,8 +4745,9 @@ class Learners:
     def wanted(self, features):
         """(direction, likely) of the direction whose model wants a post no
         keyword matched, on its own evidence: with no keyword's, its chance
-        is WANTED_LIKELY or more, and WANTED_WORDS of its words each were in
-        approved posts of the direction more than in the news in general.
+        is WANTED_LIKELY or more, and WANTED_WORDS of its words are words the
+        direction's approved posts share (each in two or more of them) more
+        than the news in general does.
         Else None: the post stays out of every direction. One that joins is
         on the desk only at LIKELY_HIGH (see floor_clause); below, it waits
         in the direction's list for an editor who looks further."""
@@ -4751,8 +4755,10 @@ class Learners:
                     if (model := self.model(direction)) is not None), default=None)
         if best is None or best[0] < WANTED_LIKELY:
             return None
-        own = [weight for weight, _ in self.models[best[1]].weights(features) if weight > 0]
-        return (best[1], best[0]) if len(own) >= WANTED_WORDS else None
+        model = self.models[best[1]]
+        shared = [feature for weight, feature in model.weights(features)
+                  if weight > 0 and model.counts.get(feature, (0, 0))[0] >= 2]
+        return (best[1], best[0]) if len(shared) >= WANTED_WORDS else None
 
 
 # A post's decision counts in its direction's model when the post is a card
