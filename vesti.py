@@ -4323,6 +4323,7 @@ more via full story click here today still much many even may might must since t
 году год также время сообщает сообщил заявил заявила рассказал отметил подробнее читать
 """.split()
 COMMON_SHARE = 0.3
+COMMON_AFTER = 200      # posts of the news in general it takes to tell a common stem
 
 
 @functools.lru_cache(maxsize=1)
@@ -4447,7 +4448,7 @@ class Model:
         # Smoothed by as many posts as it has decisions, up to LEARN_SMOOTHING:
         # a few decisions are not drowned by it, many are steadied.
         smoothing = min(LEARN_SMOOTHING, self.approved + self.rejected)
-        common = COMMON_SHARE * background.docs
+        common = COMMON_SHARE * background.docs if background.docs >= COMMON_AFTER else 0
         found = []
         for feature in features:
             if feature[0] == "@" or (common and background.counts.get(feature, 0) > common):
