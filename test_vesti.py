@@ -2299,6 +2299,104 @@ def test_a_direction_that_learned_enough_judges_its_posts_and_lifts_what_keyword
     assert counts_match_posts(conn)
 
 
+def second_source(db, slug="spam"):
+    """Another source beside the space home's wire."""
+    conn = db.conn()
+    return conn.execute("INSERT INTO sources (slug, name, url) VALUES (?, ?, ?) RETURNING id",
+                        (slug, slug, f"http://{slug}.example/feed")).fetchone()[0]
+
+
+@both
+def test_a_source_the_editors_keep_rejecting_sinks_below_the_floor(home):
+    s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10)
+    conn = db.conn()
+    spam = second_source(db)
+    decided_space(conn, wire, MISSIONS, GAMES[:1])      # the direction approves half
+    rejected = [desk_post(conn, spam, 300 + k, text=text, direction="space", relevance=8)
+                for k, text in enumerate(MISSIONS[:5])]              # good words, a bad source
+    vesti.set_decisions(conn, rejected, "rejected", "ed")
+    fresh = desk_post(conn, spam, 400, text=MISSIONS[5] + " Again.", direction="space",
+                      relevance=8)
+    other = desk_post(conn, wire, 401, text=MISSIONS[5] + " Again!", direction="space",
+                      relevance=8)
+    learners = vesti.Learners(10).refresh(conn, now=True)
+    vesti.judge_every_card(conn, learners, "space")
+    likely = dict(conn.execute("SELECT id, likely FROM posts WHERE id IN (?, ?)", (fresh, other)))
+    assert likely[fresh] < vesti.LIKELY_LOW < likely[other]
+    shown = [p["id"] for p in vesti.desk_posts(conn, vesti.DeskQuery(direction="space"))]
+    assert fresh not in shown and other in shown
+    model = learners.model("space")
+    assert "spam" in vesti.reason_words(model.reasons(vesti.post_features("", MISSIONS[5], spam),
+                                                      likely[fresh]), "", MISSIONS[5], "spam")
+    # A decision or two on a source say nothing.
+    few = second_source(db, "few")
+    vesti.set_decisions(conn, [desk_post(conn, few, 500, text=GAMES[3], direction="space")],
+                        "rejected", "ed")
+    learners = vesti.Learners(10).refresh(conn, now=True)
+    assert learners.model("space").source_weight({f"@{few}"}) == 0.0
+
+
+@both
+def test_decisions_that_carry_no_signal_leave_the_desk_as_keywords_made_it(home):
+    s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10)
+    conn = db.conn()
+    rng = random.Random(7)
+    texts = MISSIONS + GAMES + FESTIVALS
+    posts = [desk_post(conn, wire, k, text=f"{rng.choice(texts)} Item {k}.", direction="space",
+                       relevance=rng.choice((2, 3, 5, 8))) for k in range(120)]
+    vesti.index_new_posts(conn)                         # counted, as a worker leaves them
+    before = [p["id"] for p in vesti.desk_posts(conn, vesti.DeskQuery(direction="space"), 500)]
+    decided = rng.sample(posts, 30)
+    vesti.set_decisions(conn, decided[:18], "approved", "ed")        # 60 %, whatever they say
+    vesti.set_decisions(conn, decided[18:], "rejected", "ed")
+    learners = vesti.Learners(10).refresh(conn, now=True)
+    assert learners.model("space") is not None
+    vesti.judge_every_card(conn, learners, "space")
+    after = [p["id"] for p in vesti.desk_posts(conn, vesti.DeskQuery(direction="space"), 500)]
+    undecided = set(posts) - set(decided)
+    changed = (set(before) ^ set(after)) & undecided
+    assert len(changed) <= 0.15 * len(set(before) & undecided), changed
+    assert counts_match_posts(conn)
+
+
+@both
+def test_every_third_decision_the_desk_asks_about_the_card_the_model_is_least_sure_of(web):
+    conn = web.db.conn()
+    wire = lwn(web)
+    web.settings = web.settings.replace(learn_min=10)
+    decided_space(conn, wire, MISSIONS, GAMES)                # 12 decisions: 12 % 3 == 0
+    cards = [desk_post(conn, wire, 600 + k, text=text, direction="space", minute=600 + k)
+             for k, text in enumerate(MISSIONS + GAMES)]
+    conn.execute("UPDATE posts SET likely = 0.9 WHERE id IN (%s)" % ",".join(map(str, cards[:6])))
+    conn.execute("UPDATE posts SET likely = 0.4 WHERE id = ?", (cards[7],))      # nearest 0.5
+    conn.execute("UPDATE posts SET likely = 0.1 WHERE id IN (%s)" % ",".join(map(str, cards[8:])))
+    conn.execute("UPDATE posts SET likely = 0.3 WHERE id = ?", (cards[6],))
+
+    def first():
+        return json.loads(web.get("/api/posts?direction=space&limit=2")[2])["posts"]
+    assert [p["unsure"] for p in first()] == [False, False]
+    vesti.set_decisions(conn, [cards[0]], "approved", "ed")              # 13
+    assert not first()[0]["unsure"]
+    vesti.set_decisions(conn, [cards[1]], "approved", "ed")              # 14: the third
+    asked = first()
+    assert asked[0]["id"] == cards[7] and asked[0]["unsure"] and not asked[1]["unsure"]
+    page = web.get("/?direction=space")[2]
+    assert card_ids(page)[0] == cards[7] and "the model is unsure of this one" in page
+
+
+def test_a_model_keeps_a_bounded_number_of_features_however_many_are_decided(home):
+    s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10)
+    conn = db.conn()
+    decided_space(conn, wire, MISSIONS, GAMES)
+    noise = [("space", f"noise{k}", 0, 1, 1) for k in range(vesti.MODEL_FEATURES + 5000)]
+    vesti.insert_rows(conn, "learned_words (direction, feature, approved, rejected, version)",
+                      noise, "ON CONFLICT (direction, feature) DO NOTHING")
+    conn.execute("UPDATE learners SET version = version + 1, epoch = epoch + 1")
+    model = vesti.Learners(10).refresh(conn, now=True).model("space")
+    assert model.floor == 2 and len(model.counts) <= vesti.MODEL_FEATURES
+    assert model.counts["rocket"][0] == 6               # what the editors' posts share stays
+
+
 FESTIVALS = ["The film festival gave its jury award to a documentary about the space station.",
              "Crowds filled the film festival for the premiere of the new space drama.",
              "The film festival jury praised the actors of the space station thriller.",

@@ -4252,11 +4252,11 @@ WEIGHT_SHRINK = 1
 MODEL_FEATURES = 50_000
 # A source's own approval rate weighs once it differs from the direction's
 # beyond chance (a binomial test at SOURCE_SURE), counted from SOURCE_PRIOR
-# decisions at the direction's rate: a few decisions on a source say
-# nothing, seven rejections running of a direction approved 60 % of the time
-# a lot.
+# decisions at the direction's rate: a decision or two on a source say
+# nothing; five rejections running, where the editors approve 60 % of the
+# direction, sink it.
 SOURCE_PRIOR = 4
-SOURCE_SURE = 0.01
+SOURCE_SURE = 0.05
 # A post some keyword of the direction matched has this much more evidence
 # for approval than its features alone give, and each keyword it matched
 # KEYWORD_EVIDENCE more: the editors' own words are a judgement the model
