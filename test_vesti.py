@@ -2312,8 +2312,9 @@ def test_a_source_the_editors_keep_rejecting_sinks_below_the_floor(home):
     conn = db.conn()
     spam = second_source(db)
     decided_space(conn, wire, MISSIONS, GAMES[:1])      # the direction approves half
-    rejected = [desk_post(conn, spam, 300 + k, text=text, direction="space", relevance=8)
-                for k, text in enumerate(MISSIONS[:5])]              # good words, a bad source
+    rejected = [desk_post(conn, spam, 300 + k, text=f"{MISSIONS[k % 5]} Update {k}.",
+                          direction="space", relevance=8)
+                for k in range(10)]                     # good words, a bad source, ten times
     vesti.set_decisions(conn, rejected, "rejected", "ed")
     fresh = desk_post(conn, spam, 400, text=MISSIONS[5] + " Again.", direction="space",
                       relevance=8)
@@ -2334,6 +2335,25 @@ def test_a_source_the_editors_keep_rejecting_sinks_below_the_floor(home):
                         "rejected", "ed")
     learners = vesti.Learners(10).refresh(conn, now=True)
     assert learners.model("space").source_weight({f"@{few}"}) == 0.0
+
+
+def test_chances_stay_near_the_editors_rate_where_the_words_point_the_wrong_way():
+    """Six subjects, each approved once and rejected twice, every post
+    matching two keywords. Judged without its own decision, an approved post
+    looks rejected (its words: 0 approved, 2 rejected) and a rejected one
+    even: higher scores went with fewer approvals. The chances must stay
+    near the editors' rate (a third), not turn into 'likely approved'."""
+    model = vesti.Model("space")
+    decided = []
+    for subject in ("rocket launch delayed", "lunar lander landed", "comet tail glowed",
+                    "mars rover drilled", "solar storm struck", "orbit station docked"):
+        features = vesti.post_features("", subject, 1)
+        decided += [(features, 2, True), (features, 2, False), (features, 2, False)]
+    for features, _, approved in decided:
+        model.learn(features, approved)
+    model.calibrate(decided)
+    for features, keywords, _ in decided:
+        assert abs(model.likely(features, keywords) - 1 / 3) < 0.05
 
 
 @both

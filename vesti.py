@@ -4250,13 +4250,13 @@ WEIGHT_SHRINK = 1
 # of a single random post is no evidence; load time, page time and memory
 # stay flat however many posts are decided.
 MODEL_FEATURES = 50_000
-# A source's own approval rate weighs once it differs from the direction's
-# beyond chance (a binomial test at SOURCE_SURE), counted from SOURCE_PRIOR
-# decisions at the direction's rate: a decision or two on a source say
-# nothing; five rejections running, where the editors approve 60 % of the
-# direction, sink it.
+# A source's own approval rate weighs once it differs from the rate of the
+# direction's other sources beyond chance (a binomial test at SOURCE_SURE),
+# counted from SOURCE_PRIOR decisions at that rate: a few decisions on a
+# source say nothing; ten rejections running, where the editors approve half
+# of the rest of the direction, sink it.
 SOURCE_PRIOR = 4
-SOURCE_SURE = 0.05
+SOURCE_SURE = 0.01
 # A post some keyword of the direction matched has this much more evidence
 # for approval than its features alone give, and each keyword it matched
 # KEYWORD_EVIDENCE more: the editors' own words are a judgement the model
@@ -4470,16 +4470,17 @@ class Model:
 
     def source_weight(self, features, own=(0, 0)):
         """How much a post's source speaks for approval: the log odds of its
-        posts' approval in the direction (smoothed toward the direction's
-        rate by SOURCE_PRIOR decisions) over the direction's own. A source
-        rejected ten times running sinks, whatever its posts' words."""
+        posts' approval in the direction (smoothed toward the rate of the
+        direction's other sources by SOURCE_PRIOR decisions) over that rate.
+        A source rejected ten times running sinks, whatever its posts' words."""
         source = next((feature for feature in features if feature[0] == "@"), None)
         if source is None:
             return 0.0
         approved, rejected = self.counts.get(source, (0, 0))
         approved, rejected = approved - own[0], rejected - own[1]
-        total_approved, total_rejected = self.approved - own[0], self.rejected - own[1]
-        rate = (total_approved + 1) / (total_approved + total_rejected + 2)
+        others_approved = self.approved - own[0] - approved
+        others_rejected = self.rejected - own[1] - rejected
+        rate = (others_approved + 1) / (others_approved + others_rejected + 2)
         if binomial_tail(approved, approved + rejected, rate) >= SOURCE_SURE:
             return 0.0
         share = (approved + SOURCE_PRIOR * rate) / (approved + rejected + SOURCE_PRIOR)
@@ -4501,38 +4502,18 @@ class Model:
         return chance(self.scale * self.score(features, keywords) + self.shift)
 
     def calibrate(self, decided):
-        """Fit how scores turn into chances (a logistic curve, by Newton's
-        method, each step halved until it helps) to decided posts
-        [(features, keywords matched, approved)], each judged with its own
-        decision left out,
-        so the chances say how often editors approve."""
+        """Fit how scores turn into chances (a logistic curve, see fit_curve)
+        to decided posts [(features, keywords matched, approved)], each
+        judged with its own decision left out, so the chances say how often
+        editors approve. A curve never turns over: where higher scores went
+        with fewer approvals, the slope is held at SCALE_FLOOR and only the
+        level is fitted, so the chances stay near the editors' rate."""
         points = [(self.score(features, keywords, (1, 0) if approved else (0, 1)), approved)
                   for features, keywords, approved in decided]
-        scale, shift = 1.0, 0.0
-        loss = calibration_loss(points, scale, shift)
-        for _ in range(30):
-            grad_a, grad_b = CALIBRATION_PULL * (scale - 1.0), CALIBRATION_PULL * shift
-            h_aa = h_bb = CALIBRATION_PULL
-            h_ab = 0.0
-            for x, approved in points:
-                p = 1 / (1 + math.exp(-max(-30.0, min(30.0, scale * x + shift))))
-                w = p * (1 - p)
-                grad_a, grad_b = grad_a + (p - approved) * x, grad_b + p - approved
-                h_aa, h_ab, h_bb = h_aa + w * x * x, h_ab + w * x, h_bb + w
-            det = h_aa * h_bb - h_ab * h_ab
-            step_a = (h_bb * grad_a - h_ab * grad_b) / det
-            step_b = (h_aa * grad_b - h_ab * grad_a) / det
-            for _ in range(20):
-                tried = calibration_loss(points, scale - step_a, shift - step_b)
-                if tried <= loss:
-                    break
-                step_a, step_b = step_a / 2, step_b / 2
-            else:
-                break
-            scale, shift, before, loss = scale - step_a, shift - step_b, loss, tried
-            if before - loss < 1e-9:
-                break
-        self.scale, self.shift = max(scale, 0.05), shift
+        scale, shift = fit_curve(points)
+        if scale < SCALE_FLOOR:
+            scale, shift = fit_curve(points, SCALE_FLOOR, hold_scale=True)
+        self.scale, self.shift = scale, shift
 
     def reasons(self, features, likely):
         """The features that weighed most toward its verdict, heaviest first:
@@ -4585,6 +4566,43 @@ def seen_floor(conn, direction):
                        (direction, floor, MODEL_FEATURES + 1)).fetchone()[0] > MODEL_FEATURES:
         floor += 1
     return floor
+
+
+SCALE_FLOOR = 0.05
+
+
+def fit_curve(points, scale=1.0, hold_scale=False):
+    """The (scale, shift) of the logistic curve that makes calibration_loss
+    least on points [(score, approved)], by Newton's method, each step halved
+    until it helps; with hold_scale, only the shift moves."""
+    shift = 0.0
+    loss = calibration_loss(points, scale, shift)
+    for _ in range(30):
+        grad_a, grad_b = CALIBRATION_PULL * (scale - 1.0), CALIBRATION_PULL * shift
+        h_aa = h_bb = CALIBRATION_PULL
+        h_ab = 0.0
+        for x, approved in points:
+            p = 1 / (1 + math.exp(-max(-30.0, min(30.0, scale * x + shift))))
+            w = p * (1 - p)
+            grad_a, grad_b = grad_a + (p - approved) * x, grad_b + p - approved
+            h_aa, h_ab, h_bb = h_aa + w * x * x, h_ab + w * x, h_bb + w
+        if hold_scale:
+            step_a, step_b = 0.0, grad_b / h_bb
+        else:
+            det = h_aa * h_bb - h_ab * h_ab
+            step_a = (h_bb * grad_a - h_ab * grad_b) / det
+            step_b = (h_aa * grad_b - h_ab * grad_a) / det
+        for _ in range(20):
+            tried = calibration_loss(points, scale - step_a, shift - step_b)
+            if tried <= loss:
+                break
+            step_a, step_b = step_a / 2, step_b / 2
+        else:
+            break
+        scale, shift, before, loss = scale - step_a, shift - step_b, loss, tried
+        if before - loss < 1e-9:
+            break
+    return scale, shift
 
 
 def calibration_loss(points, scale, shift):
