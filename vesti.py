@@ -30,10 +30,12 @@ start reading):
   Facts and counters: facts between processes (meta) and the counters behind
       /metrics.
       get_meta, set_meta, classification_state, upsert_counts, counters
-  Schema and migrations: the desk's counts, the tables, their upgrades, the
-      search index, opening a database.
-      COUNT_TABLES, COUNT_EVENTS, SCHEMA, migrate, postgres_schema,
-      migrate_postgres, Database
+  Desk counts: the counts behind the desk's filters, their triggers.
+      COUNT_TABLES, COUNT_EVENTS, sqlite_count_triggers,
+      postgres_count_function
+  Schema and migrations: the tables, their upgrades, the search index,
+      opening a database.
+      SCHEMA, migrate, postgres_schema, migrate_postgres, Database
   Stories: the same news in other words: keys, look-ups, leads, a story's
       verdict for its copies, the key helper.
       story_keys, same_story, adds_to, join_story, enter_stories,
@@ -46,7 +48,8 @@ start reading):
       from their decisions.
       post_features, Background, Approvals, Model, Learners, learn_decisions,
       count_decisions (a decision in, an undo out), owe_learning, learn_owed,
-      rebuild_learning, rescore_direction, judge_cards, take_in_missed
+      rebuild_learning, rescore_direction, judge_cards, take_in_missed,
+      Rescorer (the cards judged again after decisions)
   Records: runs, health, feed and channel state.
       start_run, record_success, record_failure, note_rhythm, save_rss_state
   Editors: the newsroom's accounts and roles, their sessions, the record of
@@ -89,18 +92,29 @@ start reading):
       target, alerts.
       bot_api, post_webhook, queue_alerts, Publisher (look, take, serve,
       send, record_failure, delete)
-  Web pages: the pages' words, the crawlers page, the editor's desk (and
-      its JSON), the report card, the outbox, the users, the sign-in.
-      STRINGS, Page, esc, crawlers_page, DeskQuery, floor_clause, desk_posts,
-      card_html, desk_page, desk_answer, quality_page, outbox_page,
+  Page assets: the style, the words of each language, the pages' scripts.
+      STYLE, STRINGS, Page, phrase, DESK_SCRIPT, OUTBOX_SCRIPT
+  Web pages: what every page shares, the crawlers page.
+      esc, layout, banners, crawlers_page
+  Desk page: the editor's desk and its JSON.
+      DeskQuery, floor_clause, desk_posts, card_html, question_card,
+      desk_answer, desk_page
+  Report card page: /quality.
+      quality_section, calibration_figure, quality_page
+  Outbox page: /outbox.
+      outbox_section, publication_row, outbox_page
+  Users and sign-in pages: /users and /login.
       users_page, login_form
   Exports and metrics: Atom, JSON Feed, CSV and /metrics.
       atom_feed, json_feed, csv_export, metrics_text
-  Web server: sign-in (Basic auth and sessions), the routes and the roles
-      they need, and the server that reads requests and answers them.
-      Account, WrongPasswords, Rescorer, WebApp (the routes, check_login,
-      check_forgery and same_origin against cross-site forgery), WebServer,
+  HTTP front: one thread reads requests whole, a pool answers them; nothing
+      of VESTI in it.
+      WebConnection, WaitingConnections, WebWorkers, WebHandler, WebServer,
       make_web_server
+  Web server: sign-in (Basic auth and sessions), the routes and the roles
+      they need.
+      Account, WebApp (the routes, check_login, check_forgery and
+      same_origin against cross-site forgery), announce_web
   Scheduler: run: crawls on their schedule beside the workers and the page.
       Scheduler, next_slot
   OPML and discovery: importing and exporting OPML, finding a site's feeds.
@@ -1979,9 +1993,9 @@ def ollama_down(state, settings):
 
 
 ###############################################################################
-# Schema and migrations #######################################################
+# Desk counts #################################################################
 ###############################################################################
-# The desk's counts, the tables, their upgrades, the search index, opening a database.
+# The counts behind the desk's filters and the triggers that keep them.
 
 # The desk's filters show how many posts each decision, direction and
 # relevance has (overall and per source) from count tables, so that the desk
@@ -2128,6 +2142,11 @@ def postgres_count_trigger():
             f"AFTER UPDATE OF {', '.join(COUNTED_COLUMNS)} OR DELETE ON posts\n"
             f"FOR EACH ROW EXECUTE FUNCTION vesti_count_posts()")
 
+
+###############################################################################
+# Schema and migrations #######################################################
+###############################################################################
+# The tables, their upgrades, the search index, opening a database.
 
 SCHEMA = """\
 CREATE TABLE IF NOT EXISTS sources (
@@ -5014,6 +5033,96 @@ def take_in_missed(conn, learners, limit=RESCORE_LIMIT):
                                     interest = CASE WHEN interest >= 2 THEN interest ELSE 2 END
                                 WHERE id = ? AND direction IS NULL""", joined)
     return len(joined)
+
+
+# The posts of a direction a decision changed the model of, beyond the
+# newest cards a page judges again, are judged once no decision came for
+# this many seconds.
+RESCORE_IDLE = 2.0
+
+
+class Rescorer:
+    """After decisions, the undecided cards of their directions are judged
+    again (rescore_direction) by the model they changed. Not at once, so a
+    decision answers at once and a run of decisions pays for one judging:
+    the newest RESCORE_FIRST cards of a direction when a desk page of it is
+    asked for next (the page then reflects the last decision), the rest of
+    them, the posts no keyword matched (take_in_missed) and the cards its
+    model has not judged yet (judge_unjudged) in a thread of its own once
+    no decision came for RESCORE_IDLE seconds."""
+
+    def __init__(self, db, learners):
+        self.db, self.learners = db, learners
+        self.stale, self.later = set(), set()
+        self.last_decision, self.thread = 0.0, None
+        self.lock = threading.Lock()        # one judging at a time
+        self.changed = threading.Lock()     # guards the sets and the thread
+
+    def ask(self, directions):
+        with self.changed:
+            self.stale.update(d for d in directions if d)
+            self.last_decision = time.monotonic()
+
+    def wait(self, direction=None):
+        """Judge the newest cards of `direction` (None: of every direction)
+        again if a decision changed its model since they were judged."""
+        with self.changed:
+            due = {d for d in self.stale if direction in (None, d)}
+            self.stale -= due
+        if not due:
+            return
+        with self.lock:
+            conn = self.db.conn()               # the page's own
+            learners = self.learners.refresh(conn, now=True)
+            for stale in sorted(due):
+                if stale in learners.models:
+                    rescore_direction(conn, learners, stale, RESCORE_FIRST)
+            take_in_missed(conn, learners, RESCORE_FIRST)
+        with self.changed:
+            self.later |= {d for d in due if d in self.learners.models}
+            if self.later and self.thread is None:
+                self.thread = threading.Thread(target=self.run, name="rescore", daemon=True)
+                self.thread.start()
+
+    def run(self):
+        """The rest, once the editor has paused."""
+        while True:
+            with self.changed:
+                idle = time.monotonic() - self.last_decision
+                if not self.later:
+                    self.thread = None
+                    return
+                if idle >= RESCORE_IDLE:
+                    directions, self.later = sorted(self.later), set()
+                else:
+                    directions = None
+            if directions is None:
+                time.sleep(RESCORE_IDLE - idle)
+                continue
+            try:
+                with self.lock, self.db.lent():
+                    conn = self.db.conn()
+                    self.learners.refresh(conn, now=True)
+                    for direction in directions:
+                        rescore_direction(conn, self.learners, direction)
+                    take_in_missed(conn, self.learners)
+                for direction in directions:
+                    self.judge_unjudged(direction)
+            except Exception as e:  # noqa: BLE001 - the page goes on; the worker judges anew
+                log.warning("judging undecided posts again failed: %s", e)
+
+    def judge_unjudged(self, direction):
+        """Judge the direction's cards its model has not judged yet, a batch
+        at a time, letting a page's judging go first between batches."""
+        after = None
+        while True:
+            with self.lock, self.db.lent():
+                conn = self.db.conn()
+                if after is None and not unjudged_cards(conn, direction):
+                    return
+                _, after = judge_cards(conn, self.learners, direction, after, unjudged=True)
+            if after is None:
+                return
 
 
 ###############################################################################
@@ -10449,40 +10558,10 @@ class Publisher:
 
 
 ###############################################################################
-# Web pages ###################################################################
+# Page assets #################################################################
 ###############################################################################
-# The pages' words, the crawlers page, the editor's desk, the report card, the
-# outbox, the users and the sign-in.
-
-PAGE_SIZE = 50
-MAX_REQUEST_BODY = 64 * 1024
-REFRESH_SECONDS = 5
-DECISIONS = ("new", "approved", "rejected")
-SORTS = ("newest", "relevance", "interest", "likely")
-# Each order's score (newest first has none). By likely, a post of a direction
-# with no learned model yet stands as its relevance says (a tenth of it).
-SCORES = {"newest": None, "relevance": "p.relevance", "interest": "p.interest",
-          "likely": "coalesce(p.likely, p.relevance / 10.0)"}
-# A bulk decision takes at most this many posts (a page shows 50).
-MAX_BULK = 500
-# Posts waiting and no worker seen for this long: the page says so.
-WORKER_SILENT_AFTER = 120
-# Searches matching more posts than this show no counts (counting them would
-# cost more than the page).
-SEARCH_COUNT_CAP = 2000
-# The desk counts the posts still to classify up to this many ("10000+").
-WAITING_COUNT_CAP = 10000
-# The stored text behind a card's disclosure is cut to this many characters,
-# those whose words its decision names (see wording).
-CARD_TEXT = WORDED_TEXT
-FEED_POSTS = 100
-# How long the desk's list of sources may be reused before it is read again.
-SOURCES_FRESH = 60
-# Where a form may send the browser back to: a path on this site, nothing else.
-LOCAL_PATH = re.compile(r"/(?![/\\])[A-Za-z0-9\-._~/?=&%+]*")
-# A post's id as a form names it.
-POST_ID = re.compile(r"[1-9][0-9]{0,17}")
-
+# What every page is made of besides its data: the style, the words of
+# each language (STRINGS, phrase) and the scripts the pages run.
 STYLE = """
 :root{--fg:#1d2330;--muted:#667085;--line:#e4e7ec;--bg:#f7f8fa;--ok:#127a3d;--bad:#b42318;--warn:#b54708;--accent:#2554c7}
 *{box-sizing:border-box}
@@ -11047,6 +11126,15 @@ STRINGS = {
 LANGUAGES = tuple(STRINGS)
 
 
+def esc(value):
+    """Everything shown on a page goes through here."""
+    if value is None:
+        return ""
+    if type(value) is int:      # nothing to escape in a number: the long tables have many
+        return str(value)
+    return html.escape(str(value), quote=True)
+
+
 def choose_language(setting, asked=None, accept=None):
     """?lang= first, then VESTI_LANG, then (for auto) the browser's
     Accept-Language; English when nothing matches."""
@@ -11119,13 +11207,201 @@ def said(lang, key):
     return esc(STRINGS[lang][key].format())
 
 
-def esc(value):
-    """Everything shown on a page goes through here."""
-    if value is None:
-        return ""
-    if type(value) is int:      # nothing to escape in a number: the long tables have many
-        return str(value)
-    return html.escape(str(value), quote=True)
+# Run right after the filters (not with the desk's script at the end), so a
+# phone never shows them unfolded first.
+FOLD_FILTERS = ("(function(d){if(d.hasAttribute('data-fold')&&matchMedia('(max-width:600px)')"
+                ".matches)d.open=false})(document.querySelector('details.filters'));")
+
+
+DESK_SCRIPT = r"""
+(function(){
+var cards=[].slice.call(document.querySelectorAll('article.post')),cur=-1,last=null;
+var words=JSON.parse(document.getElementById('words').textContent);
+function fill(text,values){return text.replace(/\{(\w+)\}/g,function(m,k){return k in values?values[k]:m})}
+function focus(i){if(!cards.length)return;cur=Math.max(0,Math.min(i,cards.length-1));
+ cards.forEach(function(c,k){c.classList.toggle('current',k===cur)});
+ cards[cur].scrollIntoView({block:'nearest'});look(cards[cur]);}
+/* The others see which card an editor is on; the editor sees theirs. */
+var looker=document.getElementById('look'),looked=null;
+/* A session that ended says so once, with a link to sign in again: never a
+   password pop-up over the desk (the server sends no challenge to it). */
+var out=false;
+function signedOut(){if(out)return;out=true;
+ var p=document.createElement('p'),a=document.createElement('a');
+ p.id='signed-out';p.className='banner';p.setAttribute('role','alert');
+ p.textContent=words.signed_out+' ';a.textContent=words.sign_in_again;
+ a.href='/login?'+new URLSearchParams({next:location.pathname+location.search});
+ p.appendChild(a);document.querySelector('main').prepend(p);}
+function look(card){if(!looker||!card||out)return;looked=card;
+ fetch('/posts/'+card.dataset.id+'/look',{method:'POST',credentials:'same-origin',
+  body:new URLSearchParams({token:looker.dataset.token}),
+  headers:{'Accept':'application/json','Content-Type':'application/x-www-form-urlencoded'}})
+ .then(function(r){if(r.status===401)signedOut()}).catch(function(){});}
+function lookers(){if(!cards.length||out)return;
+ fetch('/api/looks?ids='+cards.map(function(c){return c.dataset.id}).join(','),
+  {credentials:'same-origin',headers:{'Accept':'application/json'}})
+ .then(function(r){if(r.status===401)signedOut();return r.ok?r.json():{}})
+ .then(function(found){cards.forEach(function(c){
+  var s=c.querySelector('.looking'),names=found[c.dataset.id];if(!s)return;
+  s.hidden=!names;s.textContent=names?' '+fill(words.looking,{names:names.join(', ')}):'';})})
+ .catch(function(){});}
+if(looker){lookers();setInterval(lookers,4000);
+ setInterval(function(){if(looked)look(looked)},10000);}
+function show(card,status){card.dataset.status=status;
+ card.querySelector('.state').textContent=words.status[status];
+ [].forEach.call(card.querySelectorAll('form.decide button'),function(b){b.disabled=b.value===status});}
+/* A decision saved is made on the post as it reads now: no longer edited after one. */
+function saved(card,status){card.saved=status;var mark=card.querySelector('p.edited');if(mark)mark.remove();}
+function note(card,text){var p=card.querySelector('.unsaved');
+ if(!p&&text){p=document.createElement('p');p.className='unsaved';p.setAttribute('role','alert');
+  card.querySelector('form.decide').before(p);}
+ if(p){p.textContent=text;p.hidden=!text;}
+ card.classList.toggle('not-saved',!!text);}
+/* Rejects with the reason in words: the server unreachable, or its answer. */
+function post(action,fields){
+ return fetch(action,{method:'POST',credentials:'same-origin',body:new URLSearchParams(fields),
+  headers:{'Accept':'application/json','Content-Type':'application/x-www-form-urlencoded'}})
+ .catch(function(){throw words.unreachable})
+ .then(function(r){if(r.ok)return r.json();
+  if(r.status===401){signedOut();throw words.signed_out}
+  if(r.status===409&&r.headers.get('X-Vesti-Conflict')==='decided')
+   throw {decided:r.headers.get('X-Vesti-Status'),
+          by:decodeURIComponent(r.headers.get('X-Vesti-Decided-By')||'')};
+  if(r.status===409)throw words.changed;
+  return r.text().catch(function(){return ''}).then(function(t){
+   throw fill(words.answered,{status:r.status,answer:t.trim().split('\n')[0].slice(0,200)})})});}
+/* A decision names the words the card shows: a post edited since is refused (409). */
+function send(card,status){var form=card.querySelector('form.decide');
+ return post(form.action,{token:form.token.value,status:status,wording:form.wording.value,
+  seen:card.saved===undefined?card.dataset.status:card.saved});}
+/* A decision is shown at once; one that did not save shows the decision
+   saved before it, says why, and keeps the card in focus to try again. */
+function decide(card,status,move){
+ if(!card.querySelector('form.decide'))return;
+ /* Taking back what went out deletes it there: asked first. */
+ if(status!=='approved'&&card.dataset.published&&
+    (card.saved===undefined?card.dataset.status:card.saved)==='approved'&&
+    !window.confirm(fill(words.deletes,{where:card.dataset.published})))return;
+ last={card:card,previous:card.dataset.status};
+ if(card.saved===undefined)card.saved=card.dataset.status;
+ show(card,status);note(card,'');card.dataset.busy=(+card.dataset.busy||0)+1;
+ /* One card's decisions reach the server in the order they were made. */
+ card.chain=(card.chain||Promise.resolve()).then(function(){return send(card,status)})
+ .then(function(j){saved(card,j.status);if(+card.dataset.busy===1){show(card,j.status);note(card,'')}},
+  function(why){if(why&&why.decided){decidedElsewhere(card,why);return}
+   if(+card.dataset.busy===1)show(card,card.saved);
+   note(card,fill(words.not_saved,{why:String(why),retry:words.retry[status]}));
+   focus(cards.indexOf(card));})
+ .then(function(){card.dataset.busy=+card.dataset.busy-1});
+ if(move)focus(cards.indexOf(card)+1);}
+/* Another editor decided the card meanwhile: it shows what they decided,
+   and the next key press decides knowing it. */
+function decidedElsewhere(card,why){saved(card,why.decided);show(card,why.decided);
+ var line=card.querySelector('p.decided'),looking=line&&line.querySelector('.looking');
+ if(line){line.textContent=fill(words.set_by,{status:words.status[why.decided]||why.decided,
+  who:why.by||'?'})+' ';if(looking){looking.hidden=true;line.appendChild(looking)}}
+ note(card,'');}
+/* "Reject all shown" asks in place first, then offers to undo for a while:
+   each post goes back to the decision it had. */
+var bulk=document.querySelector('form.bulk'),undoTimer=null,UNDO_MS=10000;
+function bulkStep(step){['ask','confirm','done'].forEach(function(s){
+ bulk.querySelector('.'+s).hidden=s!==step})}
+function bulkNote(text){var p=bulk.querySelector('.unsaved');p.textContent=text;p.hidden=!text}
+function bulkFailed(why){bulkNote(fill(words.not_saved,{why:String(why),retry:words.retry.bulk}))}
+function bulkSend(shown,status){return post(bulk.action,{token:bulk.token.value,status:status,
+ confirmed:'1',ids:shown.map(function(c){return c.dataset.id}).join(','),
+ wording:bulk.wording.value})}
+function settle(shown,status){shown.forEach(function(c){saved(c,status);show(c,status);note(c,'')})}
+function rejectShown(){
+ var shown=bulk.ids.value.split(',').map(function(id){return document.getElementById('post-'+id)})
+  .filter(Boolean),before=shown.map(function(c){return c.dataset.status});
+ bulkNote('');
+ bulkSend(shown,'rejected').then(function(){settle(shown,'rejected');bulkStep('done');
+  bulk.undo=function(){undoShown(shown,before)};
+  clearTimeout(undoTimer);undoTimer=setTimeout(function(){bulkStep('ask')},UNDO_MS);},
+  function(why){bulkStep('ask');bulkFailed(why)});}
+function undoShown(shown,before){clearTimeout(undoTimer);bulkNote('');
+ var groups={};shown.forEach(function(c,i){(groups[before[i]]=groups[before[i]]||[]).push(c)});
+ Promise.all(Object.keys(groups).map(function(status){
+  return bulkSend(groups[status],status).then(function(){settle(groups[status],status)})}))
+ .then(function(){bulkStep('ask')},bulkFailed);}
+if(bulk){
+ bulk.addEventListener('submit',function(e){e.preventDefault();bulkNote('');bulkStep('confirm');
+  bulk.querySelector('.yes').focus()});
+ bulk.querySelector('.no').addEventListener('click',function(){bulkStep('ask')});
+ bulk.querySelector('.yes').addEventListener('click',rejectShown);
+ bulk.querySelector('.undo').addEventListener('click',function(){bulk.undo()});}
+document.addEventListener('submit',function(e){var form=e.target;
+ if(!form.classList.contains('decide')||!e.submitter)return;
+ e.preventDefault();var card=form.closest('article.post');cur=cards.indexOf(card);
+ decide(card,e.submitter.value,e.submitter.value!=='new');});
+document.addEventListener('keydown',function(e){
+ if(e.ctrlKey||e.metaKey||e.altKey||/^(INPUT|SELECT|TEXTAREA)$/.test(e.target.tagName))return;
+ var card=cards[cur],keys=document.getElementById('keys');
+ if(e.key==='j')focus(cur+1);else if(e.key==='k')focus(cur-1);
+ else if(e.key==='a'&&card)decide(card,'approved',true);
+ else if(e.key==='r'&&card)decide(card,'rejected',true);
+ else if(e.key==='u'&&last)decide(last.card,last.previous,false);
+ else if(e.key==='o'&&card){var a=card.querySelector('h2 a');if(a)window.open(a.href,'_blank','noopener');}
+ else if(e.key==='/'){e.preventDefault();document.querySelector('input[name=q]').focus();}
+ else if(e.key==='?')keys.hidden=!keys.hidden;
+ else if(e.key==='Escape')keys.hidden=true;
+ else return;});
+})();
+"""
+
+
+# The outbox's script: what is left of a text's limit, counted as
+# shown_length counts (JavaScript's strings count UTF-16 code units, as
+# Telegram does; a link by its label).
+OUTBOX_SCRIPT = r"""
+(function(){
+var LINK=/https?:\/\/[^\s<>"]+/gi;
+function shown(text,kind){if(kind!=='telegram')return text.length;
+ return text.replace(LINK,function(url){return url.length<=%(link_max)d?url.slice(0,%(label)d):url}).length}
+function count(area){var limit=+area.dataset.limit,used=shown(area.value,area.dataset.count),
+ out=area.parentNode.querySelector('.counter');out.textContent=used+' / '+limit;
+ out.classList.toggle('over',used>limit);}
+[].forEach.call(document.querySelectorAll('textarea[data-limit]'),function(area){
+ count(area);area.addEventListener('input',function(){count(area)});});
+})();
+""" % {"link_max": LINK_MAX, "label": LABEL_CHARS}
+
+
+###############################################################################
+# Web pages ###################################################################
+###############################################################################
+# What every page shares (its frame, the menu, the banners, a source's state
+# in words) and the crawlers page.
+
+PAGE_SIZE = 50
+MAX_REQUEST_BODY = 64 * 1024
+REFRESH_SECONDS = 5
+DECISIONS = ("new", "approved", "rejected")
+SORTS = ("newest", "relevance", "interest", "likely")
+# Each order's score (newest first has none). By likely, a post of a direction
+# with no learned model yet stands as its relevance says (a tenth of it).
+SCORES = {"newest": None, "relevance": "p.relevance", "interest": "p.interest",
+          "likely": "coalesce(p.likely, p.relevance / 10.0)"}
+# A bulk decision takes at most this many posts (a page shows 50).
+MAX_BULK = 500
+# Posts waiting and no worker seen for this long: the page says so.
+WORKER_SILENT_AFTER = 120
+# Searches matching more posts than this show no counts (counting them would
+# cost more than the page).
+SEARCH_COUNT_CAP = 2000
+# The desk counts the posts still to classify up to this many ("10000+").
+WAITING_COUNT_CAP = 10000
+# The stored text behind a card's disclosure is cut to this many characters,
+# those whose words its decision names (see wording).
+CARD_TEXT = WORDED_TEXT
+FEED_POSTS = 100
+# How long the desk's list of sources may be reused before it is read again.
+SOURCES_FRESH = 60
+# Where a form may send the browser back to: a path on this site, nothing else.
+LOCAL_PATH = re.compile(r"/(?![/\\])[A-Za-z0-9\-._~/?=&%+]*")
+# A post's id as a form names it.
+POST_ID = re.compile(r"[1-9][0-9]{0,17}")
 
 
 def layout(page, title, body, here, refresh=False):
@@ -11337,6 +11613,12 @@ def crawlers_page(conn, page, settings):
     return layout(page, page.strings["crawlers"], html_body, "/crawlers",
                   refresh=queue["processing"] > 0)
 
+
+###############################################################################
+# Desk page ###################################################################
+###############################################################################
+# The editor's desk: its query, filters and counts, the cards, the question
+# card, and the same posts as JSON (/api/posts).
 
 @dataclasses.dataclass
 class DeskQuery:
@@ -11685,12 +11967,6 @@ def filter_form(page, desk, sources):
             f'<button type="submit">{page.t("show")}</button></form>')
 
 
-# Run right after the filters (not with the desk's script at the end), so a
-# phone never shows them unfolded first.
-FOLD_FILTERS = ("(function(d){if(d.hasAttribute('data-fold')&&matchMedia('(max-width:600px)')"
-                ".matches)d.open=false})(document.querySelector('details.filters'));")
-
-
 def filters_html(page, desk, directions, counts, sources, default_min):
     """The filters and their counts under "Filters": open on a wide screen;
     on a phone folded away by the script (they would fill the first screen)
@@ -11923,157 +12199,6 @@ def keys_overlay(page):
             f'<ul style="list-style:none;padding:0;margin:.4em 0 0">{keys}</ul></aside>')
 
 
-DESK_SCRIPT = r"""
-(function(){
-var cards=[].slice.call(document.querySelectorAll('article.post')),cur=-1,last=null;
-var words=JSON.parse(document.getElementById('words').textContent);
-function fill(text,values){return text.replace(/\{(\w+)\}/g,function(m,k){return k in values?values[k]:m})}
-function focus(i){if(!cards.length)return;cur=Math.max(0,Math.min(i,cards.length-1));
- cards.forEach(function(c,k){c.classList.toggle('current',k===cur)});
- cards[cur].scrollIntoView({block:'nearest'});look(cards[cur]);}
-/* The others see which card an editor is on; the editor sees theirs. */
-var looker=document.getElementById('look'),looked=null;
-/* A session that ended says so once, with a link to sign in again: never a
-   password pop-up over the desk (the server sends no challenge to it). */
-var out=false;
-function signedOut(){if(out)return;out=true;
- var p=document.createElement('p'),a=document.createElement('a');
- p.id='signed-out';p.className='banner';p.setAttribute('role','alert');
- p.textContent=words.signed_out+' ';a.textContent=words.sign_in_again;
- a.href='/login?'+new URLSearchParams({next:location.pathname+location.search});
- p.appendChild(a);document.querySelector('main').prepend(p);}
-function look(card){if(!looker||!card||out)return;looked=card;
- fetch('/posts/'+card.dataset.id+'/look',{method:'POST',credentials:'same-origin',
-  body:new URLSearchParams({token:looker.dataset.token}),
-  headers:{'Accept':'application/json','Content-Type':'application/x-www-form-urlencoded'}})
- .then(function(r){if(r.status===401)signedOut()}).catch(function(){});}
-function lookers(){if(!cards.length||out)return;
- fetch('/api/looks?ids='+cards.map(function(c){return c.dataset.id}).join(','),
-  {credentials:'same-origin',headers:{'Accept':'application/json'}})
- .then(function(r){if(r.status===401)signedOut();return r.ok?r.json():{}})
- .then(function(found){cards.forEach(function(c){
-  var s=c.querySelector('.looking'),names=found[c.dataset.id];if(!s)return;
-  s.hidden=!names;s.textContent=names?' '+fill(words.looking,{names:names.join(', ')}):'';})})
- .catch(function(){});}
-if(looker){lookers();setInterval(lookers,4000);
- setInterval(function(){if(looked)look(looked)},10000);}
-function show(card,status){card.dataset.status=status;
- card.querySelector('.state').textContent=words.status[status];
- [].forEach.call(card.querySelectorAll('form.decide button'),function(b){b.disabled=b.value===status});}
-/* A decision saved is made on the post as it reads now: no longer edited after one. */
-function saved(card,status){card.saved=status;var mark=card.querySelector('p.edited');if(mark)mark.remove();}
-function note(card,text){var p=card.querySelector('.unsaved');
- if(!p&&text){p=document.createElement('p');p.className='unsaved';p.setAttribute('role','alert');
-  card.querySelector('form.decide').before(p);}
- if(p){p.textContent=text;p.hidden=!text;}
- card.classList.toggle('not-saved',!!text);}
-/* Rejects with the reason in words: the server unreachable, or its answer. */
-function post(action,fields){
- return fetch(action,{method:'POST',credentials:'same-origin',body:new URLSearchParams(fields),
-  headers:{'Accept':'application/json','Content-Type':'application/x-www-form-urlencoded'}})
- .catch(function(){throw words.unreachable})
- .then(function(r){if(r.ok)return r.json();
-  if(r.status===401){signedOut();throw words.signed_out}
-  if(r.status===409&&r.headers.get('X-Vesti-Conflict')==='decided')
-   throw {decided:r.headers.get('X-Vesti-Status'),
-          by:decodeURIComponent(r.headers.get('X-Vesti-Decided-By')||'')};
-  if(r.status===409)throw words.changed;
-  return r.text().catch(function(){return ''}).then(function(t){
-   throw fill(words.answered,{status:r.status,answer:t.trim().split('\n')[0].slice(0,200)})})});}
-/* A decision names the words the card shows: a post edited since is refused (409). */
-function send(card,status){var form=card.querySelector('form.decide');
- return post(form.action,{token:form.token.value,status:status,wording:form.wording.value,
-  seen:card.saved===undefined?card.dataset.status:card.saved});}
-/* A decision is shown at once; one that did not save shows the decision
-   saved before it, says why, and keeps the card in focus to try again. */
-function decide(card,status,move){
- if(!card.querySelector('form.decide'))return;
- /* Taking back what went out deletes it there: asked first. */
- if(status!=='approved'&&card.dataset.published&&
-    (card.saved===undefined?card.dataset.status:card.saved)==='approved'&&
-    !window.confirm(fill(words.deletes,{where:card.dataset.published})))return;
- last={card:card,previous:card.dataset.status};
- if(card.saved===undefined)card.saved=card.dataset.status;
- show(card,status);note(card,'');card.dataset.busy=(+card.dataset.busy||0)+1;
- /* One card's decisions reach the server in the order they were made. */
- card.chain=(card.chain||Promise.resolve()).then(function(){return send(card,status)})
- .then(function(j){saved(card,j.status);if(+card.dataset.busy===1){show(card,j.status);note(card,'')}},
-  function(why){if(why&&why.decided){decidedElsewhere(card,why);return}
-   if(+card.dataset.busy===1)show(card,card.saved);
-   note(card,fill(words.not_saved,{why:String(why),retry:words.retry[status]}));
-   focus(cards.indexOf(card));})
- .then(function(){card.dataset.busy=+card.dataset.busy-1});
- if(move)focus(cards.indexOf(card)+1);}
-/* Another editor decided the card meanwhile: it shows what they decided,
-   and the next key press decides knowing it. */
-function decidedElsewhere(card,why){saved(card,why.decided);show(card,why.decided);
- var line=card.querySelector('p.decided'),looking=line&&line.querySelector('.looking');
- if(line){line.textContent=fill(words.set_by,{status:words.status[why.decided]||why.decided,
-  who:why.by||'?'})+' ';if(looking){looking.hidden=true;line.appendChild(looking)}}
- note(card,'');}
-/* "Reject all shown" asks in place first, then offers to undo for a while:
-   each post goes back to the decision it had. */
-var bulk=document.querySelector('form.bulk'),undoTimer=null,UNDO_MS=10000;
-function bulkStep(step){['ask','confirm','done'].forEach(function(s){
- bulk.querySelector('.'+s).hidden=s!==step})}
-function bulkNote(text){var p=bulk.querySelector('.unsaved');p.textContent=text;p.hidden=!text}
-function bulkFailed(why){bulkNote(fill(words.not_saved,{why:String(why),retry:words.retry.bulk}))}
-function bulkSend(shown,status){return post(bulk.action,{token:bulk.token.value,status:status,
- confirmed:'1',ids:shown.map(function(c){return c.dataset.id}).join(','),
- wording:bulk.wording.value})}
-function settle(shown,status){shown.forEach(function(c){saved(c,status);show(c,status);note(c,'')})}
-function rejectShown(){
- var shown=bulk.ids.value.split(',').map(function(id){return document.getElementById('post-'+id)})
-  .filter(Boolean),before=shown.map(function(c){return c.dataset.status});
- bulkNote('');
- bulkSend(shown,'rejected').then(function(){settle(shown,'rejected');bulkStep('done');
-  bulk.undo=function(){undoShown(shown,before)};
-  clearTimeout(undoTimer);undoTimer=setTimeout(function(){bulkStep('ask')},UNDO_MS);},
-  function(why){bulkStep('ask');bulkFailed(why)});}
-function undoShown(shown,before){clearTimeout(undoTimer);bulkNote('');
- var groups={};shown.forEach(function(c,i){(groups[before[i]]=groups[before[i]]||[]).push(c)});
- Promise.all(Object.keys(groups).map(function(status){
-  return bulkSend(groups[status],status).then(function(){settle(groups[status],status)})}))
- .then(function(){bulkStep('ask')},bulkFailed);}
-if(bulk){
- bulk.addEventListener('submit',function(e){e.preventDefault();bulkNote('');bulkStep('confirm');
-  bulk.querySelector('.yes').focus()});
- bulk.querySelector('.no').addEventListener('click',function(){bulkStep('ask')});
- bulk.querySelector('.yes').addEventListener('click',rejectShown);
- bulk.querySelector('.undo').addEventListener('click',function(){bulk.undo()});}
-document.addEventListener('submit',function(e){var form=e.target;
- if(!form.classList.contains('decide')||!e.submitter)return;
- e.preventDefault();var card=form.closest('article.post');cur=cards.indexOf(card);
- decide(card,e.submitter.value,e.submitter.value!=='new');});
-document.addEventListener('keydown',function(e){
- if(e.ctrlKey||e.metaKey||e.altKey||/^(INPUT|SELECT|TEXTAREA)$/.test(e.target.tagName))return;
- var card=cards[cur],keys=document.getElementById('keys');
- if(e.key==='j')focus(cur+1);else if(e.key==='k')focus(cur-1);
- else if(e.key==='a'&&card)decide(card,'approved',true);
- else if(e.key==='r'&&card)decide(card,'rejected',true);
- else if(e.key==='u'&&last)decide(last.card,last.previous,false);
- else if(e.key==='o'&&card){var a=card.querySelector('h2 a');if(a)window.open(a.href,'_blank','noopener');}
- else if(e.key==='/'){e.preventDefault();document.querySelector('input[name=q]').focus();}
- else if(e.key==='?')keys.hidden=!keys.hidden;
- else if(e.key==='Escape')keys.hidden=true;
- else return;});
-})();
-"""
-
-
-@functools.lru_cache(maxsize=8)
-def script_words(lang):
-    """What the desk's script may say, in the page's language, as JSON safe
-    inside a <script> element."""
-    strings = STRINGS[lang]
-    words = {"status": {s: strings[f"status.{s}"] for s in DECISIONS},
-             "retry": {s: strings[f"retry.{s}"] for s in (*DECISIONS, "bulk")},
-             **{key: strings[key] for key in ("not_saved", "unreachable", "answered", "changed",
-                                              "looking", "deletes", "signed_out",
-                                              "sign_in_again", "set_by")}}
-    return json.dumps(words, ensure_ascii=False).replace("<", "\\u003c")
-
-
 def waiting_note(conn, page, settings):
     """How many posts are still to classify, above the cards (or in place of
     them): the desk fills up while the workers go through the queue, or
@@ -12180,6 +12305,19 @@ def api_post(post, story, unsure=False):
     return answer
 
 
+@functools.lru_cache(maxsize=8)
+def script_words(lang):
+    """What the desk's script may say, in the page's language, as JSON safe
+    inside a <script> element."""
+    strings = STRINGS[lang]
+    words = {"status": {s: strings[f"status.{s}"] for s in DECISIONS},
+             "retry": {s: strings[f"retry.{s}"] for s in (*DECISIONS, "bulk")},
+             **{key: strings[key] for key in ("not_saved", "unreachable", "answered", "changed",
+                                              "looking", "deletes", "signed_out",
+                                              "sign_in_again", "set_by")}}
+    return json.dumps(words, ensure_ascii=False).replace("<", "\\u003c")
+
+
 def desk_page(conn, desk, page, directions, settings, sources=None, learners=None):
     catch_up_index(conn)
     posts = desk_posts(conn, desk)
@@ -12220,6 +12358,12 @@ def desk_page(conn, desk, page, directions, settings, sources=None, learners=Non
             f"<script>{DESK_SCRIPT}</script>")
     return layout(page, page.strings["desk"], body, "/")
 
+
+###############################################################################
+# Report card page ############################################################
+###############################################################################
+# /quality: how the classifier and the learned models agree with the
+# editors, in words, tables and a calibration chart.
 
 def percent(share):
     return round(share * 100)
@@ -12447,6 +12591,11 @@ def quality_page(report, page, agreement=None):
     return layout(page, page.strings["quality"], body, "/quality")
 
 
+###############################################################################
+# Outbox page #################################################################
+###############################################################################
+# /outbox and the editors' actions on what it shows.
+
 # The outbox (/outbox): every publish target with its publications, the ones
 # that need an editor first (uncertain, failed), then the queue in the order
 # it is sent, then the latest sent or cancelled.
@@ -12603,6 +12752,20 @@ def outbox_section(conn, target, page, drafts=None):
             + "".join(f'<p class="banner">{w}</p>' for w in warnings) + table + "</section>")
 
 
+def outbox_page(conn, page, drafts=None):
+    """Every target and its publications; `drafts`: {publication id: (text,
+    why it was refused)} of texts an editor's save did not store."""
+    targets = conn.execute("SELECT * FROM targets ORDER BY enabled DESC, name").fetchall()
+    body = "".join(outbox_section(conn, target, page, drafts) for target in targets) or \
+        f'<p class="muted">{page.t("o.none")}</p>'
+    return layout(page, page.strings["outbox"], body + f"<script>{OUTBOX_SCRIPT}</script>", "/outbox")
+
+
+###############################################################################
+# Users and sign-in pages #####################################################
+###############################################################################
+# /users (accounts, roles, locks and the audit) and /login.
+
 def login_problem(page, problem):
     """Why the last try did not sign in, in the page's words."""
     if problem is None:
@@ -12699,32 +12862,6 @@ def users_page(conn, page, settings_user):
             f'<th>{page.t("u.who")}</th><th>{page.t("u.from")}</th><th>{page.t("u.what")}</th>'
             f'<th></th><th></th></tr>{events}</table>')
     return layout(page, page.strings["users"], body, "/users")
-
-
-# The outbox's script: what is left of a text's limit, counted as
-# shown_length counts (JavaScript's strings count UTF-16 code units, as
-# Telegram does; a link by its label).
-OUTBOX_SCRIPT = r"""
-(function(){
-var LINK=/https?:\/\/[^\s<>"]+/gi;
-function shown(text,kind){if(kind!=='telegram')return text.length;
- return text.replace(LINK,function(url){return url.length<=%(link_max)d?url.slice(0,%(label)d):url}).length}
-function count(area){var limit=+area.dataset.limit,used=shown(area.value,area.dataset.count),
- out=area.parentNode.querySelector('.counter');out.textContent=used+' / '+limit;
- out.classList.toggle('over',used>limit);}
-[].forEach.call(document.querySelectorAll('textarea[data-limit]'),function(area){
- count(area);area.addEventListener('input',function(){count(area)});});
-})();
-""" % {"link_max": LINK_MAX, "label": LABEL_CHARS}
-
-
-def outbox_page(conn, page, drafts=None):
-    """Every target and its publications; `drafts`: {publication id: (text,
-    why it was refused)} of texts an editor's save did not store."""
-    targets = conn.execute("SELECT * FROM targets ORDER BY enabled DESC, name").fetchall()
-    body = "".join(outbox_section(conn, target, page, drafts) for target in targets) or \
-        f'<p class="muted">{page.t("o.none")}</p>'
-    return layout(page, page.strings["outbox"], body + f"<script>{OUTBOX_SCRIPT}</script>", "/outbox")
 
 
 ###############################################################################
@@ -12909,769 +13046,8 @@ def metrics_text(conn):
 
 
 ###############################################################################
-# Web server ##################################################################
+# HTTP front ##################################################################
 ###############################################################################
-# Sign-in (Basic auth and sessions), the routes and the roles they need, and
-# the server that reads requests and answers them.
-
-def generated_web_password(conn):
-    """With no VESTI_WEB_PASSWORD: a password made at the first start and
-    kept, hashed, in the database, so open pages, feed readers and metrics
-    scrapers keep working across restarts. Returns it the one time it is
-    made (to be printed), else None."""
-    if get_meta(conn, "web_password")[0] is not None:
-        return None
-    password = secrets.token_urlsafe(12)
-    kept = password_hash(password)
-    conn.execute("INSERT INTO meta (key, value, updated_at) VALUES ('web_password', ?, ?) "
-                 "ON CONFLICT DO NOTHING", (kept, utc_text()))
-    # Another process starting at the same moment may have made its own.
-    return password if get_meta(conn, "web_password")[0] == kept else None
-
-
-# Password checks (scrypt) that may wait for the one under way at a time;
-# a sign-in beyond them is refused at once (503): guessers from many
-# addresses cannot take every thread of the page from signed-in editors.
-CHECKS_WAITING = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class Account:
-    """Who a request comes from: the name, the role, the token its forms
-    carry, and the session's cookie when signed in on /login."""
-    name: str
-    role: str
-    token: str
-    session: str = None
-
-
-SESSION_COOKIE = "vesti_session"
-LOGIN_COOKIE = "vesti_login"
-
-
-def cookies_of(headers):
-    jar = http.cookies.SimpleCookie()
-    with contextlib.suppress(http.cookies.CookieError):
-        jar.load(headers.get("Cookie") or "")
-    return {name: morsel.value for name, morsel in jar.items()}
-
-
-def session_cookie(headers):
-    return cookies_of(headers).get(SESSION_COOKIE)
-
-
-def behind_https(headers):
-    """The request came over HTTPS through a proxy that says so."""
-    return (headers.get("X-Forwarded-Proto") or "").split(",")[0].strip().lower() == "https"
-
-
-def cookie(headers, name, value, max_age=None):
-    """A Set-Cookie value: HttpOnly, SameSite=Lax, Secure behind HTTPS."""
-    parts = [f"{name}={value}", "Path=/", "HttpOnly", "SameSite=Lax"]
-    if max_age is not None:
-        parts.append(f"Max-Age={max_age}")
-    if behind_https(headers):
-        parts.append("Secure")
-    return "; ".join(parts)
-
-
-def ended_cookie(headers):
-    return cookie(headers, SESSION_COOKIE, "", max_age=0)
-
-
-def basic_credentials(header):
-    """(user, password) of a Basic Authorization header, or None."""
-    scheme, _, encoded = (header or "").partition(" ")
-    if scheme.lower() != "basic":
-        return None
-    try:
-        user, _, password = base64.b64decode(encoded.strip(), validate=True) \
-            .decode("utf-8").partition(":")
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return user, password
-
-
-def abort(status, text, headers=None):
-    """Reply at once with `status` and a one-line text (bottle's abort)."""
-    raise EarlyReply(status, text, headers)
-
-
-def readable_body_length(headers):
-    """The Content-Length of a request body the page reads, or None for one
-    it refuses unread (not a number, or over MAX_REQUEST_BODY)."""
-    length = headers.get("Content-Length", "0")
-    if not (length.isascii() and length.isdigit()):
-        return None
-    # Its digits are counted before they make a number: Python refuses a
-    # number of over 4,300 digits, which a client may well send.
-    digits = length.lstrip("0") or "0"
-    if len(digits) > len(str(MAX_REQUEST_BODY)) or int(digits) > MAX_REQUEST_BODY:
-        return None
-    return int(digits)
-
-
-def named_wordings(form, ids):
-    """{post id: wording} of these posts, as a page's form names the words
-    it showed of them ("id:wording,…", see wording); none from a script."""
-    named = (part.strip().partition(":") for value in form.get("wording", [])
-             for part in value.split(","))
-    return {int(i): words for i, _, words in named if POST_ID.fullmatch(i) and int(i) in ids}
-
-
-# The posts of a direction a decision changed the model of, beyond the
-# newest cards a page judges again, are judged once no decision came for
-# this many seconds.
-RESCORE_IDLE = 2.0
-
-
-class Rescorer:
-    """After decisions, the undecided cards of their directions are judged
-    again (rescore_direction) by the model they changed. Not at once, so a
-    decision answers at once and a run of decisions pays for one judging:
-    the newest RESCORE_FIRST cards of a direction when a desk page of it is
-    asked for next (the page then reflects the last decision), the rest of
-    them, the posts no keyword matched (take_in_missed) and the cards its
-    model has not judged yet (judge_unjudged) in a thread of its own once
-    no decision came for RESCORE_IDLE seconds."""
-
-    def __init__(self, db, learners):
-        self.db, self.learners = db, learners
-        self.stale, self.later = set(), set()
-        self.last_decision, self.thread = 0.0, None
-        self.lock = threading.Lock()        # one judging at a time
-        self.changed = threading.Lock()     # guards the sets and the thread
-
-    def ask(self, directions):
-        with self.changed:
-            self.stale.update(d for d in directions if d)
-            self.last_decision = time.monotonic()
-
-    def wait(self, direction=None):
-        """Judge the newest cards of `direction` (None: of every direction)
-        again if a decision changed its model since they were judged."""
-        with self.changed:
-            due = {d for d in self.stale if direction in (None, d)}
-            self.stale -= due
-        if not due:
-            return
-        with self.lock:
-            conn = self.db.conn()               # the page's own
-            learners = self.learners.refresh(conn, now=True)
-            for stale in sorted(due):
-                if stale in learners.models:
-                    rescore_direction(conn, learners, stale, RESCORE_FIRST)
-            take_in_missed(conn, learners, RESCORE_FIRST)
-        with self.changed:
-            self.later |= {d for d in due if d in self.learners.models}
-            if self.later and self.thread is None:
-                self.thread = threading.Thread(target=self.run, name="rescore", daemon=True)
-                self.thread.start()
-
-    def run(self):
-        """The rest, once the editor has paused."""
-        while True:
-            with self.changed:
-                idle = time.monotonic() - self.last_decision
-                if not self.later:
-                    self.thread = None
-                    return
-                if idle >= RESCORE_IDLE:
-                    directions, self.later = sorted(self.later), set()
-                else:
-                    directions = None
-            if directions is None:
-                time.sleep(RESCORE_IDLE - idle)
-                continue
-            try:
-                with self.lock, self.db.lent():
-                    conn = self.db.conn()
-                    self.learners.refresh(conn, now=True)
-                    for direction in directions:
-                        rescore_direction(conn, self.learners, direction)
-                    take_in_missed(conn, self.learners)
-                for direction in directions:
-                    self.judge_unjudged(direction)
-            except Exception as e:  # noqa: BLE001 - the page goes on; the worker judges anew
-                log.warning("judging undecided posts again failed: %s", e)
-
-    def judge_unjudged(self, direction):
-        """Judge the direction's cards its model has not judged yet, a batch
-        at a time, letting a page's judging go first between batches."""
-        after = None
-        while True:
-            with self.lock, self.db.lent():
-                conn = self.db.conn()
-                if after is None and not unjudged_cards(conn, direction):
-                    return
-                _, after = judge_cards(conn, self.learners, direction, after, unjudged=True)
-            if after is None:
-                return
-
-
-class WebApp:
-    """Routes, Basic auth and cross-site protection for the VESTI page."""
-
-    def __init__(self, db, settings, registry, password=None):
-        self.db, self.settings, self.registry = db, settings, registry
-        # VESTI_WEB_PASSWORD, or None for the one kept hashed in the database.
-        self.user, self.password = settings.web_user, password or None
-        self.matched = set()        # sha256 of each hash and the password that matched it
-        # One scrypt check at a time: guesses from many addresses at once cost
-        # one core and 16 MB, not one of each per thread; at most
-        # CHECKS_WAITING more wait for it.
-        self.hashing = threading.Lock()
-        self.checks = threading.BoundedSemaphore(1 + CHECKS_WAITING)
-        # A hash no password is known to match, checked for a name no account
-        # has: made now, so that even the first such check costs no more.
-        self.decoy = password_hash(secrets.token_urlsafe(16))
-        self._sources = (-math.inf, "")
-        # Kept in the database: pages left open across a restart still post.
-        self.secret = lasting_secret(db.conn(), "web_secret").encode()
-        if db.conn().dialect is SQLITE and not FTS5:
-            log.warning("this Python's SQLite has no FTS5: the desk searches with LIKE "
-                        "(slower on a big database)")
-        self.learners = Learners(settings.learn_min)
-        self.rescorer = Rescorer(db, self.learners)
-        self.keep_settings_account()
-        # (method, path, handler, the role it needs; None: no sign-in).
-        self.routes = [
-            ("GET", re.compile(r"/"), self.desk, "viewer"),
-            ("GET", re.compile(r"/api/posts"), self.api_posts, "viewer"),
-            ("GET", re.compile(r"/quality"), self.quality, "viewer"),
-            ("GET", re.compile(r"/outbox"), self.outbox, "viewer"),
-            ("POST", re.compile(r"/publications/([1-9][0-9]{0,17})"), self.publication, "editor"),
-            ("GET", re.compile(r"/crawlers"), self.crawlers, "viewer"),
-            ("POST", re.compile(r"/crawlers/reset"), self.reset, "admin"),
-            ("GET", re.compile(r"/api/queue"), self.api_queue, "viewer"),
-            ("POST", re.compile(r"/posts/([1-9][0-9]{0,17})/status"), self.decide, "editor"),
-            ("POST", re.compile(r"/posts/status"), self.decide_many, "editor"),
-            ("POST", re.compile(r"/posts/([1-9][0-9]{0,17})/look"), self.look, "viewer"),
-            ("GET", re.compile(r"/api/looks"), self.api_looks, "viewer"),
-            ("GET", re.compile(r"/approved\.atom"), self.approved_atom, "viewer"),
-            ("GET", re.compile(r"/approved\.json"), self.approved_json, "viewer"),
-            ("GET", re.compile(r"/metrics"), self.metrics, "viewer"),
-            ("GET", re.compile(r"/users"), self.users, "admin"),
-            ("POST", re.compile(r"/users"), self.add_account, "admin"),
-            ("POST", re.compile(r"/users/([^/?#]{1,200})"), self.change_account, "admin"),
-            ("GET", re.compile(r"/login"), self.login_page, None),
-            ("POST", re.compile(r"/login"), self.login, None),
-            ("POST", re.compile(r"/logout"), self.logout, "viewer"),
-            ("GET", re.compile(r"/healthz"), self.healthz, None),
-        ]
-
-    def use(self, registry):
-        """Show these directions and sources from now on (sources.yaml changed)."""
-        self.registry = registry
-        self._sources = (-math.inf, "")
-
-    def keep_settings_account(self):
-        """The VESTI_WEB_USER account's row, with the hash of
-        VESTI_WEB_PASSWORD or of the generated password kept in the
-        database (see keep_settings_account); none yet while there is no
-        password at all (make_password makes one)."""
-        kept = None if self.password else get_meta(self.db.conn(), "web_password")[0]
-        if self.password or kept:
-            keep_settings_account(self.db.conn(), self.user, self.password, kept)
-
-    def token(self):
-        """The forms' token of the VESTI_WEB_USER account (see user_token)."""
-        return self.user_token(find_user(self.db.conn(), self.user))
-
-    def user_token(self, user):
-        """The forms' token of an account signing in with Basic auth: the
-        same across restarts (a page left open overnight still posts),
-        another once the password changes."""
-        signed = f"user\0{user['name']}\0{user['password_hash']}"
-        return hmac.new(self.secret, signed.encode(), hashlib.sha256).hexdigest()
-
-    def make_password(self):
-        """With no VESTI_WEB_PASSWORD, the kept password, made now if there
-        is none yet (see generated_web_password): returned when just made."""
-        if self.password is not None:
-            return None
-        made = generated_web_password(self.db.conn())
-        self.keep_settings_account()
-        return made
-
-    def matches(self, password, kept, slow=True):
-        """password_matches, remembered once it did: a client sends its
-        password with every request. Without `slow`, a password that would
-        need a scrypt check is taken as wrong (see check_login)."""
-        seen = hashlib.sha256(f"{kept}\0{password}".encode()).digest()
-        if seen in self.matched:
-            return True
-        if not slow:
-            return False
-        with self.hashing:
-            if not password_matches(password, kept):
-                return False
-        self.matched.add(seen)
-        return True
-
-    def account(self, name, password, slow=True):
-        """The Account these credentials sign in as, or None. A name no
-        enabled account has costs a check as long as a real one: the time
-        tells no name."""
-        user = find_user(self.db.conn(), name) if len(name) <= 200 else None
-        if user is None or user["disabled"]:
-            if slow:
-                self.matches(password, self.decoy, slow)
-            return None
-        if not self.matches(password, user["password_hash"], slow):
-            return None
-        return Account(user["name"], user["role"], self.user_token(user))
-
-
-    def check_login(self, request):
-        """Who is asking: a signed-in session's cookie, or Basic auth (see
-        sign_in). A request with no credentials (a browser's first) is no
-        wrong password: it is asked to sign in (ask_for_login)."""
-        cookie = session_cookie(request.headers)
-        if cookie:
-            row = session_of(self.db.conn(), cookie, self.settings.session_hours)
-            if row is not None:
-                return Account(row["user_name"], row["role"], row["form_token"], cookie)
-        header = request.headers.get("Authorization")
-        credentials = basic_credentials(header) if header else None
-        if credentials is None:
-            self.ask_for_login(request, stale=bool(cookie) and not header)
-        try:
-            found = self.sign_in(request.client_address[0], *credentials, how="basic auth")
-        except SignInLocked as e:
-            wait = max(1, math.ceil(e.until - time.time()))
-            abort(429, f"Too many wrong passwords for this {e.kind}; every try is refused "
-                       f"until {utc_text(e.until)} UTC", {"Retry-After": str(wait)})
-        if found is None:
-            self.ask_for_login(request)
-        return found
-
-    def sign_in(self, address, name, password, how):
-        """The account these credentials sign in as, or None for a wrong
-        password (kept: see note_wrong_password). A locked name or address
-        is answered 429 before any password is looked at, right or not; a
-        password given right before passes without scrypt; a check beyond
-        the ones that may wait is refused at once (503)."""
-        conn = self.db.conn()
-        lock = sign_in_lock(conn, address, name)
-        if lock is not None:
-            raise SignInLocked(*lock)
-        found = self.account(name, password, slow=False)
-        if found is not None:
-            return found
-        if not self.checks.acquire(blocking=False):
-            abort(503, "Too many sign-ins at once; try again in a few seconds",
-                  {"Retry-After": "5"})
-        try:
-            found = self.account(name, password)
-        finally:
-            self.checks.release()
-        if found is None:
-            lock = note_wrong_password(conn, address, name, how)
-            if lock is not None:
-                log.warning("web: %d wrong passwords %s in %d minutes; its tries are refused "
-                            "until %s UTC", LOGIN_FAILURES if lock[0] == "name" else ADDRESS_FAILURES,
-                            f"for user {shorten(name, 64)!r}" if lock[0] == "name" else
-                            f"from {address_key(address)}", LOGIN_WINDOW // 60, utc_text(lock[1]))
-        return found
-
-    def ask_for_login(self, request, stale=False):
-        """No (or wrong) credentials: a browser (a page, accepting HTML) goes
-        to the sign-in page; a script, a feed reader or a metrics scraper
-        gets 401 with the Basic challenge; a page's own background request
-        (a browser says so in Sec-Fetch-Mode), or one whose session ended,
-        gets 401 without it: no password pop-up over the desk."""
-        headers = request.headers
-        wants_page = "text/html" in headers.get("Accept", "") and \
-            request.command in ("GET", "HEAD") and not headers.get("Authorization") and \
-            headers.get("Sec-Fetch-Mode", "navigate") == "navigate"
-        if wants_page:
-            after = request.path if LOCAL_PATH.fullmatch(request.path) else "/"
-            abort(303, "Sign in at /login", {
-                "Location": "/login?" + urllib.parse.urlencode({"next": after}),
-                **({"Set-Cookie": ended_cookie(headers)} if stale else {})})
-        if stale or headers.get("Sec-Fetch-Mode", "navigate") != "navigate":
-            abort(401, "Signed out: sign in again at /login", {"X-Vesti-Signed-Out": "1"})
-        abort(401, "Authentication required (browsers: sign in at /login)",
-              {"WWW-Authenticate": 'Basic realm="VESTI", charset="UTF-8"'})
-
-    def same_origin(self, request):
-        """A POST must come from this page: its Origin (or Referer) names this host."""
-        host = request.headers.get("Host", "")
-        origin = request.headers.get("Origin") or request.headers.get("Referer")
-        if not origin:
-            return True
-        return urllib.parse.urlsplit(origin).netloc == host
-
-    def handle(self, request, method):
-        try:
-            self.route(request, method)
-        except EarlyReply as e:
-            if e.page:
-                request.reply(e.status, "text/html; charset=utf-8", e.text.encode(), e.headers)
-            else:
-                request.reply(e.status, "text/plain; charset=utf-8", f"{e.text}\n".encode(),
-                              e.headers)
-
-    def route(self, request, method):
-        path, _, query = request.path.partition("?")
-        public = any(r.fullmatch(path) and (m == method or (method == "HEAD" and m == "GET"))
-                     and role is None for m, r, _, role in self.routes)
-        request.account = None if public else self.check_login(request)
-        matches = [(m, r.fullmatch(path), h, role) for m, r, h, role in self.routes
-                   if r.fullmatch(path)]
-        if not matches:
-            abort(404, "Not found")
-        for route_method, match, handler, role in matches:
-            if route_method == method or (method == "HEAD" and route_method == "GET"):
-                account = request.account
-                if role is not None and not role_allows(account.role, role):
-                    abort(403, f"This needs the {role} role; {account.name} is {account.role}")
-                form = self.read_form(request) if method == "POST" else {}
-                flat = {k: v[-1] for k, v in urllib.parse.parse_qs(query).items()}
-                return handler(request, flat, form, *match.groups())
-        methods = {m for m, _, _, _ in matches}
-        allowed = ", ".join(sorted(methods | ({"HEAD"} if "GET" in methods else set())))
-        abort(405, "Method not allowed", {"Allow": allowed})
-
-    def read_form(self, request):
-        length = readable_body_length(request.headers)
-        if length is None:
-            abort(413, "Request body too large")
-        body = request.rfile.read(length).decode("utf-8", "replace")
-        return urllib.parse.parse_qs(body)
-
-    def check_forgery(self, request, form, expected=None):
-        token = (form.get("token") or [""])[-1]
-        expected = expected or request.account.token
-        if not hmac.compare_digest(token.encode(), expected.encode()) or \
-                not self.same_origin(request):
-            abort(403, "Cross-site request refused")
-
-    def page(self, request, query):
-        lang = choose_language(self.settings.lang, query.get("lang"),
-                               request.headers.get("Accept-Language"))
-        account = request.account
-        trouble = outbox_trouble(self.db.conn()) if account is not None else ()
-        return Page(lang, account.token if account else "", {k: v for k, v in query.items()
-                                                             if k == "lang"}, account, trouble)
-
-    def html(self, request, text):
-        request.reply(200, "text/html; charset=utf-8", text.encode("utf-8"))
-
-    def desk(self, request, query, form):
-        desk = DeskQuery.read(query, self.registry.directions, self.settings.min_relevance)
-        page = self.page(request, query)
-        self.rescorer.wait(desk.direction)
-        learners = self.learners.refresh(self.db.conn())
-        self.html(request, desk_page(self.db.conn(), desk, page, self.registry.directions,
-                                     self.settings, self.source_options(), learners))
-
-    def quality(self, request, query, form):
-        report = quality_report(self.db.conn(), self.registry.directions, self.settings)
-        self.html(request, quality_page(report, self.page(request, query),
-                                        editor_agreement(self.db.conn())))
-
-    def outbox(self, request, query, form):
-        self.html(request, outbox_page(self.db.conn(), self.page(request, query)))
-
-    def publication(self, request, query, form, publication_id):
-        """An editor's action on a publication (see act_on_publication); 409
-        when its state changed since the page showed it (`seen`)."""
-        self.check_forgery(request, form)
-        action = (form.get("action") or [""])[-1]
-        if action not in PUBLICATION_ACTIONS:
-            abort(400, f"action must be one of {', '.join(PUBLICATION_ACTIONS)}")
-        text = (form.get("text") or [""])[-1].replace("\r\n", "\n")
-        if action == "text":
-            self.check_text(request, query, int(publication_id), text)
-        seen = (form.get("seen") or [""])[-1]
-        version = (form.get("version") or [""])[-1]
-        try:
-            row = act_on_publication(self.db.conn(), int(publication_id), action,
-                                     request.account.name, text, seen=seen or None,
-                                     address=request.client_address[0],
-                                     version=int(version) if version.isdigit() else None)
-        except Conflict as e:
-            abort(409, str(e))
-        if row is None:
-            abort(404, "No such publication")
-        log.info("web: publication %s (post %s to %s): %s", row["id"], row["post_id"],
-                 row["target"], action)
-        if "application/json" in request.headers.get("Accept", ""):
-            return self.json(request, {"id": row["id"], "state": row["state"],
-                                       "hurry": bool(row["hurry"])})
-        back = (form.get("back") or ["/outbox"])[-1]
-        back = back if LOCAL_PATH.fullmatch(back) else "/outbox"
-        request.reply(303, "text/plain", b"", {"Location": f"{back}#publication-{row['id']}"})
-
-    def check_text(self, request, query, publication_id, text):
-        """An editor's text that cannot be sent is refused (400) on the
-        outbox itself, the words kept in its form with the reason."""
-        conn = self.db.conn()
-        kind = conn.execute("SELECT t.kind FROM publications u JOIN targets t ON t.name = u.target "
-                            "WHERE u.id = ?", (publication_id,)).fetchone()
-        if kind is None:
-            abort(404, "No such publication")
-        page = self.page(request, query)
-        problem = text_problem(kind[0], text, page)
-        if problem is None:
-            return
-        if "application/json" in request.headers.get("Accept", ""):
-            abort(400, html.unescape(problem))
-        raise EarlyReply(400, outbox_page(conn, page, {publication_id: (text, problem)}), page=True)
-
-    def api_posts(self, request, query, form):
-        """The desk as JSON (see desk_answer); a parameter it cannot read is
-        400 naming it, rather than a page of something else."""
-        desk = DeskQuery.read(query, self.registry.directions, self.settings.min_relevance)
-        limit = query.get("limit", str(API_POSTS))
-        wrong = [f"after: not a cursor this answer gave ({shorten(query['after'], 40)!r})"
-                 if "after" in query and desk.after is None else None,
-                 f"limit: a number from 1 (at most {MAX_API_POSTS} are given) ({shorten(limit, 20)!r})"
-                 if not re.fullmatch(r"[1-9][0-9]{0,5}", limit) else None,
-                 f"direction: none of {', '.join(self.registry.directions) or 'no direction'} "
-                 f"nor 'none' ({shorten(query['direction'], 40)!r})"
-                 if query.get("direction") and desk.direction is None else None,
-                 f"status: one of new, approved, rejected, any ({shorten(query['status'], 20)!r})"
-                 if query.get("status") and query["status"] not in (*DECISIONS, "any") else None,
-                 f"sort: one of {', '.join(SORTS)} ({shorten(query['sort'], 20)!r})"
-                 if query.get("sort") and query["sort"] not in SORTS else None,
-                 f"min: a relevance from 0 to 10 ({shorten(query['min'], 20)!r})"
-                 if query.get("min") and not desk.chosen else None]
-        wrong = [problem for problem in wrong if problem]
-        if wrong:
-            abort(400, "; ".join(wrong))
-        limit = min(int(limit), MAX_API_POSTS)
-        self.rescorer.wait(desk.direction)
-        self.json(request, desk_answer(self.db.conn(), desk, limit))
-
-    def source_options(self):
-        """The source filter's options, built at most once a minute: with
-        thousands of sources they cost more than the rest of the page."""
-        built, options = self._sources
-        if time.monotonic() - built > SOURCES_FRESH:
-            options = source_options(self.db.conn())
-            self._sources = (time.monotonic(), options)
-        return options
-
-    def crawlers(self, request, query, form):
-        self.html(request, crawlers_page(self.db.conn(), self.page(request, query), self.settings))
-
-    def reset(self, request, query, form):
-        self.check_forgery(request, form)
-        conn = self.db.conn()
-        with transaction(conn):
-            count = reset_dead(conn)
-            record_event(conn, request.account.name, request.client_address[0], "reset dead",
-                         None, f"{count} sources")
-        log.info("web: %d dead sources reset by %s", count, request.account.name)
-        request.reply(303, "text/plain", b"", {"Location": "/crawlers"})
-
-    def look(self, request, query, form, post_id):
-        """The signed-in editor looks at this card now (the desk says so)."""
-        self.check_forgery(request, form)
-        note_look(self.db.conn(), int(post_id), request.account.name)
-        self.json(request, {"id": int(post_id)})
-
-    def api_looks(self, request, query, form):
-        """{post id: [names]} of the others looking at the cards `ids` names."""
-        ids = [int(i) for i in query.get("ids", "").split(",")[:MAX_BULK] if POST_ID.fullmatch(i)]
-        self.json(request, {str(k): v for k, v in
-                            lookers(self.db.conn(), ids, request.account.name).items()})
-
-    def users(self, request, query, form):
-        self.html(request, users_page(self.db.conn(), self.page(request, query), self.user))
-
-    def add_account(self, request, query, form):
-        self.check_forgery(request, form)
-        name, role = (form.get("name") or [""])[-1].strip(), (form.get("role") or [""])[-1]
-        try:
-            add_user(self.db.conn(), name, role, (form.get("password") or [""])[-1],
-                     request.account.name, request.client_address[0])
-        except ConfigError as e:
-            abort(400, str(e))
-        log.info("web: user %s added by %s", name, request.account.name)
-        request.reply(303, "text/plain", b"", {"Location": "/users"})
-
-    def change_account(self, request, query, form, name):
-        self.check_forgery(request, form)
-        name = urllib.parse.unquote(name)
-        action = (form.get("action") or [""])[-1]
-        changes = {"role": {"role": (form.get("role") or [""])[-1]},
-                   "password": {"password": (form.get("password") or [""])[-1]},
-                   "disable": {"disabled": True}, "enable": {"disabled": False}}
-        if action not in changes:
-            abort(400, f"action must be one of {', '.join(changes)}")
-        if name == request.account.name and action in ("disable", "role"):
-            abort(400, "an admin does not disable or demote their own account here "
-                       "(another admin, or `vesti.py user`, can)")
-        try:
-            change_user(self.db.conn(), name, request.account.name, request.client_address[0],
-                        **changes[action])
-        except ConfigError as e:
-            abort(404 if "no user" in str(e) else 400, str(e))
-        log.info("web: user %s: %s by %s", name, action, request.account.name)
-        request.reply(303, "text/plain", b"", {"Location": f"/users#user-{urllib.parse.quote(name)}"})
-
-    def login_nonce(self, request):
-        """The sign-in form's token, tied to a cookie of this browser (a page
-        of another site cannot sign a browser in under its own account)."""
-        nonce = cookies_of(request.headers).get(LOGIN_COOKIE)
-        made = nonce is None or not re.fullmatch(r"[A-Za-z0-9_-]{20,64}", nonce)
-        if made:
-            nonce = secrets.token_urlsafe(24)
-        token = hmac.new(self.secret, f"login\0{nonce}".encode(), hashlib.sha256).hexdigest()
-        return token, (cookie(request.headers, LOGIN_COOKIE, nonce) if made else None)
-
-    def login_page(self, request, query, form, problem=None, status=200):
-        """The sign-in form; `problem`: why the last try did not sign in
-        (a wrong password, a lock and when it ends)."""
-        token, made = self.login_nonce(request)
-        after = query.get("next") or (form.get("next") or ["/"])[-1]
-        page = self.page(request, query)
-        name = (form.get("user") or [""])[-1]
-        body = login_form(page, token, after if LOCAL_PATH.fullmatch(after) else "/", problem, name)
-        headers = {"Set-Cookie": made} if made else {}
-        if status == 429:
-            headers["Retry-After"] = str(max(1, math.ceil(problem[2] - time.time())))
-        request.reply(status, "text/html; charset=utf-8",
-                      layout(page, page.strings["login.title"], body, "/login").encode(),
-                      headers or None)
-
-    def login(self, request, query, form):
-        """Sign in: a session for the account, its cookie in the answer."""
-        token, _ = self.login_nonce(request)
-        self.check_forgery(request, form, token)
-        name, password = (form.get("user") or [""])[-1], (form.get("password") or [""])[-1]
-        address = request.client_address[0]
-        try:
-            found = self.sign_in(address, name, password, how="sign-in page")
-        except SignInLocked as e:
-            return self.login_page(request, query, form, ("locked", e.kind, e.until), 429)
-        if found is None:
-            log.warning("web: sign-in refused for %r from %s", shorten(name, 64), address)
-            return self.login_page(request, query, form, ("wrong",), 401)
-        session, _ = start_session(self.db.conn(), found.name, address)
-        after = (form.get("next") or ["/"])[-1]
-        request.reply(303, "text/plain", b"", {
-            "Location": after if LOCAL_PATH.fullmatch(after) else "/",
-            "Set-Cookie": cookie(request.headers, SESSION_COOKIE, session)})
-
-    def logout(self, request, query, form):
-        self.check_forgery(request, form)
-        if request.account.session:
-            end_session(self.db.conn(), request.account.session, request.client_address[0])
-        request.reply(303, "text/plain", b"", {"Location": "/login",
-                                               "Set-Cookie": ended_cookie(request.headers)})
-
-    def decision(self, form):
-        status = (form.get("status") or [""])[-1]
-        if status not in DECISIONS:
-            abort(400, "status must be new, approved or rejected")
-        return status
-
-    def decide(self, request, query, form, post_id):
-        self.check_forgery(request, form)
-        status = self.decision(form)
-        seen = (form.get("wording") or [""])[-1]
-        saw = (form.get("seen") or [""])[-1]
-        if saw and saw not in DECISIONS:
-            abort(400, "seen must be new, approved or rejected")
-        if not self.decide_posts(request, [int(post_id)], status,
-                                 {int(post_id): seen} if seen else None,
-                                 {int(post_id): saw} if saw else None):
-            abort(404, "No such post")
-        if "application/json" in request.headers.get("Accept", ""):
-            return self.json(request, {"id": int(post_id), "status": status})
-        self.back(request, form, int(post_id))
-
-    def decide_many(self, request, query, form):
-        self.check_forgery(request, form)
-        status = self.decision(form)
-        ids = [int(i) for value in form.get("ids", []) for i in value.split(",")
-               if POST_ID.fullmatch(i.strip())]
-        if not ids or len(ids) > MAX_BULK:
-            abort(400, f"ids must name 1 to {MAX_BULK} posts")
-        wants_json = "application/json" in request.headers.get("Accept", "")
-        # The page's own form asks first; a script's post decides at once.
-        if not wants_json and form.get("ask") and (form.get("confirmed") or [""])[-1] != "1":
-            return self.confirm_many(request, query, form, ids, status)
-        changed = self.decide_posts(request, ids, status, named_wordings(form, ids))
-        if wants_json:
-            return self.json(request, {"ids": ids, "status": status, "changed": changed})
-        self.back(request, form)
-
-    def confirm_many(self, request, query, form, ids, status):
-        """A form's decision on many posts is asked again first (the page's
-        script asks in place and sends it confirmed)."""
-        back = (form.get("back") or ["/"])[-1]
-        fields = (("token", request.account.token), ("ids", ",".join(map(str, ids))),
-                  ("status", status),
-                  ("back", back), *(("wording", words) for words in form.get("wording", [])))
-        self.html(request, bulk_confirmation(self.page(request, query),
-                                             titled_posts(self.db.conn(), ids), status, fields,
-                                             back if LOCAL_PATH.fullmatch(back) else "/"))
-
-    def decide_posts(self, request, ids, status, seen, saw=None):
-        """set_decisions by the signed-in editor, refused (409, nothing
-        decided) when a post changed since the page naming its words was
-        loaded, or another editor decided it meanwhile (naming who)."""
-        try:
-            found = set_decisions(self.db.conn(), ids, status, request.account.name, seen, saw,
-                                  address=request.client_address[0])
-        except Reworded as e:
-            post = "this post" if len(ids) == 1 else f"post {e.post_id}"
-            abort(409, f"{post} changed since your page was loaded; reload to see it")
-        except Redecided as e:
-            abort(409, str(e), {"X-Vesti-Conflict": "decided", "X-Vesti-Status": e.status,
-                                "X-Vesti-Decided-By": urllib.parse.quote(e.by or "")})
-        self.rescorer.ask(decided_directions(self.db.conn(), ids))
-        return found
-
-    def back(self, request, form, post_id=None):
-        """To the page the form came from; after one post's decision, to its
-        card, kept in view even when the page's filter no longer matches it."""
-        back = (form.get("back") or ["/"])[-1]
-        back = back if LOCAL_PATH.fullmatch(back) else "/"
-        if post_id:
-            path, _, query = back.partition("?")
-            query = [(k, v) for k, v in urllib.parse.parse_qsl(query) if k != "decided"]
-            back = f"{path}?{urllib.parse.urlencode([*query, ('decided', post_id)])}#post-{post_id}"
-        request.reply(303, "text/plain", b"", {"Location": back})
-
-    def json(self, request, data):
-        request.reply(200, "application/json", json.dumps(data, ensure_ascii=False).encode())
-
-    def exported(self, request, query):
-        direction = query.get("direction")
-        direction = direction if direction in self.registry.directions else None
-        posts = decided_posts(self.db.conn(), "approved", direction, FEED_POSTS)
-        title = "VESTI: approved" + (f" ({direction})" if direction else "")
-        host = request.headers.get("Host")
-        return posts, title, (f"http://{host}{request.path}" if host else None)
-
-    def approved_atom(self, request, query, form):
-        request.reply(200, "application/atom+xml; charset=utf-8",
-                      atom_feed(*self.exported(request, query)).encode("utf-8"))
-
-    def approved_json(self, request, query, form):
-        request.reply(200, "application/feed+json; charset=utf-8",
-                      json_feed(*self.exported(request, query)).encode("utf-8"))
-
-    def api_queue(self, request, query, form):
-        request.reply(200, "application/json", json.dumps(queue_sizes(self.db.conn())).encode())
-
-    def metrics(self, request, query, form):
-        request.reply(200, "text/plain; version=0.0.4; charset=utf-8",
-                      metrics_text(self.db.conn()).encode("utf-8"))
-
-    def healthz(self, request, query, form):
-        self.db.conn().execute("SELECT 1").fetchone()
-        request.reply(200, "text/plain", b"ok\n")
-
-
-#
 # One thread (the front) accepts connections and reads each request whole,
 # without a thread per connection; a pool of threads answers whole requests
 # only. A client that drips its request, or many of them reconnecting as soon
@@ -13692,6 +13068,20 @@ ACCEPT_PAUSE = 0.1
 # The log tells of one client address's dropped requests at most once in
 # this many seconds.
 DROPS_TOLD_EVERY = 60
+
+
+def readable_body_length(headers):
+    """The Content-Length of a request body the page reads, or None for one
+    it refuses unread (not a number, or over MAX_REQUEST_BODY)."""
+    length = headers.get("Content-Length", "0")
+    if not (length.isascii() and length.isdigit()):
+        return None
+    # Its digits are counted before they make a number: Python refuses a
+    # number of over 4,300 digits, which a client may well send.
+    digits = length.lstrip("0") or "0"
+    if len(digits) > len(str(MAX_REQUEST_BODY)) or int(digits) > MAX_REQUEST_BODY:
+        return None
+    return int(digits)
 
 
 def body_to_read(head):
@@ -14243,6 +13633,715 @@ def make_web_server(app, host, port):
         raise ConfigError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}") from None
     server.app = app
     return server
+
+
+###############################################################################
+# Web server ##################################################################
+###############################################################################
+# Sign-in (Basic auth and sessions), the routes and the roles they need.
+
+def generated_web_password(conn):
+    """With no VESTI_WEB_PASSWORD: a password made at the first start and
+    kept, hashed, in the database, so open pages, feed readers and metrics
+    scrapers keep working across restarts. Returns it the one time it is
+    made (to be printed), else None."""
+    if get_meta(conn, "web_password")[0] is not None:
+        return None
+    password = secrets.token_urlsafe(12)
+    kept = password_hash(password)
+    conn.execute("INSERT INTO meta (key, value, updated_at) VALUES ('web_password', ?, ?) "
+                 "ON CONFLICT DO NOTHING", (kept, utc_text()))
+    # Another process starting at the same moment may have made its own.
+    return password if get_meta(conn, "web_password")[0] == kept else None
+
+
+# Password checks (scrypt) that may wait for the one under way at a time;
+# a sign-in beyond them is refused at once (503): guessers from many
+# addresses cannot take every thread of the page from signed-in editors.
+CHECKS_WAITING = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Account:
+    """Who a request comes from: the name, the role, the token its forms
+    carry, and the session's cookie when signed in on /login."""
+    name: str
+    role: str
+    token: str
+    session: str = None
+
+
+SESSION_COOKIE = "vesti_session"
+LOGIN_COOKIE = "vesti_login"
+
+
+def cookies_of(headers):
+    jar = http.cookies.SimpleCookie()
+    with contextlib.suppress(http.cookies.CookieError):
+        jar.load(headers.get("Cookie") or "")
+    return {name: morsel.value for name, morsel in jar.items()}
+
+
+def session_cookie(headers):
+    return cookies_of(headers).get(SESSION_COOKIE)
+
+
+def behind_https(headers):
+    """The request came over HTTPS through a proxy that says so."""
+    return (headers.get("X-Forwarded-Proto") or "").split(",")[0].strip().lower() == "https"
+
+
+def cookie(headers, name, value, max_age=None):
+    """A Set-Cookie value: HttpOnly, SameSite=Lax, Secure behind HTTPS."""
+    parts = [f"{name}={value}", "Path=/", "HttpOnly", "SameSite=Lax"]
+    if max_age is not None:
+        parts.append(f"Max-Age={max_age}")
+    if behind_https(headers):
+        parts.append("Secure")
+    return "; ".join(parts)
+
+
+def ended_cookie(headers):
+    return cookie(headers, SESSION_COOKIE, "", max_age=0)
+
+
+def basic_credentials(header):
+    """(user, password) of a Basic Authorization header, or None."""
+    scheme, _, encoded = (header or "").partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        user, _, password = base64.b64decode(encoded.strip(), validate=True) \
+            .decode("utf-8").partition(":")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return user, password
+
+
+def abort(status, text, headers=None):
+    """Reply at once with `status` and a one-line text (bottle's abort)."""
+    raise EarlyReply(status, text, headers)
+
+
+def named_wordings(form, ids):
+    """{post id: wording} of these posts, as a page's form names the words
+    it showed of them ("id:wording,…", see wording); none from a script."""
+    named = (part.strip().partition(":") for value in form.get("wording", [])
+             for part in value.split(","))
+    return {int(i): words for i, _, words in named if POST_ID.fullmatch(i) and int(i) in ids}
+
+
+class DeskRoutes:
+    """The desk (/), the same posts as JSON, the editors' decisions and who
+    is looking at which card."""
+
+    # (method, path, handler, the role it needs; None: no sign-in)
+    ROUTES = (
+        ("GET", r"/", "desk", "viewer"),
+        ("GET", r"/api/posts", "api_posts", "viewer"),
+        ("POST", r"/posts/([1-9][0-9]{0,17})/status", "decide", "editor"),
+        ("POST", r"/posts/status", "decide_many", "editor"),
+        ("POST", r"/posts/([1-9][0-9]{0,17})/look", "look", "viewer"),
+        ("GET", r"/api/looks", "api_looks", "viewer"),
+    )
+
+    def desk(self, request, query, form):
+        desk = DeskQuery.read(query, self.registry.directions, self.settings.min_relevance)
+        page = self.page(request, query)
+        self.rescorer.wait(desk.direction)
+        learners = self.learners.refresh(self.db.conn())
+        self.html(request, desk_page(self.db.conn(), desk, page, self.registry.directions,
+                                     self.settings, self.source_options(), learners))
+
+    def api_posts(self, request, query, form):
+        """The desk as JSON (see desk_answer); a parameter it cannot read is
+        400 naming it, rather than a page of something else."""
+        desk = DeskQuery.read(query, self.registry.directions, self.settings.min_relevance)
+        limit = query.get("limit", str(API_POSTS))
+        wrong = [f"after: not a cursor this answer gave ({shorten(query['after'], 40)!r})"
+                 if "after" in query and desk.after is None else None,
+                 f"limit: a number from 1 (at most {MAX_API_POSTS} are given) ({shorten(limit, 20)!r})"
+                 if not re.fullmatch(r"[1-9][0-9]{0,5}", limit) else None,
+                 f"direction: none of {', '.join(self.registry.directions) or 'no direction'} "
+                 f"nor 'none' ({shorten(query['direction'], 40)!r})"
+                 if query.get("direction") and desk.direction is None else None,
+                 f"status: one of new, approved, rejected, any ({shorten(query['status'], 20)!r})"
+                 if query.get("status") and query["status"] not in (*DECISIONS, "any") else None,
+                 f"sort: one of {', '.join(SORTS)} ({shorten(query['sort'], 20)!r})"
+                 if query.get("sort") and query["sort"] not in SORTS else None,
+                 f"min: a relevance from 0 to 10 ({shorten(query['min'], 20)!r})"
+                 if query.get("min") and not desk.chosen else None]
+        wrong = [problem for problem in wrong if problem]
+        if wrong:
+            abort(400, "; ".join(wrong))
+        limit = min(int(limit), MAX_API_POSTS)
+        self.rescorer.wait(desk.direction)
+        self.json(request, desk_answer(self.db.conn(), desk, limit))
+
+    def source_options(self):
+        """The source filter's options, built at most once a minute: with
+        thousands of sources they cost more than the rest of the page."""
+        built, options = self._sources
+        if time.monotonic() - built > SOURCES_FRESH:
+            options = source_options(self.db.conn())
+            self._sources = (time.monotonic(), options)
+        return options
+
+    def decision(self, form):
+        status = (form.get("status") or [""])[-1]
+        if status not in DECISIONS:
+            abort(400, "status must be new, approved or rejected")
+        return status
+
+    def decide(self, request, query, form, post_id):
+        self.check_forgery(request, form)
+        status = self.decision(form)
+        seen = (form.get("wording") or [""])[-1]
+        saw = (form.get("seen") or [""])[-1]
+        if saw and saw not in DECISIONS:
+            abort(400, "seen must be new, approved or rejected")
+        if not self.decide_posts(request, [int(post_id)], status,
+                                 {int(post_id): seen} if seen else None,
+                                 {int(post_id): saw} if saw else None):
+            abort(404, "No such post")
+        if "application/json" in request.headers.get("Accept", ""):
+            return self.json(request, {"id": int(post_id), "status": status})
+        self.back(request, form, int(post_id))
+
+    def decide_many(self, request, query, form):
+        self.check_forgery(request, form)
+        status = self.decision(form)
+        ids = [int(i) for value in form.get("ids", []) for i in value.split(",")
+               if POST_ID.fullmatch(i.strip())]
+        if not ids or len(ids) > MAX_BULK:
+            abort(400, f"ids must name 1 to {MAX_BULK} posts")
+        wants_json = "application/json" in request.headers.get("Accept", "")
+        # The page's own form asks first; a script's post decides at once.
+        if not wants_json and form.get("ask") and (form.get("confirmed") or [""])[-1] != "1":
+            return self.confirm_many(request, query, form, ids, status)
+        changed = self.decide_posts(request, ids, status, named_wordings(form, ids))
+        if wants_json:
+            return self.json(request, {"ids": ids, "status": status, "changed": changed})
+        self.back(request, form)
+
+    def confirm_many(self, request, query, form, ids, status):
+        """A form's decision on many posts is asked again first (the page's
+        script asks in place and sends it confirmed)."""
+        back = (form.get("back") or ["/"])[-1]
+        fields = (("token", request.account.token), ("ids", ",".join(map(str, ids))),
+                  ("status", status),
+                  ("back", back), *(("wording", words) for words in form.get("wording", [])))
+        self.html(request, bulk_confirmation(self.page(request, query),
+                                             titled_posts(self.db.conn(), ids), status, fields,
+                                             back if LOCAL_PATH.fullmatch(back) else "/"))
+
+    def decide_posts(self, request, ids, status, seen, saw=None):
+        """set_decisions by the signed-in editor, refused (409, nothing
+        decided) when a post changed since the page naming its words was
+        loaded, or another editor decided it meanwhile (naming who)."""
+        try:
+            found = set_decisions(self.db.conn(), ids, status, request.account.name, seen, saw,
+                                  address=request.client_address[0])
+        except Reworded as e:
+            post = "this post" if len(ids) == 1 else f"post {e.post_id}"
+            abort(409, f"{post} changed since your page was loaded; reload to see it")
+        except Redecided as e:
+            abort(409, str(e), {"X-Vesti-Conflict": "decided", "X-Vesti-Status": e.status,
+                                "X-Vesti-Decided-By": urllib.parse.quote(e.by or "")})
+        self.rescorer.ask(decided_directions(self.db.conn(), ids))
+        return found
+
+    def back(self, request, form, post_id=None):
+        """To the page the form came from; after one post's decision, to its
+        card, kept in view even when the page's filter no longer matches it."""
+        back = (form.get("back") or ["/"])[-1]
+        back = back if LOCAL_PATH.fullmatch(back) else "/"
+        if post_id:
+            path, _, query = back.partition("?")
+            query = [(k, v) for k, v in urllib.parse.parse_qsl(query) if k != "decided"]
+            back = f"{path}?{urllib.parse.urlencode([*query, ('decided', post_id)])}#post-{post_id}"
+        request.reply(303, "text/plain", b"", {"Location": back})
+
+    def look(self, request, query, form, post_id):
+        """The signed-in editor looks at this card now (the desk says so)."""
+        self.check_forgery(request, form)
+        note_look(self.db.conn(), int(post_id), request.account.name)
+        self.json(request, {"id": int(post_id)})
+
+    def api_looks(self, request, query, form):
+        """{post id: [names]} of the others looking at the cards `ids` names."""
+        ids = [int(i) for i in query.get("ids", "").split(",")[:MAX_BULK] if POST_ID.fullmatch(i)]
+        self.json(request, {str(k): v for k, v in
+                            lookers(self.db.conn(), ids, request.account.name).items()})
+
+
+class ReportCardRoutes:
+    """The report card (/quality)."""
+
+    # (method, path, handler, the role it needs; None: no sign-in)
+    ROUTES = (
+        ("GET", r"/quality", "quality", "viewer"),
+    )
+
+    def quality(self, request, query, form):
+        report = quality_report(self.db.conn(), self.registry.directions, self.settings)
+        self.html(request, quality_page(report, self.page(request, query),
+                                        editor_agreement(self.db.conn())))
+
+
+class OutboxRoutes:
+    """The outbox (/outbox) and an editor's action on a publication."""
+
+    # (method, path, handler, the role it needs; None: no sign-in)
+    ROUTES = (
+        ("GET", r"/outbox", "outbox", "viewer"),
+        ("POST", r"/publications/([1-9][0-9]{0,17})", "publication", "editor"),
+    )
+
+    def outbox(self, request, query, form):
+        self.html(request, outbox_page(self.db.conn(), self.page(request, query)))
+
+    def publication(self, request, query, form, publication_id):
+        """An editor's action on a publication (see act_on_publication); 409
+        when its state changed since the page showed it (`seen`)."""
+        self.check_forgery(request, form)
+        action = (form.get("action") or [""])[-1]
+        if action not in PUBLICATION_ACTIONS:
+            abort(400, f"action must be one of {', '.join(PUBLICATION_ACTIONS)}")
+        text = (form.get("text") or [""])[-1].replace("\r\n", "\n")
+        if action == "text":
+            self.check_text(request, query, int(publication_id), text)
+        seen = (form.get("seen") or [""])[-1]
+        version = (form.get("version") or [""])[-1]
+        try:
+            row = act_on_publication(self.db.conn(), int(publication_id), action,
+                                     request.account.name, text, seen=seen or None,
+                                     address=request.client_address[0],
+                                     version=int(version) if version.isdigit() else None)
+        except Conflict as e:
+            abort(409, str(e))
+        if row is None:
+            abort(404, "No such publication")
+        log.info("web: publication %s (post %s to %s): %s", row["id"], row["post_id"],
+                 row["target"], action)
+        if "application/json" in request.headers.get("Accept", ""):
+            return self.json(request, {"id": row["id"], "state": row["state"],
+                                       "hurry": bool(row["hurry"])})
+        back = (form.get("back") or ["/outbox"])[-1]
+        back = back if LOCAL_PATH.fullmatch(back) else "/outbox"
+        request.reply(303, "text/plain", b"", {"Location": f"{back}#publication-{row['id']}"})
+
+    def check_text(self, request, query, publication_id, text):
+        """An editor's text that cannot be sent is refused (400) on the
+        outbox itself, the words kept in its form with the reason."""
+        conn = self.db.conn()
+        kind = conn.execute("SELECT t.kind FROM publications u JOIN targets t ON t.name = u.target "
+                            "WHERE u.id = ?", (publication_id,)).fetchone()
+        if kind is None:
+            abort(404, "No such publication")
+        page = self.page(request, query)
+        problem = text_problem(kind[0], text, page)
+        if problem is None:
+            return
+        if "application/json" in request.headers.get("Accept", ""):
+            abort(400, html.unescape(problem))
+        raise EarlyReply(400, outbox_page(conn, page, {publication_id: (text, problem)}), page=True)
+
+
+class UserRoutes:
+    """The users (/users), signing in and out."""
+
+    # (method, path, handler, the role it needs; None: no sign-in)
+    ROUTES = (
+        ("GET", r"/users", "users", "admin"),
+        ("POST", r"/users", "add_account", "admin"),
+        ("POST", r"/users/([^/?#]{1,200})", "change_account", "admin"),
+        ("GET", r"/login", "login_page", None),
+        ("POST", r"/login", "login", None),
+        ("POST", r"/logout", "logout", "viewer"),
+    )
+
+    def users(self, request, query, form):
+        self.html(request, users_page(self.db.conn(), self.page(request, query), self.user))
+
+    def add_account(self, request, query, form):
+        self.check_forgery(request, form)
+        name, role = (form.get("name") or [""])[-1].strip(), (form.get("role") or [""])[-1]
+        try:
+            add_user(self.db.conn(), name, role, (form.get("password") or [""])[-1],
+                     request.account.name, request.client_address[0])
+        except ConfigError as e:
+            abort(400, str(e))
+        log.info("web: user %s added by %s", name, request.account.name)
+        request.reply(303, "text/plain", b"", {"Location": "/users"})
+
+    def change_account(self, request, query, form, name):
+        self.check_forgery(request, form)
+        name = urllib.parse.unquote(name)
+        action = (form.get("action") or [""])[-1]
+        changes = {"role": {"role": (form.get("role") or [""])[-1]},
+                   "password": {"password": (form.get("password") or [""])[-1]},
+                   "disable": {"disabled": True}, "enable": {"disabled": False}}
+        if action not in changes:
+            abort(400, f"action must be one of {', '.join(changes)}")
+        if name == request.account.name and action in ("disable", "role"):
+            abort(400, "an admin does not disable or demote their own account here "
+                       "(another admin, or `vesti.py user`, can)")
+        try:
+            change_user(self.db.conn(), name, request.account.name, request.client_address[0],
+                        **changes[action])
+        except ConfigError as e:
+            abort(404 if "no user" in str(e) else 400, str(e))
+        log.info("web: user %s: %s by %s", name, action, request.account.name)
+        request.reply(303, "text/plain", b"", {"Location": f"/users#user-{urllib.parse.quote(name)}"})
+
+    def login_nonce(self, request):
+        """The sign-in form's token, tied to a cookie of this browser (a page
+        of another site cannot sign a browser in under its own account)."""
+        nonce = cookies_of(request.headers).get(LOGIN_COOKIE)
+        made = nonce is None or not re.fullmatch(r"[A-Za-z0-9_-]{20,64}", nonce)
+        if made:
+            nonce = secrets.token_urlsafe(24)
+        token = hmac.new(self.secret, f"login\0{nonce}".encode(), hashlib.sha256).hexdigest()
+        return token, (cookie(request.headers, LOGIN_COOKIE, nonce) if made else None)
+
+    def login_page(self, request, query, form, problem=None, status=200):
+        """The sign-in form; `problem`: why the last try did not sign in
+        (a wrong password, a lock and when it ends)."""
+        token, made = self.login_nonce(request)
+        after = query.get("next") or (form.get("next") or ["/"])[-1]
+        page = self.page(request, query)
+        name = (form.get("user") or [""])[-1]
+        body = login_form(page, token, after if LOCAL_PATH.fullmatch(after) else "/", problem, name)
+        headers = {"Set-Cookie": made} if made else {}
+        if status == 429:
+            headers["Retry-After"] = str(max(1, math.ceil(problem[2] - time.time())))
+        request.reply(status, "text/html; charset=utf-8",
+                      layout(page, page.strings["login.title"], body, "/login").encode(),
+                      headers or None)
+
+    def login(self, request, query, form):
+        """Sign in: a session for the account, its cookie in the answer."""
+        token, _ = self.login_nonce(request)
+        self.check_forgery(request, form, token)
+        name, password = (form.get("user") or [""])[-1], (form.get("password") or [""])[-1]
+        address = request.client_address[0]
+        try:
+            found = self.sign_in(address, name, password, how="sign-in page")
+        except SignInLocked as e:
+            return self.login_page(request, query, form, ("locked", e.kind, e.until), 429)
+        if found is None:
+            log.warning("web: sign-in refused for %r from %s", shorten(name, 64), address)
+            return self.login_page(request, query, form, ("wrong",), 401)
+        session, _ = start_session(self.db.conn(), found.name, address)
+        after = (form.get("next") or ["/"])[-1]
+        request.reply(303, "text/plain", b"", {
+            "Location": after if LOCAL_PATH.fullmatch(after) else "/",
+            "Set-Cookie": cookie(request.headers, SESSION_COOKIE, session)})
+
+    def logout(self, request, query, form):
+        self.check_forgery(request, form)
+        if request.account.session:
+            end_session(self.db.conn(), request.account.session, request.client_address[0])
+        request.reply(303, "text/plain", b"", {"Location": "/login",
+                                               "Set-Cookie": ended_cookie(request.headers)})
+
+
+class CrawlerRoutes:
+    """The crawlers (/crawlers) and the queue's sizes."""
+
+    # (method, path, handler, the role it needs; None: no sign-in)
+    ROUTES = (
+        ("GET", r"/crawlers", "crawlers", "viewer"),
+        ("POST", r"/crawlers/reset", "reset", "admin"),
+        ("GET", r"/api/queue", "api_queue", "viewer"),
+    )
+
+    def crawlers(self, request, query, form):
+        self.html(request, crawlers_page(self.db.conn(), self.page(request, query), self.settings))
+
+    def reset(self, request, query, form):
+        self.check_forgery(request, form)
+        conn = self.db.conn()
+        with transaction(conn):
+            count = reset_dead(conn)
+            record_event(conn, request.account.name, request.client_address[0], "reset dead",
+                         None, f"{count} sources")
+        log.info("web: %d dead sources reset by %s", count, request.account.name)
+        request.reply(303, "text/plain", b"", {"Location": "/crawlers"})
+
+    def api_queue(self, request, query, form):
+        request.reply(200, "application/json", json.dumps(queue_sizes(self.db.conn())).encode())
+
+
+class ExportRoutes:
+    """The approved posts as feeds, /metrics and /healthz."""
+
+    # (method, path, handler, the role it needs; None: no sign-in)
+    ROUTES = (
+        ("GET", r"/approved\.atom", "approved_atom", "viewer"),
+        ("GET", r"/approved\.json", "approved_json", "viewer"),
+        ("GET", r"/metrics", "metrics", "viewer"),
+        ("GET", r"/healthz", "healthz", None),
+    )
+
+    def exported(self, request, query):
+        direction = query.get("direction")
+        direction = direction if direction in self.registry.directions else None
+        posts = decided_posts(self.db.conn(), "approved", direction, FEED_POSTS)
+        title = "VESTI: approved" + (f" ({direction})" if direction else "")
+        host = request.headers.get("Host")
+        return posts, title, (f"http://{host}{request.path}" if host else None)
+
+    def approved_atom(self, request, query, form):
+        request.reply(200, "application/atom+xml; charset=utf-8",
+                      atom_feed(*self.exported(request, query)).encode("utf-8"))
+
+    def approved_json(self, request, query, form):
+        request.reply(200, "application/feed+json; charset=utf-8",
+                      json_feed(*self.exported(request, query)).encode("utf-8"))
+
+    def metrics(self, request, query, form):
+        request.reply(200, "text/plain; version=0.0.4; charset=utf-8",
+                      metrics_text(self.db.conn()).encode("utf-8"))
+
+    def healthz(self, request, query, form):
+        self.db.conn().execute("SELECT 1").fetchone()
+        request.reply(200, "text/plain", b"ok\n")
+
+
+class WebApp(DeskRoutes, ReportCardRoutes, OutboxRoutes, UserRoutes, CrawlerRoutes,
+             ExportRoutes):
+    """The page's routes (each page's in a class of its own above), sign-in
+    (Basic auth and sessions) and cross-site protection."""
+
+    def __init__(self, db, settings, registry, password=None):
+        self.db, self.settings, self.registry = db, settings, registry
+        # VESTI_WEB_PASSWORD, or None for the one kept hashed in the database.
+        self.user, self.password = settings.web_user, password or None
+        self.matched = set()        # sha256 of each hash and the password that matched it
+        # One scrypt check at a time: guesses from many addresses at once cost
+        # one core and 16 MB, not one of each per thread; at most
+        # CHECKS_WAITING more wait for it.
+        self.hashing = threading.Lock()
+        self.checks = threading.BoundedSemaphore(1 + CHECKS_WAITING)
+        # A hash no password is known to match, checked for a name no account
+        # has: made now, so that even the first such check costs no more.
+        self.decoy = password_hash(secrets.token_urlsafe(16))
+        self._sources = (-math.inf, "")
+        # Kept in the database: pages left open across a restart still post.
+        self.secret = lasting_secret(db.conn(), "web_secret").encode()
+        if db.conn().dialect is SQLITE and not FTS5:
+            log.warning("this Python's SQLite has no FTS5: the desk searches with LIKE "
+                        "(slower on a big database)")
+        self.learners = Learners(settings.learn_min)
+        self.rescorer = Rescorer(db, self.learners)
+        self.keep_settings_account()
+        self.routes = [(method, re.compile(path), getattr(self, handler), role)
+                       for group in type(self).__mro__
+                       for method, path, handler, role in vars(group).get("ROUTES", ())]
+
+    def use(self, registry):
+        """Show these directions and sources from now on (sources.yaml changed)."""
+        self.registry = registry
+        self._sources = (-math.inf, "")
+
+    def keep_settings_account(self):
+        """The VESTI_WEB_USER account's row, with the hash of
+        VESTI_WEB_PASSWORD or of the generated password kept in the
+        database (see keep_settings_account); none yet while there is no
+        password at all (make_password makes one)."""
+        kept = None if self.password else get_meta(self.db.conn(), "web_password")[0]
+        if self.password or kept:
+            keep_settings_account(self.db.conn(), self.user, self.password, kept)
+
+    def token(self):
+        """The forms' token of the VESTI_WEB_USER account (see user_token)."""
+        return self.user_token(find_user(self.db.conn(), self.user))
+
+    def user_token(self, user):
+        """The forms' token of an account signing in with Basic auth: the
+        same across restarts (a page left open overnight still posts),
+        another once the password changes."""
+        signed = f"user\0{user['name']}\0{user['password_hash']}"
+        return hmac.new(self.secret, signed.encode(), hashlib.sha256).hexdigest()
+
+    def make_password(self):
+        """With no VESTI_WEB_PASSWORD, the kept password, made now if there
+        is none yet (see generated_web_password): returned when just made."""
+        if self.password is not None:
+            return None
+        made = generated_web_password(self.db.conn())
+        self.keep_settings_account()
+        return made
+
+    def matches(self, password, kept, slow=True):
+        """password_matches, remembered once it did: a client sends its
+        password with every request. Without `slow`, a password that would
+        need a scrypt check is taken as wrong (see check_login)."""
+        seen = hashlib.sha256(f"{kept}\0{password}".encode()).digest()
+        if seen in self.matched:
+            return True
+        if not slow:
+            return False
+        with self.hashing:
+            if not password_matches(password, kept):
+                return False
+        self.matched.add(seen)
+        return True
+
+    def account(self, name, password, slow=True):
+        """The Account these credentials sign in as, or None. A name no
+        enabled account has costs a check as long as a real one: the time
+        tells no name."""
+        user = find_user(self.db.conn(), name) if len(name) <= 200 else None
+        if user is None or user["disabled"]:
+            if slow:
+                self.matches(password, self.decoy, slow)
+            return None
+        if not self.matches(password, user["password_hash"], slow):
+            return None
+        return Account(user["name"], user["role"], self.user_token(user))
+
+
+    def check_login(self, request):
+        """Who is asking: a signed-in session's cookie, or Basic auth (see
+        sign_in). A request with no credentials (a browser's first) is no
+        wrong password: it is asked to sign in (ask_for_login)."""
+        cookie = session_cookie(request.headers)
+        if cookie:
+            row = session_of(self.db.conn(), cookie, self.settings.session_hours)
+            if row is not None:
+                return Account(row["user_name"], row["role"], row["form_token"], cookie)
+        header = request.headers.get("Authorization")
+        credentials = basic_credentials(header) if header else None
+        if credentials is None:
+            self.ask_for_login(request, stale=bool(cookie) and not header)
+        try:
+            found = self.sign_in(request.client_address[0], *credentials, how="basic auth")
+        except SignInLocked as e:
+            wait = max(1, math.ceil(e.until - time.time()))
+            abort(429, f"Too many wrong passwords for this {e.kind}; every try is refused "
+                       f"until {utc_text(e.until)} UTC", {"Retry-After": str(wait)})
+        if found is None:
+            self.ask_for_login(request)
+        return found
+
+    def sign_in(self, address, name, password, how):
+        """The account these credentials sign in as, or None for a wrong
+        password (kept: see note_wrong_password). A locked name or address
+        is answered 429 before any password is looked at, right or not; a
+        password given right before passes without scrypt; a check beyond
+        the ones that may wait is refused at once (503)."""
+        conn = self.db.conn()
+        lock = sign_in_lock(conn, address, name)
+        if lock is not None:
+            raise SignInLocked(*lock)
+        found = self.account(name, password, slow=False)
+        if found is not None:
+            return found
+        if not self.checks.acquire(blocking=False):
+            abort(503, "Too many sign-ins at once; try again in a few seconds",
+                  {"Retry-After": "5"})
+        try:
+            found = self.account(name, password)
+        finally:
+            self.checks.release()
+        if found is None:
+            lock = note_wrong_password(conn, address, name, how)
+            if lock is not None:
+                log.warning("web: %d wrong passwords %s in %d minutes; its tries are refused "
+                            "until %s UTC", LOGIN_FAILURES if lock[0] == "name" else ADDRESS_FAILURES,
+                            f"for user {shorten(name, 64)!r}" if lock[0] == "name" else
+                            f"from {address_key(address)}", LOGIN_WINDOW // 60, utc_text(lock[1]))
+        return found
+
+    def ask_for_login(self, request, stale=False):
+        """No (or wrong) credentials: a browser (a page, accepting HTML) goes
+        to the sign-in page; a script, a feed reader or a metrics scraper
+        gets 401 with the Basic challenge; a page's own background request
+        (a browser says so in Sec-Fetch-Mode), or one whose session ended,
+        gets 401 without it: no password pop-up over the desk."""
+        headers = request.headers
+        wants_page = "text/html" in headers.get("Accept", "") and \
+            request.command in ("GET", "HEAD") and not headers.get("Authorization") and \
+            headers.get("Sec-Fetch-Mode", "navigate") == "navigate"
+        if wants_page:
+            after = request.path if LOCAL_PATH.fullmatch(request.path) else "/"
+            abort(303, "Sign in at /login", {
+                "Location": "/login?" + urllib.parse.urlencode({"next": after}),
+                **({"Set-Cookie": ended_cookie(headers)} if stale else {})})
+        if stale or headers.get("Sec-Fetch-Mode", "navigate") != "navigate":
+            abort(401, "Signed out: sign in again at /login", {"X-Vesti-Signed-Out": "1"})
+        abort(401, "Authentication required (browsers: sign in at /login)",
+              {"WWW-Authenticate": 'Basic realm="VESTI", charset="UTF-8"'})
+
+    def same_origin(self, request):
+        """A POST must come from this page: its Origin (or Referer) names this host."""
+        host = request.headers.get("Host", "")
+        origin = request.headers.get("Origin") or request.headers.get("Referer")
+        if not origin:
+            return True
+        return urllib.parse.urlsplit(origin).netloc == host
+
+    def handle(self, request, method):
+        try:
+            self.route(request, method)
+        except EarlyReply as e:
+            if e.page:
+                request.reply(e.status, "text/html; charset=utf-8", e.text.encode(), e.headers)
+            else:
+                request.reply(e.status, "text/plain; charset=utf-8", f"{e.text}\n".encode(),
+                              e.headers)
+
+    def route(self, request, method):
+        path, _, query = request.path.partition("?")
+        public = any(r.fullmatch(path) and (m == method or (method == "HEAD" and m == "GET"))
+                     and role is None for m, r, _, role in self.routes)
+        request.account = None if public else self.check_login(request)
+        matches = [(m, r.fullmatch(path), h, role) for m, r, h, role in self.routes
+                   if r.fullmatch(path)]
+        if not matches:
+            abort(404, "Not found")
+        for route_method, match, handler, role in matches:
+            if route_method == method or (method == "HEAD" and route_method == "GET"):
+                account = request.account
+                if role is not None and not role_allows(account.role, role):
+                    abort(403, f"This needs the {role} role; {account.name} is {account.role}")
+                form = self.read_form(request) if method == "POST" else {}
+                flat = {k: v[-1] for k, v in urllib.parse.parse_qs(query).items()}
+                return handler(request, flat, form, *match.groups())
+        methods = {m for m, _, _, _ in matches}
+        allowed = ", ".join(sorted(methods | ({"HEAD"} if "GET" in methods else set())))
+        abort(405, "Method not allowed", {"Allow": allowed})
+
+    def read_form(self, request):
+        length = readable_body_length(request.headers)
+        if length is None:
+            abort(413, "Request body too large")
+        body = request.rfile.read(length).decode("utf-8", "replace")
+        return urllib.parse.parse_qs(body)
+
+    def check_forgery(self, request, form, expected=None):
+        token = (form.get("token") or [""])[-1]
+        expected = expected or request.account.token
+        if not hmac.compare_digest(token.encode(), expected.encode()) or \
+                not self.same_origin(request):
+            abort(403, "Cross-site request refused")
+
+    def page(self, request, query):
+        lang = choose_language(self.settings.lang, query.get("lang"),
+                               request.headers.get("Accept-Language"))
+        account = request.account
+        trouble = outbox_trouble(self.db.conn()) if account is not None else ()
+        return Page(lang, account.token if account else "", {k: v for k, v in query.items()
+                                                             if k == "lang"}, account, trouble)
+
+    def html(self, request, text):
+        request.reply(200, "text/html; charset=utf-8", text.encode("utf-8"))
+
+    def json(self, request, data):
+        request.reply(200, "application/json", json.dumps(data, ensure_ascii=False).encode())
 
 
 def announce_web(server, settings, generated):
