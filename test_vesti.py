@@ -2308,27 +2308,36 @@ def second_source(db, slug="spam"):
 
 @both
 def test_a_source_the_editors_keep_rejecting_sinks_below_the_floor(home):
+    """Ten posts of a source rejected although their words are what the
+    editors approve: the source is what they reject, and its next post sinks
+    below the floor, its name the reason. Ten rejected posts of another kind
+    (their words say why) leave their source's next good post alone."""
     s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10)
     conn = db.conn()
-    spam = second_source(db)
-    decided_space(conn, wire, MISSIONS, GAMES[:1])      # the direction approves half
+    spam, games = second_source(db), second_source(db, "games")
+    decided_space(conn, wire, [f"{text} Report {k}." for k in range(3) for text in MISSIONS],
+                  GAMES * 2)
     rejected = [desk_post(conn, spam, 300 + k, text=f"{MISSIONS[k % 5]} Update {k}.",
                           direction="space", relevance=8)
                 for k in range(10)]                     # good words, a bad source, ten times
+    rejected += [desk_post(conn, games, 350 + k, text=f"{GAMES[k % 6]} Match {k}.",
+                           direction="space", relevance=8)
+                 for k in range(10)]                    # words the editors reject anyway
     vesti.set_decisions(conn, rejected, "rejected", "ed")
-    fresh = desk_post(conn, spam, 400, text=MISSIONS[5] + " Again.", direction="space",
-                      relevance=8)
-    other = desk_post(conn, wire, 401, text=MISSIONS[5] + " Again!", direction="space",
-                      relevance=8)
+    fresh, other, gamers = (desk_post(conn, source, 400 + k, text=f"{MISSIONS[5]} Again {k}.",
+                                      direction="space", relevance=8)
+                            for k, source in enumerate((spam, wire, games)))
     learners = vesti.Learners(10).refresh(conn, now=True)
     vesti.judge_every_card(conn, learners, "space")
-    likely = dict(conn.execute("SELECT id, likely FROM posts WHERE id IN (?, ?)", (fresh, other)))
-    assert likely[fresh] < vesti.LIKELY_LOW < likely[other]
+    likely = dict(conn.execute("SELECT id, likely FROM posts WHERE id IN (?, ?, ?)",
+                               (fresh, other, gamers)))
+    assert likely[fresh] < vesti.LIKELY_LOW < min(likely[other], likely[gamers])
     shown = [p["id"] for p in vesti.desk_posts(conn, vesti.DeskQuery(direction="space"))]
-    assert fresh not in shown and other in shown
+    assert fresh not in shown and other in shown and gamers in shown
     model = learners.model("space")
     assert "spam" in vesti.reason_words(model.reasons(vesti.post_features("", MISSIONS[5], spam),
                                                       likely[fresh]), "", MISSIONS[5], "spam")
+    assert model.source_weight(vesti.post_features("", MISSIONS[5], games)) == 0.0
     # A decision or two on a source say nothing.
     few = second_source(db, "few")
     vesti.set_decisions(conn, [desk_post(conn, few, 500, text=GAMES[3], direction="space")],

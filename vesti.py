@@ -4269,13 +4269,13 @@ WEIGHT_SHRINK = 1
 # of a single random post is no evidence; load time, page time and memory
 # stay flat however many posts are decided.
 MODEL_FEATURES = 50_000
-# A source's own approval rate weighs once it differs from the rate of the
-# direction's other sources beyond chance (a binomial test at SOURCE_SURE),
-# counted from SOURCE_PRIOR decisions at that rate: a few decisions on a
-# source say nothing; ten rejections running, where the editors approve half
-# of the rest of the direction, sink it.
+# A source's own approval rate weighs once it differs beyond chance (a
+# binomial test at SOURCE_SURE) from what its posts' words would have had
+# approved, counted from SOURCE_PRIOR decisions at that rate: a decision or
+# two on a source say nothing; five rejections running of posts whose words
+# say half sink it (see Model.source_weight).
 SOURCE_PRIOR = 4
-SOURCE_SURE = 0.01
+SOURCE_SURE = 0.05
 # A post some keyword of the direction matched has this much more evidence
 # for approval than its features alone give, and each keyword it matched
 # KEYWORD_EVIDENCE more: the editors' own words are a judgement the model
@@ -4428,6 +4428,7 @@ class Model:
         self.elsewhere = Approvals()
         self.scale, self.shift = 1.0, 0.0
         self.calibrated_at = -RECALIBRATE     # the decisions it had when last calibrated
+        self.expected = {}      # at the last calibration: see expected_by_source
 
     def set(self, feature, approved, rejected):
         old = self.counts.pop(feature, None)
@@ -4489,9 +4490,14 @@ class Model:
 
     def source_weight(self, features, own=(0, 0)):
         """How much a post's source speaks for approval: the log odds of its
-        posts' approval in the direction (smoothed toward the rate of the
-        direction's other sources by SOURCE_PRIOR decisions) over that rate.
-        A source rejected ten times running sinks, whatever its posts' words."""
+        posts' approval in the direction over the share their words would
+        have had approved (see expected_by_source; before the model was
+        calibrated with them, the rate of the direction's other sources),
+        smoothed toward that share by SOURCE_PRIOR decisions, once the two
+        differ beyond chance. So a source whose posts were rejected although
+        their words speak for them sinks (five rejections running where the
+        words say half, fewer where they say more); one whose posts' words
+        explain its rejections does not: they weigh already."""
         source = next((feature for feature in features if feature[0] == "@"), None)
         if source is None:
             return 0.0
@@ -4499,21 +4505,27 @@ class Model:
         approved, rejected = approved - own[0], rejected - own[1]
         others_approved = self.approved - own[0] - approved
         others_rejected = self.rejected - own[1] - rejected
-        rate = (others_approved + 1) / (others_approved + others_rejected + 2)
+        rate = self.expected.get(source)
+        if rate is None:
+            rate = (others_approved + 1) / (others_approved + others_rejected + 2)
+        rate = min(max(rate, 0.02), 0.98)
         if binomial_tail(approved, approved + rejected, rate) >= SOURCE_SURE:
             return 0.0
         share = (approved + SOURCE_PRIOR * rate) / (approved + rejected + SOURCE_PRIOR)
         return math.log(share / (1 - share)) - math.log(rate / (1 - rate))
 
     def score(self, features, keywords=0, own=(0, 0)):
-        """The evidence of a post for approval: its words' weights' mean
-        (naive Bayes would add them up, counting words that come together as
-        if each were news, and be sure of itself far beyond what it knows),
-        its source's weight, and for the `keywords` of the direction it
+        """The evidence of a post for approval: what its words say
+        (words_score) and its source's weight."""
+        return self.words_score(features, keywords, own) + self.source_weight(features, own)
+
+    def words_score(self, features, keywords=0, own=(0, 0)):
+        """Its words' weights' mean (naive Bayes would add them up, counting
+        words that come together as if each were news, and be sure of itself
+        far beyond what it knows), and for the `keywords` of the direction it
         matched, KEYWORD_HIT_EVIDENCE and KEYWORD_EVIDENCE for each."""
         weights = self.weights(features, own)
         return sum(weight for weight, _ in weights) / max(1, len(weights)) + \
-            self.source_weight(features, own) + \
             (KEYWORD_HIT_EVIDENCE + KEYWORD_EVIDENCE * keywords if keywords else 0.0)
 
     def likely(self, features, keywords=0):
@@ -4521,18 +4533,31 @@ class Model:
         return chance(self.scale * self.score(features, keywords) + self.shift)
 
     def calibrate(self, decided):
-        """Fit how scores turn into chances (a logistic curve, see fit_curve)
-        to decided posts [(features, keywords matched, approved)], each
-        judged with its own decision left out, so the chances say how often
-        editors approve. A curve never turns over: where higher scores went
-        with fewer approvals, the slope is held at SCALE_FLOOR and only the
-        level is fitted, so the chances stay near the editors' rate."""
-        points = [(self.score(features, keywords, (1, 0) if approved else (0, 1)), approved)
-                  for features, keywords, approved in decided]
-        scale, shift = fit_curve(points)
-        if scale < SCALE_FLOOR:
-            scale, shift = fit_curve(points, SCALE_FLOOR, hold_scale=True)
-        self.scale, self.shift = scale, shift
+        """Fit how scores turn into chances (see fit_chances) to decided posts
+        [(features, keywords matched, approved)], each judged with its own
+        decision left out, so the chances say how often editors approve:
+        first by their words alone, which tells what each source's posts
+        should have had approved (expected_by_source), then with their
+        sources' weights."""
+        own = [(1, 0) if approved else (0, 1) for _, _, approved in decided]
+        words = [self.words_score(features, keywords, mine)
+                 for (features, keywords, _), mine in zip(decided, own)]
+        self.expected = self.expected_by_source(decided, words)
+        points = [(score + self.source_weight(features, mine), approved)
+                  for score, (features, _, approved), mine in zip(words, decided, own)]
+        self.scale, self.shift = fit_chances(points)
+
+    def expected_by_source(self, decided, words):
+        """{source: the share of its decided posts that their words alone
+        (`words`: each one's words_score) would have had approved}."""
+        scale, shift = fit_chances([(score, approved) for score, (_, _, approved)
+                                    in zip(words, decided)])
+        chances = collections.defaultdict(list)
+        for score, (features, _, _) in zip(words, decided):
+            source = next((feature for feature in features if feature[0] == "@"), None)
+            if source is not None:
+                chances[source].append(chance(scale * score + shift))
+        return {source: sum(shares) / len(shares) for source, shares in chances.items()}
 
     def reasons(self, features, likely):
         """The features that weighed most toward its verdict, heaviest first:
@@ -4588,6 +4613,17 @@ def seen_floor(conn, direction):
 
 
 SCALE_FLOOR = 0.05
+
+
+def fit_chances(points):
+    """(scale, shift) of the logistic curve that turns scores into chances on
+    points [(score, approved)]. A curve never turns over: where higher scores
+    went with fewer approvals, the slope is held at SCALE_FLOOR and only the
+    level is fitted, so the chances stay near the editors' rate."""
+    scale, shift = fit_curve(points)
+    if scale < SCALE_FLOOR:
+        scale, shift = fit_curve(points, SCALE_FLOOR, hold_scale=True)
+    return scale, shift
 
 
 def fit_curve(points, scale=1.0, hold_scale=False):
