@@ -943,7 +943,6 @@ def test_an_interrupted_copy_db_is_completed_by_running_it_again(home, backend, 
     for k in range(1, 7):
         vesti.record_event(conn, "anna", "10.0.0.1", "decide", f"post:{k}", "approved")
     target = vesti.Database(target_db).conn()
-    monkeypatch.setattr(vesti, "COPY_CHUNK", 4)
     step = vesti.Progress.step
     # Amid the posts; before the runs; amid the events.
     for killed_after in ("posts 4", "posts 10", "events 4"):
@@ -953,9 +952,9 @@ def test_an_interrupted_copy_db_is_completed_by_running_it_again(home, backend, 
                 raise KeyboardInterrupt
         monkeypatch.setattr(vesti.Progress, "step", kill)
         with pytest.raises(KeyboardInterrupt):
-            vesti.copy_database(conn, target, quiet=True)
+            vesti.copy_database(conn, target, quiet=True, chunk=4)
     monkeypatch.setattr(vesti.Progress, "step", step)
-    counts = vesti.copy_database(conn, target, quiet=True)
+    counts = vesti.copy_database(conn, target, quiet=True, chunk=4)
     assert (counts["posts"], counts["runs"], counts["story_keys"], counts["events"]) == (10, 3, 10, 6)
 
     def rows(c, sql):
@@ -995,11 +994,10 @@ def test_copy_db_loses_no_row_to_a_postgresql_collation_of_a_language(home, back
                     "srcb", "Ёж", "ежик", "éclair", "eclair"]
         conn.executemany("INSERT INTO learned_words (direction, feature, approved) "
                          "VALUES ('linux', ?, 1)", [(f,) for f in features])
-        monkeypatch.setattr(vesti, "COPY_CHUNK", 3)
         target = vesti.Database(url).conn()
-        vesti.copy_database(conn, target, quiet=True)
+        vesti.copy_database(conn, target, quiet=True, chunk=3)
         back = vesti.Database(str(home / "back.db")).conn()
-        vesti.copy_database(target, back, quiet=True)
+        vesti.copy_database(target, back, quiet=True, chunk=3)
         for copy in (target, back):
             assert sorted(r[0] for r in copy.execute("SELECT feature FROM learned_words")) == \
                 sorted(features)
@@ -2039,7 +2037,7 @@ def test_a_batch_of_keyword_verdicts_has_its_story_keys_worked_out_by_a_helper(h
     real_keys = vesti.story_keys
     monkeypatch.setattr(vesti, "story_keys", lambda words: worked_out_here.append(1) or real_keys(words))
     monkeypatch.setattr(vesti, "usable_cores", lambda: 2)
-    monkeypatch.setattr(vesti, "KEY_HELPER_BATCH", 4)
+    monkeypatch.setattr(vesti.KeyHelper, "batch", 4)
     with caplog.at_level(logging.WARNING, logger="vesti"):
         stats, finished = vesti.run_workers(db, s, registry, workers=2, quiet=True)
     assert finished and stats.done == 120 and queue_of(db) == {1: 120}
@@ -2064,7 +2062,7 @@ def test_a_helper_that_fails_leaves_the_keys_to_the_worker(home, monkeypatch, ca
     copies = told_twice(conn, 40)
     monkeypatch.setattr(vesti.KeyHelper, "command", command)
     monkeypatch.setattr(vesti, "usable_cores", lambda: 2)
-    monkeypatch.setattr(vesti, "KEY_HELPER_BATCH", 4)
+    monkeypatch.setattr(vesti.KeyHelper, "batch", 4)
     with caplog.at_level(logging.WARNING, logger="vesti"):
         stats, finished = vesti.run_workers(db, s, registry, workers=2, quiet=True)
     assert finished and queue_of(db) == {1: 80}
@@ -4849,7 +4847,7 @@ def test_idle_workers_take_the_posts_a_crawl_of_their_process_queues_at_once(hom
                                                                              monkeypatch):
     """As in `run`: workers with nothing to do wait for posts, and a crawl in
     the same process wakes them (here they would otherwise wait a minute)."""
-    monkeypatch.setattr(vesti, "IDLE_WAIT", 60)
+    monkeypatch.setattr(vesti.WorkerPool, "idle_wait", 60)
     server.feed("/feed", rss(items(3, host=server.url)))
     s, db = intake(home, [rss_source("lwn", server.url + "/feed", direction="linux")])
     registry = vesti.load_registry(s.sources)
@@ -4900,7 +4898,7 @@ def test_a_spell_being_said_when_the_stop_grace_runs_out_is_said_by_the_stop(hom
     the posts of that spell, so the console still accounts for every post."""
     s, db, registry = worker_home(home, "", VESTI_STOP_GRACE=0.5)
     add_posts(db.conn(), 6)
-    monkeypatch.setattr(vesti, "WORK_REPORT", 0)        # a line after every turn of work
+    monkeypatch.setattr(vesti.WorkerPool, "report_every", 0)  # a line after every turn of work
     stop, answer = threading.Event(), threading.Event()
     count = vesti.pending_count
 
@@ -6601,7 +6599,7 @@ def test_a_search_of_a_common_word_reads_about_a_page_and_misses_nothing(web, mo
     page = vesti.desk_posts(counting, vesti.DeskQuery(q="kernel"))
     assert [p["id"] for p in page] == card_ids(web.get("/")[2]) + [page[-1]["id"]]
     assert counting.matches_read < 200                   # of the 600 matches
-    monkeypatch.setattr(vesti, "SEARCH_WALK", 100)       # deeper pages sort every match
+    monkeypatch.setattr(vesti.DeskQuery, "walk", 100)    # deeper pages sort every match
     assert walk_desk(web, "/?q=kernel") == walk_desk(web, "/")
 
 
@@ -6936,7 +6934,7 @@ def test_the_desk_says_how_many_posts_are_still_being_classified(web, monkeypatc
     empty = web.get("/?q=nothing")[2]
     assert "Ollama cannot be reached, so 3 posts wait to be classified" in empty
     assert "still being classified" not in empty
-    monkeypatch.setattr(vesti, "WAITING_COUNT_CAP", 2)      # a big queue is not counted whole
+    monkeypatch.setattr(vesti.DeskQuery, "waiting_cap", 2)  # a big queue is not counted whole
     assert "2+ posts wait to be classified" in web.get("/")[2]
 
 
@@ -7283,16 +7281,14 @@ def test_the_desk_sharpens_as_the_editor_decides_and_says_why(home):
 
 
 @both
-def test_cards_from_before_the_model_are_judged_once_the_editor_pauses(home, monkeypatch):
+def test_cards_from_before_the_model_are_judged_once_the_editor_pauses(home):
     """Cards classified before a direction learned enough, older than the
     newest ones each decision judges again, get their likely too: the desk's
     floor then holds for them as for the rest."""
-    monkeypatch.setattr(vesti, "RESCORE_FIRST", 1)
-    monkeypatch.setattr(vesti, "RESCORE_LIMIT", 2)
-    monkeypatch.setattr(vesti, "JUDGE_BATCH", 2)
-    monkeypatch.setattr(vesti, "RESCORE_IDLE", 0.1)
     write_sources(home / "sources.yaml", [rss_source("wire", "http://wire.example/feed")])
     web = Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret", VESTI_LEARN_MIN=10))
+    rescorer = web.app.rescorer
+    rescorer.first, rescorer.limit, rescorer.batch, rescorer.idle = 1, 2, 2, 0.1
     try:
         conn = web.db.conn()
         wire = source_row(web.db, "wire")["id"]

@@ -3588,12 +3588,11 @@ def prune_story_keys(conn, hours, now=None):
 
 # With keywords alone deciding, working out a post's story keys (pure Python)
 # is half of what the post costs, and a worker's threads share one
-# interpreter: a batch of at least KEY_HELPER_BATCH quick posts has its keys
+# interpreter: a batch of at least KeyHelper.batch quick posts has its keys
 # worked out in a helper process, on another core, while the worker
 # classifies it (in requests of KEY_HELPER_CHUNK posts, so the first come
 # back soon). The helper starts with the first such batch, and only where
 # this process may use more than one core.
-KEY_HELPER_BATCH = 32
 KEY_HELPER_CHUNK = 128
 # A helper that has not answered in this long is taken to be stuck.
 KEY_HELPER_WAIT = 60
@@ -3626,6 +3625,7 @@ class KeyHelper:
     command = [sys.executable, "-I", *(["-B"] if sys.dont_write_bytecode else []), "-c",
                "import sys; sys.path.insert(0, sys.argv[1]); import vesti; vesti.serve_story_keys()",
                os.path.dirname(os.path.abspath(__file__))]
+    batch = 32      # a batch of fewer quick posts is worked out in the worker
 
     def __init__(self):
         self.lock = threading.RLock()
@@ -4982,7 +4982,6 @@ def decided_directions(conn, post_ids):
 # judged JUDGE_BATCH at a time once the editor pauses (Rescorer.run), and
 # every card on `learn --rebuild`.
 RESCORE_LIMIT = 500
-RESCORE_FIRST = 100
 JUDGE_BATCH = 500
 
 
@@ -5071,21 +5070,19 @@ def take_in_missed(conn, learners, limit=RESCORE_LIMIT):
     return len(joined)
 
 
-# The posts of a direction a decision changed the model of, beyond the
-# newest cards a page judges again, are judged once no decision came for
-# this many seconds.
-RESCORE_IDLE = 2.0
-
-
 class Rescorer:
     """After decisions, the undecided cards of their directions are judged
     again (rescore_direction) by the model they changed. Not at once, so a
     decision answers at once and a run of decisions pays for one judging:
-    the newest RESCORE_FIRST cards of a direction when a desk page of it is
-    asked for next (the page then reflects the last decision), the rest of
-    them, the posts no keyword matched (take_in_missed) and the cards its
-    model has not judged yet (judge_unjudged) in a thread of its own once
-    no decision came for RESCORE_IDLE seconds."""
+    the newest `first` cards of a direction when a desk page of it is asked
+    for next (the page then reflects the last decision), the newest `limit`
+    of them, the posts no keyword matched (take_in_missed) and the cards its
+    model has not judged yet (judge_unjudged, `batch` at a time) in a thread
+    of its own once no decision came for `idle` seconds."""
+    first = 100
+    limit = RESCORE_LIMIT
+    batch = JUDGE_BATCH
+    idle = 2.0
 
     def __init__(self, db, learners):
         self.db, self.learners = db, learners
@@ -5112,8 +5109,8 @@ class Rescorer:
             learners = self.learners.refresh(conn, now=True)
             for stale in sorted(due):
                 if stale in learners.models:
-                    rescore_direction(conn, learners, stale, RESCORE_FIRST)
-            take_in_missed(conn, learners, RESCORE_FIRST)
+                    rescore_direction(conn, learners, stale, self.first)
+            take_in_missed(conn, learners, self.first)
         with self.changed:
             self.later |= {d for d in due if d in self.learners.models}
             if self.later and self.thread is None:
@@ -5128,20 +5125,20 @@ class Rescorer:
                 if not self.later:
                     self.thread = None
                     return
-                if idle >= RESCORE_IDLE:
+                if idle >= self.idle:
                     directions, self.later = sorted(self.later), set()
                 else:
                     directions = None
             if directions is None:
-                time.sleep(RESCORE_IDLE - idle)
+                time.sleep(self.idle - idle)
                 continue
             try:
                 with self.lock, self.db.lent():
                     conn = self.db.conn()
                     self.learners.refresh(conn, now=True)
                     for direction in directions:
-                        rescore_direction(conn, self.learners, direction)
-                    take_in_missed(conn, self.learners)
+                        rescore_direction(conn, self.learners, direction, self.limit)
+                    take_in_missed(conn, self.learners, self.limit)
                 for direction in directions:
                     self.judge_unjudged(direction)
             except Exception as e:  # noqa: BLE001 - the page goes on; the worker judges anew
@@ -5156,7 +5153,8 @@ class Rescorer:
                 conn = self.db.conn()
                 if after is None and not unjudged_cards(conn, direction):
                     return
-                _, after = judge_cards(conn, self.learners, direction, after, unjudged=True)
+                _, after = judge_cards(conn, self.learners, direction, after, self.batch,
+                                       unjudged=True)
             if after is None:
                 return
 
@@ -6847,9 +6845,9 @@ def key_in_byte_order(conn, table, key):
     return ", ".join(conn.dialect.in_byte_order(k) if kinds[k] == "TEXT" else k for k in key)
 
 
-def copy_table(source, target, table, key, progress):
+def copy_table(source, target, table, key, progress, chunk=COPY_CHUNK):
     """The target's table made the same as the source's, in key order and in
-    chunks: rows upserted by key, and the target's rows the source does not
+    chunks of `chunk` rows: rows upserted by key, and the target's rows the source does not
     have deleted, so a second copy changes nothing and a later one brings
     the target up to date. Returns how many rows."""
     columns = [column for name, column, _, _ in schema_columns() if name == table]
@@ -6867,7 +6865,7 @@ def copy_table(source, target, table, key, progress):
         later = [f"({ordered}) > {marks}"] if after else []
         rows = source.execute(
             f"SELECT {names} FROM {table} WHERE {' AND '.join(mine + later) or 'true'} "
-            f"ORDER BY {ordered} LIMIT {COPY_CHUNK}", [*own, *(after or ())]).fetchall()
+            f"ORDER BY {ordered} LIMIT {int(chunk)}", [*own, *(after or ())]).fetchall()
         last = [rows[-1][columns.index(k)] for k in key] if rows else None
         gone = mine + ([f"{target_key} > {marks}"] if after else []) + (
             [f"{target_key} <= {marks}", f"{row_key} NOT IN (VALUES "
@@ -6893,9 +6891,9 @@ def empty_copied_tables(target):
             OWN_META if table == "meta" else ())
 
 
-def copy_database(source, target, quiet=False):
+def copy_database(source, target, quiet=False, chunk=COPY_CHUNK):
     """copy-db: every copied table from `source` into `target` (both
-    migrated), then the target's counts and search index made from its
+    migrated), `chunk` rows at a time, then the target's counts and search index made from its
     posts. The target must hold no posts, or be a copy of this source
     already, finished or cut short. Returns {table: rows}."""
     origin = lasting_secret(source, "database_id")
@@ -6913,7 +6911,7 @@ def copy_database(source, target, quiet=False):
     total = sum(source.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
                 for table, _ in COPIED_TABLES)
     progress = Progress("copy-db", total, quiet=quiet)
-    counts = {table: copy_table(source, target, table, key, progress)
+    counts = {table: copy_table(source, target, table, key, progress, chunk)
               for table, key in COPIED_TABLES}
     with transaction(target):
         reindex_posts(target)
@@ -9195,10 +9193,6 @@ OLLAMA_DOWN_AFTER = 3
 OLLAMA_PAUSE = 60
 # How often workers leave a sign of life for the page (meta 'worker_seen').
 HEARTBEAT = 10
-# Workers that run on (`run`, `worker --forever`) say on the console what they
-# did: when nothing is left to claim after some work, and every WORK_REPORT
-# seconds while they keep working.
-WORK_REPORT = 60
 # A worker whose posts classify fast (keywords alone) claims them in batches
 # and writes their verdicts with the next claim, one transaction for many
 # posts: the batch doubles while a whole batch takes less than BATCH_WINDOW
@@ -9215,9 +9209,8 @@ MAX_BATCH = 1024
 # How often workers look whether the stories their waiting copies wait for
 # have their verdict (see WorkerPool.wake_copies).
 STORY_POLL = 0.2
-# A worker that found nothing to claim looks again after IDLE_WAIT seconds,
-# or within IDLE_LOOK of a crawl of its own process queueing posts.
-IDLE_WAIT = 1.0
+# A worker that found nothing to claim looks again after WorkerPool.idle_wait
+# seconds, or within IDLE_LOOK of a crawl of its own process queueing posts.
 IDLE_LOOK = 0.1
 
 
@@ -9348,13 +9341,13 @@ class Classifier(ClassifyStep):
 
     def look_ahead(self, posts):
         """Have the helper work out the story keys of a batch of quick posts
-        while the worker classifies them (see KEY_HELPER_BATCH): of every
+        while the worker classifies them (see KeyHelper.batch): of every
         one of them, since telling the relevant ones would cost the worker
         the keyword matching twice, and the helper's core is otherwise idle."""
         if self.db is None or not self.settings.story_hours or self.settings.ollama_url:
             return
         posts = [post for post in posts if not article_link(post)]
-        if len(posts) < KEY_HELPER_BATCH or self.cores < 2:
+        if len(posts) < KeyHelper.batch or self.cores < 2:
             return
         for first in range(0, len(posts), KEY_HELPER_CHUNK):
             chunk = posts[first:first + KEY_HELPER_CHUNK]
@@ -9471,6 +9464,11 @@ class WorkerPool:
     --limit, the figures, what they know of Ollama, the LLM questions asked
     in the background. Posts are classified outside any transaction, and a
     verdict is written only if its claim holds."""
+    # Workers that run on (`run`, `worker --forever`) say on the console what
+    # they did: when nothing is left to claim after some work, and every
+    # `report_every` seconds while they keep working.
+    report_every = 60
+    idle_wait = 1.0             # seconds an idle worker waits (see IDLE_LOOK)
 
     def __init__(self, db, settings, classify, stop=None, progress=None, report=False):
         self.db, self.settings = db, settings
@@ -9479,7 +9477,7 @@ class WorkerPool:
         self.stop = stop or threading.Event()
         self.progress = progress
         self.stats = WorkerStats()
-        self.report = report        # say on the console what was done (see WORK_REPORT)
+        self.report = report        # say on the console what was done (report_every)
         self.said, self.said_at = WorkerStats(), time.monotonic()
         self.lock = threading.Lock()
         self.tickets = None
@@ -9636,7 +9634,7 @@ class WorkerPool:
 
     def say_done(self, dry, stopping=False):
         """With `report`: a console line of what the workers did since the
-        last one, once nothing is left to claim (`dry`), after WORK_REPORT
+        last one, once nothing is left to claim (`dry`), after report_every
         seconds of work, or as they stop (`stopping`): the console accounts
         for every post. The queue is looked up before the posts are taken
         into a line, and the line is said as they are: a worker that a stop
@@ -9656,10 +9654,10 @@ class WorkerPool:
 
     def spell_due(self, at_once):
         """Whether posts done are to be said now: `at_once`, or after
-        WORK_REPORT seconds of work."""
+        report_every seconds of work."""
         with self.lock:
             return self.report and self.stats.since(self.said).processed > 0 and (
-                at_once or time.monotonic() - self.said_at >= WORK_REPORT)
+                at_once or time.monotonic() - self.said_at >= self.report_every)
 
     def heartbeat(self):
         """Tell the page, every HEARTBEAT seconds, that workers are running and
@@ -9682,10 +9680,10 @@ class WorkerPool:
             return True
 
     def idle(self):
-        """Wait for posts to come: IDLE_WAIT at most, less when a crawl of
+        """Wait for posts to come: idle_wait at most, less when a crawl of
         this process queues some, and not at all once the pool stops."""
         POSTS_QUEUED.clear()
-        waited_until = time.monotonic() + IDLE_WAIT
+        waited_until = time.monotonic() + self.idle_wait
         while not self.stop.wait(IDLE_LOOK):
             if POSTS_QUEUED.is_set() or time.monotonic() >= waited_until:
                 return
@@ -11426,8 +11424,6 @@ WORKER_SILENT_AFTER = 120
 # Searches matching more posts than this show no counts (counting them would
 # cost more than the page).
 SEARCH_COUNT_CAP = 2000
-# The desk counts the posts still to classify up to this many ("10000+").
-WAITING_COUNT_CAP = 10000
 # The stored text behind a card's disclosure is cut to this many characters,
 # those whose words its decision names (see wording).
 CARD_TEXT = WORDED_TEXT
@@ -11670,6 +11666,10 @@ class DeskQuery:
     after: tuple = None          # the keyset cursor: the last card of the page before
     decided: int = None          # a post just decided without JavaScript: kept in view
     story: int = None            # every copy of one story, each its own card
+    # Past this many matches a search is sorted whole (see search_newest).
+    walk = 100_000
+    # The posts still to classify are counted up to this many ("10000+").
+    waiting_cap = 10_000
 
     @classmethod
     def read(cls, query, directions, default_min):
@@ -11815,18 +11815,17 @@ def desk_posts(conn, desk, limit=PAGE_SIZE + 1):
 # stored, each within FETCH_ORDER_SLACK seconds of its number's order. So a
 # common word costs about a page, not every post it matches. A page deep
 # into a common word's matches would read every match above it: past
-# SEARCH_WALK matches, every match is sorted by date instead (measured at
+# DeskQuery.walk matches, every match is sorted by date instead (measured at
 # a million posts, a word in 85 % of them: its first page 11 ms, a page a day
 # deep 60 ms, walked at about 2 µs a match; any page sorted about 760 ms).
 FETCH_ORDER_SLACK = 600
 SEARCH_STRETCH = 64
 MAX_SEARCH_STRETCH = 500        # one `among` clause
-SEARCH_WALK = 100_000
 
 
 def search_newest(conn, desk, where, params, limit):
     """The page of a search under newest first (see FETCH_ORDER_SLACK), or
-    None past SEARCH_WALK matches."""
+    None past DeskQuery.walk matches."""
     matches, values = conn.dialect.matches_below(desk.q)
     if desk.after:
         where, params = [*where, "(p.published_at, p.id) < (?, ?)"], [*params, *desk.after[1:]]
@@ -11836,7 +11835,7 @@ def search_newest(conn, desk, where, params, limit):
         if not ids:
             break
         read += len(ids)
-        if read > SEARCH_WALK:
+        if read > desk.walk:
             return None
         [(among, chosen)] = conn.dialect.among("p.id", ids)
         found = conn.execute(f"""
@@ -12239,10 +12238,11 @@ def waiting_note(conn, page, settings):
     """How many posts are still to classify, above the cards (or in place of
     them): the desk fills up while the workers go through the queue, or
     waits for Ollama."""
-    waiting = min(waiting_count(conn, WAITING_COUNT_CAP), WAITING_COUNT_CAP)
+    cap = DeskQuery.waiting_cap
+    waiting = min(waiting_count(conn, cap), cap)
     if not waiting:
         return ""
-    count = f"{waiting}+" if waiting == WAITING_COUNT_CAP else str(waiting)
+    count = f"{waiting}+" if waiting == cap else str(waiting)
     key = "ollama_waits" if ollama_down(classification_state(conn), settings) else "classifying"
     return f'<p class="small muted" id="waiting">{page.t(key, n=waiting, count=count)}</p>'
 
