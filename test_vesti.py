@@ -48,11 +48,11 @@ import yaml
 from telethon.tl import types as tg
 
 import vesti
-from conftest import (BACKEND, CORPUS, ROOT, SOURCES_YAML, VESTI, DripServer, FakeBotApi, FakeOllama,
-                      FakeTelegram, FeedServer, SlowClients, TcpListener, Web, WebhookReceiver, both,
-                      make_settings, postgres_only, restarts_postgres, rss_source, wait_for,
-                      write_sources)
+from conftest import (BACKEND, CORPUS, ROOT, SOURCES_YAML, VESTI, Web, both, make_settings,
+                      postgres_only, restarts_postgres, rss_source, wait_for, write_sources)
 from tests.chromium import press, visible
+from tests.fakes import FakeBotApi, FakeOllama, FakeTelegram, WebhookReceiver
+from tests.servers import DripServer, FeedServer, SlowClients, TcpListener
 
 REAL_FEEDS = sorted(p for p in (CORPUS / "feeds" / "real").iterdir()
                     if p.suffix not in (".tsv", ".md"))
@@ -1393,7 +1393,7 @@ def test_copies_of_one_story_cost_one_llm_call_and_make_one_card(home):
 
 
 @both
-def test_a_sources_list_shows_its_copies_and_a_copy_decides_its_story(home):
+def test_a_sources_list_shows_its_copies_and_a_copy_decides_its_story(home, closing):
     s, db, registry = story_home(home, "")
     conn = db.conn()
     first = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
@@ -1402,30 +1402,28 @@ def test_a_sources_list_shows_its_copies_and_a_copy_decides_its_story(home):
     other = add_copy(conn, "daily", "Comet this weekend", OTHER, "2026-12-01 09:30:00")
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
     assert conn.execute("SELECT story_id FROM posts WHERE id = ?", (copy,)).fetchone()[0] == first
-    web = Web(home, settings=s.replace(web_password="s3cret"))
-    try:
-        page = web.get("/?min=0&source=daily")[2]
-        assert card_ids(page) == [other, copy]                 # the copy is the daily's post
-        assert facet(page, "statuses", "to decide") == 2
-        card = re.search(rf'id="post-{copy}".*?</article>', page, re.S)[0]
-        assert "+1 source:" in card and "City Wire" in card
-        status, _, _ = web.post(f"/posts/{copy}/status", {"status": "approved",
-                                                          "token": web.token()})
-        assert status == 303
-        assert [r[0] for r in conn.execute("SELECT status FROM posts ORDER BY id")] == \
-            ["approved", "approved", "new"]
-        feed = json.loads(web.get("/approved.json")[2])
-        assert [item["title"] for item in feed["items"]] == ["Council approves transport budget"]
-        crawlers = web.get("/crawlers")[2]
-        assert counts_match_posts(conn)
-        approved = dict(conn.execute("SELECT slug, approved FROM sources"))
-        assert approved == {"wire": 1, "daily": 1, "radio": 0} and "The Daily" in crawlers
-    finally:
-        web.close()
+    web = closing(Web(home, settings=s.replace(web_password="s3cret")))
+    page = web.get("/?min=0&source=daily")[2]
+    assert card_ids(page) == [other, copy]                 # the copy is the daily's post
+    assert facet(page, "statuses", "to decide") == 2
+    card = re.search(rf'id="post-{copy}".*?</article>', page, re.S)[0]
+    assert "+1 source:" in card and "City Wire" in card
+    status, _, _ = web.post(f"/posts/{copy}/status", {"status": "approved",
+                                                      "token": web.token()})
+    assert status == 303
+    assert [r[0] for r in conn.execute("SELECT status FROM posts ORDER BY id")] == \
+        ["approved", "approved", "new"]
+    feed = json.loads(web.get("/approved.json")[2])
+    assert [item["title"] for item in feed["items"]] == ["Council approves transport budget"]
+    crawlers = web.get("/crawlers")[2]
+    assert counts_match_posts(conn)
+    approved = dict(conn.execute("SELECT slug, approved FROM sources"))
+    assert approved == {"wire": 1, "daily": 1, "radio": 0} and "The Daily" in crawlers
 
 
 @both
-def test_a_post_edited_out_of_an_approved_story_leaves_it_and_the_story_keeps_its_words(home):
+def test_a_post_edited_out_of_an_approved_story_leaves_it_and_the_story_keeps_its_words(home,
+                                                                                        closing):
     channels = {"wirechan": STORY, "dailychan": "From our correspondent: " + STORY,
                 "radiochan": STORY[:300] + "\n\nИсточник: @citywire"}
     write_sources(home / "sources.yaml", [{"slug": name[:-4], "crawler": "telegram",
@@ -1433,44 +1431,41 @@ def test_a_post_edited_out_of_an_approved_story_leaves_it_and_the_story_keeps_it
                                           for k, name in enumerate(channels)])
     text = (home / "sources.yaml").read_text().replace("keywords: [", "keywords: [budget, ")
     (home / "sources.yaml").write_text(text)
-    web = Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret"))
+    web = closing(Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret")))
     s, db, conn = web.settings, web.db, web.db.conn()
-    try:
-        posted = recent(60)
-        fake = FakeTelegram(channels={name: [tg.Message(id=1, peer_id=tg.PeerChannel(1001),
-                                                        date=posted, message=message)]
-                                      for name, message in channels.items()})
-        crawl_tg(s, db, fake)
-        vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
-        lead, copy, other = [r[0] for r in conn.execute("SELECT id FROM posts ORDER BY id")]
-        assert {r[0] for r in conn.execute("SELECT story_id FROM posts")} == {lead}
-        web.post(f"/posts/{lead}/status", {"token": web.token(), "status": "approved"})
+    posted = recent(60)
+    fake = FakeTelegram(channels={name: [tg.Message(id=1, peer_id=tg.PeerChannel(1001),
+                                                    date=posted, message=message)]
+                                  for name, message in channels.items()})
+    crawl_tg(s, db, fake)
+    vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
+    lead, copy, other = [r[0] for r in conn.execute("SELECT id FROM posts ORDER BY id")]
+    assert {r[0] for r in conn.execute("SELECT story_id FROM posts")} == {lead}
+    web.post(f"/posts/{lead}/status", {"token": web.token(), "status": "approved"})
 
-        def approved():
-            return [item["url"] for item in json.loads(web.get("/approved.json")[2])["items"]]
-        assert approved() == ["https://t.me/wirechan/1"]
-        # Other words in the same story: a card of its own all the same, to decide again.
-        fake.channels["radiochan"] = [tg_edited(1, channels["radiochan"] + ", обновлено",
-                                                posted, 5)]
-        crawl_tg(s, db, fake)
-        vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
-        story = card_of(web.get("/?status=approved")[2], lead)
-        assert "+1 source:" in story and "radio" not in story
-        assert approved() == ["https://t.me/wirechan/1"]
-        assert "Edited after your decision" in card_of(web.get("/")[2], other)
-        spam = "Budget tip: cheap pills and casino bonuses at https://spam.example, order today!"
-        fake.channels["wirechan"] = [tg_edited(1, spam, posted, 6)]
-        crawl_tg(s, db, fake)
-        vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
-        assert approved() == ["https://t.me/dailychan/1"]     # the copy's own words
-        assert tuple(conn.execute("SELECT status, story_id FROM posts WHERE id = ?",
-                                  (copy,)).fetchone()) == ("approved", copy)
-        page = web.get("/")[2]
-        assert {lead, other} <= set(card_ids(page)) and "+1 source" not in page
-        assert "Edited after your decision" in card_of(page, lead)
-        assert counts_match_posts(conn)
-    finally:
-        web.close()
+    def approved():
+        return [item["url"] for item in json.loads(web.get("/approved.json")[2])["items"]]
+    assert approved() == ["https://t.me/wirechan/1"]
+    # Other words in the same story: a card of its own all the same, to decide again.
+    fake.channels["radiochan"] = [tg_edited(1, channels["radiochan"] + ", обновлено",
+                                            posted, 5)]
+    crawl_tg(s, db, fake)
+    vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
+    story = card_of(web.get("/?status=approved")[2], lead)
+    assert "+1 source:" in story and "radio" not in story
+    assert approved() == ["https://t.me/wirechan/1"]
+    assert "Edited after your decision" in card_of(web.get("/")[2], other)
+    spam = "Budget tip: cheap pills and casino bonuses at https://spam.example, order today!"
+    fake.channels["wirechan"] = [tg_edited(1, spam, posted, 6)]
+    crawl_tg(s, db, fake)
+    vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
+    assert approved() == ["https://t.me/dailychan/1"]     # the copy's own words
+    assert tuple(conn.execute("SELECT status, story_id FROM posts WHERE id = ?",
+                              (copy,)).fetchone()) == ("approved", copy)
+    page = web.get("/")[2]
+    assert {lead, other} <= set(card_ids(page)) and "+1 source" not in page
+    assert "Edited after your decision" in card_of(page, lead)
+    assert counts_match_posts(conn)
 
 
 @both
@@ -1491,22 +1486,19 @@ def test_copies_in_one_batch_of_keyword_verdicts_make_one_story(home):
 
 
 @both
-def test_two_copies_classified_at_once_make_one_story_and_one_llm_call(home):
-    fake = FakeOllama(latency=0.5)
-    try:
-        s, db, registry = story_home(home, fake.url)
-        conn = db.conn()
-        first = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
-        add_copy(conn, "daily", "Budget approved", STORY + " Subscribe to our newsletter.",
-                 "2026-12-01 08:01:00")
-        stats, _ = vesti.run_workers(db, s, registry, workers=2, limit=2, quiet=True)
-        assert queue_of(db) == {1: 2} and len(fake.titles()) == 1      # the copy waited
-        assert stats.done == 2 and stats.returned == 0
-        rows = conn.execute("SELECT id, story_id FROM posts ORDER BY id").fetchall()
-        leader = rows[0]["story_id"]                    # whichever worker got there first
-        assert leader in (first, first + 1) and [r["story_id"] for r in rows] == [leader, leader]
-    finally:
-        fake.close()
+def test_two_copies_classified_at_once_make_one_story_and_one_llm_call(home, closing):
+    fake = closing(FakeOllama(latency=0.5))
+    s, db, registry = story_home(home, fake.url)
+    conn = db.conn()
+    first = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
+    add_copy(conn, "daily", "Budget approved", STORY + " Subscribe to our newsletter.",
+             "2026-12-01 08:01:00")
+    stats, _ = vesti.run_workers(db, s, registry, workers=2, limit=2, quiet=True)
+    assert queue_of(db) == {1: 2} and len(fake.titles()) == 1      # the copy waited
+    assert stats.done == 2 and stats.returned == 0
+    rows = conn.execute("SELECT id, story_id FROM posts ORDER BY id").fetchall()
+    leader = rows[0]["story_id"]                    # whichever worker got there first
+    assert leader in (first, first + 1) and [r["story_id"] for r in rows] == [leader, leader]
 
 
 @both
@@ -1587,50 +1579,48 @@ ADVERT = (" Our partners also want you to know that the best mortgage rates in t
 
 @both
 @pytest.mark.parametrize("asked", ["llm", "keywords"])
-def test_a_copy_that_adds_a_link_joins_its_story_but_one_with_sentences_stands_alone(home, asked):
+def test_a_copy_that_adds_a_link_joins_its_story_but_one_with_sentences_stands_alone(home, asked,
+                                                                                     closing):
     """A copy with a link (or a channel) of its own is in its story: it
     takes the story's verdict, is decided with it, and its card names the
     link as the copy's own; but the card, the approved feed and what is
     published are the story's first post. A copy with much text of its own
     is no copy: classified on its own words, a card of its own."""
-    fake = FakeOllama()
+    fake = closing(FakeOllama())
+    s, db, registry = story_home(home, fake.url if asked == "llm" else "")
+    conn = db.conn()
+    first = add_copy(conn, "wire", "Council approves transport budget", STORY,
+                     "2026-12-01 08:00:00")
+    joining = [add_copy(conn, slug, "Budget", text, f"2026-12-01 08:{n}0:00")
+               for n, (slug, text) in enumerate([
+                   ("daily", f"From our correspondent: {STORY} Read more on our site."),
+                   ("radio", f"{STORY[:300]} Full story: https://wire.example/budget"),
+                   ("daily", f"{STORY}\n\nИсточник: @citywire https://t.me/citywire/4821")], 1)]
+    linked = add_copy(conn, "daily", "Budget news",
+                      f"{STORY} Cheap loans: https://loans.example/offer", "2026-12-01 09:00:00")
+    own = add_copy(conn, "radio", "Budget and mortgages", STORY + ADVERT, "2026-12-01 09:10:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    assert [stories[post] for post in [first, *joining, linked, own]] == [first] * 5 + [own]
+    adds = dict(conn.execute("SELECT id, adds FROM posts"))
+    assert adds[linked] == "loans.example" and not any(adds[post] for post in joining)
+    if asked == "llm":
+        assert sorted(fake.titles()) == ["Budget and mortgages",
+                                         "Council approves transport budget"]
+    web = Web(home, settings=s.replace(web_password="s3cret"))
     try:
-        s, db, registry = story_home(home, fake.url if asked == "llm" else "")
-        conn = db.conn()
-        first = add_copy(conn, "wire", "Council approves transport budget", STORY,
-                         "2026-12-01 08:00:00")
-        joining = [add_copy(conn, slug, "Budget", text, f"2026-12-01 08:{n}0:00")
-                   for n, (slug, text) in enumerate([
-                       ("daily", f"From our correspondent: {STORY} Read more on our site."),
-                       ("radio", f"{STORY[:300]} Full story: https://wire.example/budget"),
-                       ("daily", f"{STORY}\n\nИсточник: @citywire https://t.me/citywire/4821")], 1)]
-        linked = add_copy(conn, "daily", "Budget news",
-                          f"{STORY} Cheap loans: https://loans.example/offer", "2026-12-01 09:00:00")
-        own = add_copy(conn, "radio", "Budget and mortgages", STORY + ADVERT, "2026-12-01 09:10:00")
-        vesti.run_workers(db, s, registry, workers=1, quiet=True)
-        stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
-        assert [stories[post] for post in [first, *joining, linked, own]] == [first] * 5 + [own]
-        adds = dict(conn.execute("SELECT id, adds FROM posts"))
-        assert adds[linked] == "loans.example" and not any(adds[post] for post in joining)
-        if asked == "llm":
-            assert sorted(fake.titles()) == ["Budget and mortgages",
-                                             "Council approves transport budget"]
-        web = Web(home, settings=s.replace(web_password="s3cret"))
-        try:
-            page = web.get("/?min=0")[2]
-            assert card_ids(page) == [own, first]
-            card = re.search(rf'id="post-{first}".*?</article>', page, re.S)[0]
-            assert "+4 sources" in card and "its own: loans.example" in card
-            web.post(f"/posts/{first}/status", {"status": "approved", "token": web.token()})
-            assert dict(conn.execute("SELECT id, status FROM posts")) == \
-                {**{post: "approved" for post in [first, *joining, linked]}, own: "new"}
-            feed = json.loads(web.get("/approved.json")[2])
-            assert [item["id"] for item in feed["items"]] == [str(first)]
-            assert counts_match_posts(conn)
-        finally:
-            web.close()
+        page = web.get("/?min=0")[2]
+        assert card_ids(page) == [own, first]
+        card = re.search(rf'id="post-{first}".*?</article>', page, re.S)[0]
+        assert "+4 sources" in card and "its own: loans.example" in card
+        web.post(f"/posts/{first}/status", {"status": "approved", "token": web.token()})
+        assert dict(conn.execute("SELECT id, status FROM posts")) == \
+            {**{post: "approved" for post in [first, *joining, linked]}, own: "new"}
+        feed = json.loads(web.get("/approved.json")[2])
+        assert [item["id"] for item in feed["items"]] == [str(first)]
+        assert counts_match_posts(conn)
     finally:
-        fake.close()
+        web.close()
 
 
 @both
@@ -1704,42 +1694,39 @@ def read_for_a_month(conn, *slugs):
 
 @both
 @pytest.mark.parametrize("asked", ["llm", "keywords"])
-def test_a_story_is_led_by_its_copy_from_an_established_source(home, asked):
+def test_a_story_is_led_by_its_copy_from_an_established_source(home, asked, closing):
     """A story a new source told first is led by the copy of a source read
     for weeks, while nobody has decided it: its card and the approved feed
     show the established source's post. A decided story keeps its card."""
-    fake = FakeOllama()
+    fake = closing(FakeOllama())
+    s, db, registry = story_home(home, fake.url if asked == "llm" else "")
+    conn = db.conn()
+    read_for_a_month(conn, "wire", "radio")
+    first = add_copy(conn, "daily", "Budget approved", STORY, "2026-12-01 08:00:00")
+    decided = add_copy(conn, "daily", "Comet this weekend", OTHER, "2026-12-01 08:10:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    vesti.set_decisions(conn, [decided], "rejected", "editor")
+    copy = add_copy(conn, "wire", "Council approves transport budget",
+                    "Our correspondent: " + STORY, "2026-12-01 08:30:00")
+    later = add_copy(conn, "radio", "Comet", "Repost: " + OTHER, "2026-12-01 08:40:00")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    assert [stories[post] for post in (first, copy, decided, later)] == \
+        [copy, copy, decided, decided]
+    if asked == "llm":
+        assert sorted(fake.titles()) == ["Budget approved", "Comet this weekend"]
+    assert vesti.story_figures(conn)["joined"] == 2 and counts_match_posts(conn)
+    web = Web(home, settings=s.replace(web_password="s3cret"))
     try:
-        s, db, registry = story_home(home, fake.url if asked == "llm" else "")
-        conn = db.conn()
-        read_for_a_month(conn, "wire", "radio")
-        first = add_copy(conn, "daily", "Budget approved", STORY, "2026-12-01 08:00:00")
-        decided = add_copy(conn, "daily", "Comet this weekend", OTHER, "2026-12-01 08:10:00")
-        vesti.run_workers(db, s, registry, workers=1, quiet=True)
-        vesti.set_decisions(conn, [decided], "rejected", "editor")
-        copy = add_copy(conn, "wire", "Council approves transport budget",
-                        "Our correspondent: " + STORY, "2026-12-01 08:30:00")
-        later = add_copy(conn, "radio", "Comet", "Repost: " + OTHER, "2026-12-01 08:40:00")
-        vesti.run_workers(db, s, registry, workers=1, quiet=True)
-        stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
-        assert [stories[post] for post in (first, copy, decided, later)] == \
-            [copy, copy, decided, decided]
-        if asked == "llm":
-            assert sorted(fake.titles()) == ["Budget approved", "Comet this weekend"]
-        assert vesti.story_figures(conn)["joined"] == 2 and counts_match_posts(conn)
-        web = Web(home, settings=s.replace(web_password="s3cret"))
-        try:
-            page = web.get("/?min=0")[2]
-            assert copy in card_ids(page) and first not in card_ids(page)
-            card = re.search(rf'id="post-{copy}".*?</article>', page, re.S)[0]
-            assert "+1 source:" in card and "The Daily" in card
-            web.post(f"/posts/{copy}/status", {"status": "approved", "token": web.token()})
-            feed = json.loads(web.get("/approved.json")[2])
-            assert [item["title"] for item in feed["items"]] == ["Council approves transport budget"]
-        finally:
-            web.close()
+        page = web.get("/?min=0")[2]
+        assert copy in card_ids(page) and first not in card_ids(page)
+        card = re.search(rf'id="post-{copy}".*?</article>', page, re.S)[0]
+        assert "+1 source:" in card and "The Daily" in card
+        web.post(f"/posts/{copy}/status", {"status": "approved", "token": web.token()})
+        feed = json.loads(web.get("/approved.json")[2])
+        assert [item["title"] for item in feed["items"]] == ["Council approves transport budget"]
     finally:
-        fake.close()
+        web.close()
 
 
 @both
@@ -1764,7 +1751,7 @@ def test_an_established_sources_post_does_not_join_a_new_sources_post_that_adds_
 @both
 @pytest.mark.parametrize("second", ["established", "new"])
 def test_a_story_taken_over_while_a_copy_joins_it_stays_one_card(home, ollama, monkeypatch,
-                                                                  second):
+                                                                  second, closing):
     """Two copies of a new source's story classified at once: the second
     copy enters the story and takes it over (an established source) after
     the first entered it and before the first takes the story's verdict.
@@ -1796,17 +1783,14 @@ def test_a_story_taken_over_while_a_copy_joins_it_stays_one_card(home, ollama, m
     assert sorted(r[0] for r in conn.execute(f"SELECT id FROM posts WHERE {vesti.copies_of()}",
                                              (lead,))) == [first, copies[0]]
     assert counts_match_posts(conn)
-    web = Web(home, settings=s.replace(web_password="s3cret"))
-    try:
-        page = web.get("/?min=0")[2]
-        assert set(card_ids(page)) & {first, *copies} == {lead}
-        assert "+2 sources" in card_of(page, lead)
-        web.post(f"/posts/{lead}/status", {"status": "approved", "token": web.token()})
-        assert {r[0] for r in conn.execute("SELECT status FROM posts WHERE id IN (?, ?, ?)",
-                                           (first, *copies))} == {"approved"}
-        assert counts_match_posts(conn)
-    finally:
-        web.close()
+    web = closing(Web(home, settings=s.replace(web_password="s3cret")))
+    page = web.get("/?min=0")[2]
+    assert set(card_ids(page)) & {first, *copies} == {lead}
+    assert "+2 sources" in card_of(page, lead)
+    web.post(f"/posts/{lead}/status", {"status": "approved", "token": web.token()})
+    assert {r[0] for r in conn.execute("SELECT status FROM posts WHERE id IN (?, ?, ?)",
+                                       (first, *copies))} == {"approved"}
+    assert counts_match_posts(conn)
 
 
 @both
@@ -1841,7 +1825,7 @@ def test_a_copy_joining_a_story_whose_first_post_is_edited_meanwhile_goes_on_wit
 
 
 @both
-def test_a_post_edited_after_its_decision_stays_its_card_when_a_copy_joins_it(home):
+def test_a_post_edited_after_its_decision_stays_its_card_when_a_copy_joins_it(home, closing):
     """A post edited after a decision is on the desk to be decided again,
     marked: an established source's copy joining its story does not take
     it over, which would hide it under that copy's card."""
@@ -1861,17 +1845,14 @@ def test_a_post_edited_after_its_decision_stays_its_card_when_a_copy_joins_it(ho
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
     stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
     assert (stories[edited], stories[copy]) == (edited, edited)
-    web = Web(home, settings=s.replace(web_password="s3cret"))
-    try:
-        card = card_of(web.get("/?min=0")[2], edited)
-        assert "Edited after your decision" in card and "+1 source" in card
-        assert counts_match_posts(conn)
-    finally:
-        web.close()
+    web = closing(Web(home, settings=s.replace(web_password="s3cret")))
+    card = card_of(web.get("/?min=0")[2], edited)
+    assert "Edited after your decision" in card and "+1 source" in card
+    assert counts_match_posts(conn)
 
 
 @both
-def test_a_story_of_many_copies_names_ten_of_them_and_counts_the_rest(home):
+def test_a_story_of_many_copies_names_ten_of_them_and_counts_the_rest(home, closing):
     """A card names the first ten other posts of its story and counts the
     rest; its "every copy" page pages as the desk does."""
     s, db, registry = story_home(home, "")
@@ -1881,29 +1862,26 @@ def test_a_story_of_many_copies_names_ten_of_them_and_counts_the_rest(home):
                        f"2026-12-01 09:{n:02}:00") for n in range(60)]
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
     assert {row[0] for row in conn.execute("SELECT story_id FROM posts")} == {first}
-    web = Web(home, settings=s.replace(web_password="s3cret"))
-    try:
-        line = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0")[2], re.S)[1]
-        assert line.startswith("+60 sources: ") and " and 50 more · " in line, line[-300:]
-        named = re.findall(r'<a href="(http[^"]*)"', line)
-        assert named == [f"http://{('daily', 'radio')[n % 2]}.example/2026-12-01 09:{n:02}:00"
-                         for n in range(10)]
-        russian = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0&lang=ru")[2],
-                            re.S)[1]
-        assert russian.startswith("ещё 60 источников: ") and " и ещё 50 · " in russian, \
-            russian[-300:]
-        # A copy's card, in its source's list, names the story's first post first.
-        radio = web.get("/?min=0&source=radio")[2]
-        card = re.search(rf'id="post-{copies[1]}".*?</article>', radio, re.S)[0]
-        assert "+60 sources: " in card and " and 50 more" in card
-        assert card.index("wire.example") < card.index("daily.example")
-        every = html.unescape(re.search(r'href="(/\?[^"]*story=\d+[^"]*)"', line)[1])
-        story = web.get(every)[2]
-        assert len(card_ids(story)) == vesti.PAGE_SIZE
-        older = html.unescape(re.search(r'href="([^"]*)" rel="next"', story)[1])
-        assert sorted(card_ids(story) + card_ids(web.get(older)[2])) == [first, *copies]
-    finally:
-        web.close()
+    web = closing(Web(home, settings=s.replace(web_password="s3cret")))
+    line = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0")[2], re.S)[1]
+    assert line.startswith("+60 sources: ") and " and 50 more · " in line, line[-300:]
+    named = re.findall(r'<a href="(http[^"]*)"', line)
+    assert named == [f"http://{('daily', 'radio')[n % 2]}.example/2026-12-01 09:{n:02}:00"
+                     for n in range(10)]
+    russian = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0&lang=ru")[2],
+                        re.S)[1]
+    assert russian.startswith("ещё 60 источников: ") and " и ещё 50 · " in russian, \
+        russian[-300:]
+    # A copy's card, in its source's list, names the story's first post first.
+    radio = web.get("/?min=0&source=radio")[2]
+    card = re.search(rf'id="post-{copies[1]}".*?</article>', radio, re.S)[0]
+    assert "+60 sources: " in card and " and 50 more" in card
+    assert card.index("wire.example") < card.index("daily.example")
+    every = html.unescape(re.search(r'href="(/\?[^"]*story=\d+[^"]*)"', line)[1])
+    story = web.get(every)[2]
+    assert len(card_ids(story)) == vesti.PAGE_SIZE
+    older = html.unescape(re.search(r'href="([^"]*)" rel="next"', story)[1])
+    assert sorted(card_ids(story) + card_ids(web.get(older)[2])) == [first, *copies]
 
 
 def database_work(conn, call, table="story_keys"):
@@ -1964,7 +1942,7 @@ def test_a_key_thousands_of_posts_share_costs_a_look_up_no_more_than_a_rare_one(
 
 
 @both
-def test_a_story_of_thousands_of_copies_costs_its_card_what_one_of_a_thousand_does(home):
+def test_a_story_of_thousands_of_copies_costs_its_card_what_one_of_a_thousand_does(home, closing):
     """A card counts its story's copies up to a thousand ("+1000+ sources"):
     past that, more copies cost its card nothing more."""
     s, db, registry = story_home(home, "")
@@ -1985,16 +1963,13 @@ def test_a_story_of_thousands_of_copies_costs_its_card_what_one_of_a_thousand_do
                                      "posts")
         assert len(lines[lead].named) == vesti.STORY_NAMED
     assert work[4000] < 1.5 * work[1000], work
-    web = Web(home, settings=s.replace(web_password="s3cret"))
-    try:
-        line = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0")[2], re.S)[1]
-        assert line.startswith("+1000+ sources: ") and " and 990+ more · " in line, line[-300:]
-        russian = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0&lang=ru")[2],
-                            re.S)[1]
-        assert russian.startswith("ещё 1000+ источников: ") and " и ещё 990+ · " in russian, \
-            russian[-300:]
-    finally:
-        web.close()
+    web = closing(Web(home, settings=s.replace(web_password="s3cret")))
+    line = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0")[2], re.S)[1]
+    assert line.startswith("+1000+ sources: ") and " and 990+ more · " in line, line[-300:]
+    russian = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0&lang=ru")[2],
+                        re.S)[1]
+    assert russian.startswith("ещё 1000+ источников: ") and " и ещё 990+ · " in russian, \
+        russian[-300:]
 
 
 # Stories: keys in a helper process --------------------------------------------
@@ -2476,23 +2451,20 @@ def test_the_news_in_general_is_read_once_per_move_of_its_mark_not_per_look(home
     assert learners.models["space"].calibrated_at == calibrated
 
 
-def test_the_llm_is_shown_the_editors_decisions_most_like_the_post(home):
-    fake = FakeOllama()
-    try:
-        s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10, OLLAMA_URL=fake.url)
-        conn = db.conn()
-        decided_space(conn, wire, MISSIONS, GAMES)
-        add_posts(conn, 1, source_id=wire, start=400,
-                  text="Rocket League esports team won the arena tournament final.")
-        vesti.run_workers(db, s, registry, workers=1, quiet=True)
-        [(_, body)] = fake.requests
-        shown = [m["content"] for m in body["messages"] if m["role"] == "system"][1]
-        lines = shown.splitlines()[1:]
-        assert 1 <= len(lines) <= 4 and all(len(line) <= 140 for line in lines)
-        assert lines[0].startswith("- rejected: ") and "Rocket" in lines[0]   # a game, like it
-        assert body["messages"][-1]["content"].startswith("Post 400")
-    finally:
-        fake.close()
+def test_the_llm_is_shown_the_editors_decisions_most_like_the_post(home, closing):
+    fake = closing(FakeOllama())
+    s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10, OLLAMA_URL=fake.url)
+    conn = db.conn()
+    decided_space(conn, wire, MISSIONS, GAMES)
+    add_posts(conn, 1, source_id=wire, start=400,
+              text="Rocket League esports team won the arena tournament final.")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    [(_, body)] = fake.requests
+    shown = [m["content"] for m in body["messages"] if m["role"] == "system"][1]
+    lines = shown.splitlines()[1:]
+    assert 1 <= len(lines) <= 4 and all(len(line) <= 140 for line in lines)
+    assert lines[0].startswith("- rejected: ") and "Rocket" in lines[0]   # a game, like it
+    assert body["messages"][-1]["content"].startswith("Post 400")
 
 
 # Sources ----------------------------------------------------------------------
@@ -3823,44 +3795,41 @@ def card_of(page, post_id):
 
 
 @both
-def test_an_approved_post_edited_into_other_words_goes_back_to_the_desk_marked(home):
+def test_an_approved_post_edited_into_other_words_goes_back_to_the_desk_marked(home, closing):
     write_sources(home / "sources.yaml", [{"slug": "chan", "crawler": "telegram",
                                            "url": "https://t.me/linuxnews", "direction": "linux"}])
-    web = Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret"))
+    web = closing(Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret")))
     s, db = web.settings, web.db
-    try:
-        posted = recent(60)
-        fake = FakeTelegram([tg.Message(id=1, peer_id=tg.PeerChannel(1001), date=posted,
-                                        message=HARMLESS)])
-        crawl_tg(s, db, fake)
-        vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
-        web.post("/posts/1/status", {"token": web.token(), "status": "approved"})
+    posted = recent(60)
+    fake = FakeTelegram([tg.Message(id=1, peer_id=tg.PeerChannel(1001), date=posted,
+                                    message=HARMLESS)])
+    crawl_tg(s, db, fake)
+    vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
+    web.post("/posts/1/status", {"token": web.token(), "status": "approved"})
 
-        def approved():
-            return [item["title"] for item in json.loads(web.get("/approved.json")[2])["items"]]
-        assert approved() == [HARMLESS]
-        fake.history = [tg_edited(1, HARMLESS.replace(" ", "  ") + "\n", posted, 5)]
-        crawl_tg(s, db, fake)                     # spacing only: nothing to decide again
-        assert approved() == [HARMLESS] and posts_of(db, "chan")[0]["classified"] == 1
-        fake.history = [tg_edited(1, SPAM, posted, 10)]
-        crawl_tg(s, db, fake)
-        assert approved() == []
-        post = posts_of(db, "chan")[0]
-        assert (post["status"], post["decided_by"], post["decided_at"]) == ("new", None, None)
-        vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
-        assert approved() == []
-        card = card_of(web.get("/")[2], 1)
-        assert "Edited after your decision (approved by admin," in card
-        before, now = re.search(r'<div class="before">(.*?)</div><div class="now">(.*?)</div>',
-                                card, re.S).groups()
-        assert html.escape(HARMLESS) in before and html.escape(SPAM) in now
-        assert "Изменён после вашего решения (одобрено, admin," in card_of(web.get("/?lang=ru")[2], 1)
-        web.post("/posts/1/status", {"token": web.token(), "status": "rejected"})
-        card = card_of(web.get("/?status=rejected")[2], 1)
-        assert "Edited after your decision" not in card and 'class="before"' not in card
-        assert approved() == [] and counts_match_posts(db.conn())
-    finally:
-        web.close()
+    def approved():
+        return [item["title"] for item in json.loads(web.get("/approved.json")[2])["items"]]
+    assert approved() == [HARMLESS]
+    fake.history = [tg_edited(1, HARMLESS.replace(" ", "  ") + "\n", posted, 5)]
+    crawl_tg(s, db, fake)                     # spacing only: nothing to decide again
+    assert approved() == [HARMLESS] and posts_of(db, "chan")[0]["classified"] == 1
+    fake.history = [tg_edited(1, SPAM, posted, 10)]
+    crawl_tg(s, db, fake)
+    assert approved() == []
+    post = posts_of(db, "chan")[0]
+    assert (post["status"], post["decided_by"], post["decided_at"]) == ("new", None, None)
+    vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
+    assert approved() == []
+    card = card_of(web.get("/")[2], 1)
+    assert "Edited after your decision (approved by admin," in card
+    before, now = re.search(r'<div class="before">(.*?)</div><div class="now">(.*?)</div>',
+                            card, re.S).groups()
+    assert html.escape(HARMLESS) in before and html.escape(SPAM) in now
+    assert "Изменён после вашего решения (одобрено, admin," in card_of(web.get("/?lang=ru")[2], 1)
+    web.post("/posts/1/status", {"token": web.token(), "status": "rejected"})
+    card = card_of(web.get("/?status=rejected")[2], 1)
+    assert "Edited after your decision" not in card and 'class="before"' not in card
+    assert approved() == [] and counts_match_posts(db.conn())
 
 
 @both
@@ -4589,14 +4558,11 @@ def test_without_ollama_keywords_alone_decide():
 @pytest.mark.parametrize("mode,error", [("500", "Ollama answered HTTP 500"),
                                         ("garbage", "no JSON"),
                                         ("bad-verdict", "unknown direction 'sport'")])
-def test_a_bad_ollama_answer_is_a_classify_error(mode, error):
-    fake = FakeOllama(mode)
-    try:
-        s = vesti.load_settings(environ={"OLLAMA_URL": fake.url}, env_file=None)
-        with pytest.raises(vesti.ClassifyError, match=error):
-            vesti.classify_text("kernel", DIRECTIONS, s)
-    finally:
-        fake.close()
+def test_a_bad_ollama_answer_is_a_classify_error(mode, error, closing):
+    fake = closing(FakeOllama(mode))
+    s = vesti.load_settings(environ={"OLLAMA_URL": fake.url}, env_file=None)
+    with pytest.raises(vesti.ClassifyError, match=error):
+        vesti.classify_text("kernel", DIRECTIONS, s)
 
 
 @pytest.mark.parametrize("content,error", [
@@ -4705,21 +4671,18 @@ def test_seed_a_post_whose_classification_raises_returns_to_the_queue(home):
 
 @pytest.mark.parametrize("mode,error", [("500", "HTTP 500"), ("garbage", "no JSON"),
                                         ("hang", "did not answer within 0.3 s")])
-def test_a_misbehaving_ollama_costs_attempts_until_the_post_fails(home, mode, error):
-    fake = FakeOllama(mode)
-    try:
-        s, db, registry = worker_home(home, fake.url, OLLAMA_TIMEOUT=0.3, VESTI_MAX_ATTEMPTS=3,
-                                      VESTI_RETRY_DELAY=60)
-        add_posts(db.conn(), 1)
-        for attempt in (1, 2, 3):
-            db.conn().execute("UPDATE posts SET next_attempt_at = NULL")    # the backoff passed
-            vesti.run_workers(db, s, registry, workers=1, quiet=True)
-            post = db.conn().execute("SELECT * FROM posts").fetchone()
-            assert post["attempts"] == attempt and error in post["error"]
-            assert post["classified"] == (0 if attempt < 3 else -2)
-        assert vesti.queue_sizes(db.conn())["failed"] == 1
-    finally:
-        fake.close()
+def test_a_misbehaving_ollama_costs_attempts_until_the_post_fails(home, mode, error, closing):
+    fake = closing(FakeOllama(mode))
+    s, db, registry = worker_home(home, fake.url, OLLAMA_TIMEOUT=0.3, VESTI_MAX_ATTEMPTS=3,
+                                  VESTI_RETRY_DELAY=60)
+    add_posts(db.conn(), 1)
+    for attempt in (1, 2, 3):
+        db.conn().execute("UPDATE posts SET next_attempt_at = NULL")    # the backoff passed
+        vesti.run_workers(db, s, registry, workers=1, quiet=True)
+        post = db.conn().execute("SELECT * FROM posts").fetchone()
+        assert post["attempts"] == attempt and error in post["error"]
+        assert post["classified"] == (0 if attempt < 3 else -2)
+    assert vesti.queue_sizes(db.conn())["failed"] == 1
 
 
 @both
@@ -4750,33 +4713,27 @@ def test_an_unreachable_ollama_stops_the_workers_instead_of_cycling_the_queue(ho
     assert db.conn().execute("SELECT max(attempts) FROM posts").fetchone()[0] == 0
 
 
-def test_each_worker_asks_its_questions_on_one_kept_connection(home):
+def test_each_worker_asks_its_questions_on_one_kept_connection(home, closing):
     """Ollama keeps connections open: a worker asks every question on one,
     with no connection set-up per post."""
-    fake = FakeOllama(keep_alive=True)
-    try:
-        s, db, registry = worker_home(home, fake.url)
-        add_posts(db.conn(), 12)
-        stats, _ = vesti.run_workers(db, s, registry, workers=2, quiet=True)
-        assert stats.done == 12 and queue_of(db) == {1: 12}
-        assert sorted(fake.titles()) == sorted(f"Post {k}" for k in range(12))
-        assert len(set(fake.connections)) <= 2
-    finally:
-        fake.close()
+    fake = closing(FakeOllama(keep_alive=True))
+    s, db, registry = worker_home(home, fake.url)
+    add_posts(db.conn(), 12)
+    stats, _ = vesti.run_workers(db, s, registry, workers=2, quiet=True)
+    assert stats.done == 12 and queue_of(db) == {1: 12}
+    assert sorted(fake.titles()) == sorted(f"Post {k}" for k in range(12))
+    assert len(set(fake.connections)) <= 2
 
 
-def test_a_kept_connection_the_server_closed_is_replaced_and_the_question_asked_once(home):
-    fake = FakeOllama(keep_alive=True, drops=True)
-    try:
-        s, db, registry = worker_home(home, fake.url)
-        add_posts(db.conn(), 6)
-        stats, _ = vesti.run_workers(db, s, registry, workers=1, quiet=True)
-        assert (stats.done, stats.failed, stats.returned) == (6, 0, 0)
-        assert queue_of(db) == {1: 6}
-        assert sorted(fake.titles()) == sorted(f"Post {k}" for k in range(6))    # once each
-        assert len(set(fake.connections)) == 6
-    finally:
-        fake.close()
+def test_a_kept_connection_the_server_closed_is_replaced_and_the_question_asked_once(home, closing):
+    fake = closing(FakeOllama(keep_alive=True, drops=True))
+    s, db, registry = worker_home(home, fake.url)
+    add_posts(db.conn(), 6)
+    stats, _ = vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    assert (stats.done, stats.failed, stats.returned) == (6, 0, 0)
+    assert queue_of(db) == {1: 6}
+    assert sorted(fake.titles()) == sorted(f"Post {k}" for k in range(6))    # once each
+    assert len(set(fake.connections)) == 6
 
 
 @both
@@ -4981,51 +4938,45 @@ def worker_process(home, ollama_url, *args, env=None):
 
 @pytest.mark.slow
 @both
-def test_a_killed_worker_is_finished_by_the_next_one_after_the_lease(home):
-    fake = FakeOllama(latency=0.1)
-    try:
-        s, db, _ = worker_home(home, fake.url)
-        add_posts(db.conn(), 30)
-        process = worker_process(home, fake.url, "--workers", "4")
-        assert wait_for(lambda: queue_of(db).get(1, 0) >= 8)
-        process.kill()
-        process.communicate()
-        in_flight = {r[0] for r in db.conn().execute("SELECT title FROM posts WHERE classified = -1")}
-        done_before = {r[0] for r in db.conn().execute("SELECT title FROM posts WHERE classified = 1")}
-        assert in_flight and len(in_flight) <= 2 * 4    # asked, and the next one ready
-        outlive_lease(db, process, 1)
-        result = cli("worker", "--workers", "4", cwd=home,
-                     env={"OLLAMA_URL": fake.url, "VESTI_LEASE_SECONDS": "1"})
-        assert result.returncode == 0
-        assert queue_of(db) == {1: 30}
-        asked = {}
-        for title in fake.titles():
-            asked[title] = asked.get(title, 0) + 1
-        redone = {t for t, n in asked.items() if n > 1}
-        assert redone <= in_flight                   # only posts in flight were redone
-        assert not redone & done_before
-        assert set(asked) == {f"Post {k}" for k in range(30)}
-    finally:
-        fake.close()
+def test_a_killed_worker_is_finished_by_the_next_one_after_the_lease(home, closing):
+    fake = closing(FakeOllama(latency=0.1))
+    s, db, _ = worker_home(home, fake.url)
+    add_posts(db.conn(), 30)
+    process = worker_process(home, fake.url, "--workers", "4")
+    assert wait_for(lambda: queue_of(db).get(1, 0) >= 8)
+    process.kill()
+    process.communicate()
+    in_flight = {r[0] for r in db.conn().execute("SELECT title FROM posts WHERE classified = -1")}
+    done_before = {r[0] for r in db.conn().execute("SELECT title FROM posts WHERE classified = 1")}
+    assert in_flight and len(in_flight) <= 2 * 4    # asked, and the next one ready
+    outlive_lease(db, process, 1)
+    result = cli("worker", "--workers", "4", cwd=home,
+                 env={"OLLAMA_URL": fake.url, "VESTI_LEASE_SECONDS": "1"})
+    assert result.returncode == 0
+    assert queue_of(db) == {1: 30}
+    asked = {}
+    for title in fake.titles():
+        asked[title] = asked.get(title, 0) + 1
+    redone = {t for t, n in asked.items() if n > 1}
+    assert redone <= in_flight                   # only posts in flight were redone
+    assert not redone & done_before
+    assert set(asked) == {f"Post {k}" for k in range(30)}
 
 
 @pytest.mark.slow
 @both
-def test_sigterm_stops_the_worker_cleanly(home):
-    fake = FakeOllama(latency=0.3)
-    try:
-        s, db, _ = worker_home(home, fake.url)
-        add_posts(db.conn(), 40)
-        process = worker_process(home, fake.url, "--workers", "4")
-        assert wait_for(lambda: queue_of(db).get(1, 0) >= 4)
-        process.send_signal(signal.SIGTERM)
-        out, err = process.communicate(timeout=10)
-        assert process.returncode == 0, err
-        queue = queue_of(db)
-        assert -1 not in queue and queue.get(1, 0) < 40
-        assert queue.get(0, 0) + queue[1] == 40
-    finally:
-        fake.close()
+def test_sigterm_stops_the_worker_cleanly(home, closing):
+    fake = closing(FakeOllama(latency=0.3))
+    s, db, _ = worker_home(home, fake.url)
+    add_posts(db.conn(), 40)
+    process = worker_process(home, fake.url, "--workers", "4")
+    assert wait_for(lambda: queue_of(db).get(1, 0) >= 4)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=10)
+    assert process.returncode == 0, err
+    queue = queue_of(db)
+    assert -1 not in queue and queue.get(1, 0) < 40
+    assert queue.get(0, 0) + queue[1] == 40
 
 
 @both
@@ -5068,35 +5019,32 @@ def test_fast_posts_are_claimed_in_batches_and_the_limit_still_holds(home, monke
 
 @pytest.mark.slow
 @both
-def test_a_post_waiting_for_the_llm_does_not_hold_the_posts_claimed_with_it(home):
+def test_a_post_waiting_for_the_llm_does_not_hold_the_posts_claimed_with_it(home, closing):
     """A batch of quick posts with one that needs the LLM: the rest of the
     batch goes back to the queue, and another worker does it meanwhile."""
-    fake = FakeOllama(latency=1.2)
+    fake = closing(FakeOllama(latency=1.2))
+    s, db, registry = worker_home(home, fake.url)
+    conn = db.conn()
+    add_posts(conn, 40, text="Weather in the mountains.")
+    add_posts(conn, 1, text="News about the Linux kernel.", start=40)
+    add_posts(conn, 40, text="Weather in the mountains.", start=41)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(
+        stats=vesti.run_workers(db, s, registry, workers=2, quiet=True)[0]))
+    worker.start()
     try:
-        s, db, registry = worker_home(home, fake.url)
-        conn = db.conn()
-        add_posts(conn, 40, text="Weather in the mountains.")
-        add_posts(conn, 1, text="News about the Linux kernel.", start=40)
-        add_posts(conn, 40, text="Weather in the mountains.", start=41)
-        result = {}
-        worker = threading.Thread(target=lambda: result.update(
-            stats=vesti.run_workers(db, s, registry, workers=2, quiet=True)[0]))
-        worker.start()
-        try:
-            assert wait_for(lambda: queue_of(db) == {1: 80, -1: 1}, timeout=1.0,
-                            state=lambda: queue_of(db))
-        finally:
-            worker.join(timeout=20)
-        assert queue_of(db) == {1: 81}
-        assert fake.titles() == ["Post 40"]
-        assert result["stats"].done == 81
-        assert db.conn().execute("SELECT max(attempts) FROM posts").fetchone()[0] == 1
+        assert wait_for(lambda: queue_of(db) == {1: 80, -1: 1}, timeout=1.0,
+                        state=lambda: queue_of(db))
     finally:
-        fake.close()
+        worker.join(timeout=20)
+    assert queue_of(db) == {1: 81}
+    assert fake.titles() == ["Post 40"]
+    assert result["stats"].done == 81
+    assert db.conn().execute("SELECT max(attempts) FROM posts").fetchone()[0] == 1
 
 
 @both
-def test_a_worker_writes_and_claims_while_the_llm_answers(home):
+def test_a_worker_writes_and_claims_while_the_llm_answers(home, closing):
     """While Ollama thinks about a post, its worker writes the verdict before
     it and claims and prepares the post after it: the LLM never waits for the
     database."""
@@ -5107,18 +5055,15 @@ def test_a_worker_writes_and_claims_while_the_llm_answers(home):
             title = body["messages"][-1]["content"].splitlines()[0]
             queue_when_answered[title] = queue_of(db)
             return super().answer(body)
-    fake = Watching(latency=0.3)
-    try:
-        s, db, registry = worker_home(home, fake.url)
-        add_posts(db.conn(), 4)
-        stats, _ = vesti.run_workers(db, s, registry, workers=1, quiet=True)
-        assert stats.done == 4 and queue_of(db) == {1: 4}
-        assert fake.titles() == ["Post 0", "Post 1", "Post 2", "Post 3"]
-        # Post 1 answered: post 0 written, posts 1 and 2 held, post 3 waiting.
-        assert queue_when_answered["Post 1"] == {1: 1, -1: 2, 0: 1}
-        assert queue_when_answered["Post 2"] == {1: 2, -1: 2}
-    finally:
-        fake.close()
+    fake = closing(Watching(latency=0.3))
+    s, db, registry = worker_home(home, fake.url)
+    add_posts(db.conn(), 4)
+    stats, _ = vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    assert stats.done == 4 and queue_of(db) == {1: 4}
+    assert fake.titles() == ["Post 0", "Post 1", "Post 2", "Post 3"]
+    # Post 1 answered: post 0 written, posts 1 and 2 held, post 3 waiting.
+    assert queue_when_answered["Post 1"] == {1: 1, -1: 2, 0: 1}
+    assert queue_when_answered["Post 2"] == {1: 2, -1: 2}
 
 
 @both
@@ -5141,24 +5086,21 @@ def test_a_stop_in_the_middle_of_a_batch_writes_what_is_done_and_gives_back_the_
     assert db.conn().execute("SELECT max(attempts) FROM posts WHERE classified = 0").fetchone()[0] == 0
 
 
-def test_sigterm_releases_a_post_stuck_in_a_long_llm_call(home):
-    fake = FakeOllama(latency=30)
-    try:
-        s, db, _ = worker_home(home, fake.url)
-        add_posts(db.conn(), 1)
-        process = worker_process(home, fake.url, "--workers", "1",
-                                 env={"OLLAMA_TIMEOUT": "60", "VESTI_STOP_GRACE": "0.5"})
-        assert wait_for(lambda: queue_of(db).get(-1, 0) == 1)
-        fake_started = time.monotonic()
-        process.send_signal(signal.SIGTERM)
-        out, err = process.communicate(timeout=15)
-        assert process.returncode == 0, err
-        assert time.monotonic() - fake_started < 4
-        post = db.conn().execute("SELECT classified, attempts FROM posts").fetchone()
-        assert tuple(post) == (0, 0)                  # back, its attempt not counted
-        assert "1 put back unfinished" in out
-    finally:
-        fake.close()
+def test_sigterm_releases_a_post_stuck_in_a_long_llm_call(home, closing):
+    fake = closing(FakeOllama(latency=30))
+    s, db, _ = worker_home(home, fake.url)
+    add_posts(db.conn(), 1)
+    process = worker_process(home, fake.url, "--workers", "1",
+                             env={"OLLAMA_TIMEOUT": "60", "VESTI_STOP_GRACE": "0.5"})
+    assert wait_for(lambda: queue_of(db).get(-1, 0) == 1)
+    fake_started = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=15)
+    assert process.returncode == 0, err
+    assert time.monotonic() - fake_started < 4
+    post = db.conn().execute("SELECT classified, attempts FROM posts").fetchone()
+    assert tuple(post) == (0, 0)                  # back, its attempt not counted
+    assert "1 put back unfinished" in out
 
 
 @pytest.mark.slow
@@ -5319,47 +5261,45 @@ def test_a_429_pauses_the_target_as_long_as_asked_then_the_post_goes_once(home, 
     assert [m for m, *_ in bot.calls] == ["sendMessage", "sendMessage"]
 
 
-def test_server_errors_retry_a_webhook_make_a_telegram_send_uncertain_and_a_refusal_fails(home, bot):
-    receiver = WebhookReceiver("k")
-    try:
-        s, db, lwn_id = publish_home(
-            home, bot, [CHANNEL, {"name": "cms", "webhook": receiver.url + "/in"},
-                        {"name": "gone", "telegram": "@nowhere_chat"}],
-            VESTI_PUBLISH_ATTEMPTS="2", VESTI_WEBHOOK_SECRET="k")
-        conn = db.conn()
-        bot.script = [("500",)]
-        receiver.script = [503, 503]
-        first = desk_post(conn, lwn_id, 1)
-        vesti.set_decisions(conn, [first], "approved", "ed")
-        clock = Clock()
-        publisher = vesti.Publisher(db, s, clock)
-        publisher.look()
-        states = {row["target"]: row for row in publications(conn)}
-        # A chat that is not there pauses its target; its posts wait, none failed.
-        assert states["gone"]["state"] == "queued" and states["gone"]["attempts"] == 0
-        assert "400 Bad Request: chat not found" in states["gone"]["error"]
-        # Telegram's 500 may have come after the message went out: never sent again on its own.
-        assert states["channel"]["state"] == "uncertain" and "500" in states["channel"]["error"]
-        # A webhook's 503 is tried again with backoff, until its attempts run out.
-        assert states["cms"]["state"] == "queued" and states["cms"]["next_attempt_at"]
-        clock.now += vesti.PUBLISH_BACKOFF + 1
-        publisher.look()
-        cms = publications(conn, "cms")[0]
-        assert cms["state"] == "failed" and cms["attempts"] == 2 and "503" in cms["error"]
-        assert len(receiver.deliveries) == 2
-        # A refusal of the message itself fails it at once, with the reason.
-        bot.script = [("400", "Bad Request: message text is empty")]
-        second = desk_post(conn, lwn_id, 2)
-        vesti.set_decisions(conn, [second], "approved", "ed")
-        publisher.look()
-        row = [row for row in publications(conn, "channel") if row["post_id"] == second][0]
-        assert row["state"] == "failed" and "message text is empty" in row["error"]
-        assert not bot.messages
-    finally:
-        receiver.close()
+def test_server_errors_retry_a_webhook_make_a_telegram_send_uncertain_and_a_refusal_fails(home, bot,
+                                                                                          closing):
+    receiver = closing(WebhookReceiver("k"))
+    s, db, lwn_id = publish_home(
+        home, bot, [CHANNEL, {"name": "cms", "webhook": receiver.url + "/in"},
+                    {"name": "gone", "telegram": "@nowhere_chat"}],
+        VESTI_PUBLISH_ATTEMPTS="2", VESTI_WEBHOOK_SECRET="k")
+    conn = db.conn()
+    bot.script = [("500",)]
+    receiver.script = [503, 503]
+    first = desk_post(conn, lwn_id, 1)
+    vesti.set_decisions(conn, [first], "approved", "ed")
+    clock = Clock()
+    publisher = vesti.Publisher(db, s, clock)
+    publisher.look()
+    states = {row["target"]: row for row in publications(conn)}
+    # A chat that is not there pauses its target; its posts wait, none failed.
+    assert states["gone"]["state"] == "queued" and states["gone"]["attempts"] == 0
+    assert "400 Bad Request: chat not found" in states["gone"]["error"]
+    # Telegram's 500 may have come after the message went out: never sent again on its own.
+    assert states["channel"]["state"] == "uncertain" and "500" in states["channel"]["error"]
+    # A webhook's 503 is tried again with backoff, until its attempts run out.
+    assert states["cms"]["state"] == "queued" and states["cms"]["next_attempt_at"]
+    clock.now += vesti.PUBLISH_BACKOFF + 1
+    publisher.look()
+    cms = publications(conn, "cms")[0]
+    assert cms["state"] == "failed" and cms["attempts"] == 2 and "503" in cms["error"]
+    assert len(receiver.deliveries) == 2
+    # A refusal of the message itself fails it at once, with the reason.
+    bot.script = [("400", "Bad Request: message text is empty")]
+    second = desk_post(conn, lwn_id, 2)
+    vesti.set_decisions(conn, [second], "approved", "ed")
+    publisher.look()
+    row = [row for row in publications(conn, "channel") if row["post_id"] == second][0]
+    assert row["state"] == "failed" and "message text is empty" in row["error"]
+    assert not bot.messages
 
 
-def test_an_unreachable_bot_api_or_webhook_keeps_the_post_queued_and_names_no_secret(home):
+def test_an_unreachable_bot_api_or_webhook_keeps_the_post_queued_and_names_no_secret(home, closing):
     with socket.socket() as probe:      # a port nobody listens on: connections are refused
         probe.bind(("127.0.0.1", 0))
         address = f"http://127.0.0.1:{probe.getsockname()[1]}"
@@ -5374,12 +5314,9 @@ def test_an_unreachable_bot_api_or_webhook_keeps_the_post_queued_and_names_no_se
         assert row["state"] == "queued" and row["next_attempt_at"] and row["attempts"] == 1
         assert "not sent: connection refused" in row["error"]
         assert "very-secret-token" not in row["error"]
-    web = Web(home, settings=s)
-    try:
-        page = web.get("/outbox")[2]
-        assert "not sent" in page and "s3cr3tpath" not in page and "very-secret" not in page
-    finally:
-        web.close()
+    web = closing(Web(home, settings=s))
+    page = web.get("/outbox")[2]
+    assert "not sent" in page and "s3cr3tpath" not in page and "very-secret" not in page
 
 
 def test_taking_a_decision_back_cancels_what_waits_and_deletes_what_was_sent(home, bot):
@@ -5469,35 +5406,33 @@ def test_two_publishers_at_once_send_each_post_once_in_order(home, bot):
     assert [row["state"] for row in publications(conn)] == ["published"] * 20
 
 
-def test_a_webhook_is_signed_keeps_its_idempotency_key_on_retries_and_hears_of_an_undo(home):
-    receiver = WebhookReceiver("hook-secret")
-    try:
-        s, db, lwn_id = publish_home(home, targets=[{"name": "cms", "webhook": receiver.url + "/in"}],
-                                     VESTI_WEBHOOK_SECRET="hook-secret")
-        conn = db.conn()
-        post = desk_post(conn, lwn_id, 1)
-        receiver.script = [503]
-        vesti.set_decisions(conn, [post], "approved", "ed")
-        clock = Clock()
-        publisher = vesti.Publisher(db, s, clock)
-        publisher.look()
-        clock.now += vesti.PUBLISH_BACKOFF + 1
-        publisher.look()
-        assert receiver.refused == 0 and len(receiver.deliveries) == 2
-        (first, item), (again, same) = receiver.deliveries
-        assert first["Idempotency-Key"] == again["Idempotency-Key"] and item == same
-        assert item["id"] == str(post) and item["url"] == "http://x/1"
-        assert item["title"] == "Post 1" and item["content_text"] == "Summary 1"
-        assert item["direction"] == "linux" and item["decided_by"] == "ed"
-        assert item["source"] == "lwn" and item["decided_at"].endswith("Z")
-        row = publications(conn)[0]
-        assert row["state"] == "published" and row["message_id"] == '{"received": true}'
-        vesti.set_decisions(conn, [post], "rejected", "ed")
-        publisher.look()
-        assert receiver.deliveries[-1][1] == {"event": "deleted", "id": str(post)}
-        assert publications(conn)[0]["state"] == "cancelled"
-    finally:
-        receiver.close()
+def test_a_webhook_is_signed_keeps_its_idempotency_key_on_retries_and_hears_of_an_undo(home,
+                                                                                       closing):
+    receiver = closing(WebhookReceiver("hook-secret"))
+    s, db, lwn_id = publish_home(home, targets=[{"name": "cms", "webhook": receiver.url + "/in"}],
+                                 VESTI_WEBHOOK_SECRET="hook-secret")
+    conn = db.conn()
+    post = desk_post(conn, lwn_id, 1)
+    receiver.script = [503]
+    vesti.set_decisions(conn, [post], "approved", "ed")
+    clock = Clock()
+    publisher = vesti.Publisher(db, s, clock)
+    publisher.look()
+    clock.now += vesti.PUBLISH_BACKOFF + 1
+    publisher.look()
+    assert receiver.refused == 0 and len(receiver.deliveries) == 2
+    (first, item), (again, same) = receiver.deliveries
+    assert first["Idempotency-Key"] == again["Idempotency-Key"] and item == same
+    assert item["id"] == str(post) and item["url"] == "http://x/1"
+    assert item["title"] == "Post 1" and item["content_text"] == "Summary 1"
+    assert item["direction"] == "linux" and item["decided_by"] == "ed"
+    assert item["source"] == "lwn" and item["decided_at"].endswith("Z")
+    row = publications(conn)[0]
+    assert row["state"] == "published" and row["message_id"] == '{"received": true}'
+    vesti.set_decisions(conn, [post], "rejected", "ed")
+    publisher.look()
+    assert receiver.deliveries[-1][1] == {"event": "deleted", "id": str(post)}
+    assert publications(conn)[0]["state"] == "cancelled"
 
 
 def test_without_the_bots_token_nothing_is_lost_and_the_outbox_says_why(home, bot):
@@ -5693,64 +5628,58 @@ def test_a_telegram_send_with_no_answer_is_uncertain_and_never_sent_again(home, 
     assert publications(conn)[0]["state"] == "cancelled" and len(bot.messages) == 1
 
 
-def test_a_webhook_whose_answer_is_lost_is_sent_again_with_the_same_key(home):
-    receiver = WebhookReceiver("hook-secret")
-    try:
-        s, db, lwn_id = publish_home(home, targets=[{"name": "cms", "webhook": receiver.url + "/in"}],
-                                     VESTI_WEBHOOK_SECRET="hook-secret", RSS_TIMEOUT="0.5")
-        conn = db.conn()
-        receiver.script = [("hang", 3, 200)]
-        vesti.set_decisions(conn, [desk_post(conn, lwn_id, 1)], "approved", "ed")
-        clock = Clock()
-        publisher = vesti.Publisher(db, s, clock)
-        publisher.look()
-        row = publications(conn)[0]
-        assert row["state"] == "queued" and "no answer" in row["error"]
-        clock.now += vesti.PUBLISH_BACKOFF + 1
-        publisher.look()
-        (first, item), (again, same) = receiver.deliveries
-        assert first["Idempotency-Key"] == again["Idempotency-Key"] and item == same
-        assert publications(conn)[0]["state"] == "published"
-        # Lost again and taken back before the retry: the receiver may have
-        # kept it, so it hears of the withdrawal all the same.
-        receiver.script = [("hang", 3, 200)]
-        other = desk_post(conn, lwn_id, 2)
-        vesti.set_decisions(conn, [other], "approved", "ed")
-        publisher.look()
-        vesti.set_decisions(conn, [other], "new", "ed")
-        clock.now += 3600
-        publisher.look()
-        assert receiver.deliveries[-1][1] == {"event": "deleted", "id": str(other)}
-        row = publications(conn)[1]
-        assert row["state"] == "cancelled" and row["deleted_at"] and not row["retract"]
-    finally:
-        receiver.close()
+def test_a_webhook_whose_answer_is_lost_is_sent_again_with_the_same_key(home, closing):
+    receiver = closing(WebhookReceiver("hook-secret"))
+    s, db, lwn_id = publish_home(home, targets=[{"name": "cms", "webhook": receiver.url + "/in"}],
+                                 VESTI_WEBHOOK_SECRET="hook-secret", RSS_TIMEOUT="0.5")
+    conn = db.conn()
+    receiver.script = [("hang", 3, 200)]
+    vesti.set_decisions(conn, [desk_post(conn, lwn_id, 1)], "approved", "ed")
+    clock = Clock()
+    publisher = vesti.Publisher(db, s, clock)
+    publisher.look()
+    row = publications(conn)[0]
+    assert row["state"] == "queued" and "no answer" in row["error"]
+    clock.now += vesti.PUBLISH_BACKOFF + 1
+    publisher.look()
+    (first, item), (again, same) = receiver.deliveries
+    assert first["Idempotency-Key"] == again["Idempotency-Key"] and item == same
+    assert publications(conn)[0]["state"] == "published"
+    # Lost again and taken back before the retry: the receiver may have
+    # kept it, so it hears of the withdrawal all the same.
+    receiver.script = [("hang", 3, 200)]
+    other = desk_post(conn, lwn_id, 2)
+    vesti.set_decisions(conn, [other], "approved", "ed")
+    publisher.look()
+    vesti.set_decisions(conn, [other], "new", "ed")
+    clock.now += 3600
+    publisher.look()
+    assert receiver.deliveries[-1][1] == {"event": "deleted", "id": str(other)}
+    row = publications(conn)[1]
+    assert row["state"] == "cancelled" and row["deleted_at"] and not row["retract"]
 
 
-def test_a_webhook_send_cut_off_by_a_crash_is_sent_again_with_its_key(home):
-    receiver = WebhookReceiver("hook-secret")
+def test_a_webhook_send_cut_off_by_a_crash_is_sent_again_with_its_key(home, closing):
+    receiver = closing(WebhookReceiver("hook-secret"))
+    s, db, lwn_id = publish_home(home, targets=[{"name": "cms", "webhook": receiver.url + "/in"}],
+                                 VESTI_WEBHOOK_SECRET="hook-secret")
+    conn = db.conn()
+    receiver.script = [("hang", 60, 200)]
+    vesti.set_decisions(conn, [desk_post(conn, lwn_id, 1)], "approved", "ed")
+    process = subprocess.Popen([*VESTI, "publish", "--forever"], cwd=home,
+                               env=cli_env({"VESTI_WEBHOOK_SECRET": "hook-secret"}),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        s, db, lwn_id = publish_home(home, targets=[{"name": "cms", "webhook": receiver.url + "/in"}],
-                                     VESTI_WEBHOOK_SECRET="hook-secret")
-        conn = db.conn()
-        receiver.script = [("hang", 60, 200)]
-        vesti.set_decisions(conn, [desk_post(conn, lwn_id, 1)], "approved", "ed")
-        process = subprocess.Popen([*VESTI, "publish", "--forever"], cwd=home,
-                                   env=cli_env({"VESTI_WEBHOOK_SECRET": "hook-secret"}),
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            assert receiver.received.wait(30)
-        finally:
-            process.kill()
-            process.wait()
-        clock = Clock()
-        clock.now += 3600                      # the dead sender's lease ran out
-        vesti.Publisher(db, s, clock).look()
-        (first, item), (again, same) = receiver.deliveries
-        assert first["Idempotency-Key"] == again["Idempotency-Key"] and item == same
-        assert publications(conn)[0]["state"] == "published"
+        assert receiver.received.wait(30)
     finally:
-        receiver.close()
+        process.kill()
+        process.wait()
+    clock = Clock()
+    clock.now += 3600                      # the dead sender's lease ran out
+    vesti.Publisher(db, s, clock).look()
+    (first, item), (again, same) = receiver.deliveries
+    assert first["Idempotency-Key"] == again["Idempotency-Key"] and item == same
+    assert publications(conn)[0]["state"] == "published"
 
 
 def test_a_pause_a_429_asks_for_is_never_cut_short(home, bot):
@@ -5771,28 +5700,25 @@ def test_a_pause_a_429_asks_for_is_never_cut_short(home, bot):
 
 
 @both
-def test_an_undo_while_the_send_fails_cancels_it_for_good(home):
-    receiver = WebhookReceiver("hook-secret")
-    try:
-        s, db, lwn_id = publish_home(home, targets=[{"name": "cms", "webhook": receiver.url + "/in"}],
-                                     VESTI_WEBHOOK_SECRET="hook-secret")
-        conn = db.conn()
-        receiver.script = [("hang", 0.8, 503)]
-        post = desk_post(conn, lwn_id, 1)
-        vesti.set_decisions(conn, [post], "approved", "ed")
-        clock = Clock()
-        publisher = vesti.Publisher(db, s, clock)
-        sending = threading.Thread(target=publisher.look)
-        sending.start()
-        assert receiver.received.wait(10)
-        vesti.set_decisions(vesti.Database(s.db).conn(), [post], "new", "ed")   # meanwhile
-        sending.join(20)
-        assert publications(conn)[0]["state"] == "cancelled"
-        clock.now += 3600
-        publisher.look()
-        assert len(receiver.deliveries) == 1
-    finally:
-        receiver.close()
+def test_an_undo_while_the_send_fails_cancels_it_for_good(home, closing):
+    receiver = closing(WebhookReceiver("hook-secret"))
+    s, db, lwn_id = publish_home(home, targets=[{"name": "cms", "webhook": receiver.url + "/in"}],
+                                 VESTI_WEBHOOK_SECRET="hook-secret")
+    conn = db.conn()
+    receiver.script = [("hang", 0.8, 503)]
+    post = desk_post(conn, lwn_id, 1)
+    vesti.set_decisions(conn, [post], "approved", "ed")
+    clock = Clock()
+    publisher = vesti.Publisher(db, s, clock)
+    sending = threading.Thread(target=publisher.look)
+    sending.start()
+    assert receiver.received.wait(10)
+    vesti.set_decisions(vesti.Database(s.db).conn(), [post], "new", "ed")   # meanwhile
+    sending.join(20)
+    assert publications(conn)[0]["state"] == "cancelled"
+    clock.now += 3600
+    publisher.look()
+    assert len(receiver.deliveries) == 1
 
 
 @both
@@ -5830,40 +5756,38 @@ def test_a_message_is_deleted_in_the_chat_it_went_to_after_the_target_moved(home
 
 
 @both
-def test_a_sources_edit_takes_back_what_was_queued_and_targets_get_the_approved_words(home):
-    receiver = WebhookReceiver("hook-secret")
-    try:
-        targets = [{"name": "cms", "webhook": receiver.url + "/in", "every": "1h"}]
-        s, db, lwn_id = publish_home(home, targets=targets, VESTI_WEBHOOK_SECRET="hook-secret")
-        conn = db.conn()
-        sent, edited, touched = (desk_post(conn, lwn_id, k, text=f"Words of post {k} as approved.")
-                                 for k in (1, 2, 3))
-        vesti.set_decisions(conn, [sent, edited, touched], "approved", "ed")
-        clock = Clock()
-        publisher = vesti.Publisher(db, s, clock)
-        publisher.look()
-        assert [item["id"] for _, item in receiver.deliveries] == [str(sent)]
+def test_a_sources_edit_takes_back_what_was_queued_and_targets_get_the_approved_words(home,
+                                                                                      closing):
+    receiver = closing(WebhookReceiver("hook-secret"))
+    targets = [{"name": "cms", "webhook": receiver.url + "/in", "every": "1h"}]
+    s, db, lwn_id = publish_home(home, targets=targets, VESTI_WEBHOOK_SECRET="hook-secret")
+    conn = db.conn()
+    sent, edited, touched = (desk_post(conn, lwn_id, k, text=f"Words of post {k} as approved.")
+                             for k in (1, 2, 3))
+    vesti.set_decisions(conn, [sent, edited, touched], "approved", "ed")
+    clock = Clock()
+    publisher = vesti.Publisher(db, s, clock)
+    publisher.look()
+    assert [item["id"] for _, item in receiver.deliveries] == [str(sent)]
 
-        def edit(k, title, text):
-            return vesti.Draft(f"e{k}", f"http://x/{k}", f"http://x/{k}", title, text, "full",
-                               november(k), edited_at=vesti.utc_text())
-        vesti.update_edited_posts(conn, lwn_id, [
-            edit(2, "BUY CASINO PILLS", "BUY CASINO PILLS now, cheap."),
-            edit(3, "Post 3", "Words of post 3 as approved!"),          # the same words
-            edit(1, "BUY CASINO PILLS", "BUY CASINO PILLS now, cheap.")])
-        rows = {row["post_id"]: row for row in publications(conn)}
-        assert rows[edited]["state"] == "cancelled"
-        assert rows[sent]["state"] == "published" and rows[sent]["retract"] == 1
-        for _ in range(3):
-            clock.now += 3600
-            publisher.look()
-        delivered = [item for _, item in receiver.deliveries]
-        assert delivered[1] == {"event": "deleted", "id": str(sent)}
-        assert [item.get("id") for item in delivered[2:]] == [str(touched)]
-        assert delivered[2]["title"] == "Post 3" and delivered[2]["decided_by"] == "ed"
-        assert not any("CASINO" in json.dumps(item) for item in delivered)
-    finally:
-        receiver.close()
+    def edit(k, title, text):
+        return vesti.Draft(f"e{k}", f"http://x/{k}", f"http://x/{k}", title, text, "full",
+                           november(k), edited_at=vesti.utc_text())
+    vesti.update_edited_posts(conn, lwn_id, [
+        edit(2, "BUY CASINO PILLS", "BUY CASINO PILLS now, cheap."),
+        edit(3, "Post 3", "Words of post 3 as approved!"),          # the same words
+        edit(1, "BUY CASINO PILLS", "BUY CASINO PILLS now, cheap.")])
+    rows = {row["post_id"]: row for row in publications(conn)}
+    assert rows[edited]["state"] == "cancelled"
+    assert rows[sent]["state"] == "published" and rows[sent]["retract"] == 1
+    for _ in range(3):
+        clock.now += 3600
+        publisher.look()
+    delivered = [item for _, item in receiver.deliveries]
+    assert delivered[1] == {"event": "deleted", "id": str(sent)}
+    assert [item.get("id") for item in delivered[2:]] == [str(touched)]
+    assert delivered[2]["title"] == "Post 3" and delivered[2]["decided_by"] == "ed"
+    assert not any("CASINO" in json.dumps(item) for item in delivered)
 
 
 def unshared(*command):
@@ -5907,23 +5831,20 @@ def test_two_publishers_in_containers_of_one_host_never_send_at_once(home, bot):
     assert all(b - a >= 1.5 for a, b in zip(sends, sends[1:3]))   # none while another was out
 
 
-def test_one_slow_webhook_delays_no_other_target(home, bot):
-    drip = DripServer(every=0.2, lifetime=20)
-    try:
-        targets = [{"name": "a-cms", "webhook": drip.url + "/in"}, CHANNEL]
-        s, db, lwn_id = publish_home(home, bot, targets, VESTI_WEBHOOK_SECRET="k",
-                                     RSS_TIMEOUT="0.5")
-        conn = db.conn()
-        vesti.set_decisions(conn, [desk_post(conn, lwn_id, 1)], "approved", "ed")
-        started = time.time()
-        vesti.Publisher(db, s).look()
-        took = time.time() - started
-        assert bot.messages[0]["at"] - started < 1.0
-        assert took < 4                  # the webhook's whole answer had 1.5 s
-        cms = publications(conn, "a-cms")[0]
-        assert cms["state"] == "queued" and "no whole answer within 1.5 s" in cms["error"]
-    finally:
-        drip.close()
+def test_one_slow_webhook_delays_no_other_target(home, bot, closing):
+    drip = closing(DripServer(every=0.2, lifetime=20))
+    targets = [{"name": "a-cms", "webhook": drip.url + "/in"}, CHANNEL]
+    s, db, lwn_id = publish_home(home, bot, targets, VESTI_WEBHOOK_SECRET="k",
+                                 RSS_TIMEOUT="0.5")
+    conn = db.conn()
+    vesti.set_decisions(conn, [desk_post(conn, lwn_id, 1)], "approved", "ed")
+    started = time.time()
+    vesti.Publisher(db, s).look()
+    took = time.time() - started
+    assert bot.messages[0]["at"] - started < 1.0
+    assert took < 4                  # the webhook's whole answer had 1.5 s
+    cms = publications(conn, "a-cms")[0]
+    assert cms["state"] == "queued" and "no whole answer within 1.5 s" in cms["error"]
 
 
 def test_a_digest_of_many_alerts_is_cut_on_its_items_and_telegram_takes_it(home, bot):
@@ -5945,63 +5866,57 @@ def test_a_digest_of_many_alerts_is_cut_on_its_items_and_telegram_takes_it(home,
     assert {row["state"] for row in publications(conn, "editors")} == {"published"}
 
 
-def test_an_editors_text_is_plain_and_one_too_long_is_kept_on_the_page_with_why(home, bot):
+def test_an_editors_text_is_plain_and_one_too_long_is_kept_on_the_page_with_why(home, bot, closing):
     s, db, lwn_id = publish_home(home, bot, [{**CHANNEL, "every": "1h"}], VESTI_WEB_PASSWORD="s3cret")
+    web = closing(Web(home, settings=s))
+    conn = db.conn()
+    vesti.set_decisions(conn, [desk_post(conn, lwn_id, 1), desk_post(conn, lwn_id, 2)],
+                        "approved", "ed")
+    vesti.Publisher(db, s).look()
+    waiting = publications(conn)[1]
+    page = web.get("/outbox")[2]
+    assert 'data-limit="4096"' in page and 'class="small muted counter"' in page
+    long_text = "Too long. " * 500
+    status, _, page = web.post(f"/publications/{waiting['id']}",
+                               {"token": web.token(), "action": "text", "text": long_text,
+                                "seen": "queued", "version": str(waiting["version"])})
+    assert status == 400 and "Nothing was saved" in page and "5000 characters" in page
+    assert long_text.strip() in page and f'id="publication-{waiting["id"]}"' in page
+    assert publications(conn)[1]["text"] == waiting["text"]
+    # A version the page no longer has is refused, not overwritten.
+    status, _, _ = web.post(f"/publications/{waiting['id']}",
+                            {"token": web.token(), "action": "text", "text": "Mine",
+                             "seen": "queued", "version": str(waiting["version"] - 1)})
+    assert status == 409 and publications(conn)[1]["text"] == waiting["text"]
+
+
+def test_a_failing_target_is_named_on_every_page_and_in_status(home, closing):
+    bot = closing(FakeBotApi(not_member=("@vesti_test",)))
+    s, db, lwn_id = publish_home(home, bot, VESTI_WEB_PASSWORD="s3cret")
+    conn = db.conn()
+    vesti.set_decisions(conn, [desk_post(conn, lwn_id, k) for k in range(3)], "approved", "ed")
+    vesti.Publisher(db, s).look()
     web = Web(home, settings=s)
     try:
-        conn = db.conn()
-        vesti.set_decisions(conn, [desk_post(conn, lwn_id, 1), desk_post(conn, lwn_id, 2)],
-                            "approved", "ed")
-        vesti.Publisher(db, s).look()
-        waiting = publications(conn)[1]
-        page = web.get("/outbox")[2]
-        assert 'data-limit="4096"' in page and 'class="small muted counter"' in page
-        long_text = "Too long. " * 500
-        status, _, page = web.post(f"/publications/{waiting['id']}",
-                                   {"token": web.token(), "action": "text", "text": long_text,
-                                    "seen": "queued", "version": str(waiting["version"])})
-        assert status == 400 and "Nothing was saved" in page and "5000 characters" in page
-        assert long_text.strip() in page and f'id="publication-{waiting["id"]}"' in page
-        assert publications(conn)[1]["text"] == waiting["text"]
-        # A version the page no longer has is refused, not overwritten.
-        status, _, _ = web.post(f"/publications/{waiting['id']}",
-                                {"token": web.token(), "action": "text", "text": "Mine",
-                                 "seen": "queued", "version": str(waiting["version"] - 1)})
-        assert status == 409 and publications(conn)[1]["text"] == waiting["text"]
+        for path in ("/", "/crawlers", "/quality", "/outbox"):
+            banner = re.search(r'<p class="banner outbox-trouble"[^>]*>(.*?)</p>', web.get(path)[2])
+            assert banner, path
+            assert 'href="/outbox#target-channel">channel</a>' in banner[1]
+            assert "bot is not a member" in banner[1] and "3 posts wait" in banner[1]
+            assert "paused until" in banner[1]
     finally:
         web.close()
-
-
-def test_a_failing_target_is_named_on_every_page_and_in_status(home):
-    bot = FakeBotApi(not_member=("@vesti_test",))
-    try:
-        s, db, lwn_id = publish_home(home, bot, VESTI_WEB_PASSWORD="s3cret")
-        conn = db.conn()
-        vesti.set_decisions(conn, [desk_post(conn, lwn_id, k) for k in range(3)], "approved", "ed")
-        vesti.Publisher(db, s).look()
-        web = Web(home, settings=s)
-        try:
-            for path in ("/", "/crawlers", "/quality", "/outbox"):
-                banner = re.search(r'<p class="banner outbox-trouble"[^>]*>(.*?)</p>', web.get(path)[2])
-                assert banner, path
-                assert 'href="/outbox#target-channel">channel</a>' in banner[1]
-                assert "bot is not a member" in banner[1] and "3 posts wait" in banner[1]
-                assert "paused until" in banner[1]
-        finally:
-            web.close()
-        assert [row["state"] for row in publications(conn)] == ["queued"] * 3
-        assert len(bot.calls) == 1           # one refusal pauses the whole target
-        out = cli("status", cwd=home, env={"VESTI_WEB_PASSWORD": "s3cret"}).stdout
-        assert "publish channel: NEEDS AN EDITOR: paused until" in out
-        assert "Bot API sendMessage: 403 Forbidden: bot is not a member" in out
-        bot.not_member.clear()               # the bot is back in the channel: the posts go
-        clock = Clock()
-        clock.now += vesti.TARGET_PAUSE + 1
-        vesti.Publisher(db, s, clock).look()
-        assert len(bot.messages) == 3 and "NEEDS AN EDITOR" not in cli(
-            "status", cwd=home).stdout
-    finally:
-        bot.close()
+    assert [row["state"] for row in publications(conn)] == ["queued"] * 3
+    assert len(bot.calls) == 1           # one refusal pauses the whole target
+    out = cli("status", cwd=home, env={"VESTI_WEB_PASSWORD": "s3cret"}).stdout
+    assert "publish channel: NEEDS AN EDITOR: paused until" in out
+    assert "Bot API sendMessage: 403 Forbidden: bot is not a member" in out
+    bot.not_member.clear()               # the bot is back in the channel: the posts go
+    clock = Clock()
+    clock.now += vesti.TARGET_PAUSE + 1
+    vesti.Publisher(db, s, clock).look()
+    assert len(bot.messages) == 3 and "NEEDS AN EDITOR" not in cli(
+        "status", cwd=home).stdout
 
 
 def test_secrets_stay_out_of_logs_and_errors_however_they_are_echoed(home, bot):
@@ -6746,7 +6661,7 @@ def test_an_undo_takes_back_who_decided_and_when(web):
 
 
 @both
-def test_a_page_left_open_across_a_restart_still_decides(web, home):
+def test_a_page_left_open_across_a_restart_still_decides(web, home, closing):
     conn = web.db.conn()
     post = desk_post(conn, lwn(web), 1)
     token_before = re.search(r'name="token" value="([0-9a-f]+)"', web.get("/")[2])[1]
@@ -6759,12 +6674,9 @@ def test_a_page_left_open_across_a_restart_still_decides(web, home):
     finally:
         restarted.close()
     assert conn.execute("SELECT status FROM posts").fetchone()[0] == "approved"
-    changed = Web(home, password="n3w")     # restarted with another password: old forms refused
-    try:
-        status, _, _ = changed.post(f"/posts/{post}/status", {"token": token_before, "status": "new"})
-        assert status == 403 and changed.token() != token_before
-    finally:
-        changed.close()
+    changed = closing(Web(home, password="n3w"))     # restarted with another password: old forms refused
+    status, _, _ = changed.post(f"/posts/{post}/status", {"token": token_before, "status": "new"})
+    assert status == 403 and changed.token() != token_before
 
 
 def hidden_fields(form):
@@ -6776,53 +6688,50 @@ CHANGED = "this post changed since your page was loaded; reload to see it"
 
 
 @both
-def test_a_desk_loaded_before_an_edit_does_not_decide_the_edited_words(home):
+def test_a_desk_loaded_before_an_edit_does_not_decide_the_edited_words(home, closing):
     write_sources(home / "sources.yaml", [{"slug": "chan", "crawler": "telegram",
                                            "url": "https://t.me/linuxnews", "direction": "linux"}])
-    web = Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret"))
+    web = closing(Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret")))
     s, db = web.settings, web.db
-    try:
-        posted = recent(60)
-        other = "Linux 7.1 ships a new file system for older laptops, tested for a year."
-        fake = FakeTelegram([tg.Message(id=k, peer_id=tg.PeerChannel(1001), date=posted,
-                                        message=text) for k, text in ((1, HARMLESS), (2, other))])
-        crawl_tg(s, db, fake)
-        vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
-        page = web.get("/")[2]                          # the desk, left open overnight
-        card, bulk = hidden_fields(card_of(page, 1)), hidden_fields(
-            re.search(r'<form class="actions bulk".*?</form>', page, re.S)[0])
-        fake.history = [tg_edited(1, SPAM, posted, 10), fake.history[1]]
-        crawl_tg(s, db, fake)
-        vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
-        assert SPAM in card_of(web.get("/")[2], 1)      # on the desk again, in its new words
+    posted = recent(60)
+    other = "Linux 7.1 ships a new file system for older laptops, tested for a year."
+    fake = FakeTelegram([tg.Message(id=k, peer_id=tg.PeerChannel(1001), date=posted,
+                                    message=text) for k, text in ((1, HARMLESS), (2, other))])
+    crawl_tg(s, db, fake)
+    vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
+    page = web.get("/")[2]                          # the desk, left open overnight
+    card, bulk = hidden_fields(card_of(page, 1)), hidden_fields(
+        re.search(r'<form class="actions bulk".*?</form>', page, re.S)[0])
+    fake.history = [tg_edited(1, SPAM, posted, 10), fake.history[1]]
+    crawl_tg(s, db, fake)
+    vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
+    assert SPAM in card_of(web.get("/")[2], 1)      # on the desk again, in its new words
 
-        def statuses():
-            return [p["status"] for p in posts_of(db, "chan")]
-        status, _, body = web.post("/posts/1/status", {**card, "status": "approved"})
-        assert (status, body.strip()) == (409, CHANGED)
-        status, _, body = web.post("/posts/1/status", {**card, "status": "approved"},
-                                   headers={"Accept": "application/json"})
-        assert (status, body.strip()) == (409, CHANGED)
-        status, _, asked = web.post("/posts/status", {**bulk, "status": "rejected"})
-        assert status == 200 and "Reject these 2 posts?" in asked
-        status, _, body = web.post("/posts/status", hidden_fields(asked))
-        assert (status, body.strip()) == (409, CHANGED.replace("this post", "post 1"))
-        status, _, body = web.post("/posts/status", {**bulk, "status": "rejected",
-                                                     "confirmed": "1"},
-                                   headers={"Accept": "application/json"})
-        assert status == 409 and statuses() == ["new", "new"]
-        assert json.loads(web.get("/approved.json")[2])["items"] == []
-        page = web.get("/")[2]                          # reloaded: the words it shows now
-        status, _, _ = web.post("/posts/1/status", {**hidden_fields(card_of(page, 1)),
-                                                    "status": "approved"})
-        assert status == 303 and statuses() == ["approved", "new"]
-        bulk = hidden_fields(re.search(r'<form class="actions bulk".*?</form>', page, re.S)[0])
-        status, _, _ = web.post("/posts/status", {**bulk, "status": "rejected", "confirmed": "1"})
-        assert status == 303 and statuses() == ["rejected", "rejected"]
-        # A script's decision names no words: decided as before.
-        assert web.post("/posts/1/status", {"token": web.token(), "status": "new"})[0] == 303
-    finally:
-        web.close()
+    def statuses():
+        return [p["status"] for p in posts_of(db, "chan")]
+    status, _, body = web.post("/posts/1/status", {**card, "status": "approved"})
+    assert (status, body.strip()) == (409, CHANGED)
+    status, _, body = web.post("/posts/1/status", {**card, "status": "approved"},
+                               headers={"Accept": "application/json"})
+    assert (status, body.strip()) == (409, CHANGED)
+    status, _, asked = web.post("/posts/status", {**bulk, "status": "rejected"})
+    assert status == 200 and "Reject these 2 posts?" in asked
+    status, _, body = web.post("/posts/status", hidden_fields(asked))
+    assert (status, body.strip()) == (409, CHANGED.replace("this post", "post 1"))
+    status, _, body = web.post("/posts/status", {**bulk, "status": "rejected",
+                                                 "confirmed": "1"},
+                               headers={"Accept": "application/json"})
+    assert status == 409 and statuses() == ["new", "new"]
+    assert json.loads(web.get("/approved.json")[2])["items"] == []
+    page = web.get("/")[2]                          # reloaded: the words it shows now
+    status, _, _ = web.post("/posts/1/status", {**hidden_fields(card_of(page, 1)),
+                                                "status": "approved"})
+    assert status == 303 and statuses() == ["approved", "new"]
+    bulk = hidden_fields(re.search(r'<form class="actions bulk".*?</form>', page, re.S)[0])
+    status, _, _ = web.post("/posts/status", {**bulk, "status": "rejected", "confirmed": "1"})
+    assert status == 303 and statuses() == ["rejected", "rejected"]
+    # A script's decision names no words: decided as before.
+    assert web.post("/posts/1/status", {"token": web.token(), "status": "new"})[0] == 303
 
 
 @both
@@ -6886,32 +6795,29 @@ def test_the_worker_keeps_matched_keywords_and_the_llms_reason(home):
 
 
 @both
-def test_banners_say_why_nothing_is_classified(home):
+def test_banners_say_why_nothing_is_classified(home, closing):
     write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss")])
     dead_ollama = "http://127.0.0.1:9"
     s, db, registry = worker_home(home, dead_ollama)
     add_posts(db.conn(), 4, text="Linux kernel news.")
-    w = Web(home)
-    try:
-        w.settings = w.app.settings = s
-        page = w.get("/")[2]
-        assert "4 posts wait and no worker has run yet" in page
-        vesti.run_workers(db, s, registry, workers=1, quiet=True)     # Ollama refuses
-        assert 'vesti_llm_failures_total{reason="unreachable"} 3' in \
-            vesti.metrics_text(db.conn())
-        for path in ("/", "/crawlers"):
-            page = w.get(path)[2]
-            assert "Ollama has been unreachable since" in page and "127.0.0.1:9" in page
-            assert "no worker has run" not in page                  # it ran a moment ago
-        db.conn().execute("UPDATE meta SET value = ? WHERE key = 'worker_seen'", (ago(300),))
-        assert "no worker has run for 5 minutes" in w.get("/")[2]
-        keyword_only = s.replace(ollama_url="")
-        vesti.run_workers(db, keyword_only, registry, workers=1, quiet=True)
-        w.app.settings = keyword_only
-        page = w.get("/crawlers")[2]
-        assert "Keyword-only mode" in page and "unreachable" not in page
-    finally:
-        w.close()
+    w = closing(Web(home))
+    w.settings = w.app.settings = s
+    page = w.get("/")[2]
+    assert "4 posts wait and no worker has run yet" in page
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)     # Ollama refuses
+    assert 'vesti_llm_failures_total{reason="unreachable"} 3' in \
+        vesti.metrics_text(db.conn())
+    for path in ("/", "/crawlers"):
+        page = w.get(path)[2]
+        assert "Ollama has been unreachable since" in page and "127.0.0.1:9" in page
+        assert "no worker has run" not in page                  # it ran a moment ago
+    db.conn().execute("UPDATE meta SET value = ? WHERE key = 'worker_seen'", (ago(300),))
+    assert "no worker has run for 5 minutes" in w.get("/")[2]
+    keyword_only = s.replace(ollama_url="")
+    vesti.run_workers(db, keyword_only, registry, workers=1, quiet=True)
+    w.app.settings = keyword_only
+    page = w.get("/crawlers")[2]
+    assert "Keyword-only mode" in page and "unreachable" not in page
 
 
 @both
@@ -7245,88 +7151,82 @@ def test_the_desk_as_json_pages_through_every_card_once_with_its_story(web):
 
 
 @both
-def test_the_desk_sharpens_as_the_editor_decides_and_says_why(home):
+def test_the_desk_sharpens_as_the_editor_decides_and_says_why(home, closing):
     write_sources(home / "sources.yaml", [rss_source("wire", "http://wire.example/feed")])
-    web = Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret", VESTI_LEARN_MIN=10))
-    try:
-        conn = web.db.conn()
-        wire = source_row(web.db, "wire")["id"]
-        cards = [desk_post(conn, wire, k, text=text, title=text[:40], direction="space",
-                           relevance=4) for k, text in enumerate(MISSIONS + GAMES)]
-        later = desk_post(conn, wire, 50, direction="space", relevance=4,
-                          text="Rocket League esports fans filled the arena for the game.",
-                          title="Esports final")
-        assert later in card_ids(web.get("/?direction=space")[2])
-        for post, text in zip(cards, MISSIONS + GAMES):
-            status, _, body = web.post(f"/posts/{post}/status",
-                                       {"status": "approved" if text in MISSIONS else "rejected",
-                                        "token": web.token()},
-                                       headers={"Accept": "application/json"})
-            assert status == 200, body
-        desk = json.loads(web.get("/api/posts?direction=space&status=any&min=0")[2])["posts"]
-        assert next(p for p in desk if p["id"] == later)["likely"] < 0.5
-        assert later not in card_ids(web.get("/?direction=space")[2])   # below the floor now
-        page = web.get("/?direction=space&min=0")[2]
-        card = page[page.index(f'id="post-{later}"'):]
-        card = card[:card.index("</article>")]
-        assert re.search(r'likely approved <b class="likely">0\.\d\d</b>', card)
-        assert re.search(r"weighed most: [^<]*(esports|league|game)", card)
-        status, _, _ = web.post(f"/posts/{cards[0]}/status", {"status": "new", "token": web.token()},
-                                headers={"Accept": "application/json"})
-        web.get("/?direction=space")                # the next page counts the undo
-        assert status == 200 and tuple(web.db.conn().execute(
-            "SELECT approved, rejected FROM learners WHERE direction = 'space'").fetchone()) == (5, 6)
-    finally:
-        web.close()
+    web = closing(Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret", VESTI_LEARN_MIN=10)))
+    conn = web.db.conn()
+    wire = source_row(web.db, "wire")["id"]
+    cards = [desk_post(conn, wire, k, text=text, title=text[:40], direction="space",
+                       relevance=4) for k, text in enumerate(MISSIONS + GAMES)]
+    later = desk_post(conn, wire, 50, direction="space", relevance=4,
+                      text="Rocket League esports fans filled the arena for the game.",
+                      title="Esports final")
+    assert later in card_ids(web.get("/?direction=space")[2])
+    for post, text in zip(cards, MISSIONS + GAMES):
+        status, _, body = web.post(f"/posts/{post}/status",
+                                   {"status": "approved" if text in MISSIONS else "rejected",
+                                    "token": web.token()},
+                                   headers={"Accept": "application/json"})
+        assert status == 200, body
+    desk = json.loads(web.get("/api/posts?direction=space&status=any&min=0")[2])["posts"]
+    assert next(p for p in desk if p["id"] == later)["likely"] < 0.5
+    assert later not in card_ids(web.get("/?direction=space")[2])   # below the floor now
+    page = web.get("/?direction=space&min=0")[2]
+    card = page[page.index(f'id="post-{later}"'):]
+    card = card[:card.index("</article>")]
+    assert re.search(r'likely approved <b class="likely">0\.\d\d</b>', card)
+    assert re.search(r"weighed most: [^<]*(esports|league|game)", card)
+    status, _, _ = web.post(f"/posts/{cards[0]}/status", {"status": "new", "token": web.token()},
+                            headers={"Accept": "application/json"})
+    web.get("/?direction=space")                # the next page counts the undo
+    assert status == 200 and tuple(web.db.conn().execute(
+        "SELECT approved, rejected FROM learners WHERE direction = 'space'").fetchone()) == (5, 6)
 
 
 @both
-def test_cards_from_before_the_model_are_judged_once_the_editor_pauses(home):
+def test_cards_from_before_the_model_are_judged_once_the_editor_pauses(home, closing):
     """Cards classified before a direction learned enough, older than the
     newest ones each decision judges again, get their likely too: the desk's
     floor then holds for them as for the rest."""
     write_sources(home / "sources.yaml", [rss_source("wire", "http://wire.example/feed")])
-    web = Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret", VESTI_LEARN_MIN=10))
+    web = closing(Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret", VESTI_LEARN_MIN=10)))
     rescorer = web.app.rescorer
     rescorer.first, rescorer.limit, rescorer.batch, rescorer.idle = 1, 2, 2, 0.1
-    try:
-        conn = web.db.conn()
-        wire = source_row(web.db, "wire")["id"]
-        cards = [desk_post(conn, wire, k, text=text, title=text[:40], direction="space",
-                           relevance=4, minute=20 + k) for k, text in enumerate(MISSIONS + GAMES)]
-        old = {text: desk_post(conn, wire, 100 + k, text=text, title=f"Old {k}", direction="space",
-                               relevance=4, minute=1 + k)
-               for k, text in enumerate(["Rocket League esports fans filled the arena for the game.",
-                                         "The rocket carried a satellite for the space agency.",
-                                         "Rocket League players won the game's ranked final.",
-                                         "A space telescope took its first images from orbit."])}
-        for k in range(2):
-            desk_post(conn, wire, 200 + k, text=MISSIONS[k], title=f"New {k}", direction="space",
-                      relevance=4, minute=60 + k)
-        assert set(old.values()) <= set(card_ids(web.get("/?direction=space")[2]))
-        for post, text in zip(cards, MISSIONS + GAMES):
-            status, _, body = web.post(f"/posts/{post}/status",
-                                       {"status": "approved" if text in MISSIONS else "rejected",
-                                        "token": web.token()},
-                                       headers={"Accept": "application/json"})
-            assert status == 200, body
-        web.get("/?direction=space")
+    conn = web.db.conn()
+    wire = source_row(web.db, "wire")["id"]
+    cards = [desk_post(conn, wire, k, text=text, title=text[:40], direction="space",
+                       relevance=4, minute=20 + k) for k, text in enumerate(MISSIONS + GAMES)]
+    old = {text: desk_post(conn, wire, 100 + k, text=text, title=f"Old {k}", direction="space",
+                           relevance=4, minute=1 + k)
+           for k, text in enumerate(["Rocket League esports fans filled the arena for the game.",
+                                     "The rocket carried a satellite for the space agency.",
+                                     "Rocket League players won the game's ranked final.",
+                                     "A space telescope took its first images from orbit."])}
+    for k in range(2):
+        desk_post(conn, wire, 200 + k, text=MISSIONS[k], title=f"New {k}", direction="space",
+                  relevance=4, minute=60 + k)
+    assert set(old.values()) <= set(card_ids(web.get("/?direction=space")[2]))
+    for post, text in zip(cards, MISSIONS + GAMES):
+        status, _, body = web.post(f"/posts/{post}/status",
+                                   {"status": "approved" if text in MISSIONS else "rejected",
+                                    "token": web.token()},
+                                   headers={"Accept": "application/json"})
+        assert status == 200, body
+    web.get("/?direction=space")
 
-        def judged():
-            return web.db.conn().execute(
-                "SELECT count(*) FROM posts WHERE status = 'new' AND likely IS NULL").fetchone()[0] == 0
-        wait_for(judged, timeout=10)
-        games = [old[t] for t in old if "League" in t]
-        missions = [old[t] for t in old if "League" not in t]
-        shown = card_ids(web.get("/?direction=space")[2])
-        assert set(missions) <= set(shown) and not set(games) & set(shown)
-        assert counts_match_posts(web.db.conn())
-    finally:
-        web.close()
+    def judged():
+        return web.db.conn().execute(
+            "SELECT count(*) FROM posts WHERE status = 'new' AND likely IS NULL").fetchone()[0] == 0
+    wait_for(judged, timeout=10)
+    games = [old[t] for t in old if "League" in t]
+    missions = [old[t] for t in old if "League" not in t]
+    shown = card_ids(web.get("/?direction=space")[2])
+    assert set(missions) <= set(shown) and not set(games) & set(shown)
+    assert counts_match_posts(web.db.conn())
 
 
 @both
-def test_the_report_card_says_how_the_classifier_agrees_with_the_editors(home):
+def test_the_report_card_says_how_the_classifier_agrees_with_the_editors(home, closing):
     s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10, VESTI_WEB_PASSWORD="s3cret")
     conn = db.conn()
     decided_space(conn, wire, MISSIONS, GAMES)
@@ -7355,16 +7255,13 @@ def test_the_report_card_says_how_the_classifier_agrees_with_the_editors(home):
     text = cli("quality", "--direction", "space", cwd=home, env={"VESTI_LEARN_MIN": "10"})
     assert text.returncode == 0 and \
         text.stdout.startswith("space (Space): Editors approved 8 of 14 decisions (57 %).")
-    web = Web(home, settings=s)
-    try:
-        assert web.get("/quality", auth=False)[0] == 401
-        status, _, page = web.get("/quality")
-        assert status == 200 and '<svg class="calibration"' in page
-        assert "Post 500" in page and "<b>esports</b>" not in page
-        assert 'href="/quality"' in web.get("/")[2]
-        assert "Качество" in web.get("/quality?lang=ru")[2]
-    finally:
-        web.close()
+    web = closing(Web(home, settings=s))
+    assert web.get("/quality", auth=False)[0] == 401
+    status, _, page = web.get("/quality")
+    assert status == 200 and '<svg class="calibration"' in page
+    assert "Post 500" in page and "<b>esports</b>" not in page
+    assert 'href="/quality"' in web.get("/")[2]
+    assert "Качество" in web.get("/quality?lang=ru")[2]
 
 
 def rocket_desk(home, **settings):
@@ -8697,7 +8594,7 @@ def test_a_page_keeps_its_connection_open_and_an_idle_or_refused_one_is_closed(w
             conn.close()
 
 
-def test_a_connection_answered_as_the_server_closes_is_closed_too(web):
+def test_a_connection_answered_as_the_server_closes_is_closed_too(web, closing):
     """The server closing just as a page's answering thread gives the
     connection back: it is closed all the same, not left open until the
     process ends."""
@@ -8709,14 +8606,11 @@ def test_a_connection_answered_as_the_server_closes_is_closed_too(web):
             super().put(item)
 
     web.server.returned = ClosingMeanwhile()
-    conn = http.client.HTTPConnection("127.0.0.1", web.port, timeout=10)
-    try:
-        conn.request("GET", "/healthz")
-        response = conn.getresponse()
-        assert (response.status, response.read(), response.will_close) == (200, b"ok\n", False)
-        assert conn.sock.recv(1) == b""
-    finally:
-        conn.close()
+    conn = closing(http.client.HTTPConnection("127.0.0.1", web.port, timeout=10))
+    conn.request("GET", "/healthz")
+    response = conn.getresponse()
+    assert (response.status, response.read(), response.will_close) == (200, b"ok\n", False)
+    assert conn.sock.recv(1) == b""
 
 
 def test_control_characters_of_a_request_line_are_escaped_in_the_access_log(web, caplog):
@@ -8842,9 +8736,9 @@ def test_run_picks_up_new_directions_when_sources_yaml_changes(home, server):
 
 
 @both
-def test_a_rejected_sources_yaml_edit_is_on_every_page_until_a_good_one_loads(home):
+def test_a_rejected_sources_yaml_edit_is_on_every_page_until_a_good_one_loads(home, closing):
     s, db = intake(home, [rss_source("a", "http://127.0.0.1:9/a")], VESTI_WEB_PASSWORD="pw")
-    web = Web(home, password="pw", settings=s)       # `serve`, beside `run`'s scheduler
+    web = closing(Web(home, password="pw", settings=s))       # `serve`, beside `run`'s scheduler
     scheduler = vesti.Scheduler(db, s, vesti.load_registry(s.sources), threading.Event())
     good = (home / "sources.yaml").read_text()
 
@@ -8852,24 +8746,21 @@ def test_a_rejected_sources_yaml_edit_is_on_every_page_until_a_good_one_loads(ho
         (home / "sources.yaml").write_text(text)
         os.utime(home / "sources.yaml", (time.time() + 5, time.time() + 5))
         scheduler.reload_sources()
-    try:
-        edit(good + "  - {slug: b, crawler: atom, url: 'http://x/'}\n")
-        for path in ("/", "/crawlers", "/?lang=ru"):
-            banner = re.search(r'<p class="banner"[^>]*>([^<]*sources\.yaml[^<]*)</p>',
-                               web.get(path)[2])
-            assert banner and "source &#x27;b&#x27;: unknown crawler &#x27;atom&#x27;" in banner[1]
-        assert "The sources are as they were" in web.get("/")[2]
-        assert "Источники остались прежними" in web.get("/?lang=ru")[2]
-        assert [r[0] for r in db.conn().execute("SELECT slug FROM sources")] == ["a"]
-        edit(good.replace("slug: a", "slug: c"))
-        assert "unknown crawler" not in web.get("/")[2]
-        assert "unknown crawler" not in web.get("/crawlers")[2]
-        edit(good + "  - {slug: b, crawler: atom, url: 'http://x/'}\n")
-        (home / "sources.yaml").write_text(good)
-        vesti.open_intake(s)[1].close()                 # any command that loads it
-        assert "unknown crawler" not in web.get("/")[2]
-    finally:
-        web.close()
+    edit(good + "  - {slug: b, crawler: atom, url: 'http://x/'}\n")
+    for path in ("/", "/crawlers", "/?lang=ru"):
+        banner = re.search(r'<p class="banner"[^>]*>([^<]*sources\.yaml[^<]*)</p>',
+                           web.get(path)[2])
+        assert banner and "source &#x27;b&#x27;: unknown crawler &#x27;atom&#x27;" in banner[1]
+    assert "The sources are as they were" in web.get("/")[2]
+    assert "Источники остались прежними" in web.get("/?lang=ru")[2]
+    assert [r[0] for r in db.conn().execute("SELECT slug FROM sources")] == ["a"]
+    edit(good.replace("slug: a", "slug: c"))
+    assert "unknown crawler" not in web.get("/")[2]
+    assert "unknown crawler" not in web.get("/crawlers")[2]
+    edit(good + "  - {slug: b, crawler: atom, url: 'http://x/'}\n")
+    (home / "sources.yaml").write_text(good)
+    vesti.open_intake(s)[1].close()                 # any command that loads it
+    assert "unknown crawler" not in web.get("/")[2]
 
 
 @pytest.mark.slow

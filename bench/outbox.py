@@ -18,7 +18,7 @@ Each trial has a home of its own: a sources.yaml with the target(s), and a
 database: a SQLite file, and, when VESTI_TEST_POSTGRES names a PostgreSQL
 server (a postgresql:// URL of a role that may create databases), the same
 faults again on a fresh database per trial (copied from a template migrated
-once, dropped after the trial). The fakes are the suite's (conftest.py):
+once, dropped after the trial). The fakes are the suite's (tests/fakes.py):
 FakeBotApi, which speaks the Bot API and checks a message's HTML as Telegram
 does, and WebhookReceiver, which checks the signature. RSS_TIMEOUT is 0.3 s
 (a call's whole answer has 0.9 s) unless a fault says otherwise. Posts are
@@ -91,11 +91,7 @@ sys.path.insert(0, REPO)
 import vesti  # noqa: E402
 from harness import cached, fail, run  # noqa: E402
 
-try:
-    from conftest import FakeBotApi, WebhookReceiver  # noqa: E402
-except BaseException as e:  # noqa: BLE001 - conftest exits through pytest when ../shared is missing
-    print(f"bench/outbox.py: cannot import the fakes from conftest.py: {e!r}", file=sys.stderr)
-    sys.exit(1)
+from tests.fakes import FakeBotApi, WebhookReceiver  # noqa: E402
 
 SECRET = "bench-outbox-secret"
 CHAT, OTHER_CHAT = "@vesti_test", "-1001234567890"
