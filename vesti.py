@@ -5982,12 +5982,55 @@ def publication_text(kind, item, settings=None):
     return post_message(item) if kind == "telegram" else webhook_text(item)
 
 
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A publish target as the outbox, the publisher and the pages read it:
+    its row of `targets` (TargetSpec is what sources.yaml says of it)."""
+    name: str
+    kind: str                   # telegram | webhook | alert
+    address: str                # the chat, or the webhook's URL
+    directions: tuple           # None: every direction
+    every: float                # seconds between two sends at least
+    min_relevance: int
+    min_likely: float
+    per_hour: int
+    enabled: bool
+    paused_until: str           # refused as a whole (or a 429): nothing is sent till then
+    last_sent_at: str
+    sender: str                 # the process that sends for it now, and till when
+    sender_until: str
+    error: str
+    alerts_from: int            # an alert target's look: the first post not looked at
+
+    @classmethod
+    def of(cls, row):
+        values = {field.name: row[field.name] for field in dataclasses.fields(cls)}
+        return cls(**values | {
+            "directions": None if row["directions"] is None else tuple(json.loads(row["directions"])),
+            "enabled": bool(row["enabled"])})
+
+    def takes(self, direction):
+        """Whether posts of this direction go to it."""
+        return self.directions is None or direction in self.directions
+
+
+def read_targets(conn, where="", params=()):
+    """[Target] of the rows `where` (an SQL condition) names, by name."""
+    return [Target.of(row) for row in conn.execute(
+        f"SELECT * FROM targets {'WHERE ' + where if where else ''} ORDER BY name", params)]
+
+
+def read_target(conn, name):
+    """The Target of that name, or None."""
+    found = read_targets(conn, "name = ?", (name,))
+    return found[0] if found else None
+
+
 def targets_of(conn, direction, kinds=("telegram", "webhook")):
     """The enabled targets that take posts of this direction."""
-    return [target for target in conn.execute(
-                f"SELECT * FROM targets WHERE enabled = 1 AND kind IN "
-                f"({','.join('?' * len(kinds))}) ORDER BY name", kinds)
-            if target["directions"] is None or direction in json.loads(target["directions"])]
+    return [target for target in read_targets(
+                conn, f"enabled = 1 AND kind IN ({','.join('?' * len(kinds))})", kinds)
+            if target.takes(direction)]
 
 
 def queue_publications(conn, post_ids, now=None):
@@ -6018,7 +6061,7 @@ def queue_publications(conn, post_ids, now=None):
                     message_id = NULL, chat = NULL, sent_at = NULL, deleted_at = NULL,
                     retract = 0, updated_by = NULL, version = publications.version + 1
                 WHERE publications.state = 'cancelled'
-                RETURNING id""", (lead, target["name"], item_of(post), now,
+                RETURNING id""", (lead, target.name, item_of(post), now,
                                   secrets.token_hex(16))).fetchone()
             if row is not None:
                 queued += 1
@@ -6026,7 +6069,7 @@ def queue_publications(conn, post_ids, now=None):
                 conn.execute("""UPDATE publications SET retract = 0, version = version + 1
                                 WHERE post_id = ? AND target = ? AND retract = 1
                                   AND state IN ('sending', 'published', 'uncertain')""",
-                             (lead, target["name"]))
+                             (lead, target.name))
     return queued
 
 
@@ -6254,12 +6297,12 @@ def outbox_trouble(conn, now=None):
     that failed or may have arrived. [(target row, {state: n})]."""
     now = utc_text(now)
     found = []
-    for target in conn.execute("SELECT * FROM targets WHERE enabled = 1 ORDER BY name").fetchall():
+    for target in read_targets(conn, "enabled = 1"):
         stuck = dict(conn.execute("""SELECT state, count(*) FROM publications WHERE target = ?
                                          AND state IN ('failed', 'uncertain', 'queued')
-                                     GROUP BY state""", (target["name"],)).fetchall())
-        paused = (target["paused_until"] or "") > now
-        if target["error"] or paused or stuck.get("failed") or stuck.get("uncertain"):
+                                     GROUP BY state""", (target.name,)).fetchall())
+        paused = (target.paused_until or "") > now
+        if target.error or paused or stuck.get("failed") or stuck.get("uncertain"):
             found.append((target, stuck))
     return found
 
@@ -10174,7 +10217,7 @@ def queue_alerts(conn, target, settings):
     target's thresholds queues one alert for its story, as it reads now.
     The look moves on to the first post still waiting for the workers (one
     fetched more than ALERT_WAIT ago is not waited for). Returns how many."""
-    mark = target["alerts_from"]
+    mark = target.alerts_from
     if mark is None:        # a new target: from the posts still waiting of the last ALERT_WAIT
         mark = conn.execute(f"SELECT coalesce(min(id), (SELECT coalesce(max(id), 0) + 1 FROM posts)) "
                             f"FROM posts WHERE ({IS_PENDING} OR classified = {PROCESSING}) "
@@ -10188,11 +10231,10 @@ def queue_alerts(conn, target, settings):
                     and (row["fetched_at"] or "") >= recent), None)
     passing = [row["id"] for row in rows if row["classified"] == DONE and row["direction"]
                and (row["published_at"] or row["fetched_at"] or "") >= fresh
-               and (row["relevance"] or 0) >= target["min_relevance"]
-               and (target["min_likely"] is None or row["likely"] is None
-                    or row["likely"] >= target["min_likely"])
-               and (target["directions"] is None
-                    or row["direction"] in json.loads(target["directions"]))]
+               and (row["relevance"] or 0) >= target.min_relevance
+               and (target.min_likely is None or row["likely"] is None
+                    or row["likely"] >= target.min_likely)
+               and target.takes(row["direction"])]
     queued = 0
     with transaction(conn):
         for post_id in passing:
@@ -10202,9 +10244,9 @@ def queue_alerts(conn, target, settings):
             queued += conn.execute("""
                 INSERT INTO publications (post_id, target, state, item, queued_at, idempotency_key)
                 VALUES (?, ?, 'queued', ?, ?, ?) ON CONFLICT (post_id, target) DO NOTHING""",
-                (lead, target["name"], item_of(post), utc_text(), secrets.token_hex(16))).rowcount
+                (lead, target.name, item_of(post), utc_text(), secrets.token_hex(16))).rowcount
         mark = waiting if waiting is not None else (rows[-1]["id"] + 1 if rows else mark)
-        conn.execute("UPDATE targets SET alerts_from = ? WHERE name = ?", (mark, target["name"]))
+        conn.execute("UPDATE targets SET alerts_from = ? WHERE name = ?", (mark, target.name))
     return queued
 
 
@@ -10301,11 +10343,11 @@ class Publisher:
         targets that have work."""
         conn = self.db.conn()
         names = []
-        for target in conn.execute("SELECT * FROM targets WHERE enabled = 1 ORDER BY name").fetchall():
-            if target["kind"] == "alert":
+        for target in read_targets(conn, "enabled = 1"):
+            if target.kind == "alert":
                 queue_alerts(conn, target, self.settings)
-            if self.has_work(conn, target["name"]):
-                names.append(target["name"])
+            if self.has_work(conn, target.name):
+                names.append(target.name)
         if names:
             compose_texts(conn, self.settings)
         return names
@@ -10317,17 +10359,17 @@ class Publisher:
                                 LIMIT 1""", (name,)).fetchone() is not None
 
     def problem(self, target):
-        if target["kind"] in ("telegram", "alert") and not self.settings.tg_bot_token:
+        if target.kind in ("telegram", "alert") and not self.settings.tg_bot_token:
             return "TG_BOT_TOKEN is not set: nothing is sent to this target"
-        if target["kind"] == "webhook" and not self.settings.webhook_secret:
+        if target.kind == "webhook" and not self.settings.webhook_secret:
             return "VESTI_WEBHOOK_SECRET is not set: webhooks are sent only signed"
         return None
 
     def note_problem(self, conn, target, problem):
-        if target["error"] != problem:
-            log.error("publish: %s: %s", target["name"], problem)
+        if target.error != problem:
+            log.error("publish: %s: %s", target.name, problem)
             with transaction(conn):
-                conn.execute("UPDATE targets SET error = ? WHERE name = ?", (problem, target["name"]))
+                conn.execute("UPDATE targets SET error = ? WHERE name = ?", (problem, target.name))
 
     # -- one target -----------------------------------------------------------
 
@@ -10335,7 +10377,7 @@ class Publisher:
         """The target's due sends, as its sender; the seconds until its next
         is due, or None when nothing waits."""
         conn = self.db.conn()
-        target = conn.execute("SELECT * FROM targets WHERE name = ?", (name,)).fetchone()
+        target = read_target(conn, name)
         problem = self.problem(target)
         if problem:
             self.note_problem(conn, target, problem)
@@ -10354,12 +10396,12 @@ class Publisher:
         """0 when something of the target is due now (a deletion, a send, a
         send left by a sender gone); else the seconds until one is (a
         pause, a backoff, the pace, the hour's alerts), or None. Reads only."""
-        name, now = target["name"], self.clock()
+        name, now = target.name, self.clock()
         if self.deletion_due(conn, name) is not None or conn.execute(
                 "SELECT 1 FROM publications WHERE target = ? AND state = 'sending' LIMIT 1",
                 (name,)).fetchone():
             return 0
-        paused = (parse_utc(target["paused_until"]) or 0) - now
+        paused = (parse_utc(target.paused_until) or 0) - now
         head = conn.execute("""SELECT * FROM publications WHERE target = ? AND state = 'queued'
                                ORDER BY hurry DESC, queued_at, id LIMIT 1""", (name,)).fetchone()
         later = [when - now for when in (parse_utc(row[0]) for row in conn.execute(
@@ -10372,9 +10414,9 @@ class Publisher:
         backoff = (parse_utc(head["next_attempt_at"]) or 0) - now
         if backoff > 0:
             return min([backoff, *later])
-        if target["kind"] == "alert":
+        if target.kind == "alert":
             return self.hour_left(conn, target, now)
-        paced = (parse_utc(target["last_sent_at"]) or 0) + target["every"] - now
+        paced = (parse_utc(target.last_sent_at) or 0) + target.every - now
         return paced if paced > 0 and not head["hurry"] else 0
 
     def deletion_due(self, conn, name):
@@ -10387,8 +10429,8 @@ class Publisher:
         until its hour allows one more."""
         sent = conn.execute("""SELECT count(DISTINCT message_id), min(sent_at) FROM publications
                                WHERE target = ? AND state IN ('published', 'cancelled')
-                                 AND sent_at >= ?""", (target["name"], utc_text(now - HOUR))).fetchone()
-        if target["per_hour"] - sent[0] > 0:
+                                 AND sent_at >= ?""", (target.name, utc_text(now - HOUR))).fetchone()
+        if target.per_hour - sent[0] > 0:
             return 0
         return max(1.0, (parse_utc(sent[1]) or now) + HOUR - now)
 
@@ -10429,7 +10471,7 @@ class Publisher:
         first); returns the seconds until the next is due, or None."""
         conn = self.db.conn()
         while stop is None or not stop.is_set():
-            target = conn.execute("SELECT * FROM targets WHERE name = ?", (name,)).fetchone()
+            target = read_target(conn, name)
             due = self.due_in(conn, target)
             if due != 0:
                 return due
@@ -10458,13 +10500,13 @@ class Publisher:
         of them (one digest)."""
         single = """SELECT * FROM publications WHERE target = ? AND state = 'queued'
                     ORDER BY hurry DESC, queued_at, id LIMIT ?"""
-        if target["kind"] != "alert":
-            return conn.execute(single, (target["name"], 1)).fetchall()
+        if target.kind != "alert":
+            return conn.execute(single, (target.name, 1)).fetchall()
         sent = conn.execute("""SELECT count(DISTINCT message_id) FROM publications
                                WHERE target = ? AND state IN ('published', 'cancelled')
                                  AND sent_at >= ?""",
-                            (target["name"], utc_text(self.clock() - HOUR))).fetchone()[0]
-        return conn.execute(single, (target["name"], 1 if target["per_hour"] - sent > 1 else 1000)
+                            (target.name, utc_text(self.clock() - HOUR))).fetchone()[0]
+        return conn.execute(single, (target.name, 1 if target.per_hour - sent > 1 else 1000)
                             ).fetchall()
 
     def renew(self, conn, name):
@@ -10495,35 +10537,35 @@ class Publisher:
             delivered = sum(deliver_publication(conn, row["id"], row["token"], message_id, chat, now)
                             for row in rows)
             conn.execute("UPDATE targets SET last_sent_at = ?, error = NULL, paused_until = NULL "
-                         "WHERE name = ?", (now, target["name"]))
+                         "WHERE name = ?", (now, target.name))
         self.count("sent", len(rows))
         posts = ", ".join(str(row["post_id"]) for row in rows)
         if delivered < len(rows):
             log.error("publish: %s: post %s arrived (message %s) after its send was given up and "
-                      "sent again by an editor; see /outbox", target["name"], posts, message_id)
-        log.info("publish: %s: sent post %s", target["name"], posts)
+                      "sent again by an editor; see /outbox", target.name, posts, message_id)
+        log.info("publish: %s: sent post %s", target.name, posts)
 
     def call(self, conn, target, rows):
         """The one call of a send: (its message id or the webhook's answer,
         where it went)."""
-        if target["kind"] == "webhook":
+        if target.kind == "webhook":
             row = rows[0]
             item = publication_item(conn, row)
             if item is None:
                 raise SendFailed("the post is no longer stored")
-            return post_webhook(self.settings, target["address"], webhook_item(item, row["text"]),
-                                row["idempotency_key"]), target["address"]
+            return post_webhook(self.settings, target.address, webhook_item(item, row["text"]),
+                                row["idempotency_key"]), target.address
         if len(rows) == 1:
             text = message_html(cut_message(rows[0]["text"]))
         else:
             text = digest_html([item for item in (publication_item(conn, row) for row in rows)
                                 if item], self.settings)
         result = bot_api(self.settings, "sendMessage", {
-            "chat_id": target["address"], "text": text, "parse_mode": "HTML",
-            "link_preview_options": {"is_disabled": target["kind"] == "alert"}})
+            "chat_id": target.address, "text": text, "parse_mode": "HTML",
+            "link_preview_options": {"is_disabled": target.kind == "alert"}})
         if not isinstance(result, dict) or "message_id" not in result:
             raise SendFailed("Bot API sendMessage: an answer without message_id", unsure=True)
-        return str(result["message_id"]), target["address"]
+        return str(result["message_id"]), target.address
 
     def record_failure(self, conn, target, rows, failure):
         """A 429 pauses the target and puts the rows back uncounted; a
@@ -10533,12 +10575,12 @@ class Publisher:
         it is now: one taken back meanwhile is cancelled instead."""
         now = self.clock()
         error = str(failure)
-        telegram = target["kind"] != "webhook"
+        telegram = target.kind != "webhook"
         kept = failure.unsure and not telegram     # a webhook's receiver may have it
         with transaction(conn):
             conn.execute("UPDATE targets SET error = ?, paused_until = ? WHERE name = ?",
                          (error, not_before(now + failure.pause) if failure.pause is not None
-                          else target["paused_until"], target["name"]))
+                          else target.paused_until, target.name))
             for row in rows:
                 if failure.pause is not None:
                     retry_publication(conn, row["id"], row["token"], error, counted=False)
@@ -10554,7 +10596,7 @@ class Publisher:
                 elif fail_publication(conn, row["id"], row["token"], error, kept=kept):
                     self.count("failed")
         level = logging.WARNING if failure.pause is not None or failure.retry else logging.ERROR
-        log.log(level, "publish: %s: post %s: %s", target["name"], rows[0]["post_id"], error)
+        log.log(level, "publish: %s: post %s: %s", target.name, rows[0]["post_id"], error)
 
     def delete(self, target, row):
         """Take a sent post back where it went (the chat it was sent to):
@@ -10563,9 +10605,9 @@ class Publisher:
         tried again (a deletion done twice does no harm)."""
         conn = self.db.conn()
         now = self.clock()
-        where = row["chat"] or target["address"]
+        where = row["chat"] or target.address
         try:
-            if target["kind"] == "webhook":
+            if target.kind == "webhook":
                 post_webhook(self.settings, where, {"event": "deleted", "id": str(row["post_id"])},
                              f"{row['idempotency_key']}-deleted")
             else:
@@ -10580,7 +10622,7 @@ class Publisher:
             with transaction(conn):
                 undeleted_publication(conn, row["id"], f"not deleted: {e}",
                                       not_before(now + (e.pause or PUBLISH_BACKOFF)) if again else None)
-            log.warning("publish: %s: post %s not deleted: %s", target["name"], row["post_id"], e)
+            log.warning("publish: %s: post %s not deleted: %s", target.name, row["post_id"], e)
             return
         except (ValueError, TypeError):
             with transaction(conn):
@@ -10588,7 +10630,7 @@ class Publisher:
             return
         with transaction(conn):
             deleted_publication(conn, row["id"], utc_text(now))
-        log.info("publish: %s: post %s deleted", target["name"], row["post_id"])
+        log.info("publish: %s: post %s deleted", target.name, row["post_id"])
 
 
 ###############################################################################
@@ -11460,12 +11502,12 @@ def outbox_banners(page):
     unseen otherwise."""
     shown = []
     for target, stuck in page.trouble:
-        name = f'<a href="{esc(page.link("/outbox"))}#target-{esc(target["name"])}">' \
-               f'{esc(target["name"])}</a>'
-        error = shorten(target["error"] or "", 200)
-        if (target["paused_until"] or "") > utc_text():
-            text = page.t("banner_paused", when=target["paused_until"], error=error)
-        elif target["error"]:
+        name = f'<a href="{esc(page.link("/outbox"))}#target-{esc(target.name)}">' \
+               f'{esc(target.name)}</a>'
+        error = shorten(target.error or "", 200)
+        if (target.paused_until or "") > utc_text():
+            text = page.t("banner_paused", when=target.paused_until, error=error)
+        elif target.error:
             text = page.t("banner_failing", error=error)
         else:
             text = ""
@@ -12741,41 +12783,41 @@ def publication_row(row, target, page, draft=None):
             f'<td>{row["attempts"]}</td><td>{esc(shorten(row["message_id"] or "", 80))}</td>'
             f'<td class="error">{esc(shorten(row["error"] or "", 300))}</td>'
             f'<td>{publication_note(row, target, page)}'
-            f'{publication_actions(row, target["kind"], page, draft)}</td></tr>')
+            f'{publication_actions(row, target.kind, page, draft)}</td></tr>')
 
 
 def shown_address(target):
     """Where a target sends, fit for a page: a webhook's host only (its path,
     query or user part often holds the receiver's secret)."""
-    if target["kind"] != "webhook":
-        return target["address"]
-    parts = urllib.parse.urlsplit(target["address"])
+    if target.kind != "webhook":
+        return target.address
+    parts = urllib.parse.urlsplit(target.address)
     port = f":{parts.port}" if parts.port else ""
     return f"{parts.scheme}://{parts.hostname}{port}/…"
 
 
 def outbox_section(conn, target, page, drafts=None):
-    kind = page.t(f"o.kind.{target['kind']}")
-    directions = ", ".join(json.loads(target["directions"])) if target["directions"] else \
+    kind = page.t(f"o.kind.{target.kind}")
+    directions = ", ".join(target.directions) if target.directions else \
         page.strings["o.all"]
-    if target["kind"] == "alert":
-        pace = page.t("o.per_hour", n=target["per_hour"], min=target["min_relevance"])
+    if target.kind == "alert":
+        pace = page.t("o.per_hour", n=target.per_hour, min=target.min_relevance)
     else:
-        pace = page.t("o.every", every=pace_words(target["every"])) if target["every"] else \
+        pace = page.t("o.every", every=pace_words(target.every)) if target.every else \
             page.t("o.now")
     facts = [f"{kind} {esc(shown_address(target))}", esc(directions), pace]
-    if target["last_sent_at"]:
-        facts.append(page.t("o.last_sent", when=target["last_sent_at"]))
+    if target.last_sent_at:
+        facts.append(page.t("o.last_sent", when=target.last_sent_at))
     warnings = []
-    if not target["enabled"]:
+    if not target.enabled:
         warnings.append(page.t("o.disabled"))
-    if (parse_utc(target["paused_until"]) or 0) > time.time():
-        warnings.append(page.t("o.paused", when=target["paused_until"]))
-    if target["error"]:
-        warnings.append(esc(target["error"]))
-    if target["sender"] and (target["sender_until"] or "") > utc_text():
-        facts.append(page.t("o.sender", who=target["sender"], until=target["sender_until"]))
-    rows = outbox_rows(conn, target["name"])
+    if (parse_utc(target.paused_until) or 0) > time.time():
+        warnings.append(page.t("o.paused", when=target.paused_until))
+    if target.error:
+        warnings.append(esc(target.error))
+    if target.sender and (target.sender_until or "") > utc_text():
+        facts.append(page.t("o.sender", who=target.sender, until=target.sender_until))
+    rows = outbox_rows(conn, target.name)
     table = (f'<table class="outbox stack"><tr><th>{page.t("o.col.post")}</th>'
              f'<th>{page.t("o.col.state")}</th><th>{page.t("o.col.queued")}</th>'
              f'<th>{page.t("o.col.sent")}</th><th>{page.t("o.col.tries")}</th>'
@@ -12783,7 +12825,7 @@ def outbox_section(conn, target, page, drafts=None):
              + "".join(publication_row(row, target, page, (drafts or {}).get(row["id"]))
                        for row in rows) + "</table>") if rows else \
         f'<p class="muted">{page.t("o.empty")}</p>'
-    return (f'<section id="target-{esc(target["name"])}"><h2>{esc(target["name"])}</h2>'
+    return (f'<section id="target-{esc(target.name)}"><h2>{esc(target.name)}</h2>'
             f'<p class="muted">{" · ".join(facts)}</p>'
             + "".join(f'<p class="banner">{w}</p>' for w in warnings) + table + "</section>")
 
@@ -12791,7 +12833,7 @@ def outbox_section(conn, target, page, drafts=None):
 def outbox_page(conn, page, drafts=None):
     """Every target and its publications; `drafts`: {publication id: (text,
     why it was refused)} of texts an editor's save did not store."""
-    targets = conn.execute("SELECT * FROM targets ORDER BY enabled DESC, name").fetchall()
+    targets = sorted(read_targets(conn), key=lambda target: not target.enabled)
     body = "".join(outbox_section(conn, target, page, drafts) for target in targets) or \
         f'<p class="muted">{page.t("o.none")}</p>'
     return layout(page, page.strings["outbox"], body + f"<script>{OUTBOX_SCRIPT}</script>", "/outbox")
@@ -15319,8 +15361,8 @@ def status_report(conn):
               "last_new_at", "silent_since", "week_posts", "relevant_share", "approved")
     sources = [{field: row[field] for field in fields} | {"state": source_state(row)}
                for row in source_health(conn)]
-    trouble = [{"target": target["name"], "paused_until": target["paused_until"],
-                "error": target["error"], "failed": stuck.get("failed", 0),
+    trouble = [{"target": target.name, "paused_until": target.paused_until,
+                "error": target.error, "failed": stuck.get("failed", 0),
                 "uncertain": stuck.get("uncertain", 0), "queued": stuck.get("queued", 0)}
                for target, stuck in outbox_trouble(conn)]
     return {"queue": queue_sizes(conn), "stories": story_figures(conn),
