@@ -301,21 +301,22 @@ class LingeringSet(set):
         return found
 
 
-def test_a_turn_begun_by_threads_at_once_is_new_to_one_and_every_turn_ends(monkeypatch):
+def test_a_turn_begun_by_threads_at_once_is_new_to_one_and_every_turn_ends():
     """complete_and_claim tells a turn done again from a new one by its
     claim token: no thread may lose another's token or take it for its own."""
-    monkeypatch.setattr(vesti, "TURNS_BEGUN", LingeringSet("shared"))
+    process = vesti.Process()
+    process.turns_begun = LingeringSet("shared")
     threads = 4
     start, results = threading.Barrier(threads), [None] * threads
 
     def turns(k):
         start.wait()
-        new_to_me = not vesti.begin_turn("shared")
+        new_to_me = not process.begin_turn("shared")
         again = []
         for n in range(50):
-            again.append(vesti.begin_turn(f"{k}-{n}"))
-            again.append(vesti.begin_turn(f"{k}-{n}"))      # done again before it ended
-            vesti.end_turn(f"{k}-{n}")
+            again.append(process.begin_turn(f"{k}-{n}"))
+            again.append(process.begin_turn(f"{k}-{n}"))      # done again before it ended
+            process.end_turn(f"{k}-{n}")
         results[k] = new_to_me, again
     running = [threading.Thread(target=turns, args=(k,)) for k in range(threads)]
     for thread in running:
@@ -325,9 +326,9 @@ def test_a_turn_begun_by_threads_at_once_is_new_to_one_and_every_turn_ends(monke
     assert None not in results
     assert sum(new_to_me for new_to_me, _ in results) == 1
     assert all(again == [False, True] * 50 for _, again in results)
-    assert vesti.TURNS_BEGUN == {"shared"}
-    vesti.end_turn("shared")
-    assert not vesti.TURNS_BEGUN
+    assert process.turns_begun == {"shared"}
+    process.end_turn("shared")
+    assert not process.turns_begun
 
 
 # Text, time and URLs: canonical URLs ------------------------------------------

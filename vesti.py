@@ -18,8 +18,8 @@ start reading):
   Settings: the environment, .env and flags, read once into one frozen object.
       SETTINGS (every setting, its default and check), Settings, load_settings
   Processes: what the threads of one process share, stopping, progress.
-      STOPPING, WRITE_LOCKS, begin_turn, warn_once, run_until_stopped,
-      Progress
+      Process (stopping, the wake-ups, write locks, claims and turns,
+      warn_once), run_until_stopped, Progress
   Text, time and URLs: words, hashes, dates and the canonical form of a link.
       normalize_text, text_sha256, words_sha256, canonical_url, channel_name,
       fresh_for
@@ -627,29 +627,6 @@ def load_settings(environ=None, env_file=".env", **overrides):
 ###############################################################################
 # What the threads of one process share, stopping, progress.
 
-# What the threads of one process share, all of it here. Settings are not
-# among it: they are one object passed down. What is left is what there is
-# one of per process: its stop, its locks, what it says once, and what each
-# of its threads keeps open.
-
-# A missing optional package is warned about once per process, not once per
-# thread or post (warn_once).
-_warned = set()
-_warned_lock = threading.Lock()
-
-# Set when the process is told to stop: a locked database is then no longer
-# waited for (the work is being put down anyway).
-STOPPING = threading.Event()
-
-# Set when something is queued for publication, so that a publisher in this
-# process sends it at once instead of on its next look.
-PUBLISH_WAKE = threading.Event()
-
-# Set when a crawl of this process queued new posts (`run`), so that its idle
-# workers take them at once instead of a second later (WorkerPool.idle).
-POSTS_QUEUED = threading.Event()
-
-
 class WaitEpisode:
     """One warning while the database cannot be used for a while (locked
     past the busy timeout by a backup or a long manual UPDATE; a database
@@ -682,50 +659,83 @@ class WaitEpisode:
                 self.since = None
 
 
-BUSY = WaitEpisode("%s: the database is locked by another process; waiting for it "
-                   "(nothing is lost meanwhile)", "%s: the database is free again after %.0f s")
-UNREACHABLE = WaitEpisode("%s: the database server cannot be reached; waiting for it "
-                          "(nothing is lost meanwhile)",
-                          "%s: the database server is back after %.0f s")
+class Process:
+    """What the threads of one process share, all of it here: its stop, the
+    wake-ups between its parts, its write locks, the claims and turns under
+    way, what it has warned of, the waits for the database, and what must
+    run one at a time. Settings are not among it: they are another object
+    passed down. `main` makes one and passes it down, to each Database,
+    which gives it to its connections; a Database made without one (a
+    tool's, a test's) makes its own."""
 
+    def __init__(self):
+        # Set when the process is told to stop: a locked database is then no
+        # longer waited for (the work is being put down anyway).
+        self.stopping = threading.Event()
+        # Set when something is queued for publication, so that a publisher
+        # in this process sends it at once instead of on its next look.
+        self.publish_wake = threading.Event()
+        # Set when a crawl of this process queued new posts (`run`), so that
+        # its idle workers take them at once instead of a second later
+        # (WorkerPool.idle).
+        self.posts_queued = threading.Event()
+        # One lock per database file for the threads of this process: they
+        # queue for the write lock here, woken the moment it is free, instead
+        # of in SQLite, whose busy handler sleeps and polls.
+        self.write_locks, self.write_locks_lock = {}, threading.Lock()
+        # Claim tokens are told apart within the process by this counter.
+        self.claims = itertools.count()
+        # The claim tokens of complete_and_claim calls under way: one seen
+        # again is being done again (see redoable); its threads begin and end
+        # them side by side (begin_turn, end_turn).
+        self.turns_begun, self.turns_lock = set(), threading.Lock()
+        # A missing optional package is warned about once per process, not
+        # once per thread or post (warn_once).
+        self.warned, self.warned_lock = set(), threading.Lock()
+        self.busy = WaitEpisode("%s: the database is locked by another process; waiting "
+                                "for it (nothing is lost meanwhile)",
+                                "%s: the database is free again after %.0f s")
+        self.unreachable = WaitEpisode("%s: the database server cannot be reached; waiting "
+                                       "for it (nothing is lost meanwhile)",
+                                       "%s: the database server is back after %.0f s")
+        # Each thread keeps its connection to Ollama open from one question
+        # to the next, as Ollama keeps it open: no connection set-up (or TLS
+        # handshake) per post (ollama_connection).
+        self.ollama_lines = threading.local()
+        # trafilatura shares parsing state between calls: two extractions at
+        # once in one process now and then end it with SIGSEGV or SIGABRT
+        # (adbar/trafilatura issues 840 and 925). Extraction holds the GIL
+        # nearly all along anyway, so one at a time costs the workers next to
+        # nothing; the fetches stay parallel.
+        self.extracting = threading.Lock()
 
-# One lock per database file for the threads of this process: they queue for
-# the write lock here, woken the moment it is free, instead of in SQLite,
-# whose busy handler sleeps and polls.
-WRITE_LOCKS = {}
-_write_locks_lock = threading.Lock()
+    def write_lock(self, path):
+        with self.write_locks_lock:
+            return self.write_locks.setdefault(path, threading.RLock())
 
-# Claim tokens are told apart within the process by this counter (claim_token).
-_claims = itertools.count()
+    def claim_token(self):
+        """Unique to a claim: the process, the thread and a counter."""
+        return f"{os.getpid()}-{threading.get_ident()}-{next(self.claims)}"
 
-# The claim tokens of complete_and_claim calls under way in this process: one
-# seen again is being done again (see redoable); its threads begin and end
-# them side by side (begin_turn, end_turn).
-TURNS_BEGUN = set()
-_turns_lock = threading.Lock()
+    def begin_turn(self, token):
+        """Mark a complete_and_claim under this claim token as under way; True
+        when one was already (it is being done again, see redoable)."""
+        with self.turns_lock:
+            redone = token in self.turns_begun
+            self.turns_begun.add(token)
+        return redone
 
-# One TLS context for every HTTPS fetch of the process: making one loads the
-# system's certificates (tls_context).
-_tls = None
+    def end_turn(self, token):
+        with self.turns_lock:
+            self.turns_begun.discard(token)
 
-# Each thread keeps its connection to Ollama open from one question to the
-# next, as Ollama keeps it open: no connection set-up (or TLS handshake) per post.
-_ollama_lines = threading.local()
-
-# trafilatura shares parsing state between calls: two extractions at once in
-# one process now and then end it with SIGSEGV or SIGABRT (adbar/trafilatura
-# issues 840 and 925). Extraction holds the GIL nearly all along anyway, so
-# one at a time costs the workers next to nothing; the fetches stay parallel.
-EXTRACTING = threading.Lock()
-
-
-def warn_once(key, message, *args):
-    """A warning said once per process (a missing package, not every post)."""
-    with _warned_lock:
-        if key in _warned:
-            return
-        _warned.add(key)
-    log.warning(message, *args)
+    def warn_once(self, key, message, *args):
+        """A warning said once per process (a missing package, not every post)."""
+        with self.warned_lock:
+            if key in self.warned:
+                return
+            self.warned.add(key)
+        log.warning(message, *args)
 
 
 def import_optional(module, package, feature):
@@ -1233,41 +1243,37 @@ class Connection(sqlite3.Connection):
                 except sqlite3.OperationalError as e:
                     if not is_busy(e) or many:
                         raise
-                    if STOPPING.is_set():
+                    if self.process.stopping.is_set():
                         raise StorageError(f"{self.path}: {e}; stopped waiting for it "
                                            f"since the process is stopping") from None
                     if not waiting:
                         waiting = True
-                        BUSY.enter(self.path)
+                        self.process.busy.enter(self.path)
                     time.sleep(0.05)
         except sqlite3.DatabaseError as e:
             raise storage_error(e, self.path) or e
         finally:
             if waiting:
-                BUSY.leave(self.path)
+                self.process.busy.leave(self.path)
             if started is not None:
                 log_statement(sql, parameters, started, many)
 
 
-def connect(path, busy_timeout=30):
-    """A connection in autocommit mode with the pragmas every connection needs."""
+def connect(path, busy_timeout=30, process=None):
+    """A connection in autocommit mode with the pragmas every connection
+    needs, for the threads of `process` (None: a Process of its own)."""
     if sqlite3.sqlite_version_info < MIN_SQLITE:
         raise ConfigError(f"SQLite {sqlite3.sqlite_version} is too old: VESTI needs "
                           f"{'.'.join(map(str, MIN_SQLITE))} or newer (a newer Python build)")
     conn = sqlite3.connect(path, timeout=busy_timeout, isolation_level=None,
                            check_same_thread=False, factory=Connection)
-    conn.path = path
+    conn.path, conn.process = path, process or Process()
     conn.row_factory = sqlite3.Row
     conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
     conn.execute("PRAGMA journal_mode = WAL")
     conn.execute("PRAGMA synchronous = NORMAL")
     conn.execute("PRAGMA foreign_keys = ON")
     return conn
-
-
-def write_lock(path):
-    with _write_locks_lock:
-        return WRITE_LOCKS.setdefault(path, threading.RLock())
 
 
 @contextlib.contextmanager
@@ -1280,7 +1286,7 @@ def transaction(conn, shared=False, stories=False):
     take turns: they would only queue on the rows they all share (the
     counts, the pending posts). `stories`: the transaction enters posts in
     their stories, one such transaction at a time."""
-    with write_lock(conn.path):
+    with conn.process.write_lock(conn.path):
         conn.begin(shared and conn.dialect.shared_writes, stories)
         conn.depth += 1
         try:
@@ -1311,7 +1317,7 @@ def redoable(function):
             except TransactionUndone as e:
                 if conn.depth:
                     raise
-                if STOPPING.is_set():
+                if conn.process.stopping.is_set():
                     raise StorageError(f"{e}; not done again since the process is stopping") from None
                 e.episode.enter(conn.path)
                 try:
@@ -1656,11 +1662,12 @@ class PostgresConnection:
     WRITE_LOCK = 0x7665737469    # 'vesti'
     STORIES_LOCK = WRITE_LOCK + 1
 
-    def __init__(self, url, busy_timeout=30, wait=False):
+    def __init__(self, url, busy_timeout=30, wait=False, process=None):
         """`wait`: a server that cannot be reached is waited for (a process
         that has used the database already); otherwise it is a
         configuration error, as a wrong password always is."""
         self.url, self.path, self.busy_timeout = url, redacted(url), busy_timeout
+        self.process = process or Process()
         self.depth, self.open_transaction = 0, False
         self.psycopg = import_optional("psycopg", "psycopg[binary]", "a PostgreSQL database")
         try:
@@ -1671,11 +1678,11 @@ class PostgresConnection:
                 raise ConfigError(f"{self.path}: cannot open the database: "
                                   f"{self.said(e)}") from None
             self.raw = None
-            UNREACHABLE.enter(self.path)
+            self.process.unreachable.enter(self.path)
             try:
                 self.recover()
             finally:
-                UNREACHABLE.leave(self.path)
+                self.process.unreachable.leave(self.path)
 
     def said(self, error):
         """The first line of an error, without the URL's password."""
@@ -1748,10 +1755,10 @@ class PostgresConnection:
                     return self.guarded(lambda: call(self.raw))
                 except (TransactionUndone, sqlite3.OperationalError) as e:
                     waiting = e.episode if isinstance(e, TransactionUndone) else \
-                        BUSY if getattr(e, "busy", False) else None
+                        self.process.busy if getattr(e, "busy", False) else None
                     if waiting is None or self.depth:
                         raise
-                    if STOPPING.is_set():
+                    if self.process.stopping.is_set():
                         raise StorageError(f"{e}; stopped waiting since the process is "
                                            f"stopping") from None
                     if episode is None:
@@ -1777,12 +1784,12 @@ class PostgresConnection:
         if self.raw.broken or self.raw.closed or state in POSTGRES_LOST:
             self.open_transaction = False
             return TransactionUndone(f"{self.path}: the connection to the database server "
-                                     f"was lost ({self.said(error)})", UNREACHABLE)
+                                     f"was lost ({self.said(error)})", self.process.unreachable)
         if state in POSTGRES_BUSY:
             if undone:
                 # The server has undone the transaction; it is done again
                 # after a ROLLBACK (see redoable).
-                return TransactionUndone(f"{self.path}: {self.said(error)}", BUSY)
+                return TransactionUndone(f"{self.path}: {self.said(error)}", self.process.busy)
             busy = sqlite3.OperationalError(f"{self.path}: {self.said(error)}")
             busy.busy = True
             return busy
@@ -1801,13 +1808,13 @@ class PostgresConnection:
             with contextlib.suppress(self.psycopg.Error):
                 self.raw.execute("ROLLBACK")
             self.open_transaction = False
-            STOPPING.wait(0.05)
+            self.process.stopping.wait(0.05)
             return
-        while not STOPPING.is_set():
+        while not self.process.stopping.is_set():
             try:
                 old, self.raw = self.raw, self.connect()
             except self.psycopg.Error:
-                STOPPING.wait(1.0)
+                self.process.stopping.wait(1.0)
                 continue
             if old is not None:
                 with contextlib.suppress(Exception):
@@ -1826,12 +1833,12 @@ def first_line(error):
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def open_connection(path, busy_timeout=30, wait=False):
+def open_connection(path, busy_timeout=30, wait=False, process=None):
     """A connection to a SQLite file or a postgresql:// URL (see
-    PostgresConnection for `wait`)."""
+    PostgresConnection for `wait`), for the threads of `process`."""
     if is_postgres(path):
-        return PostgresConnection(path, busy_timeout, wait)
-    return connect(path, busy_timeout)
+        return PostgresConnection(path, busy_timeout, wait, process)
+    return connect(path, busy_timeout, process)
 
 
 def sql_statements(script):
@@ -2947,10 +2954,12 @@ IDLE_CONNECTIONS = 4
 
 class Database:
     """The SQLite file or the PostgreSQL database: one connection per
-    thread, schema applied once."""
+    thread, schema applied once. Its connections serve the threads of
+    `process` (None: a Process of its own)."""
 
-    def __init__(self, path, busy_timeout=30):
+    def __init__(self, path, busy_timeout=30, process=None):
         self.path, self.busy_timeout = path, busy_timeout
+        self.process = process or Process()
         self._local = threading.local()
         self._idle, self._idle_lock = [], threading.Lock()
         self.opened = False         # once it has been, a server restarting is waited for
@@ -2965,7 +2974,7 @@ class Database:
         if conn is None:
             try:
                 conn = self._local.conn = open_connection(self.path, self.busy_timeout,
-                                                          self.opened)
+                                                          self.opened, self.process)
             except sqlite3.OperationalError as e:
                 # A missing directory or no permission: the setting is wrong.
                 raise ConfigError(f"{redacted(self.path)}: cannot open the database: {e}") from None
@@ -2994,7 +3003,8 @@ class Database:
         at the end."""
         with self._idle_lock:
             conn = self._idle.pop() if self._idle else None
-        self._local.conn = conn or open_connection(self.path, self.busy_timeout, self.opened)
+        self._local.conn = conn or open_connection(self.path, self.busy_timeout, self.opened,
+                                                   self.process)
         try:
             yield self
         finally:
@@ -3831,11 +3841,6 @@ def waiting_count(conn, cap):
                                       LIMIT ?) AS c)""", (cap, cap)).fetchone()[0]
 
 
-def claim_token():
-    """Unique to this claim: the process, the thread and a counter."""
-    return f"{os.getpid()}-{threading.get_ident()}-{next(_claims)}"
-
-
 def process_claims(pid=None):
     """The LIKE pattern of every claim token of a process."""
     return f"{os.getpid() if pid is None else pid}-%"
@@ -3860,7 +3865,7 @@ def claim_posts(conn, limit, now=None, token=None, choose=None):
     given, picks the ids to take from a window of the oldest claimable
     posts, CLAIM_LOOKAHEAD more than `limit`: [(id, content_type, the link
     of its article)] (see pass_over_busy_hosts)."""
-    now_text, token = utc_text(now), token or claim_token()
+    now_text, token = utc_text(now), token or conn.process.claim_token()
     if choose is not None:
         window = conn.execute(conn.dialect.claim_window.format(pending=IS_PENDING),
                               (now_text, limit + CLAIM_LOOKAHEAD)).fetchall()
@@ -3979,20 +3984,6 @@ def count_completions(conn, completed):
                     f"ON CONFLICT ({columns}) DO UPDATE SET n = {table.name}.n + excluded.n")
 
 
-def begin_turn(token):
-    """Mark a complete_and_claim under this claim token as under way; True
-    when one was already (it is being done again, see redoable)."""
-    with _turns_lock:
-        redone = token in TURNS_BEGUN
-        TURNS_BEGUN.add(token)
-    return redone
-
-
-def end_turn(token):
-    with _turns_lock:
-        TURNS_BEGUN.discard(token)
-
-
 @redoable
 def complete_and_claim(conn, completions, claims, now=None, token=None, choose=None):
     """In one transaction: complete_posts for the (claimed post, verdict),
@@ -4007,8 +3998,8 @@ def complete_and_claim(conn, completions, claims, now=None, token=None, choose=N
     only at the end (count_completions). The caller's claim `token` makes it
     safe to do again (see redoable): when the server committed but the
     answer was lost, the posts it claimed are taken again."""
-    token = token or claim_token()
-    redone = begin_turn(token)
+    token = token or conn.process.claim_token()
+    redone = conn.process.begin_turn(token)
     stories = any(verdict.story_entry is not None for _, verdict in completions)
     if stories and conn.dialect.shared_writes:
         # Stories one at a time, in a short transaction of their own: the
@@ -4034,7 +4025,7 @@ def complete_and_claim(conn, completions, claims, now=None, token=None, choose=N
         if counts:
             upsert_counts(conn, counts)
         count_completions(conn, written)
-    end_turn(token)
+    conn.process.end_turn(token)
     return written, posts
 
 
@@ -4290,24 +4281,24 @@ WANTED_WORDS = 3
 WANTED_LIKELY = 0.2
 LEARN_WORD = re.compile(r"[^\W\d_]{2,}")
 CYRILLIC_WORD = re.compile(r"[а-яё]").match
-_stemming = threading.Lock()
 
 
 @functools.lru_cache(maxsize=1)
 def stemmers():
     """Snowball's English and Russian stemmers (snowballstemmer; in C, and
-    keeping the stems of the words it saw last, when PyStemmer is there)."""
+    keeping the stems of the words it saw last, when PyStemmer is there),
+    and the lock a thread holds while it uses them."""
     snowball = import_optional("snowballstemmer", "snowballstemmer", "learning from decisions")
-    return snowball.stemmer("english"), snowball.stemmer("russian")
+    return snowball.stemmer("english"), snowball.stemmer("russian"), threading.Lock()
 
 
 def stems(words):
     """The words' stems, each by the stemmer of its script: "выборах" and
     "выборы" are one, "elections" and "election" too. Stemmed in one call
     per script; a stemmer keeps state while it works, so one call at a time."""
-    english, russian = stemmers()
+    english, russian, stemming = stemmers()
     russian_words = [CYRILLIC_WORD(word) is not None for word in words]
-    with _stemming:
+    with stemming:
         if not any(russian_words):
             return english.stemWords(words)
         if all(russian_words):
@@ -6039,7 +6030,7 @@ def queue_publications(conn, post_ids, now=None):
     that does not have it yet, or has it cancelled; one marked to be deleted
     but not deleted yet is kept instead. Its text is composed after the
     transaction (compose_texts). Returns how many were queued (the caller
-    wakes the publisher once it committed: PUBLISH_WAKE)."""
+    wakes the publisher once it committed: Process.publish_wake)."""
     now, queued = utc_text(now), 0
     if conn.execute("SELECT 1 FROM targets WHERE enabled = 1 AND kind != 'alert' LIMIT 1"
                     ).fetchone() is None:
@@ -6278,7 +6269,7 @@ def act_on_publication(conn, publication_id, action, editor, text=None, now=None
         record_event(conn, editor, address, f"publication {action}", f"publication:{publication_id}",
                      f"post {row['post_id']} to {row['target']}")
     if action in ("now", "again"):
-        PUBLISH_WAKE.set()
+        conn.process.publish_wake.set()
     return row
 
 
@@ -6568,7 +6559,7 @@ def set_decisions(conn, post_ids, decision, editor, seen=None, saw=None, address
     if outbox:
         if decision == "approved":
             compose_texts(conn)
-        PUBLISH_WAKE.set()          # committed: a publisher that wakes finds it
+        conn.process.publish_wake.set()     # committed: a publisher that wakes finds it
     return found
 
 
@@ -7503,11 +7494,9 @@ def connect_to(host, port, policy, timeout):
     raise FetchError(describe_error(failure or OSError("no address")))
 
 
+@functools.lru_cache(maxsize=1)
 def tls_context():
-    global _tls
-    if _tls is None:
-        _tls = ssl.create_default_context()
-    return _tls
+    return ssl.create_default_context()
 
 
 class _DeadlineReader(io.RawIOBase):
@@ -8359,7 +8348,7 @@ def crawl_feed(db, source, settings, gate, trigger="cli"):
         fetched = fetch_feed(conn, source, settings, gate)
         record_fetched(conn, source, fetched, run_id, settings)
         if fetched.new:
-            POSTS_QUEUED.set()
+            conn.process.posts_queued.set()
     except StorageError:
         raise
     except Exception as e:
@@ -8837,7 +8826,7 @@ async def crawl_channel(db, reader, source, settings, trigger):
     drafts = [message_draft(channel, g) for g in groups if min(m.id for m in g) > last_id]
     new = store_posts(conn, source["id"], source["direction"], drafts)
     if new:
-        POSTS_QUEUED.set()
+        conn.process.posts_queued.set()
     edits = [message_draft(channel, g) for g in groups
              if min(m.id for m in g) <= last_id and edited_in_window(g, settings.tg_edit_hours)]
     edited = update_edited_posts(conn, source["id"], edits)
@@ -9083,53 +9072,66 @@ def ollama_request(title, text, directions, settings, examples=()):
                 {"role": "user", "content": f"{title}\n\n{shorten(text, 6000)}".strip()}]}
 
 
-def ollama_connection(parts, timeout, fresh=False):
-    """(this thread's connection to the server of `parts`, whether it
-    carried a question before)."""
+def ollama_connection(lines, parts, timeout, fresh=False):
+    """(this thread's connection to the server of `parts`, kept in `lines`
+    (Process.ollama_lines), whether it carried a question before)."""
     server = (parts.scheme, parts.netloc)
-    kept = getattr(_ollama_lines, "kept", None)
+    kept = getattr(lines, "kept", None)
     if kept is not None and kept[0] == server and not fresh:
         kept[1].timeout = timeout
         if kept[1].sock is not None:
             kept[1].sock.settimeout(timeout)
         return kept[1], True
-    close_ollama_connection()
+    close_ollama_connection(lines)
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     connection = kind(parts.hostname, parts.port, timeout=timeout)
-    _ollama_lines.kept = (server, connection)
+    lines.kept = (server, connection)
     return connection, False
 
 
-def close_ollama_connection():
-    """Close this thread's connection to Ollama, if it has one."""
-    kept = getattr(_ollama_lines, "kept", None)
-    _ollama_lines.kept = None
+def close_ollama_connection(lines):
+    """Close this thread's connection to Ollama, if it kept one in `lines`."""
+    kept = getattr(lines, "kept", None)
+    lines.kept = None
     if kept is not None:
         kept[1].close()
 
 
-def post_json(url, payload, timeout):
+def post_json(url, payload, timeout, process=None):
     """POST JSON, return the decoded JSON answer. Connection failures raise
     OllamaUnreachable, anything else ClassifyError. A kept connection the
-    server closed meanwhile is replaced once, the question asked again."""
+    server closed meanwhile is replaced once, the question asked again.
+    The connection is kept for the thread's next question in `process`; with
+    none, it is closed after this one."""
+    if process is None:
+        lines = threading.local()
+        try:
+            return post_json_on(lines, url, payload, timeout)
+        finally:
+            close_ollama_connection(lines)
+    return post_json_on(process.ollama_lines, url, payload, timeout)
+
+
+def post_json_on(lines, url, payload, timeout):
+    """post_json on the connection kept in `lines`."""
     parts = urllib.parse.urlsplit(url)
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     body = json.dumps(payload).encode("utf-8")
     for fresh in (False, True):
-        connection, reused = ollama_connection(parts, timeout, fresh)
+        connection, reused = ollama_connection(lines, parts, timeout, fresh)
         try:
             connection.request("POST", target, body, {"Content-Type": "application/json"})
             response = connection.getresponse()
             answer = response.read()
         except (OSError, http.client.HTTPException) as e:
-            close_ollama_connection()
+            close_ollama_connection(lines)
             if reused and isinstance(e, ConnectionError):
                 continue
             if isinstance(e, (socket.timeout, TimeoutError)):
                 raise ClassifyError(f"Ollama did not answer within {timeout:g} s") from None
             raise OllamaUnreachable(f"Ollama unreachable at {url}: {describe_error(e)}") from None
         if response.will_close:
-            close_ollama_connection()
+            close_ollama_connection(lines)
         break
     if response.status >= 300:
         detail = shorten(answer[:300].decode("utf-8", "replace").strip(), 200)
@@ -9169,37 +9171,40 @@ def parse_verdict(answer, directions):
                    if isinstance(reason, str) and reason.strip() else None)
 
 
-def ask_ollama(title, text, directions, settings, examples=()):
+def ask_ollama(title, text, directions, settings, examples=(), process=None):
     answer = post_json(f"{settings.ollama_url}/api/chat",
                        ollama_request(title, text, directions, settings, examples),
-                       settings.ollama_timeout)
+                       settings.ollama_timeout, process)
     return parse_verdict(answer, directions)
 
 
-def classify_text(text, directions, settings, title="", keywords=None, matches=None, examples=()):
+def classify_text(text, directions, settings, title="", keywords=None, matches=None, examples=(),
+                  process=None):
     """The text's Verdict. Keywords first (title and text): no hit means not
     relevant, and no LLM call. Then Ollama, or with OLLAMA_URL empty the
     keywords alone decide. `matches`: the keywords' matches, when the caller
-    has them already; `examples`: past decisions to show the LLM."""
+    has them already; `examples`: past decisions to show the LLM; `process`:
+    whose threads keep their connection to Ollama."""
     if matches is None:
         matches = (keywords or KeywordIndex(directions)).matches(f"{title}\n{text}")
     if not matches or not settings.ollama_url:
         return keyword_verdict(title, text, matches)
     started = time.monotonic()
-    verdict = ask_ollama(title, text, directions, settings, examples)
+    verdict = ask_ollama(title, text, directions, settings, examples, process)
     return dataclasses.replace(verdict, keywords=matched_keywords(matches),
                                llm_seconds=time.monotonic() - started)
 
 
-def extract_article(html_bytes, url):
-    """The article's main text from its page, or None."""
+def extract_article(html_bytes, url, process=None):
+    """The article's main text from its page, or None; one extraction at a
+    time among the threads of `process` (see Process.extracting)."""
     trafilatura = import_optional("trafilatura", "trafilatura", "full-text extraction")
-    with EXTRACTING:
+    with process.extracting if process else contextlib.nullcontext():
         return trafilatura.extract(html_bytes, url=url, include_comments=False,
                                    include_tables=False, favor_precision=True)
 
 
-def fetch_full_text(url, summary, settings, gate, home=""):
+def fetch_full_text(url, summary, settings, gate, home="", process=None):
     """The full text of a summary-only post, or None (the summary stands)
     when the page cannot be fetched or read. `home` is the source's URL: only
     its host may be a loopback or private address. A busy article host is
@@ -9210,12 +9215,13 @@ def fetch_full_text(url, summary, settings, gate, home=""):
                             patience=patience)
         if response.status != 200:
             raise FetchError(f"HTTP {response.status}")
-        text = extract_article(response.body, response.url)
+        text = extract_article(response.body, response.url, process)
     except FetchError as e:
         log.info("full text of %s: %s; using the summary", url, e)
         return None
     except MissingPackage as e:
-        warn_once("trafilatura", "%s; posts are classified on their feed's summary", e)
+        (process or Process()).warn_once(
+            "trafilatura", "%s; posts are classified on their feed's summary", e)
         return None
     except Exception:
         log.warning("full text of %s: extraction failed; using the summary", url, exc_info=True)
@@ -9322,6 +9328,7 @@ class Classifier(ClassifyStep):
         self.settings = settings
         self.gate = gate or HostGate(settings.host_delay)
         self.db = db        # with a database, posts are looked up in their stories
+        self.process = db.process if db is not None else None
         self.use(registry)
         self.helper, self.cores = KeyHelper(), usable_cores()
         self.ahead = {}     # post id: (the Future of its keys, its place in the answer)
@@ -9368,7 +9375,7 @@ class Classifier(ClassifyStep):
             examples = learners.examples(self.db.conn(), next(iter(matches)), features) \
                 if learners and matches and self.settings.ollama_url else ()
             found = classify_text(text, directions, self.settings, post["title"], matches=matches,
-                                  examples=examples)
+                                  examples=examples, process=self.process)
             return dataclasses.replace(
                 found, text=full_text, story_entry=entry, story=leads,
                 likely=learners.likely(found.direction, features, keyword_count(found.keywords))
@@ -9429,7 +9436,8 @@ class Classifier(ClassifyStep):
         if not link:
             return None
         home = post["source_url"] if "source_url" in post.keys() else None
-        return fetch_full_text(link, post["text"], self.settings, self.gate, home or "")
+        return fetch_full_text(link, post["text"], self.settings, self.gate, home or "",
+                               self.process)
 
     def story_verdict(self, post, full_text, story):
         """Before an LLM call: the post enters its story at once (a copy met
@@ -9619,7 +9627,8 @@ class WorkerPool:
                 wanted = 0
             self.claiming += 1
         try:
-            written, posts = complete_and_claim(conn, finished, wanted, token=claim_token(),
+            written, posts = complete_and_claim(conn, finished, wanted,
+                                                token=conn.process.claim_token(),
                                                 choose=self.choose_claims() if wanted else None)
         finally:
             with self.lock:
@@ -9725,10 +9734,11 @@ class WorkerPool:
     def idle(self):
         """Wait for posts to come: idle_wait at most, less when a crawl of
         this process queues some, and not at all once the pool stops."""
-        POSTS_QUEUED.clear()
+        queued = self.db.process.posts_queued
+        queued.clear()
         waited_until = time.monotonic() + self.idle_wait
         while not self.stop.wait(IDLE_LOOK):
-            if POSTS_QUEUED.is_set() or time.monotonic() >= waited_until:
+            if queued.is_set() or time.monotonic() >= waited_until:
                 return
 
     def note_written(self, conn, post, verdict, written):
@@ -9852,7 +9862,7 @@ class Worker:
                 self.put_down()
             finally:
                 if self.asker is not None:
-                    self.asker.submit(close_ollama_connection)
+                    self.asker.submit(close_ollama_connection, self.conn.process.ollama_lines)
                     self.asker.shutdown(wait=False)
 
     def refill(self, forever):
@@ -10296,11 +10306,11 @@ class Publisher:
 
     def run(self, stop):
         """Until `stop`: look for work when something is queued
-        (PUBLISH_WAKE) or every PUBLISH_LOOK; each target that has some is
-        served by a thread of its own until it has none."""
-        senders = {}
+        (Process.publish_wake) or every PUBLISH_LOOK; each target that has
+        some is served by a thread of its own until it has none."""
+        senders, wake = {}, self.db.process.publish_wake
         while not stop.is_set():
-            PUBLISH_WAKE.clear()
+            wake.clear()
             try:
                 names = self.prepare()
             except StorageError as e:
@@ -10316,7 +10326,7 @@ class Publisher:
                     senders[name] = threading.Thread(target=self.keep_sending, args=(name, stop),
                                                      name=f"publish {name}", daemon=True)
                     senders[name].start()
-            PUBLISH_WAKE.wait(PUBLISH_LOOK)
+            wake.wait(PUBLISH_LOOK)
         for sender in senders.values():
             sender.join(self.settings.stop_grace)
 
@@ -14991,11 +15001,11 @@ def no_feed_read(url, found):
 ###############################################################################
 # The commands, their arguments, main().
 
-def open_intake(settings):
+def open_intake(settings, process=None):
     """The registry and the database, with sources.yaml synced in: what every
     command does first."""
     registry = load_registry(settings.sources)
-    db = Database(settings.db, settings.busy_timeout)
+    db = Database(settings.db, settings.busy_timeout, process)
     sync_sources(db.conn(), registry)
     forget_sources_rejected(db.conn(), settings.sources)
     close_orphan_runs(db.conn())
@@ -15035,8 +15045,8 @@ def check_selection(conn, registry, selection, crawler):
         log.warning("no enabled source has priority %d", value)
 
 
-def cmd_init(args, settings):
-    registry, db = open_intake(settings)
+def cmd_init(args, settings, process):
+    registry, db = open_intake(settings, process)
     count = count_enabled_sources(db.conn())
     print(f"{redacted(settings.db)}: ready, {count} enabled sources from {registry.path}")
     return 0
@@ -15052,7 +15062,7 @@ def crawl_command(db, settings, crawl):
     sources; fetches in flight get VESTI_STOP_GRACE seconds, then their runs
     are closed as interrupted. Exit code 128 + the signal after a stop."""
     stop = threading.Event()
-    with stop_on_signals(stop) as caught:
+    with stop_on_signals(stop, db.process) as caught:
         finished, _ = run_until_stopped(lambda: crawl(stop), stop, settings.stop_grace)
     if not stop.is_set():
         return 0
@@ -15065,8 +15075,8 @@ def crawl_command(db, settings, crawl):
     leave_now(code)
 
 
-def cmd_rss(args, settings):
-    registry, db = open_intake(settings)
+def cmd_rss(args, settings, process):
+    registry, db = open_intake(settings, process)
     selection = selection_of(args)
     check_selection(db.conn(), registry, selection, "rss")
     return crawl_command(db, settings, lambda stop: crawl_rss(db, settings, selection, args.trigger,
@@ -15074,15 +15084,15 @@ def cmd_rss(args, settings):
 
 
 @contextlib.contextmanager
-def stop_on_signals(stop):
-    """SIGTERM and SIGINT set `stop` instead of killing the process; yields
-    the list of the signals caught."""
+def stop_on_signals(stop, process):
+    """SIGTERM and SIGINT set `stop` (and the process's stopping) instead of
+    killing the process; yields the list of the signals caught."""
     caught = []
 
     def handler(signum, _):
         caught.append(signum)
         stop.set()
-        STOPPING.set()
+        process.stopping.set()
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield caught
@@ -15100,10 +15110,10 @@ def leave_now(code):
     os._exit(code)
 
 
-def cmd_worker(args, settings):
+def cmd_worker(args, settings, process):
     stop = threading.Event()
-    with stop_on_signals(stop):
-        registry, db = open_intake(settings)
+    with stop_on_signals(stop, process):
+        registry, db = open_intake(settings, process)
         _, finished = run_workers(db, settings, registry, args.workers, args.limit,
                                   args.forever, stop=stop)
     if not finished:
@@ -15111,19 +15121,19 @@ def cmd_worker(args, settings):
     return 0
 
 
-def cmd_telegram(args, settings):
+def cmd_telegram(args, settings, process):
     if args.login:
         telegram_login(settings)
         return 0
-    registry, db = open_intake(settings)
+    registry, db = open_intake(settings, process)
     selection = selection_of(args)
     check_selection(db.conn(), registry, selection, "telegram")
     return crawl_command(db, settings, lambda stop: crawl_telegram(db, settings, selection, args.trigger,
                                                          stop=stop))
 
 
-def cmd_crawl(args, settings):
-    registry, db = open_intake(settings)
+def cmd_crawl(args, settings, process):
+    registry, db = open_intake(settings, process)
     selection = selection_of(args)
     check_selection(db.conn(), registry, selection, None)
     return crawl_command(db, settings, lambda stop: crawl_everything(db, settings, selection, args.trigger,
@@ -15141,10 +15151,10 @@ def start_web(db, settings, registry, host=None, port=None):
     return server
 
 
-def cmd_serve(args, settings):
+def cmd_serve(args, settings, process):
     stop = threading.Event()
-    with stop_on_signals(stop):
-        registry, db = open_intake(settings)
+    with stop_on_signals(stop, process):
+        registry, db = open_intake(settings, process)
         server = start_web(db, settings, registry, args.host, args.port)
         stop.wait()
     server.shutdown()
@@ -15152,11 +15162,11 @@ def cmd_serve(args, settings):
     return 0
 
 
-def cmd_run(args, settings):
+def cmd_run(args, settings, process):
     """Crawls on a schedule, the worker pool and the web page in one process."""
     stop = threading.Event()
-    with stop_on_signals(stop):
-        registry, db = open_intake(settings)
+    with stop_on_signals(stop, process):
+        registry, db = open_intake(settings, process)
         server = start_web(db, settings, registry)
         # One gate for crawls and article fetches: a host sees one request at a time.
         gate = HostGate(settings.host_delay)
@@ -15194,21 +15204,21 @@ def cmd_run(args, settings):
     return 0
 
 
-def cmd_copy_db(args, settings):
+def cmd_copy_db(args, settings, process):
     """Everything of the database into another one; run again, it brings the
     other one up to date (rows are matched by their keys)."""
     if _database("--to", args.to) == settings.db:
         raise ConfigError(f"copy-db: {redacted(args.to)} is the database itself; "
                           f"--to names the other one")
-    _, db = open_intake(settings)
+    _, db = open_intake(settings, process)
     learn_owed(db.conn())           # the copy's models as its decisions say
-    target = Database(args.to, settings.busy_timeout)
+    target = Database(args.to, settings.busy_timeout, process)
     copy_database(db.conn(), target.conn())
     return 0
 
 
-def cmd_reset_dead(args, settings):
-    _, db = open_intake(settings)
+def cmd_reset_dead(args, settings, process):
+    _, db = open_intake(settings, process)
     print(f"{reset_dead(db.conn())} dead sources reset to alive")
     return 0
 
@@ -15258,8 +15268,8 @@ def rebuild_models(conn, settings):
                     f"joined a direction")
 
 
-def cmd_learn(args, settings):
-    registry, db = open_intake(settings)
+def cmd_learn(args, settings, process):
+    registry, db = open_intake(settings, process)
     conn = db.conn()
     learn_owed(conn)
     if args.rebuild:
@@ -15336,8 +15346,8 @@ def quality_lines(card):
               f"{percent(e['approval_rate'])} % approved" for name, e in card["editors"].items())]
 
 
-def cmd_quality(args, settings):
-    registry, db = open_intake(settings)
+def cmd_quality(args, settings, process):
+    registry, db = open_intake(settings, process)
     check_direction(registry, args.direction)
     report = quality_report(db.conn(), registry.directions, settings, args.direction)
     if args.json:
@@ -15399,9 +15409,9 @@ def print_status(report):
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
 
 
-def cmd_publish(args, settings):
+def cmd_publish(args, settings, process):
     """Send what is due for publication, once or (--forever) until stopped."""
-    registry, db = open_intake(settings)
+    registry, db = open_intake(settings, process)
     if not registry.targets:
         print(f"vesti: {settings.sources} names no publish targets: nothing to send",
               file=sys.stderr)
@@ -15409,7 +15419,7 @@ def cmd_publish(args, settings):
     started = time.monotonic()
     if args.forever:
         stop = threading.Event()
-        with stop_on_signals(stop):
+        with stop_on_signals(stop, process):
             publisher.run(stop)
     else:
         publisher.look()
@@ -15439,9 +15449,9 @@ def new_password(name):
     return line.rstrip("\r\n")
 
 
-def cmd_user(args, settings):
+def cmd_user(args, settings, process):
     """Accounts of the newsroom: add, passwd, disable, enable, list."""
-    _, db = open_intake(settings)
+    _, db = open_intake(settings, process)
     conn = db.conn()
     who = "cli:" + (os.environ.get("USER") or os.environ.get("LOGNAME") or "?")
     if args.action == "list":
@@ -15477,8 +15487,8 @@ def cmd_user(args, settings):
     return 0
 
 
-def cmd_status(args, settings):
-    _, db = open_intake(settings)
+def cmd_status(args, settings, process):
+    _, db = open_intake(settings, process)
     report = status_report(db.conn())
     if args.json:
         print(json.dumps(report, ensure_ascii=False, indent=2))
@@ -15487,8 +15497,8 @@ def cmd_status(args, settings):
     return 0
 
 
-def cmd_export(args, settings):
-    registry, db = open_intake(settings)
+def cmd_export(args, settings, process):
+    registry, db = open_intake(settings, process)
     check_direction(registry, args.direction)
     posts = decided_posts(db.conn(), args.status, args.direction, since=args.since)
     title = f"VESTI: {args.status}" + (f" ({args.direction})" if args.direction else "")
@@ -15502,7 +15512,7 @@ def cmd_export(args, settings):
     return 0
 
 
-def cmd_opml_import(args, settings):
+def cmd_opml_import(args, settings, process):
     registry = load_registry(settings.sources)
     check_direction(registry, args.direction)
     added, skipped, unmatched = import_opml(registry, args.file, args.direction, args.priority)
@@ -15512,18 +15522,18 @@ def cmd_opml_import(args, settings):
         print(f"opml-import: folders matching no direction: "
               f"{terminal_text(', '.join(unmatched))}; "
               f"their feeds were added without a direction")
-    open_intake(settings)
+    open_intake(settings, process)
     return 0
 
 
-def cmd_opml_export(args, settings):
-    _, db = open_intake(settings)
+def cmd_opml_export(args, settings, process):
+    _, db = open_intake(settings, process)
     sources = db.conn().execute("SELECT * FROM sources WHERE enabled = 1 ORDER BY priority, slug")
     sys.stdout.write(opml_document(sources.fetchall()))
     return 0
 
 
-def cmd_discover(args, settings):
+def cmd_discover(args, settings, process):
     registry = load_registry(settings.sources)
     url = args.url if "://" in args.url else f"https://{args.url}"
     check_feed_url("discover", url)
@@ -15714,7 +15724,8 @@ def main(argv=None):
                                  sources=getattr(args, "sources", None))
         LOG_MASK.keep_out(settings.tg_bot_token, settings.webhook_secret, settings.web_password,
                           *secrets_of(settings.db))
-        return args.handler(args, settings)
+        process = Process()
+        return args.handler(args, settings, process)
     except (ConfigError, MissingPackage) as e:
         print(f"vesti: {e}", file=sys.stderr)
         return 2

@@ -337,9 +337,7 @@ class PostgresStore:
 
     def build(self, name, posts):
         self.template = f"vesti_bench_{name}"
-        url = build_queue(self.create(name), posts)
-        vesti.WRITE_LOCKS.clear()
-        return url
+        return build_queue(self.create(name), posts)
 
     def copy(self, name):
         return self.create(name, self.template)
