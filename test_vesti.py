@@ -7227,6 +7227,35 @@ def test_cards_from_before_the_model_are_judged_once_the_editor_pauses(home, clo
 
 
 @both
+def test_a_page_after_a_bulk_decision_counts_a_few_and_the_pause_counts_the_rest(home, closing):
+    """Thousands of posts rejected at once would hold the next page while
+    every decision is counted into the model: the page counts a few and
+    answers, the rest are counted once the editor pauses."""
+    write_sources(home / "sources.yaml", [rss_source("wire", "http://wire.example/feed")])
+    web = closing(Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret",
+                                                   VESTI_LEARN_MIN=10)))
+    rescorer = web.app.rescorer
+    rescorer.owed, rescorer.idle = 5, 0.1
+    conn = web.db.conn()
+    wire = source_row(web.db, "wire")["id"]
+    posts = [desk_post(conn, wire, k, text=f"{GAMES[k % 6]} Round {k}.", direction="space",
+                       relevance=4, minute=k) for k in range(30)]
+    status, _, body = web.post("/posts/status", {"ids": ",".join(map(str, posts)),
+                                                 "status": "rejected", "token": web.token()},
+                               headers={"Accept": "application/json"})
+    assert status == 200 and json.loads(body)["changed"] == 30
+
+    def owed():
+        return web.db.conn().execute("SELECT count(*) FROM learn_pending").fetchone()[0]
+    assert owed() == 30
+    assert web.get("/api/posts?direction=space")[0] == 200
+    assert owed() == 25                                     # the page counted five
+    wait_for(lambda: owed() == 0, timeout=10)               # the pause, the rest
+    assert tuple(web.db.conn().execute(
+        "SELECT approved, rejected FROM learners WHERE direction = 'space'").fetchone()) == (0, 30)
+
+
+@both
 def test_the_report_card_says_how_the_classifier_agrees_with_the_editors(home, closing):
     s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10, VESTI_WEB_PASSWORD="s3cret")
     conn = db.conn()

@@ -4685,14 +4685,15 @@ class Learners:
         self.decided = {}           # direction: (its model's version, latest())
         self.features = {}          # direction: {post id: features} of its latest decisions
 
-    def refresh(self, conn, now=False):
-        """Read what changed, once the decisions still owed are counted."""
+    def refresh(self, conn, now=False, owed=None):
+        """Read what changed, once the decisions still owed are counted (at
+        most `owed` of them: a page's; the rest wait for the next)."""
         with self.lock:
             if not now and time.monotonic() - self.checked < LEARN_REFRESH:
                 return self
             self.checked = time.monotonic()
             if not conn.in_transaction and owes_learning(conn):
-                learn_owed(conn)
+                learn_owed(conn, owed)
             rows = conn.execute("SELECT direction, approved, rejected, version, epoch, since "
                                 "FROM learners").fetchall()
             if any(row["approved"] + row["rejected"] >= self.learn_min and
@@ -4910,19 +4911,23 @@ def owe_learning(conn, post_ids):
 
 
 @redoable
-def learn_owed(conn):
-    """Count the decisions noted in learn_pending (learn_decisions), each
-    taken off the list by the process that counts it, so that two processes
-    never count one twice. Returns the directions whose counts changed."""
-    changed = set()
-    while True:
+def learn_owed(conn, limit=None):
+    """Count the decisions noted in learn_pending (learn_decisions), at most
+    `limit` of them (None: all), each taken off the list by the process that
+    counts it, so that two processes never count one twice. Returns the
+    directions whose counts changed."""
+    changed, left = set(), limit
+    while left is None or left > 0:
         with transaction(conn):
             ids = [row[0] for row in conn.execute(
                 "DELETE FROM learn_pending WHERE post_id IN (SELECT post_id FROM learn_pending "
-                "ORDER BY post_id LIMIT ?) RETURNING post_id", (LEARN_BATCH,))]
+                "ORDER BY post_id LIMIT ?) RETURNING post_id",
+                (LEARN_BATCH if left is None else min(LEARN_BATCH, left),))]
             if not ids:
-                return sorted(changed)
+                break
             changed.update(learn_decisions(conn, ids))
+        left = None if left is None else left - len(ids)
+    return sorted(changed)
 
 
 def owes_learning(conn):
@@ -5069,8 +5074,12 @@ class Rescorer:
     for next (the page then reflects the last decision), the newest `limit`
     of them, the posts no keyword matched (take_in_missed) and the cards its
     model has not judged yet (judge_unjudged, `batch` at a time) in a thread
-    of its own once no decision came for `idle` seconds."""
+    of its own once no decision came for `idle` seconds. Of the decisions
+    owed to the models (see learn_owed), a page counts `owed` at most before
+    it answers (a bulk decision of thousands would hold it a minute); the
+    rest are counted once the editor pauses, a batch at a time."""
     first = 100
+    owed = 100
     limit = RESCORE_LIMIT
     batch = JUDGE_BATCH
     idle = 2.0
@@ -5097,7 +5106,7 @@ class Rescorer:
             return
         with self.lock:
             conn = self.db.conn()               # the page's own
-            learners = self.learners.refresh(conn, now=True)
+            learners = self.learners.refresh(conn, now=True, owed=self.owed)
             for stale in sorted(due):
                 if stale in learners.models:
                     rescore_direction(conn, learners, stale, self.first)
@@ -5124,6 +5133,7 @@ class Rescorer:
                 time.sleep(self.idle - idle)
                 continue
             try:
+                self.count_owed()
                 with self.lock, self.db.lent():
                     conn = self.db.conn()
                     self.learners.refresh(conn, now=True)
@@ -5134,6 +5144,16 @@ class Rescorer:
                     self.judge_unjudged(direction)
             except Exception as e:  # noqa: BLE001 - the page goes on; the worker judges anew
                 log.warning("judging undecided posts again failed: %s", e)
+
+    def count_owed(self):
+        """Count the decisions still owed, a batch at a time, letting a
+        page's judging go first between batches."""
+        while True:
+            with self.lock, self.db.lent():
+                conn = self.db.conn()
+                if not owes_learning(conn):
+                    return
+                learn_owed(conn, LEARN_BATCH)
 
     def judge_unjudged(self, direction):
         """Judge the direction's cards its model has not judged yet, a batch
@@ -6807,10 +6827,11 @@ def direction_quality(conn, direction, settings, learners):
     }
 
 
-def quality_report(conn, directions, settings, direction=None):
+def quality_report(conn, directions, settings, direction=None, owed=None):
     """The classifier's report card of every direction (or one): `directions`
-    as the registry has them, {id: Direction}."""
-    learners = Learners(settings.learn_min).refresh(conn, now=True)
+    as the registry has them, {id: Direction}; `owed`: how many of the
+    decisions still owed to the models to count first (None: all)."""
+    learners = Learners(settings.learn_min).refresh(conn, now=True, owed=owed)
     return [direction_quality(conn, d, settings, learners)
             for d in directions.values() if direction in (None, d.id)]
 
@@ -13837,7 +13858,7 @@ class DeskRoutes:
         desk = DeskQuery.read(query, self.registry.directions, self.settings.min_relevance)
         page = self.page(request, query)
         self.rescorer.wait(desk.direction)
-        learners = self.learners.refresh(self.db.conn())
+        learners = self.learners.refresh(self.db.conn(), owed=self.rescorer.owed)
         self.html(request, desk_page(self.db.conn(), desk, page, self.registry.directions,
                                      self.settings, self.source_options(), learners))
 
@@ -13972,7 +13993,8 @@ class ReportCardRoutes:
     )
 
     def quality(self, request, query, form):
-        report = quality_report(self.db.conn(), self.registry.directions, self.settings)
+        report = quality_report(self.db.conn(), self.registry.directions, self.settings,
+                                owed=self.rescorer.owed)
         self.html(request, quality_page(report, self.page(request, query),
                                         editor_agreement(self.db.conn())))
 
