@@ -17,12 +17,12 @@ start reading):
       EarlyReply
   Settings: the environment, .env and flags, read once into one frozen object.
       SETTINGS (every setting, its default and check), Settings, load_settings
-  Processes: what the threads of one process share, stopping, progress.
-      Process (stopping, the wake-ups, write locks, claims and turns,
-      warn_once), run_until_stopped, Progress
   Text, time and URLs: words, hashes, dates and the canonical form of a link.
       normalize_text, text_sha256, words_sha256, canonical_url, channel_name,
       fresh_for
+  Processes: what the threads of one process share, stopping, progress.
+      Process (stopping, the wake-ups, write locks, claims and turns, the
+      log's mask, warn_once), run_until_stopped, Progress
   Connections: SQLite and PostgreSQL connections, transactions, the two
       dialects.
       connect, Connection, transaction, redoable, SQLiteDialect,
@@ -623,180 +623,6 @@ def load_settings(environ=None, env_file=".env", **overrides):
 
 
 ###############################################################################
-# Processes ###################################################################
-###############################################################################
-# What the threads of one process share, stopping, progress.
-
-class WaitEpisode:
-    """One warning while the database cannot be used for a while (locked
-    past the busy timeout by a backup or a long manual UPDATE; a database
-    server restarting), however many threads wait; a note when it is back.
-    Threads that find out later (each connection learns of a restart on its
-    next statement) belong to the same episode for EPISODE_GAP seconds."""
-    EPISODE_GAP = 60
-
-    def __init__(self, waiting, back):
-        self.messages = waiting, back
-        self.lock = threading.Lock()
-        self.waiting = 0
-        self.since = self.ended = None
-
-    def enter(self, path):
-        with self.lock:
-            self.waiting += 1
-            if self.since is None:
-                self.since = time.monotonic()
-                if self.ended is None or self.since - self.ended > self.EPISODE_GAP:
-                    log.warning(self.messages[0], path)
-
-    def leave(self, path):
-        with self.lock:
-            self.waiting -= 1
-            if self.waiting == 0 and self.since is not None:
-                self.ended = time.monotonic()
-                if self.ended - self.since > 1:
-                    log.info(self.messages[1], path, self.ended - self.since)
-                self.since = None
-
-
-class Process:
-    """What the threads of one process share, all of it here: its stop, the
-    wake-ups between its parts, its write locks, the claims and turns under
-    way, what it has warned of, the waits for the database, and what must
-    run one at a time. Settings are not among it: they are another object
-    passed down. `main` makes one and passes it down, to each Database,
-    which gives it to its connections; a Database made without one (a
-    tool's, a test's) makes its own."""
-
-    def __init__(self):
-        # Set when the process is told to stop: a locked database is then no
-        # longer waited for (the work is being put down anyway).
-        self.stopping = threading.Event()
-        # Set when something is queued for publication, so that a publisher
-        # in this process sends it at once instead of on its next look.
-        self.publish_wake = threading.Event()
-        # Set when a crawl of this process queued new posts (`run`), so that
-        # its idle workers take them at once instead of a second later
-        # (WorkerPool.idle).
-        self.posts_queued = threading.Event()
-        # One lock per database file for the threads of this process: they
-        # queue for the write lock here, woken the moment it is free, instead
-        # of in SQLite, whose busy handler sleeps and polls.
-        self.write_locks, self.write_locks_lock = {}, threading.Lock()
-        # Claim tokens are told apart within the process by this counter.
-        self.claims = itertools.count()
-        # The claim tokens of complete_and_claim calls under way: one seen
-        # again is being done again (see redoable); its threads begin and end
-        # them side by side (begin_turn, end_turn).
-        self.turns_begun, self.turns_lock = set(), threading.Lock()
-        # A missing optional package is warned about once per process, not
-        # once per thread or post (warn_once).
-        self.warned, self.warned_lock = set(), threading.Lock()
-        self.busy = WaitEpisode("%s: the database is locked by another process; waiting "
-                                "for it (nothing is lost meanwhile)",
-                                "%s: the database is free again after %.0f s")
-        self.unreachable = WaitEpisode("%s: the database server cannot be reached; waiting "
-                                       "for it (nothing is lost meanwhile)",
-                                       "%s: the database server is back after %.0f s")
-        # Each thread keeps its connection to Ollama open from one question
-        # to the next, as Ollama keeps it open: no connection set-up (or TLS
-        # handshake) per post (ollama_connection).
-        self.ollama_lines = threading.local()
-        # trafilatura shares parsing state between calls: two extractions at
-        # once in one process now and then end it with SIGSEGV or SIGABRT
-        # (adbar/trafilatura issues 840 and 925). Extraction holds the GIL
-        # nearly all along anyway, so one at a time costs the workers next to
-        # nothing; the fetches stay parallel.
-        self.extracting = threading.Lock()
-
-    def write_lock(self, path):
-        with self.write_locks_lock:
-            return self.write_locks.setdefault(path, threading.RLock())
-
-    def claim_token(self):
-        """Unique to a claim: the process, the thread and a counter."""
-        return f"{os.getpid()}-{threading.get_ident()}-{next(self.claims)}"
-
-    def begin_turn(self, token):
-        """Mark a complete_and_claim under this claim token as under way; True
-        when one was already (it is being done again, see redoable)."""
-        with self.turns_lock:
-            redone = token in self.turns_begun
-            self.turns_begun.add(token)
-        return redone
-
-    def end_turn(self, token):
-        with self.turns_lock:
-            self.turns_begun.discard(token)
-
-    def warn_once(self, key, message, *args):
-        """A warning said once per process (a missing package, not every post)."""
-        with self.warned_lock:
-            if key in self.warned:
-                return
-            self.warned.add(key)
-        log.warning(message, *args)
-
-
-def import_optional(module, package, feature):
-    """Import a dependency only the feature using it needs."""
-    try:
-        return __import__(module, fromlist=["_"])
-    except ImportError:
-        raise MissingPackage(package, feature) from None
-
-
-def run_until_stopped(target, stop, grace):
-    """Run target() in a thread until it returns or `stop` is set; after a
-    stop it gets `grace` seconds more. Returns (finished, result); an
-    exception raised by target is raised here."""
-    outcome = {}
-
-    def call():
-        try:
-            outcome["result"] = target()
-        except BaseException as e:
-            outcome["error"] = e
-    thread = threading.Thread(target=call, daemon=True, name="stoppable")
-    thread.start()
-    while thread.is_alive() and not stop.is_set():
-        thread.join(0.2)
-    thread.join(grace)
-    if "error" in outcome:
-        raise outcome["error"]
-    return not thread.is_alive(), outcome.get("result")
-
-
-class Progress:
-    """A self-overwriting status line on a terminal; silent elsewhere."""
-
-    def __init__(self, label, total, quiet=False, stream=None):
-        self.label, self.total, self.done, self.quiet = label, total, 0, quiet
-        self.stream = stream or sys.stderr
-        self.live = not quiet and self.stream.isatty()
-        self.lock = threading.Lock()
-        self.started = time.monotonic()
-
-    def step(self, note="", count=1):
-        with self.lock:
-            self.done += count
-            if self.live:
-                self.stream.write(f"\r{self.label}: {self.done}/{self.total} {note}\033[K")
-                self.stream.flush()
-
-    def finish(self, summary):
-        """End with one summary line: counts, seconds and rate."""
-        seconds = time.monotonic() - self.started
-        if self.quiet:
-            return seconds
-        if self.live:
-            self.stream.write("\r\033[K")
-        rate = self.done / seconds if seconds > 0 else 0.0
-        print(f"{self.label}: {summary} in {seconds:.1f} s ({rate:.1f}/s)", flush=True)
-        return seconds
-
-
-###############################################################################
 # Text, time and URLs #########################################################
 ###############################################################################
 # Words, hashes, dates and the canonical form of a link.
@@ -901,9 +727,6 @@ class SecretMask(logging.Filter):
         return True
 
 
-# The one mask of the process's log lines (configure_logging puts it on
-# every handler; settings and publish targets tell it their secrets).
-LOG_MASK = SecretMask()
 
 
 def normalize_text(text):
@@ -1087,6 +910,184 @@ def channel_name(url):
     if not match or match["name"].lower() in ("joinchat", "addlist", "share"):
         return None
     return match["name"]
+
+
+###############################################################################
+# Processes ###################################################################
+###############################################################################
+# What the threads of one process share, stopping, progress.
+
+class WaitEpisode:
+    """One warning while the database cannot be used for a while (locked
+    past the busy timeout by a backup or a long manual UPDATE; a database
+    server restarting), however many threads wait; a note when it is back.
+    Threads that find out later (each connection learns of a restart on its
+    next statement) belong to the same episode for EPISODE_GAP seconds."""
+    EPISODE_GAP = 60
+
+    def __init__(self, waiting, back):
+        self.messages = waiting, back
+        self.lock = threading.Lock()
+        self.waiting = 0
+        self.since = self.ended = None
+
+    def enter(self, path):
+        with self.lock:
+            self.waiting += 1
+            if self.since is None:
+                self.since = time.monotonic()
+                if self.ended is None or self.since - self.ended > self.EPISODE_GAP:
+                    log.warning(self.messages[0], path)
+
+    def leave(self, path):
+        with self.lock:
+            self.waiting -= 1
+            if self.waiting == 0 and self.since is not None:
+                self.ended = time.monotonic()
+                if self.ended - self.since > 1:
+                    log.info(self.messages[1], path, self.ended - self.since)
+                self.since = None
+
+
+class Process:
+    """What the threads of one process share, all of it here: its stop, the
+    wake-ups between its parts, its write locks, the claims and turns under
+    way, what it has warned of, the waits for the database, and what must
+    run one at a time. Settings are not among it: they are another object
+    passed down. `main` makes one and passes it down, to each Database,
+    which gives it to its connections; a Database made without one (a
+    tool's, a test's) makes its own."""
+
+    def __init__(self):
+        # Set when the process is told to stop: a locked database is then no
+        # longer waited for (the work is being put down anyway).
+        self.stopping = threading.Event()
+        # Set when something is queued for publication, so that a publisher
+        # in this process sends it at once instead of on its next look.
+        self.publish_wake = threading.Event()
+        # Set when a crawl of this process queued new posts (`run`), so that
+        # its idle workers take them at once instead of a second later
+        # (WorkerPool.idle).
+        self.posts_queued = threading.Event()
+        # One lock per database file for the threads of this process: they
+        # queue for the write lock here, woken the moment it is free, instead
+        # of in SQLite, whose busy handler sleeps and polls.
+        self.write_locks, self.write_locks_lock = {}, threading.Lock()
+        # Claim tokens are told apart within the process by this counter.
+        self.claims = itertools.count()
+        # The claim tokens of complete_and_claim calls under way: one seen
+        # again is being done again (see redoable); its threads begin and end
+        # them side by side (begin_turn, end_turn).
+        self.turns_begun, self.turns_lock = set(), threading.Lock()
+        # A missing optional package is warned about once per process, not
+        # once per thread or post (warn_once).
+        self.warned, self.warned_lock = set(), threading.Lock()
+        self.busy = WaitEpisode("%s: the database is locked by another process; waiting "
+                                "for it (nothing is lost meanwhile)",
+                                "%s: the database is free again after %.0f s")
+        self.unreachable = WaitEpisode("%s: the database server cannot be reached; waiting "
+                                       "for it (nothing is lost meanwhile)",
+                                       "%s: the database server is back after %.0f s")
+        # Each thread keeps its connection to Ollama open from one question
+        # to the next, as Ollama keeps it open: no connection set-up (or TLS
+        # handshake) per post (ollama_connection).
+        self.ollama_lines = threading.local()
+        # trafilatura shares parsing state between calls: two extractions at
+        # once in one process now and then end it with SIGSEGV or SIGABRT
+        # (adbar/trafilatura issues 840 and 925). Extraction holds the GIL
+        # nearly all along anyway, so one at a time costs the workers next to
+        # nothing; the fetches stay parallel.
+        self.extracting = threading.Lock()
+        # The mask of the process's log lines: configure_logging puts it on
+        # every handler; the settings and the publish targets tell it their
+        # secrets.
+        self.log_mask = SecretMask()
+
+    def write_lock(self, path):
+        with self.write_locks_lock:
+            return self.write_locks.setdefault(path, threading.RLock())
+
+    def claim_token(self):
+        """Unique to a claim: the process, the thread and a counter."""
+        return f"{os.getpid()}-{threading.get_ident()}-{next(self.claims)}"
+
+    def begin_turn(self, token):
+        """Mark a complete_and_claim under this claim token as under way; True
+        when one was already (it is being done again, see redoable)."""
+        with self.turns_lock:
+            redone = token in self.turns_begun
+            self.turns_begun.add(token)
+        return redone
+
+    def end_turn(self, token):
+        with self.turns_lock:
+            self.turns_begun.discard(token)
+
+    def warn_once(self, key, message, *args):
+        """A warning said once per process (a missing package, not every post)."""
+        with self.warned_lock:
+            if key in self.warned:
+                return
+            self.warned.add(key)
+        log.warning(message, *args)
+
+
+def import_optional(module, package, feature):
+    """Import a dependency only the feature using it needs."""
+    try:
+        return __import__(module, fromlist=["_"])
+    except ImportError:
+        raise MissingPackage(package, feature) from None
+
+
+def run_until_stopped(target, stop, grace):
+    """Run target() in a thread until it returns or `stop` is set; after a
+    stop it gets `grace` seconds more. Returns (finished, result); an
+    exception raised by target is raised here."""
+    outcome = {}
+
+    def call():
+        try:
+            outcome["result"] = target()
+        except BaseException as e:
+            outcome["error"] = e
+    thread = threading.Thread(target=call, daemon=True, name="stoppable")
+    thread.start()
+    while thread.is_alive() and not stop.is_set():
+        thread.join(0.2)
+    thread.join(grace)
+    if "error" in outcome:
+        raise outcome["error"]
+    return not thread.is_alive(), outcome.get("result")
+
+
+class Progress:
+    """A self-overwriting status line on a terminal; silent elsewhere."""
+
+    def __init__(self, label, total, quiet=False, stream=None):
+        self.label, self.total, self.done, self.quiet = label, total, 0, quiet
+        self.stream = stream or sys.stderr
+        self.live = not quiet and self.stream.isatty()
+        self.lock = threading.Lock()
+        self.started = time.monotonic()
+
+    def step(self, note="", count=1):
+        with self.lock:
+            self.done += count
+            if self.live:
+                self.stream.write(f"\r{self.label}: {self.done}/{self.total} {note}\033[K")
+                self.stream.flush()
+
+    def finish(self, summary):
+        """End with one summary line: counts, seconds and rate."""
+        seconds = time.monotonic() - self.started
+        if self.quiet:
+            return seconds
+        if self.live:
+            self.stream.write("\r\033[K")
+        rate = self.done / seconds if seconds > 0 else 0.0
+        print(f"{self.label}: {summary} in {seconds:.1f} s ({rate:.1f}/s)", flush=True)
+        return seconds
 
 
 ###############################################################################
@@ -7023,6 +7024,12 @@ class Registry:
     sources: tuple
     targets: tuple = ()
 
+    def secrets(self):
+        """What of its publish targets must stay out of the log (a webhook's
+        secret path); see Process.log_mask."""
+        return [secret for target in self.targets if target.kind == "webhook"
+                for secret in webhook_secrets(target.address)]
+
 
 MAX_PRIORITY = 1000
 SOURCE_FIELDS = ("slug", "name", "crawler", "url", "direction", "priority", "enabled")
@@ -7282,9 +7289,6 @@ def load_registry(path):
     sources = tuple(_parse_source(path, item, directions, seen) for item in raw_sources)
     named = {}
     targets = tuple(_parse_target(path, item, directions, named) for item in raw_targets)
-    for target in targets:
-        if target.kind == "webhook":
-            LOG_MASK.keep_out(*webhook_secrets(target.address))
     return Registry(path, directions, sources, targets)
 
 
@@ -14524,6 +14528,7 @@ class Scheduler:
         self.sources_mtime = mtime
         try:
             self.registry = load_registry(self.settings.sources)
+            self.db.process.log_mask.keep_out(*self.registry.secrets())
             sync_sources(self.db.conn(), self.registry)
             for listener in self.listeners:
                 listener(self.registry)
@@ -15028,6 +15033,7 @@ def open_intake(settings, process=None):
     command does first."""
     registry = load_registry(settings.sources)
     db = Database(settings.db, settings.busy_timeout, process)
+    db.process.log_mask.keep_out(*registry.secrets())
     sync_sources(db.conn(), registry)
     forget_sources_rejected(db.conn(), settings.sources)
     close_orphan_runs(db.conn())
@@ -15536,6 +15542,7 @@ def cmd_export(args, settings, process):
 
 def cmd_opml_import(args, settings, process):
     registry = load_registry(settings.sources)
+    process.log_mask.keep_out(*registry.secrets())
     check_direction(registry, args.direction)
     added, skipped, unmatched = import_opml(registry, args.file, args.direction, args.priority)
     print(f"opml-import: {added} feeds added to {registry.path}, {skipped} skipped "
@@ -15557,6 +15564,7 @@ def cmd_opml_export(args, settings, process):
 
 def cmd_discover(args, settings, process):
     registry = load_registry(settings.sources)
+    process.log_mask.keep_out(*registry.secrets())
     url = args.url if "://" in args.url else f"https://{args.url}"
     check_feed_url("discover", url)
     try:
@@ -15722,7 +15730,7 @@ def build_parser():
     return parser
 
 
-def configure_logging(verbose):
+def configure_logging(verbose, mask):
     """-v: what the program does (INFO); -vv: VESTI's DEBUG lines too, every
     SQL statement among them. Other packages stay at INFO: their DEBUG lines
     are noise here, and psycopg's name the server it connects to."""
@@ -15730,8 +15738,10 @@ def configure_logging(verbose):
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     for handler in logging.getLogger().handlers:
-        if LOG_MASK not in handler.filters:
-            handler.addFilter(LOG_MASK)
+        for old in [f for f in handler.filters if isinstance(f, SecretMask) and f is not mask]:
+            handler.removeFilter(old)       # an earlier main() of this interpreter
+        if mask not in handler.filters:
+            handler.addFilter(mask)
     if verbose >= 2:
         log.setLevel(logging.DEBUG)
 
@@ -15740,13 +15750,13 @@ def main(argv=None):
     """Run one command; returns the exit code (0 done, 2 usage or
     configuration error, 1 anything else)."""
     args = build_parser().parse_args(argv)
-    configure_logging(getattr(args, "verbose", 0))
+    process = Process()
+    configure_logging(getattr(args, "verbose", 0), process.log_mask)
     try:
         settings = load_settings(db=getattr(args, "db", None),
                                  sources=getattr(args, "sources", None))
-        LOG_MASK.keep_out(settings.tg_bot_token, settings.webhook_secret, settings.web_password,
-                          *secrets_of(settings.db))
-        process = Process()
+        process.log_mask.keep_out(settings.tg_bot_token, settings.webhook_secret,
+                                  settings.web_password, *secrets_of(settings.db))
         return args.handler(args, settings, process)
     except (ConfigError, MissingPackage) as e:
         print(f"vesti: {e}", file=sys.stderr)
