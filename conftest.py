@@ -73,7 +73,7 @@ def cheap_password_hashes(monkeypatch):
     parameters, so it checks as any other. The commands a test runs keep
     the real cost (test_the_user_command_adds_lists_and_disables_accounts
     checks it)."""
-    monkeypatch.setattr(vesti, "SCRYPT", {"n": 2 ** 10, "r": 8, "p": 1})
+    monkeypatch.setattr(vesti.Process, "password_cost", {"n": 2 ** 10, "r": 8, "p": 1})
 
 
 @pytest.fixture

@@ -1003,6 +1003,12 @@ class Process:
         # secrets.
         self.log_mask = SecretMask()
 
+    # scrypt's cost for a password this process keeps: one of OWASP's
+    # equivalent settings (N=2**14, r=8, p=5: 16 MB, about a tenth of a
+    # second here), paid once per password a client presents: a password
+    # that matched is remembered. A hash names its cost, so any checks.
+    password_cost = {"n": 2 ** 14, "r": 8, "p": 5}
+
     def write_lock(self, path):
         with self.write_locks_lock:
             return self.write_locks.setdefault(path, threading.RLock())
@@ -5445,17 +5451,14 @@ ROLES = ("viewer", "editor", "admin")
 # Letters and digits of any script, and . _ - after the first.
 USER_NAME = re.compile(r"[^\W_][\w.-]{0,63}")
 MIN_PASSWORD = 8
-# scrypt's cost for a kept password: one of OWASP's equivalent settings
-# (N=2**14, r=8, p=5: 16 MB, about a tenth of a second here), paid once per
-# password a client presents: a password that matched is remembered.
-SCRYPT = {"n": 2 ** 14, "r": 8, "p": 5}
 
 
-def password_hash(password, salt=None):
-    """'scrypt:N:r:p:salt:hash' of a password, the only form it is kept in."""
+def password_hash(password, cost, salt=None):
+    """'scrypt:N:r:p:salt:hash' of a password at `cost` (scrypt's n, r and p:
+    Process.password_cost), the only form it is kept in."""
     salt = salt or secrets.token_bytes(16)
-    digest = hashlib.scrypt(password.encode(), salt=salt, dklen=32, **SCRYPT)
-    return f"scrypt:{SCRYPT['n']}:{SCRYPT['r']}:{SCRYPT['p']}:{salt.hex()}:{digest.hex()}"
+    digest = hashlib.scrypt(password.encode(), salt=salt, dklen=32, **cost)
+    return f"scrypt:{cost['n']}:{cost['r']}:{cost['p']}:{salt.hex()}:{digest.hex()}"
 
 
 def password_matches(password, kept):
@@ -5510,7 +5513,7 @@ def add_user(conn, name, role, password, who, address):
     name = check_user_name(name)
     if role not in ROLES:
         raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-    kept = password_hash(check_password(password))
+    kept = password_hash(check_password(password), conn.process.password_cost)
     with transaction(conn):
         taken = find_user(conn, name)
         if taken is not None:
@@ -5532,7 +5535,8 @@ def keep_settings_account(conn, name, password=None, kept=None):
     same = row is not None and row["settings"] and not row["disabled"] and (
         row["password_hash"] == kept if password is None else
         password_matches(password, row["password_hash"]))
-    new_hash = kept if password is None else password_hash(password)
+    new_hash = kept if password is None else \
+        password_hash(password, conn.process.password_cost)
     with transaction(conn):
         for old in conn.execute("SELECT name FROM users WHERE settings = 1 AND name != ? "
                                 "AND disabled = 0", (name,)).fetchall():
@@ -5563,7 +5567,8 @@ def change_user(conn, name, who, address, password=None, role=None, disabled=Non
     or disabling ends every session of the user. Returns the account."""
     if role is not None and role not in ROLES:
         raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-    kept = password_hash(check_password(password)) if password is not None else None
+    kept = password_hash(check_password(password), conn.process.password_cost) \
+        if password is not None else None
     with transaction(conn):
         user = find_user(conn, name)
         if user is None:
@@ -13761,7 +13766,7 @@ def generated_web_password(conn):
     if get_meta(conn, "web_password")[0] is not None:
         return None
     password = secrets.token_urlsafe(12)
-    kept = password_hash(password)
+    kept = password_hash(password, conn.process.password_cost)
     conn.execute("INSERT INTO meta (key, value, updated_at) VALUES ('web_password', ?, ?) "
                  "ON CONFLICT DO NOTHING", (kept, utc_text()))
     # Another process starting at the same moment may have made its own.
@@ -14241,7 +14246,7 @@ class WebApp(DeskRoutes, ReportCardRoutes, OutboxRoutes, UserRoutes, CrawlerRout
         self.checks = threading.BoundedSemaphore(1 + CHECKS_WAITING)
         # A hash no password is known to match, checked for a name no account
         # has: made now, so that even the first such check costs no more.
-        self.decoy = password_hash(secrets.token_urlsafe(16))
+        self.decoy = password_hash(secrets.token_urlsafe(16), db.process.password_cost)
         self._sources = (-math.inf, "")
         # Kept in the database: pages left open across a restart still post.
         self.secret = lasting_secret(db.conn(), "web_secret").encode()

@@ -655,7 +655,8 @@ def main(argv=None):
         started = time.monotonic()
         add_users(["anna", "boris", editor, *pool], env, tmp)
         print(f"set-up: {args.posts} posts, {3 + len(pool)} editors added with `vesti.py user "
-              f"add` in {time.monotonic() - started:.1f} s; scrypt {vesti.SCRYPT}", flush=True)
+              f"add` in {time.monotonic() - started:.1f} s; "
+              f"scrypt {vesti.Process.password_cost}", flush=True)
         server = Server(env, tmp, SETTINGS_USER, "serve")
         try:
             print(f"\n1. no oracle: a name locked by {vesti.LOGIN_FAILURES} wrong passwords from "
