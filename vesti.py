@@ -5983,12 +5983,12 @@ def item_of(post):
     return json.dumps({field: post[field] for field in ITEM_FIELDS}, ensure_ascii=False)
 
 
-def publication_item(conn, row):
-    """The post as a publication keeps it; for a row queued before items
-    were kept, the post as it reads now."""
-    if row["item"]:
-        return json.loads(row["item"])
-    post = conn.execute(f"{PUBLISHED_POST} WHERE p.id = ?", (row["post_id"],)).fetchone()
+def publication_item(conn, item, post_id):
+    """The post as a publication keeps it (`item`); for one queued before
+    items were kept, the post as it reads now."""
+    if item:
+        return json.loads(item)
+    post = conn.execute(f"{PUBLISHED_POST} WHERE p.id = ?", (post_id,)).fetchone()
     return {field: post[field] for field in ITEM_FIELDS} if post else None
 
 
@@ -6029,6 +6029,45 @@ class Target:
     def takes(self, direction):
         """Whether posts of this direction go to it."""
         return self.directions is None or direction in self.directions
+
+
+@dataclasses.dataclass(frozen=True)
+class Publication:
+    """A publication as the sender and the outbox read it: its row of
+    `publications` (see the states above), with its post's title and link
+    where the outbox read them too."""
+    id: int
+    post_id: int
+    target: str
+    state: str
+    text: str                   # what is sent, plain text (None: not composed yet)
+    attempts: int
+    error: str
+    message_id: str
+    queued_at: str
+    sent_at: str
+    token: str                  # the send under way
+    next_attempt_at: str
+    hurry: bool                 # "publish now"
+    retract: bool               # taken back after it was sent: to be deleted where it went
+    deleted_at: str
+    idempotency_key: str
+    updated_by: str
+    item: str                   # the post as it was approved (JSON)
+    chat: str                   # where its message went
+    version: int
+    title: str = None
+    url: str = None
+
+    @classmethod
+    def of(cls, row):
+        """The Publication of a row (None for none)."""
+        if row is None:
+            return None
+        keys = row.keys()
+        return cls(**{field.name: row[field.name] if field.name in keys else None
+                      for field in dataclasses.fields(cls)}
+                   | {"hurry": bool(row["hurry"]), "retract": bool(row["retract"])})
 
 
 def read_targets(conn, where="", params=()):
@@ -6105,7 +6144,7 @@ def compose_texts(conn, settings=None, target=None, limit=100):
                         (*kinds, *([target] if target else []), limit)).fetchall()
     written = 0
     for row in rows:
-        item = publication_item(conn, row)
+        item = publication_item(conn, row["item"], row["post_id"])
         text = publication_text(row["kind"], item, settings) if item else "(the post is gone)"
         with transaction(conn):
             written += conn.execute("""UPDATE publications SET text = ?, version = version + 1
@@ -6156,7 +6195,7 @@ def claim_publications(conn, ids, token):
                               WHERE id = ? AND state = 'queued' AND text IS NOT NULL
                               RETURNING *""", (token, publication_id)).fetchone()
         if row is not None:
-            claimed.append(row)
+            claimed.append(Publication.of(row))
     return claimed
 
 
@@ -6296,7 +6335,7 @@ def act_on_publication(conn, publication_id, action, editor, text=None, now=None
                      f"post {row['post_id']} to {row['target']}")
     if action in ("now", "again"):
         conn.process.publish_wake.set()
-    return row
+    return Publication.of(row)
 
 
 def publication_counts(conn):
@@ -10442,8 +10481,9 @@ class Publisher:
                 (name,)).fetchone():
             return 0
         paused = (parse_utc(target.paused_until) or 0) - now
-        head = conn.execute("""SELECT * FROM publications WHERE target = ? AND state = 'queued'
-                               ORDER BY hurry DESC, queued_at, id LIMIT 1""", (name,)).fetchone()
+        head = Publication.of(conn.execute(
+            """SELECT * FROM publications WHERE target = ? AND state = 'queued'
+               ORDER BY hurry DESC, queued_at, id LIMIT 1""", (name,)).fetchone())
         later = [when - now for when in (parse_utc(row[0]) for row in conn.execute(
             f"SELECT min(next_attempt_at) FROM publications WHERE target = ? AND {TO_DELETE}",
             (name,))) if when]
@@ -10451,18 +10491,19 @@ class Publisher:
             return max(PUBLISH_LOOK, min(later)) if later else None
         if paused > 0:
             return paused
-        backoff = (parse_utc(head["next_attempt_at"]) or 0) - now
+        backoff = (parse_utc(head.next_attempt_at) or 0) - now
         if backoff > 0:
             return min([backoff, *later])
         if target.kind == "alert":
             return self.hour_left(conn, target, now)
         paced = (parse_utc(target.last_sent_at) or 0) + target.every - now
-        return paced if paced > 0 and not head["hurry"] else 0
+        return paced if paced > 0 and not head.hurry else 0
 
     def deletion_due(self, conn, name):
-        return conn.execute(f"""SELECT * FROM publications WHERE target = ? AND {TO_DELETE}
-                                    AND (next_attempt_at IS NULL OR next_attempt_at <= ?)
-                                ORDER BY id LIMIT 1""", (name, utc_text(self.clock()))).fetchone()
+        return Publication.of(conn.execute(
+            f"""SELECT * FROM publications WHERE target = ? AND {TO_DELETE}
+                    AND (next_attempt_at IS NULL OR next_attempt_at <= ?)
+                ORDER BY id LIMIT 1""", (name, utc_text(self.clock()))).fetchone())
 
     def hour_left(self, conn, target, now):
         """0 when the alert target may send a message now, else the seconds
@@ -10524,7 +10565,7 @@ class Publisher:
                 self.delete(target, deletion)
                 continue
             rows = self.due_rows(conn, target)
-            if any(row["text"] is None for row in rows):
+            if any(row.text is None for row in rows):
                 compose_texts(conn, self.settings, name)
                 continue
             claimed = self.claim(conn, name, rows)
@@ -10541,13 +10582,13 @@ class Publisher:
         single = """SELECT * FROM publications WHERE target = ? AND state = 'queued'
                     ORDER BY hurry DESC, queued_at, id LIMIT ?"""
         if target.kind != "alert":
-            return conn.execute(single, (target.name, 1)).fetchall()
+            return [Publication.of(row) for row in conn.execute(single, (target.name, 1))]
         sent = conn.execute("""SELECT count(DISTINCT message_id) FROM publications
                                WHERE target = ? AND state IN ('published', 'cancelled')
                                  AND sent_at >= ?""",
                             (target.name, utc_text(self.clock() - HOUR))).fetchone()[0]
-        return conn.execute(single, (target.name, 1 if target.per_hour - sent > 1 else 1000)
-                            ).fetchall()
+        return [Publication.of(row) for row in conn.execute(
+            single, (target.name, 1 if target.per_hour - sent > 1 else 1000))]
 
     def renew(self, conn, name):
         """The lease renewed before a call (whose deadline it outlasts), in
@@ -10562,7 +10603,7 @@ class Publisher:
         with transaction(conn):
             if not self.renew(conn, name):
                 return None
-            return claim_publications(conn, [row["id"] for row in rows], token)
+            return claim_publications(conn, [row.id for row in rows], token)
 
     def send(self, target, rows):
         """Make the call, then record what came of it."""
@@ -10574,12 +10615,12 @@ class Publisher:
             return
         now = utc_text(self.clock())
         with transaction(conn):
-            delivered = sum(deliver_publication(conn, row["id"], row["token"], message_id, chat, now)
+            delivered = sum(deliver_publication(conn, row.id, row.token, message_id, chat, now)
                             for row in rows)
             conn.execute("UPDATE targets SET last_sent_at = ?, error = NULL, paused_until = NULL "
                          "WHERE name = ?", (now, target.name))
         self.count("sent", len(rows))
-        posts = ", ".join(str(row["post_id"]) for row in rows)
+        posts = ", ".join(str(row.post_id) for row in rows)
         if delivered < len(rows):
             log.error("publish: %s: post %s arrived (message %s) after its send was given up and "
                       "sent again by an editor; see /outbox", target.name, posts, message_id)
@@ -10590,15 +10631,15 @@ class Publisher:
         where it went)."""
         if target.kind == "webhook":
             row = rows[0]
-            item = publication_item(conn, row)
+            item = publication_item(conn, row.item, row.post_id)
             if item is None:
                 raise SendFailed("the post is no longer stored")
-            return post_webhook(self.settings, target.address, webhook_item(item, row["text"]),
-                                row["idempotency_key"]), target.address
+            return post_webhook(self.settings, target.address, webhook_item(item, row.text),
+                                row.idempotency_key), target.address
         if len(rows) == 1:
-            text = message_html(cut_message(rows[0]["text"]))
+            text = message_html(cut_message(rows[0].text))
         else:
-            text = digest_html([item for item in (publication_item(conn, row) for row in rows)
+            text = digest_html([item for item in (publication_item(conn, row.item, row.post_id) for row in rows)
                                 if item], self.settings)
         result = bot_api(self.settings, "sendMessage", {
             "chat_id": target.address, "text": text, "parse_mode": "HTML",
@@ -10623,20 +10664,20 @@ class Publisher:
                           else target.paused_until, target.name))
             for row in rows:
                 if failure.pause is not None:
-                    retry_publication(conn, row["id"], row["token"], error, counted=False)
+                    retry_publication(conn, row.id, row.token, error, counted=False)
                 elif failure.unsure and telegram:
-                    if doubt_publication(conn, row["id"], row["token"],
+                    if doubt_publication(conn, row.id, row.token,
                                          f"{error}: it may or may not have arrived"):
                         self.count("uncertain")
                 elif (failure.retry or failure.unsure) and \
-                        row["attempts"] < self.settings.publish_attempts:
-                    wait = min(PUBLISH_BACKOFF_MAX, PUBLISH_BACKOFF * 2 ** (row["attempts"] - 1))
-                    retry_publication(conn, row["id"], row["token"], error, not_before(now + wait),
+                        row.attempts < self.settings.publish_attempts:
+                    wait = min(PUBLISH_BACKOFF_MAX, PUBLISH_BACKOFF * 2 ** (row.attempts - 1))
+                    retry_publication(conn, row.id, row.token, error, not_before(now + wait),
                                       kept=kept)
-                elif fail_publication(conn, row["id"], row["token"], error, kept=kept):
+                elif fail_publication(conn, row.id, row.token, error, kept=kept):
                     self.count("failed")
         level = logging.WARNING if failure.pause is not None or failure.retry else logging.ERROR
-        log.log(level, "publish: %s: post %s: %s", target.name, rows[0]["post_id"], error)
+        log.log(level, "publish: %s: post %s: %s", target.name, rows[0].post_id, error)
 
     def delete(self, target, row):
         """Take a sent post back where it went (the chat it was sent to):
@@ -10645,32 +10686,32 @@ class Publisher:
         tried again (a deletion done twice does no harm)."""
         conn = self.db.conn()
         now = self.clock()
-        where = row["chat"] or target.address
+        where = row.chat or target.address
         try:
             if target.kind == "webhook":
-                post_webhook(self.settings, where, {"event": "deleted", "id": str(row["post_id"])},
-                             f"{row['idempotency_key']}-deleted")
+                post_webhook(self.settings, where, {"event": "deleted", "id": str(row.post_id)},
+                             f"{row.idempotency_key}-deleted")
             else:
                 bot_api(self.settings, "deleteMessage",
-                        {"chat_id": where, "message_id": int(row["message_id"])})
+                        {"chat_id": where, "message_id": int(row.message_id)})
         except SendFailed as e:
             if "message to delete not found" in str(e):
                 with transaction(conn):
-                    deleted_publication(conn, row["id"], utc_text(now), "it was no longer there")
+                    deleted_publication(conn, row.id, utc_text(now), "it was no longer there")
                 return
             again = e.retry or e.unsure or e.pause is not None
             with transaction(conn):
-                undeleted_publication(conn, row["id"], f"not deleted: {e}",
+                undeleted_publication(conn, row.id, f"not deleted: {e}",
                                       not_before(now + (e.pause or PUBLISH_BACKOFF)) if again else None)
-            log.warning("publish: %s: post %s not deleted: %s", target.name, row["post_id"], e)
+            log.warning("publish: %s: post %s not deleted: %s", target.name, row.post_id, e)
             return
         except (ValueError, TypeError):
             with transaction(conn):
-                undeleted_publication(conn, row["id"], "not deleted: no message id was recorded")
+                undeleted_publication(conn, row.id, "not deleted: no message id was recorded")
             return
         with transaction(conn):
-            deleted_publication(conn, row["id"], utc_text(now))
-        log.info("publish: %s: post %s deleted", target.name, row["post_id"])
+            deleted_publication(conn, row.id, utc_text(now))
+        log.info("publish: %s: post %s deleted", target.name, row.post_id)
 
 
 ###############################################################################
@@ -12738,7 +12779,8 @@ def outbox_rows(conn, name):
                             WHERE u.target = ? AND u.state IN ('published', 'cancelled')
                             ORDER BY coalesce(u.deleted_at, u.sent_at, u.queued_at) DESC, u.id DESC
                             LIMIT ?""", (name, OUTBOX_DONE)).fetchall()
-    return sorted(waiting, key=lambda row: OUTBOX_ORDER[row["state"]]) + done
+    return [Publication.of(row) for row in
+            sorted(waiting, key=lambda row: OUTBOX_ORDER[row["state"]]) + done]
 
 
 def text_limit(kind):
@@ -12760,7 +12802,7 @@ def text_form(row, kind, page, draft=None):
     """The text to send, as plain text, with what is left of the limit
     (counted by the outbox's script as shown_length counts) and, for a text
     refused, the editor's words and why."""
-    text, problem = draft or (row["text"], None)
+    text, problem = draft or (row.text, None)
     counted = "telegram" if kind != "webhook" else "plain"
     note = f'<p class="banner" role="alert">{problem}</p>' if problem else ""
     hint = page.t("o.plain_hint") if kind != "webhook" else ""
@@ -12776,52 +12818,52 @@ def publication_actions(row, kind, page, draft=None):
         return ""
 
     def form(action, label, extra=""):
-        return (f'<form method="post" action="/publications/{row["id"]}" class="actions">'
+        return (f'<form method="post" action="/publications/{row.id}" class="actions">'
                 f'<input type="hidden" name="token" value="{esc(page.token)}">'
                 f'<input type="hidden" name="back" value="/outbox">'
-                f'<input type="hidden" name="seen" value="{esc(row["state"])}">'
-                f'<input type="hidden" name="version" value="{row["version"]}">{extra}'
+                f'<input type="hidden" name="seen" value="{esc(row.state)}">'
+                f'<input type="hidden" name="version" value="{row.version}">{extra}'
                 f'<button name="action" value="{action}">{page.t(label)}</button></form>')
-    if row["retract"] and row["state"] == "uncertain":
+    if row.retract and row.state == "uncertain":
         return form("cancel", "o.checked")
     parts = []
-    if row["state"] in PUBLICATION_ACTIONS["text"]:
+    if row.state in PUBLICATION_ACTIONS["text"]:
         parts.append(form("text", "o.save", text_form(row, kind, page, draft)))
     for action, label in (("now", "o.now_button"), ("published", "o.published_button"),
                           ("again", "o.again"), ("cancel", "o.cancel")):
-        if row["state"] in PUBLICATION_ACTIONS[action] and not (action == "now" and row["hurry"]):
+        if row.state in PUBLICATION_ACTIONS[action] and not (action == "now" and row.hurry):
             parts.append(form(action, label))
     return "".join(parts)
 
 
 def publication_note(row, target, page):
     """What an editor should know of an uncertain send."""
-    if row["state"] != "uncertain":
+    if row.state != "uncertain":
         return ""
-    if row["retract"]:
+    if row.retract:
         return f'<p class="banner">{page.t("o.taken_back_uncertain", chat=shown_address(target))}</p>'
     return f'<p class="muted">{page.t("o.uncertain")}</p>'
 
 
 def publication_row(row, target, page, draft=None):
-    state = page.t(f"o.state.{row['state']}")
-    if row["retract"] and row["state"] in ("sending", "published", "cancelled"):
+    state = page.t(f"o.state.{row.state}")
+    if row.retract and row.state in ("sending", "published", "cancelled"):
         state += f'<br><small>{page.t("o.deleting")}</small>'
-    if row["deleted_at"]:
-        state += f'<br><small>{page.t("o.deleted", when=row["deleted_at"])}</small>'
-    if row["hurry"] and row["state"] == "queued":
+    if row.deleted_at:
+        state += f'<br><small>{page.t("o.deleted", when=row.deleted_at)}</small>'
+    if row.hurry and row.state == "queued":
         state += f'<br><small>{page.t("o.hurry")}</small>'
-    title = esc(row["title"] or f"post {row['post_id']}")
-    if row["url"] and row["url"].startswith(("http://", "https://")):
-        title = f'<a href="{esc(row["url"])}" rel="noreferrer">{title}</a>'
-    sent = row["text"] if row["state"] not in PUBLICATION_ACTIONS["text"] or not page.may("editor") \
+    title = esc(row.title or f"post {row.post_id}")
+    if row.url and row.url.startswith(("http://", "https://")):
+        title = f'<a href="{esc(row.url)}" rel="noreferrer">{title}</a>'
+    sent = row.text if row.state not in PUBLICATION_ACTIONS["text"] or not page.may("editor") \
         else None
     shown = f'<details><summary class="small">{page.t("o.text")}</summary>' \
             f'<div class="text">{esc(sent)}</div></details>' if sent else ""
-    return (f'<tr id="publication-{row["id"]}" class="pub-{esc(row["state"])}"><td>{title}{shown}</td>'
-            f'<td>{state}</td><td>{esc(row["queued_at"])}</td><td>{esc(row["sent_at"])}</td>'
-            f'<td>{row["attempts"]}</td><td>{esc(shorten(row["message_id"] or "", 80))}</td>'
-            f'<td class="error">{esc(shorten(row["error"] or "", 300))}</td>'
+    return (f'<tr id="publication-{row.id}" class="pub-{esc(row.state)}"><td>{title}{shown}</td>'
+            f'<td>{state}</td><td>{esc(row.queued_at)}</td><td>{esc(row.sent_at)}</td>'
+            f'<td>{row.attempts}</td><td>{esc(shorten(row.message_id or "", 80))}</td>'
+            f'<td class="error">{esc(shorten(row.error or "", 300))}</td>'
             f'<td>{publication_note(row, target, page)}'
             f'{publication_actions(row, target.kind, page, draft)}</td></tr>')
 
@@ -12862,7 +12904,7 @@ def outbox_section(conn, target, page, drafts=None):
              f'<th>{page.t("o.col.state")}</th><th>{page.t("o.col.queued")}</th>'
              f'<th>{page.t("o.col.sent")}</th><th>{page.t("o.col.tries")}</th>'
              f'<th>{page.t("o.col.message")}</th><th>{page.t("o.col.error")}</th><th></th></tr>'
-             + "".join(publication_row(row, target, page, (drafts or {}).get(row["id"]))
+             + "".join(publication_row(row, target, page, (drafts or {}).get(row.id))
                        for row in rows) + "</table>") if rows else \
         f'<p class="muted">{page.t("o.empty")}</p>'
     return (f'<section id="target-{esc(target.name)}"><h2>{esc(target.name)}</h2>'
@@ -14041,14 +14083,14 @@ class OutboxRoutes:
             abort(409, str(e))
         if row is None:
             abort(404, "No such publication")
-        log.info("web: publication %s (post %s to %s): %s", row["id"], row["post_id"],
-                 row["target"], action)
+        log.info("web: publication %s (post %s to %s): %s", row.id, row.post_id,
+                 row.target, action)
         if "application/json" in request.headers.get("Accept", ""):
-            return self.json(request, {"id": row["id"], "state": row["state"],
-                                       "hurry": bool(row["hurry"])})
+            return self.json(request, {"id": row.id, "state": row.state,
+                                       "hurry": bool(row.hurry)})
         back = (form.get("back") or ["/outbox"])[-1]
         back = back if LOCAL_PATH.fullmatch(back) else "/outbox"
-        request.reply(303, "text/plain", b"", {"Location": f"{back}#publication-{row['id']}"})
+        request.reply(303, "text/plain", b"", {"Location": f"{back}#publication-{row.id}"})
 
     def check_text(self, request, query, publication_id, text):
         """An editor's text that cannot be sent is refused (400) on the
