@@ -870,7 +870,8 @@ def test_an_unreachable_postgresql_is_one_line_and_exit_2_without_the_password(h
 
 @pytest.mark.slow
 @postgres_only
-def test_copy_db_moves_everything_to_postgresql_and_back_and_twice_changes_nothing(home, backend):
+def test_copy_db_moves_everything_to_postgresql_and_back_and_twice_changes_nothing(home, backend,
+                                                                                   closing):
     file_db = str(home / "vesti.db")
     write_sources(home / "sources.yaml", [rss_source("lwn", "https://lwn.net/headlines/rss",
                                                      direction="linux")])
@@ -901,13 +902,10 @@ def test_copy_db_moves_everything_to_postgresql_and_back_and_twice_changes_nothi
     assert rows(pg, "SELECT direction, approved FROM learners") == [("linux", 1)]
     assert vesti.get_meta(pg, "web_secret")[0] == "kept"
     assert counts_match_posts(pg)
-    page = Web(home, settings=s.replace(db=backend, web_password="pw"), password="pw")
-    try:
-        assert "Post 3" in page.get("/?status=approved&min=0")[2]
-        found = page.get(f"/?q={urllib.parse.quote('кириллица')}&min=0&status=any")[2]
-        assert len(card_ids(found)) == 7
-    finally:
-        page.close()
+    page = closing(Web(home, settings=s.replace(db=backend, web_password="pw"), password="pw"))
+    assert "Post 3" in page.get("/?status=approved&min=0")[2]
+    found = page.get(f"/?q={urllib.parse.quote('кириллица')}&min=0&status=any")[2]
+    assert len(card_ids(found)) == 7
     new_id = pg.execute("INSERT INTO posts (source_id, title) VALUES (1, 'after the copy') "
                         "RETURNING id").fetchone()[0]
     assert new_id == 8                                   # ids go on after the copied ones
@@ -2964,13 +2962,10 @@ def test_a_feed_that_drips_its_headers_cannot_hold_the_crawl(home, server):
     assert len(posts_of(db, "fast")) == 2
 
 
-def test_rss_all_with_a_dripping_feed_exits_0_and_records_the_error(home):
-    drip = DripServer("127.0.0.3")
-    try:
-        write_sources(home / "sources.yaml", [rss_source("slow", drip.url + "/feed")])
-        result = cli("rss", "--all", cwd=home, env={"RSS_TIMEOUT": "0.3"}, timeout=20)
-    finally:
-        drip.close()
+def test_rss_all_with_a_dripping_feed_exits_0_and_records_the_error(home, closing):
+    drip = closing(DripServer("127.0.0.3"))
+    write_sources(home / "sources.yaml", [rss_source("slow", drip.url + "/feed")])
+    result = cli("rss", "--all", cwd=home, env={"RSS_TIMEOUT": "0.3"}, timeout=20)
     assert result.returncode == 0, result.stderr
     conn = sqlite3.connect(home / "vesti.db")
     assert conn.execute("SELECT last_error FROM sources WHERE slug = 'slow'").fetchone() == \
@@ -4056,7 +4051,7 @@ def crawlers_row(page, slug):
 
 
 @both
-def test_a_source_that_goes_quiet_for_longer_than_its_rhythm_turns_silent(home, caplog):
+def test_a_source_that_goes_quiet_for_longer_than_its_rhythm_turns_silent(home, caplog, closing):
     s, db = intake(home, [rss_source("wire", "http://127.0.0.1:9/wire"),
                           rss_source("steady", "http://127.0.0.1:9/steady")])
     conn = db.conn()
@@ -4085,12 +4080,9 @@ def test_a_source_that_goes_quiet_for_longer_than_its_rhythm_turns_silent(home, 
     states = {src["slug"]: src["state"] for src in report["sources"]}
     assert states == {"wire": "silent", "steady": "alive"}
     assert [src["slug"] for src in report["sources"]][0] == "wire"          # shown first
-    w = Web(home, settings=s)
-    try:
-        page = w.get("/crawlers")[2]
-        metrics = metric_samples(w.get("/metrics")[2])[1]
-    finally:
-        w.close()
+    w = closing(Web(home, settings=s))
+    page = w.get("/crawlers")[2]
+    metrics = metric_samples(w.get("/metrics")[2])[1]
     assert page.index('id="source-wire"') < page.index('id="source-steady"')
     assert 'class="silent">silent<br><span class="small">no new post for 22 h</span>' in \
         crawlers_row(page, "wire")
@@ -4105,7 +4097,7 @@ def test_a_source_that_goes_quiet_for_longer_than_its_rhythm_turns_silent(home, 
 
 
 @both
-def test_the_crawlers_page_and_status_show_each_sources_figures(home, server):
+def test_the_crawlers_page_and_status_show_each_sources_figures(home, server, closing):
     server.feed("/feed", rss(items(4, host=server.url)))
     server.feed("/other", rss([{"guid": f"o{k}", "link": f"{server.url}/o/{k}",
                                 "title": f"Gardening note {k}",
@@ -4115,13 +4107,10 @@ def test_the_crawlers_page_and_status_show_each_sources_figures(home, server):
                           rss_source("garden", server.url + "/other")])
     crawl(s, db)
     vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=2, quiet=True)
-    w = Web(home, settings=s)
-    try:
-        assert w.post("/posts/1/status", {"status": "approved", "token": w.token()})[0] == 303
-        crawl(s, db)                                  # the figures follow each run
-        page = w.get("/crawlers")[2]
-    finally:
-        w.close()
+    w = closing(Web(home, settings=s))
+    assert w.post("/posts/1/status", {"status": "approved", "token": w.token()})[0] == 303
+    crawl(s, db)                                  # the figures follow each run
+    page = w.get("/crawlers")[2]
     cells = re.findall(r"<td[^>]*>(.*?)</td>", crawlers_row(page, "lwn"))
     assert cells[7:12] == ["4", "4", source_row(db, "lwn")["last_new_at"], "100%", "1"]
     garden = re.findall(r"<td[^>]*>(.*?)</td>", crawlers_row(page, "garden"))
@@ -4652,16 +4641,13 @@ def test_seed_100_posts_with_8_workers_are_each_classified_once(home, ollama):
     assert "100 processed (100 done, 0 returned to the queue, 0 failed)" in result.stdout
 
 
-def test_seed_a_post_whose_classification_raises_returns_to_the_queue(home):
+def test_seed_a_post_whose_classification_raises_returns_to_the_queue(home, closing):
     """Seed 000: the post goes back (classified=0), the worker goes on, the run exits 0."""
-    fake = FakeOllama(fails_on="BROKEN")
-    try:
-        s, db, _ = worker_home(home, fake.url)
-        add_posts(db.conn(), 5)
-        db.conn().execute("UPDATE posts SET title = 'BROKEN post' WHERE id = 3")
-        result = cli("worker", "--workers", "2", cwd=home, env={"OLLAMA_URL": fake.url})
-    finally:
-        fake.close()
+    fake = closing(FakeOllama(fails_on="BROKEN"))
+    s, db, _ = worker_home(home, fake.url)
+    add_posts(db.conn(), 5)
+    db.conn().execute("UPDATE posts SET title = 'BROKEN post' WHERE id = 3")
+    result = cli("worker", "--workers", "2", cwd=home, env={"OLLAMA_URL": fake.url})
     assert result.returncode == 0, result.stderr
     broken = db.conn().execute("SELECT * FROM posts WHERE id = 3").fetchone()
     assert (broken["classified"], broken["attempts"]) == (0, 1)
@@ -4738,7 +4724,7 @@ def test_a_kept_connection_the_server_closed_is_replaced_and_the_question_asked_
 
 
 @both
-def test_a_long_ollama_outage_never_marks_posts_failed(home):
+def test_a_long_ollama_outage_never_marks_posts_failed(home, closing):
     s, db, registry = worker_home(home, "http://127.0.0.1:9", VESTI_MAX_ATTEMPTS=2,
                                   VESTI_RETRY_DELAY=60)
     add_posts(db.conn(), 1)
@@ -4748,18 +4734,15 @@ def test_a_long_ollama_outage_never_marks_posts_failed(home):
     post = db.conn().execute("SELECT * FROM posts").fetchone()
     assert (post["classified"], post["attempts"]) == (0, 0)      # the claims were given back
     assert "connection refused" in post["error"]
-    fake = FakeOllama("500")                 # then a real failure counts as the first one
-    try:
-        db.conn().execute("UPDATE posts SET next_attempt_at = NULL")
-        vesti.run_workers(db, s.replace(ollama_url=fake.url), registry, workers=1, quiet=True)
-    finally:
-        fake.close()
+    fake = closing(FakeOllama("500"))                 # then a real failure counts as the first one
+    db.conn().execute("UPDATE posts SET next_attempt_at = NULL")
+    vesti.run_workers(db, s.replace(ollama_url=fake.url), registry, workers=1, quiet=True)
     post = db.conn().execute("SELECT * FROM posts").fetchone()
     assert (post["classified"], post["attempts"]) == (0, 1)
 
 
 @both
-def test_the_page_says_ollama_is_down_until_it_answers_again(home, caplog):
+def test_the_page_says_ollama_is_down_until_it_answers_again(home, caplog, closing):
     s, db, registry = worker_home(home, "http://127.0.0.1:9")
     add_posts(db.conn(), 10)
     page = vesti.Page("en", "", {})
@@ -4769,13 +4752,10 @@ def test_the_page_says_ollama_is_down_until_it_answers_again(home, caplog):
 
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
     assert "Ollama has been unreachable since" in said() and "connection refused" in said()
-    fake = FakeOllama()
-    try:
-        db.conn().execute("UPDATE posts SET next_attempt_at = NULL")
-        with caplog.at_level(logging.WARNING, logger="vesti"):
-            vesti.run_workers(db, s.replace(ollama_url=fake.url), registry, workers=2, quiet=True)
-    finally:
-        fake.close()
+    fake = closing(FakeOllama())
+    db.conn().execute("UPDATE posts SET next_attempt_at = NULL")
+    with caplog.at_level(logging.WARNING, logger="vesti"):
+        vesti.run_workers(db, s.replace(ollama_url=fake.url), registry, workers=2, quiet=True)
     assert queue_of(db) == {1: 10}
     assert "unreachable" not in said()
     assert [r.getMessage() for r in caplog.records].count("Ollama answers again") == 1
@@ -5436,17 +5416,14 @@ def test_a_webhook_is_signed_keeps_its_idempotency_key_on_retries_and_hears_of_a
     assert publications(conn)[0]["state"] == "cancelled"
 
 
-def test_without_the_bots_token_nothing_is_lost_and_the_outbox_says_why(home, bot):
+def test_without_the_bots_token_nothing_is_lost_and_the_outbox_says_why(home, bot, closing):
     s, db, lwn_id = publish_home(home, targets=[CHANNEL], VESTI_WEB_PASSWORD="s3cret")
     conn = db.conn()
     vesti.set_decisions(conn, [desk_post(conn, lwn_id, 1)], "approved", "ed")
     vesti.Publisher(db, s).look()
     assert publications(conn)[0]["state"] == "queued"
-    web = Web(home, settings=s)
-    try:
-        assert "TG_BOT_TOKEN is not set" in web.get("/outbox")[2]
-    finally:
-        web.close()
+    web = closing(Web(home, settings=s))
+    assert "TG_BOT_TOKEN is not set" in web.get("/outbox")[2]
     s = make_settings(home, TG_BOT_TOKEN=bot.TOKEN, TG_BOT_API=bot.url)
     vesti.Publisher(db, s).look()
     assert publications(conn)[0]["state"] == "published" and len(bot.messages) == 1
@@ -5592,7 +5569,8 @@ def test_a_hostile_link_neither_freezes_the_database_nor_breaks_the_message(home
 
 
 @pytest.mark.parametrize("fault", [("hang", 4), ("close", 0.2), ("posted-502", 0.5)])
-def test_a_telegram_send_with_no_answer_is_uncertain_and_never_sent_again(home, bot, fault):
+def test_a_telegram_send_with_no_answer_is_uncertain_and_never_sent_again(home, bot, fault,
+                                                                          closing):
     s, db, lwn_id = publish_home(home, bot, RSS_TIMEOUT="1", VESTI_WEB_PASSWORD="s3cret")
     conn = db.conn()
     bot.script = [fault]
@@ -5614,18 +5592,15 @@ def test_a_telegram_send_with_no_answer_is_uncertain_and_never_sent_again(home, 
     publisher.look()
     row = publications(conn)[0]
     assert row["state"] == "uncertain" and row["retract"] == 1
-    web = Web(home, settings=s)
-    try:
-        page = web.get("/outbox")[2]
-        assert "may have arrived in @vesti_test" in page and "Checked the channel" in page
-        assert "Send again" not in page
-        assert "Publishing to" in web.get("/")[2]
-        assert web.post(f"/publications/{row['id']}", {"token": web.token(), "action": "again",
-                                                       "seen": "uncertain"})[0] == 409
-        assert web.post(f"/publications/{row['id']}", {"token": web.token(), "action": "cancel",
-                                                       "seen": "uncertain"})[0] == 303
-    finally:
-        web.close()
+    web = closing(Web(home, settings=s))
+    page = web.get("/outbox")[2]
+    assert "may have arrived in @vesti_test" in page and "Checked the channel" in page
+    assert "Send again" not in page
+    assert "Publishing to" in web.get("/")[2]
+    assert web.post(f"/publications/{row['id']}", {"token": web.token(), "action": "again",
+                                                   "seen": "uncertain"})[0] == 409
+    assert web.post(f"/publications/{row['id']}", {"token": web.token(), "action": "cancel",
+                                                   "seen": "uncertain"})[0] == 303
     assert publications(conn)[0]["state"] == "cancelled" and len(bot.messages) == 1
 
 
@@ -6781,15 +6756,12 @@ def test_undated_entries_say_so_and_keep_their_feeds_order(web, home, server):
 
 
 @both
-def test_the_worker_keeps_matched_keywords_and_the_llms_reason(home):
-    fake = FakeOllama(reason="It is about a kernel release.")
-    try:
-        s, db, registry = worker_home(home, fake.url)
-        add_posts(db.conn(), 1, text="The Linux kernel 7.0 is out.")
-        add_posts(db.conn(), 1, start=1, text="Football results from the weekend.")
-        vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    finally:
-        fake.close()
+def test_the_worker_keeps_matched_keywords_and_the_llms_reason(home, closing):
+    fake = closing(FakeOllama(reason="It is about a kernel release."))
+    s, db, registry = worker_home(home, fake.url)
+    add_posts(db.conn(), 1, text="The Linux kernel 7.0 is out.")
+    add_posts(db.conn(), 1, start=1, text="Football results from the weekend.")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
     rows = db.conn().execute("SELECT keywords, reason FROM posts ORDER BY id").fetchall()
     assert tuple(rows[0]) == ("kernel, linux", "It is about a kernel release.")
     assert tuple(rows[1]) == (None, None)
@@ -7027,20 +6999,17 @@ NOT_XML = ("\x01", "\x0b", "\x1b", "\ufffe")
 
 @pytest.mark.slow
 @both
-def test_control_characters_in_titles_and_names_leave_atom_and_opml_well_formed(home):
+def test_control_characters_in_titles_and_names_leave_atom_and_opml_well_formed(home, closing):
     feedparser = pytest.importorskip("feedparser")
     write_sources(home / "sources.yaml", [rss_source(
         "lwn", "https://lwn.net/headlines/rss", name="LWN\x01 \x1bnews\ufffe", direction="linux")])
-    w = Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret"))
-    try:
-        conn = w.db.conn()
-        for k, bad in enumerate(NOT_XML, 1):
-            desk_post(conn, lwn(w), k, title=f"Title{bad} {k}", status="approved")
-            conn.execute("UPDATE posts SET summary = ?, decided_by = ? WHERE id = ?",
-                         (f"Summary{bad}", f"olga{bad}", k))
-        web_atom = w.get("/approved.atom")[2]
-    finally:
-        w.close()
+    w = closing(Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret")))
+    conn = w.db.conn()
+    for k, bad in enumerate(NOT_XML, 1):
+        desk_post(conn, lwn(w), k, title=f"Title{bad} {k}", status="approved")
+        conn.execute("UPDATE posts SET summary = ?, decided_by = ? WHERE id = ?",
+                     (f"Summary{bad}", f"olga{bad}", k))
+    web_atom = w.get("/approved.atom")[2]
     cli_atom = cli("export", "--format", "atom", cwd=home).stdout
     for atom in (web_atom, cli_atom):
         entries = atom_entries(atom)                        # xml.etree reads it
@@ -7082,7 +7051,7 @@ def metric_samples(text):
 
 
 @both
-def test_metrics_speak_prometheus_and_count_what_happened(home, server, ollama):
+def test_metrics_speak_prometheus_and_count_what_happened(home, server, ollama, closing):
     server.feed("/feed", rss(items(3, host=server.url)))
     s, db = intake(home, [rss_source("lwn", server.url + "/feed", direction="linux"),
                           rss_source("gone", server.url + "/gone")], OLLAMA_URL=ollama.url)
@@ -7091,12 +7060,9 @@ def test_metrics_speak_prometheus_and_count_what_happened(home, server, ollama):
     crawl(s, db)                                       # the feed answers 304 this time
     vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=2, quiet=True)
     db.conn().execute("UPDATE posts SET status = 'approved' WHERE id = 1")
-    w = Web(home, settings=s)
-    try:
-        assert w.get("/metrics", auth=False)[0] == 401
-        status, headers, body = w.get("/metrics")
-    finally:
-        w.close()
+    w = closing(Web(home, settings=s))
+    assert w.get("/metrics", auth=False)[0] == 401
+    status, headers, body = w.get("/metrics")
     assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
     families, samples = metric_samples(body)
     assert families["vesti_llm_seconds"].type == "histogram"
@@ -7321,7 +7287,7 @@ def rocket_desk(home, **settings):
 
 
 @both
-def test_the_report_card_reads_in_plain_words_under_the_directions_titles(home):
+def test_the_report_card_reads_in_plain_words_under_the_directions_titles(home, closing):
     s, db = rocket_desk(home)
     env = {"VESTI_LEARN_MIN": "10"}
     [space] = [card for card in json.loads(cli("quality", "--json", cwd=home, env=env).stdout)
@@ -7330,12 +7296,9 @@ def test_the_report_card_reads_in_plain_words_under_the_directions_titles(home):
     assert space["kappa"] == pytest.approx(0.733, abs=0.001)
     assert space["precision"]["held_out"] == 12 and space["precision"]["rests_on"] == \
         {"p20": 12, "p50": 12}
-    web = Web(home, settings=s)
-    try:
-        page = web.get("/quality")[2]
-        russian = web.get("/quality?lang=ru")[2]
-    finally:
-        web.close()
+    web = closing(Web(home, settings=s))
+    page = web.get("/quality")[2]
+    russian = web.get("/quality?lang=ru")[2]
     section = re.search(r'<section class="quality" id="direction-space">.*?</section>', page, re.S)[0]
     assert "<h2>Space and rockets</h2>" in section and "<h2>space</h2>" not in section
     text = html.unescape(re.sub(r"<[^>]+>", " ", section))
@@ -7375,7 +7338,7 @@ def test_the_report_card_reads_in_plain_words_under_the_directions_titles(home):
 
 
 @both
-def test_the_report_card_says_too_few_to_say_and_the_terminal_never_none(home):
+def test_the_report_card_says_too_few_to_say_and_the_terminal_never_none(home, closing):
     s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10, VESTI_WEB_PASSWORD="s3cret")
     conn = db.conn()
     decided_space(conn, wire, MISSIONS[:4], GAMES[:4])
@@ -7395,17 +7358,14 @@ def test_the_report_card_says_too_few_to_say_and_the_terminal_never_none(home):
     assert space["precision"] is None and space["minimum"] == {"decisions": 20, "held_out": 10}
     empty = cli("quality", "--direction", "linux", cwd=home, env=env)
     assert empty.stdout == "linux (Linux): no decisions yet\n"
-    web = Web(home, settings=s)
-    try:
-        page = web.get("/quality")[2]
-    finally:
-        web.close()
+    web = closing(Web(home, settings=s))
+    page = web.get("/quality")[2]
     assert "too few to say (8 decisions; 20 needed)" in page and "beyond chance" not in page
     assert "<svg" not in page and "No decided post had a chance from the model yet" in page
 
 
 @both
-def test_the_report_card_says_what_learning_changed_on_the_desk_this_week(home):
+def test_the_report_card_says_what_learning_changed_on_the_desk_this_week(home, closing):
     s, db = rocket_desk(home)
     conn = db.conn()
     wire = source_row(db, "wire")["id"]
@@ -7433,11 +7393,8 @@ def test_the_report_card_says_what_learning_changed_on_the_desk_this_week(home):
     # The posts no keyword matched that the model let in, and what editors made of them.
     assert (space["keyword_misses"], space["keyword_misses_decided"],
             space["keyword_misses_approved"]) == (5, 3, 2)
-    web = Web(home, settings=s)
-    try:
-        page = html.unescape(web.get("/quality")[2])
-    finally:
-        web.close()
+    web = closing(Web(home, settings=s))
+    page = html.unescape(web.get("/quality")[2])
     assert "<h3>What learning changed on the desk in the last 7 days</h3><table><tr><th>change" in page
     assert "<td>shown by the model: relevance under 3, chance 0.75 or more</td><td>3</td><td>2</td>" \
         "<td>1/2 (50 %)</td>" in page
@@ -8363,32 +8320,30 @@ def test_the_user_command_adds_lists_and_disables_accounts(home):
 
 # Web server: slow clients, the access log, posts that do not exist ------------
 
-def test_a_client_that_drips_its_request_is_dropped_while_others_are_served(web, monkeypatch):
+def test_a_client_that_drips_its_request_is_dropped_while_others_are_served(web, monkeypatch,
+                                                                            closing):
     monkeypatch.setattr(vesti.WebHandler, "request_deadline", 1)
     request = (b"GET /api/queue HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: "
                + web.auth.encode() + b"\r\nX-Slow: " + b"z" * 100 + b"\r\n\r\n")
-    slow = socket.create_connection(("127.0.0.1", web.port), timeout=10)
+    slow = closing(socket.create_connection(("127.0.0.1", web.port), timeout=10))
     dropped, answered = False, None
-    try:
-        give_up = time.monotonic() + 8
-        for byte in request:                               # one byte every 0.5 s
+    give_up = time.monotonic() + 8
+    for byte in request:                               # one byte every 0.5 s
+        try:
+            slow.sendall(bytes([byte]))
+        except OSError:
+            dropped = True
+            break
+        if answered is None:                           # a normal request meanwhile
+            answered = web.get("/api/queue")
+        if select.select([slow], [], [], 0.5)[0]:
             try:
-                slow.sendall(bytes([byte]))
+                dropped = slow.recv(65536) == b""
             except OSError:
                 dropped = True
-                break
-            if answered is None:                           # a normal request meanwhile
-                answered = web.get("/api/queue")
-            if select.select([slow], [], [], 0.5)[0]:
-                try:
-                    dropped = slow.recv(65536) == b""
-                except OSError:
-                    dropped = True
-                break
-            if time.monotonic() > give_up:
-                break
-    finally:
-        slow.close()
+            break
+        if time.monotonic() > give_up:
+            break
     assert dropped
     assert answered[0] == 200 and json.loads(answered[2])["pending"] == 0
 
