@@ -967,7 +967,7 @@ def test_an_interrupted_copy_db_is_completed_by_running_it_again(home, backend, 
     assert counts_match_posts(target) and \
         rows(target, "SELECT sum(n) FROM post_counts") == [(10,)]
     found = vesti.desk_posts(target, vesti.DeskQuery(q="wombat", status="any", min=0))
-    assert [post["id"] for post in found] == list(range(10, 0, -1))
+    assert [post.id for post in found] == list(range(10, 0, -1))
 
 
 @postgres_only
@@ -1956,7 +1956,9 @@ def test_a_story_of_thousands_of_copies_costs_its_card_what_one_of_a_thousand_do
                            for n in range(len(work) and 1000, copies)])
         if conn.dialect is vesti.POSTGRES:
             conn.execute("ANALYZE posts")           # as autovacuum does: plans from real figures
-        card = conn.execute("SELECT id, story_id FROM posts WHERE id = ?", (lead,)).fetchall()
+        card = [post for post in vesti.desk_posts(conn, vesti.DeskQuery(direction="linux", min=0,
+                                                                         chosen=True))
+                if post.id == lead]
         lines = {}
         work[copies] = database_work(conn, lambda: lines.update(vesti.story_copies(conn, card)),
                                      "posts")
@@ -2259,15 +2261,15 @@ def test_a_direction_that_learned_enough_judges_its_posts_and_lifts_what_keyword
     assert game["direction"] == "space" and game["likely"] < vesti.LIKELY_LOW
     assert garden["direction"] is None and garden["likely"] is None
     ids = {r["title"]: r["id"] for r in conn.execute("SELECT id, title FROM posts")}
-    shown = [p["id"] for p in vesti.desk_posts(conn, vesti.DeskQuery(direction="space"))]
+    shown = [p.id for p in vesti.desk_posts(conn, vesti.DeskQuery(direction="space"))]
     assert ids["Post 301"] not in shown
     # With relevance 2, the mission is on the default desk once the model is sure of it.
     assert (ids["Post 300"] in shown) == (mission["likely"] >= vesti.LIKELY_HIGH)
     everything = vesti.DeskQuery(direction="space", min=0, chosen=True)
-    assert ids["Post 301"] in [p["id"] for p in vesti.desk_posts(conn, everything)]
+    assert ids["Post 301"] in [p.id for p in vesti.desk_posts(conn, everything)]
     by_likely = vesti.desk_posts(conn, vesti.DeskQuery(direction="space", sort="likely", min=0,
                                                        chosen=True))
-    assert [p["id"] for p in by_likely][:1] == [ids["Post 300"]]
+    assert [p.id for p in by_likely][:1] == [ids["Post 300"]]
     assert counts_match_posts(conn)
 
 
@@ -2304,7 +2306,7 @@ def test_a_source_the_editors_keep_rejecting_sinks_below_the_floor(home):
     likely = dict(conn.execute("SELECT id, likely FROM posts WHERE id IN (?, ?, ?)",
                                (fresh, other, gamers)))
     assert likely[fresh] < vesti.LIKELY_LOW < min(likely[other], likely[gamers])
-    shown = [p["id"] for p in vesti.desk_posts(conn, vesti.DeskQuery(direction="space"))]
+    shown = [p.id for p in vesti.desk_posts(conn, vesti.DeskQuery(direction="space"))]
     assert fresh not in shown and other in shown and gamers in shown
     model = learners.model("space")
     assert "spam" in vesti.reason_words(model.reasons(vesti.post_features("", MISSIONS[5], spam),
@@ -2346,14 +2348,14 @@ def test_decisions_that_carry_no_signal_leave_the_desk_as_keywords_made_it(home)
     posts = [desk_post(conn, wire, k, text=f"{rng.choice(texts)} Item {k}.", direction="space",
                        relevance=rng.choice((2, 3, 5, 8))) for k in range(120)]
     vesti.index_new_posts(conn)                         # counted, as a worker leaves them
-    before = [p["id"] for p in vesti.desk_posts(conn, vesti.DeskQuery(direction="space"), 500)]
+    before = [p.id for p in vesti.desk_posts(conn, vesti.DeskQuery(direction="space"), 500)]
     decided = rng.sample(posts, 30)
     vesti.set_decisions(conn, decided[:18], "approved", "ed")        # 60 %, whatever they say
     vesti.set_decisions(conn, decided[18:], "rejected", "ed")
     learners = vesti.Learners(10).refresh(conn, now=True)
     assert learners.model("space") is not None
     vesti.judge_every_card(conn, learners, "space")
-    after = [p["id"] for p in vesti.desk_posts(conn, vesti.DeskQuery(direction="space"), 500)]
+    after = [p.id for p in vesti.desk_posts(conn, vesti.DeskQuery(direction="space"), 500)]
     undecided = set(posts) - set(decided)
     changed = (set(before) ^ set(after)) & undecided
     assert len(changed) <= 0.15 * len(set(before) & undecided), changed
@@ -6488,7 +6490,7 @@ def test_a_search_of_a_common_word_reads_about_a_page_and_misses_nothing(web, mo
     assert walk_desk(web, "/?q=kernel") == walk_desk(web, "/")
     counting = CountingConnection(conn)
     page = vesti.desk_posts(counting, vesti.DeskQuery(q="kernel"))
-    assert [p["id"] for p in page] == card_ids(web.get("/")[2]) + [page[-1]["id"]]
+    assert [p.id for p in page] == card_ids(web.get("/")[2]) + [page[-1].id]
     assert counting.matches_read < 200                   # of the 600 matches
     monkeypatch.setattr(vesti.DeskQuery, "walk", 100)    # deeper pages sort every match
     assert walk_desk(web, "/?q=kernel") == walk_desk(web, "/")

@@ -3754,17 +3754,17 @@ StoryLine = collections.namedtuple("StoryLine", "named count")
 def story_copies(conn, posts):
     """{card's post id: its StoryLine} for the cards of a page: the story's
     first post, then its copies in the order they came."""
-    stories = sorted({post["story_id"] for post in posts if post["story_id"] is not None})
+    stories = sorted({post.story_id for post in posts if post.story_id is not None})
     members = {row["id"]: [row] for row in story_leads(conn, stories)}
     for row in first_copies(conn, stories):
         members.setdefault(row["story_id"], []).append(row)
     lines = {}
     for post in posts:
-        story = members.get(post["story_id"], ())
-        others = [member for member in story if member["id"] != post["id"]]
+        story = members.get(post.story_id, ())
+        others = [member for member in story if member["id"] != post.id]
         if others:
-            count = story[0]["copies"] if story[0]["id"] == post["story_id"] else len(others)
-            lines[post["id"]] = StoryLine(others[:STORY_NAMED], count)
+            count = story[0]["copies"] if story[0]["id"] == post.story_id else len(others)
+            lines[post.id] = StoryLine(others[:STORY_NAMED], count)
     return lines
 
 
@@ -6557,11 +6557,10 @@ WORDED_TEXT = 6000
 WORDING_CHARS = 16
 
 
-def wording(post):
-    """What a card's decision names of the words it shows (a row of title,
-    words_sha256 and text, the text cut to WORDED_TEXT or longer)."""
-    said = post["words_sha256"] or \
-        content_digest(post["title"], (post["text"] or "")[:WORDED_TEXT])
+def wording(title, text, words_sha256):
+    """What a card's decision names of the words it shows (its title, its
+    text cut to WORDED_TEXT or longer, and their digest when stored)."""
+    said = words_sha256 or content_digest(title, (text or "")[:WORDED_TEXT])
     return said[:WORDING_CHARS]
 
 
@@ -6572,7 +6571,7 @@ def check_wordings(conn, seen):
         for row in conn.execute(f"""SELECT id, title, words_sha256,
                                            substr(text, 1, {WORDED_TEXT}) AS text
                                     FROM posts WHERE {among}""", values):
-            if wording(row) != seen[row["id"]]:
+            if wording(row["title"], row["text"], row["words_sha256"]) != seen[row["id"]]:
                 raise Reworded(row["id"])
 
 
@@ -11903,6 +11902,43 @@ DESK_COLUMNS = """p.id, p.title, p.url, p.summary, p.direction, p.relevance, p.i
                   substr(p.old_text, 1, {card_text}) AS old_text""".format(card_text=CARD_TEXT + 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class Card:
+    """A post as the desk reads it (DESK_COLUMNS): what its card, its JSON
+    and the desk's order and cursor are made of."""
+    id: int
+    title: str
+    url: str
+    summary: str
+    direction: str
+    relevance: int
+    interest: int
+    status: str                 # new | approved | rejected
+    published_at: str
+    undated: int                # its date is when it was fetched
+    content_type: str
+    keywords: str               # the direction's keywords it matched, ", "-joined
+    reason: str
+    text: str                   # cut to CARD_TEXT + 1
+    decided_at: str
+    decided_by: str
+    story_id: int
+    source: str                 # the source's name
+    source_slug: str
+    old_decision: str           # the decision an edit of the source took back
+    likely: float
+    source_id: int
+    words_sha256: str
+    old_decided_at: str
+    old_decided_by: str
+    old_title: str
+    old_text: str
+
+    @classmethod
+    def of(cls, row):
+        return cls(*(row[field.name] for field in dataclasses.fields(cls)))
+
+
 def desk_posts(conn, desk, limit=PAGE_SIZE + 1):
     """One page of the desk, keyset-paged: the page after `desk.after` in the
     chosen order, with or without a search."""
@@ -11913,7 +11949,7 @@ def desk_posts(conn, desk, limit=PAGE_SIZE + 1):
     if desk.q and desk.sort == "newest":
         page = search_newest(conn, desk, where, params, limit)
         if page is not None:
-            return page
+            return [Card.of(row) for row in page]
         posts = conn.dialect.posts_by_id        # every match sorted: faster than the index
     if desk.q:
         clause, values = conn.dialect.search_filter(desk.q)
@@ -11926,9 +11962,9 @@ def desk_posts(conn, desk, limit=PAGE_SIZE + 1):
         where.append(f"({', '.join(keys)}) < ({', '.join('?' * len(keys))})")
         params += values
     order = ", ".join(f"{k} DESC" for k in keys)
-    return conn.execute(f"""
+    return [Card.of(row) for row in conn.execute(f"""
         SELECT {DESK_COLUMNS} FROM {posts} LEFT JOIN sources s ON s.id = p.source_id
-        WHERE {' AND '.join(where)} ORDER BY {order} LIMIT ?""", [*params, limit]).fetchall()
+        WHERE {' AND '.join(where)} ORDER BY {order} LIMIT ?""", [*params, limit])]
 
 
 # A search under newest first walks its matches newest collected first, a
@@ -11989,22 +12025,22 @@ def every_decision(conn, desk, limit):
              desk_posts(conn, dataclasses.replace(desk, status=decision, decided=None), limit)]
     def order(post):  # descending, NULLs last, as ORDER BY … DESC has them
         value = desk_score(desk, post)
-        return -1 if value is None else value, post["published_at"] or "", post["id"]
+        return -1 if value is None else value, post.published_at or "", post.id
     return sorted(posts, key=order, reverse=True)[:limit]
 
 
 def desk_score(desk, post):
     """The post's score in the desk's order (SCORES), or None."""
     if desk.sort == "likely":
-        return post["likely"] if post["likely"] is not None else \
-            None if post["relevance"] is None else post["relevance"] / 10.0
-    return None if desk.sort == "newest" else post[desk.sort]
+        return post.likely if post.likely is not None else \
+            None if post.relevance is None else post.relevance / 10.0
+    return None if desk.sort == "newest" else getattr(post, desk.sort)
 
 
 def next_cursor(desk, post):
     score = desk_score(desk, post)
-    published = re.sub(r"[-:]", "", (post["published_at"] or "")).replace(" ", "T")
-    return f"{'' if score is None else repr(score)}~{published}~{post['id']}"
+    published = re.sub(r"[-:]", "", (post.published_at or "")).replace(" ", "T")
+    return f"{'' if score is None else repr(score)}~{published}~{post.id}"
 
 
 def desk_counts(conn, desk):
@@ -12145,21 +12181,21 @@ def is_web_link(url):
 
 def decision_form(post, page, back):
     if not page.may("editor"):
-        return f'<p class="small"><span class="badge state">{said(page.lang, "status." + post["status"])}</span></p>'
-    return (f'<form class="decide" method="post" action="/posts/{post["id"]}/status">'
+        return f'<p class="small"><span class="badge state">{said(page.lang, "status." + post.status)}</span></p>'
+    return (f'<form class="decide" method="post" action="/posts/{post.id}/status">'
             f'{form_fields(page.token, back)}'
-            f'<input type="hidden" name="wording" value="{esc(wording(post))}">'
-            f'<input type="hidden" name="seen" value="{esc(post["status"])}">'
-            f'{decision_buttons(page.lang, post["status"])}</form>')
+            f'<input type="hidden" name="wording" value="{esc(wording(post.title, post.text, post.words_sha256))}">'
+            f'<input type="hidden" name="seen" value="{esc(post.status)}">'
+            f'{decision_buttons(page.lang, post.status)}</form>')
 
 
 def decided_line(post, page):
     """Who decided the post, and when; and who else is looking at it now
     (filled in by the desk's script)."""
     said_by = ""
-    if post["status"] != "new" and post["decided_by"]:
-        said_by = page.t("decided_by", decision=phrase(page.lang, "status." + post["status"]),
-                         who=post["decided_by"], when=post["decided_at"] or "?")
+    if post.status != "new" and post.decided_by:
+        said_by = page.t("decided_by", decision=phrase(page.lang, "status." + post.status),
+                         who=post.decided_by, when=post.decided_at or "?")
     return (f'<p class="small muted decided">{said_by}'
             f'<span class="looking" hidden></span></p>')
 
@@ -12199,7 +12235,7 @@ def story_line(post, story, page):
         return {"n": n, "count": f"{n}+" if capped else str(n)}
     unnamed = story.count - len(story.named)
     more = f' {page.t("more_copies", **counted(unnamed))}' if unnamed > 0 else ""
-    every = page.link("/", story=post["story_id"], status="any", min=0)
+    every = page.link("/", story=post.story_id, status="any", min=0)
     return (f'<p class="small story">{page.t("more_sources", **counted(story.count))}: {links}'
             f'{more} · <a href="{esc(every)}">{page.t("every_copy")}</a></p>')
 
@@ -12216,17 +12252,17 @@ def card_words(lang):
 def card_time(post, words):
     """When the post was published; for an undated one, that it has no date
     and when it was fetched (what its published_at then holds)."""
-    stamp = f'{esc(post["published_at"])} {words["utc"]}'
-    return f'{words["undated"]} {stamp}' if post["undated"] else stamp
+    stamp = f'{esc(post.published_at)} {words["utc"]}'
+    return f'{words["undated"]} {stamp}' if post.undated else stamp
 
 
 def edited_mark(post, page):
     """What an edit of its words after a decision took back (see reword_post)."""
-    if not post["old_decision"]:
+    if not post.old_decision:
         return ""
-    decision = page.strings.get(f'status.{post["old_decision"]}', post["old_decision"])
-    said_then = page.t("edited", decision=decision, who=post["old_decided_by"] or "—",
-                       when=post["old_decided_at"] or "—")
+    decision = page.strings.get(f'status.{post.old_decision}', post.old_decision)
+    said_then = page.t("edited", decision=decision, who=post.old_decided_by or "—",
+                       when=post.old_decided_at or "—")
     return f'<p class="edited">{said_then}</p>'
 
 
@@ -12237,8 +12273,8 @@ def edited_texts(post, words, text):
                 f'<b>{esc(title)}</b>\n{esc(body)}</div>')
     return (f'<details class="edit"><summary class="small">{words["edit_texts"]}</summary>'
             f'<div class="versions">'
-            f'{version("before", "before_edit", post["old_title"], shorten(post["old_text"], CARD_TEXT))}'
-            f'{version("now", "after_edit", post["title"], text)}</div></details>')
+            f'{version("before", "before_edit", post.old_title, shorten(post.old_text, CARD_TEXT))}'
+            f'{version("now", "after_edit", post.title, text)}</div></details>')
 
 
 def sent_to(conn, post_ids):
@@ -12279,37 +12315,37 @@ def card_html(post, page, back, story=None, weighed=(), publications=(), unsure=
     Model.reasons); `publications`: where it goes or went (see sent_to);
     `unsure`: the card the desk asks about (see question_card)."""
     words = card_words(page.lang)
-    title = esc(post["title"]) or words["untitled"]
-    link = (f'<a href="{esc(post["url"])}" rel="noopener noreferrer" target="_blank">{title}</a>'
-            if is_web_link(post["url"]) else title)
+    title = esc(post.title) or words["untitled"]
+    link = (f'<a href="{esc(post.url)}" rel="noopener noreferrer" target="_blank">{title}</a>'
+            if is_web_link(post.url) else title)
     why = []
-    if post["keywords"]:
-        why.append(f'{words["keywords"]}: {esc(post["keywords"])}')
-    if post["reason"]:
-        why.append(f'{words["reason"]}: {esc(post["reason"])}')
+    if post.keywords:
+        why.append(f'{words["keywords"]}: {esc(post.keywords)}')
+    if post.reason:
+        why.append(f'{words["reason"]}: {esc(post.reason)}')
     if weighed:
         why.append(f'{words["weighed"]}: {esc(", ".join(weighed))}')
-    likely = "" if post["likely"] is None else \
-        f' · {words["likely"]} <b class="likely">{post["likely"]:.2f}</b>'
+    likely = "" if post.likely is None else \
+        f' · {words["likely"]} <b class="likely">{post.likely:.2f}</b>'
     if unsure:
         likely += f' <span class="badge unsure">{page.t("unsure")}</span>'
     why_html = f'<p class="why small muted">{" · ".join(why)}</p>' if why else ""
-    text = shorten(post["text"], CARD_TEXT)
-    if post["old_decision"]:
+    text = shorten(post.text, CARD_TEXT)
+    if post.old_decision:
         stored = edited_texts(post, words, text)
     else:
         stored = (f'<details><summary class="small">{words["stored_text"]}</summary>'
                   f'<div class="text">{esc(text)}</div></details>' if text else "")
-    direction = esc(post["direction"]) or words["no_direction"]
+    direction = esc(post.direction) or words["no_direction"]
     published = published_where(publications)
     published = f' data-published="{esc(published)}"' if published else ""
-    return (f'<article class="post" id="post-{post["id"]}" data-id="{post["id"]}" '
-            f'data-status="{esc(post["status"])}"{published}><h2>{link}</h2>'
-            f'<p class="small muted">{esc(post["source"])} · {card_time(post, words)} · '
+    return (f'<article class="post" id="post-{post.id}" data-id="{post.id}" '
+            f'data-status="{esc(post.status)}"{published}><h2>{link}</h2>'
+            f'<p class="small muted">{esc(post.source)} · {card_time(post, words)} · '
             f'<span class="badge">{direction}</span> '
-            f'{words["relevance"]} <b>{esc(post["relevance"])}</b> · '
-            f'{words["interest"]} <b>{esc(post["interest"])}</b>{likely}</p>{edited_mark(post, page)}'
-            f'<p>{esc(post["summary"])}</p>{story_line(post, story, page)}{why_html}{stored}'
+            f'{words["relevance"]} <b>{esc(post.relevance)}</b> · '
+            f'{words["interest"]} <b>{esc(post.interest)}</b>{likely}</p>{edited_mark(post, page)}'
+            f'<p>{esc(post.summary)}</p>{story_line(post, story, page)}{why_html}{stored}'
             f'{outbox_line(publications, page)}{decided_line(post, page)}'
             f'{decision_form(post, page, back)}</article>')
 
@@ -12320,8 +12356,8 @@ def bulk_form(page, posts, back):
     without it the server asks on a page of its own."""
     if not posts:
         return ""
-    ids, n = ",".join(str(p["id"]) for p in posts), len(posts)
-    words = ",".join(f'{p["id"]}:{wording(p)}' for p in posts)
+    ids, n = ",".join(str(p.id) for p in posts), len(posts)
+    words = ",".join(f'{p.id}:{wording(p.title, p.text, p.words_sha256)}' for p in posts)
     return (f'<form class="actions bulk" method="post" action="{esc(page.link("/posts/status"))}">'
             f'{form_fields(page.token, back)}<input type="hidden" name="ids" value="{ids}">'
             f'<input type="hidden" name="wording" value="{esc(words)}">'
@@ -12379,12 +12415,12 @@ def source_options(conn):
 def weighed_most(post, learners):
     """What weighed most in a card's likely, as a card names it: words, and
     its source by name."""
-    model = learners.model(post["direction"]) if learners and post["likely"] is not None else None
+    model = learners.model(post.direction) if learners and post.likely is not None else None
     if model is None:
         return ()
-    features = post_features(post["title"], post["text"], post["source_id"])
-    return tuple(reason_words(model.reasons(features, post["likely"]), post["title"], post["text"],
-                              post["source"] or f'@{post["source_id"]}'))
+    features = post_features(post.title, post.text, post.source_id)
+    return tuple(reason_words(model.reasons(features, post.likely), post.title, post.text,
+                              post.source or f'@{post.source_id}'))
 
 
 # GET /api/posts: this many posts a page unless `limit` says otherwise, and at most this many.
@@ -12422,7 +12458,8 @@ def question_card(conn, desk):
               AND p.direction = ? AND {card('p.')}
             ORDER BY {chance} {order} LIMIT 1""",
                                 (LIKELY_FLOOR, bound, desk.direction)).fetchall()
-    return min(nearest, key=lambda post: abs(post["likely"] - LIKELY_FLOOR), default=None)
+    return min((Card.of(row) for row in nearest), key=lambda post: abs(post.likely - LIKELY_FLOOR),
+               default=None)
 
 
 def asked_first(conn, desk, posts):
@@ -12431,7 +12468,7 @@ def asked_first(conn, desk, posts):
     asked = question_card(conn, desk)
     if asked is None:
         return posts, None
-    return [asked, *[post for post in posts if post["id"] != asked["id"]]], asked["id"]
+    return [asked, *[post for post in posts if post.id != asked.id]], asked.id
 
 
 def desk_answer(conn, desk, limit):
@@ -12446,7 +12483,7 @@ def desk_answer(conn, desk, limit):
     posts, asked = asked_first(conn, desk, posts)
     posts = posts[:limit]
     stories = {} if desk.story else story_copies(conn, posts)
-    answer = {"posts": [api_post(post, stories.get(post["id"]), post["id"] == asked)
+    answer = {"posts": [api_post(post, stories.get(post.id), post.id == asked)
                         for post in posts]}
     if cursor:
         answer["next"] = cursor
@@ -12456,7 +12493,7 @@ def desk_answer(conn, desk, limit):
 def api_post(post, story, unsure=False):
     fields = ("id", "url", "title", "source", "published_at", "direction", "relevance",
               "interest", "likely", "status", "decided_by", "decided_at")
-    answer = {field: post[field] for field in fields}
+    answer = {field: getattr(post, field) for field in fields}
     answer["unsure"] = unsure
     answer["story"] = [{"id": c["id"], "url": c["url"], "source": c["source"]}
                        for c in (story.named if story else ())]
@@ -12488,9 +12525,9 @@ def desk_page(conn, desk, page, directions, settings, sources=None, learners=Non
     here = page.link("/", **desk.params(after="~".join(
         "" if v is None else str(v) for v in desk.after) if desk.after else None))
     stories = {} if desk.story else story_copies(conn, posts)
-    sent = sent_to(conn, [p["id"] for p in posts if p["status"] == "approved"])
-    cards = "".join(card_html(p, page, here, stories.get(p["id"]), weighed_most(p, learners),
-                              sent.get(p["id"], ()), p["id"] == asked)
+    sent = sent_to(conn, [p.id for p in posts if p.status == "approved"])
+    cards = "".join(card_html(p, page, here, stories.get(p.id), weighed_most(p, learners),
+                              sent.get(p.id, ()), p.id == asked)
                     for p in posts)
     if not cards:
         empty = "empty_filtered" if desk.direction or desk.q or desk.source or \
