@@ -2388,16 +2388,26 @@ def test_every_third_decision_the_desk_asks_about_the_card_the_model_is_least_su
 
 
 def test_a_model_keeps_a_bounded_number_of_features_however_many_are_decided(home):
+    """Past MODEL_FEATURES, the words of a single decided post go. Judged
+    with its own decision left out (to calibrate), such a post leaves out
+    nothing of a word the model no longer holds, even one the news in
+    general has again."""
     s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10)
     conn = db.conn()
     decided_space(conn, wire, MISSIONS, GAMES)
+    again = desk_post(conn, wire, 300, text=MISSIONS[0] + " Again.", direction="space")
     noise = [("space", f"noise{k}", 0, 1, 1) for k in range(vesti.MODEL_FEATURES + 5000)]
     vesti.insert_rows(conn, "learned_words (direction, feature, approved, rejected, version)",
                       noise, "ON CONFLICT (direction, feature) DO NOTHING")
     conn.execute("UPDATE learners SET version = version + 1, epoch = epoch + 1")
-    model = vesti.Learners(10).refresh(conn, now=True).model("space")
+    learners = vesti.Learners(10).refresh(conn, now=True)
+    model = learners.model("space")
     assert model.floor == 2 and len(model.counts) <= vesti.MODEL_FEATURES
     assert model.counts["rocket"][0] == 6               # what the editors' posts share stays
+    assert "weather" not in model.counts                # in one decided post only
+    vesti.judge_every_card(conn, learners, "space")
+    likely = conn.execute("SELECT likely FROM posts WHERE id = ?", (again,)).fetchone()[0]
+    assert 0 < likely < 1
 
 
 FESTIVALS = ["The film festival gave its jury award to a documentary about the space station.",

@@ -4471,10 +4471,12 @@ class Model:
         for feature in features:
             if feature[0] == "@" or (common and background.counts.get(feature, 0) > common):
                 continue            # the source weighs on its own (source_weight)
-            wanted, unwanted = self.counts.get(feature, (0, 0))
+            counted = self.counts.get(feature)
+            wanted, unwanted = counted or (0, 0)
             unwanted += background.counts.get(feature, 0) + elsewhere.counts.get(feature, 0) - \
                 mine * wanted
-            wanted, unwanted = wanted - own[0], unwanted - own[1]
+            if counted is not None:     # one the model dropped (seen_floor) holds no decision
+                wanted, unwanted = wanted - own[0], unwanted - own[1]
             if wanted + unwanted <= 0:
                 continue            # never seen but in this post: it says nothing
             share = (wanted + unwanted + 1) / (everything + 2)

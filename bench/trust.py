@@ -36,8 +36,8 @@ Runs that compare are made from one database: the feeds are crawled and
 classified once, the file is copied (no process has it open then), and each
 run starts `serve` on its copy (one keyword-only run serves (a) and (b)).
 A learned run: the editor decides; the bench waits until the desk stops
-changing (read every second, at least RESCORE_IDLE + 3 s after the last
-decision, at most 60 s; every 0.5 s and RESCORE_IDLE + 0.5 s with --smoke:
+changing (read every second, at least Rescorer.idle + 3 s after the last
+decision, at most 60 s; every 0.5 s and Rescorer.idle + 0.5 s with --smoke:
 the server judges the rest of the cards once the editor pauses); then the posts held back
 arrive (the feeds gain them), `crawl --all` and `worker` (which judge them
 by the learned model); then the desk is read. The keyword-only run is the
@@ -388,9 +388,11 @@ def settle(desk, directions, quiet, every=1.0, limit=SETTLE_MAX):
 
 def quiet_after(vesti, smoke):
     """Seconds after the last decision before the desk may count as settled:
-    the server's RESCORE_IDLE (2 s unless the measured vesti.py says
-    otherwise) and 3 s more (0.5 with --smoke)."""
-    idle = getattr(vesti, "RESCORE_IDLE", 2.0) if vesti is not None else 2.0
+    the server's Rescorer.idle (RESCORE_IDLE in older ones; 2 s unless the
+    measured vesti.py says otherwise) and 3 s more (0.5 with --smoke)."""
+    rescorer = getattr(vesti, "Rescorer", None) if vesti is not None else None
+    idle = getattr(rescorer, "idle", None) or getattr(vesti, "RESCORE_IDLE", 2.0) \
+        if vesti is not None else 2.0
     return idle + (0.5 if smoke else 3.0)
 
 
