@@ -1400,7 +1400,7 @@ def test_a_sources_list_shows_its_copies_and_a_copy_decides_its_story(home, clos
                     "2026-12-01 08:30:00")
     other = add_copy(conn, "daily", "Comet this weekend", OTHER, "2026-12-01 09:30:00")
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    assert conn.execute("SELECT story_id FROM posts WHERE id = ?", (copy,)).fetchone()[0] == first
+    assert post_row(conn, copy)["story_id"] == first
     web = closing(Web(home, settings=s.replace(web_password="s3cret")))
     page = web.get("/?min=0&source=daily")[2]
     assert card_ids(page) == [other, copy]                 # the copy is the daily's post
@@ -1744,7 +1744,7 @@ def test_an_established_sources_post_does_not_join_a_new_sources_post_that_adds_
     stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
     assert (stories[advert], stories[told]) == (advert, told)
     vesti.set_decisions(conn, [advert], "rejected", "editor")
-    assert conn.execute("SELECT status FROM posts WHERE id = ?", (told,)).fetchone()[0] == "new"
+    assert post_row(conn, told)["status"] == "new"
 
 
 @both
@@ -2406,7 +2406,7 @@ def test_a_model_keeps_a_bounded_number_of_features_however_many_are_decided(hom
     assert model.counts["rocket"][0] == 6               # what the editors' posts share stays
     assert "weather" not in model.counts                # in one decided post only
     vesti.judge_every_card(conn, learners, "space")
-    likely = conn.execute("SELECT likely FROM posts WHERE id = ?", (again,)).fetchone()[0]
+    likely = post_row(conn, again)["likely"]
     assert 0 < likely < 1
 
 
@@ -6223,6 +6223,11 @@ def desk_post(conn, source_id, k, relevance=7, interest=4, direction="linux", st
          november(k if minute is None else minute), "linux, kernel")).fetchone()[0]
 
 
+def post_row(conn, post_id):
+    """A post's row as the database holds it now."""
+    return conn.execute("SELECT * FROM posts WHERE id = ?", (post_id,)).fetchone()
+
+
 def card_ids(page):
     return [int(i) for i in re.findall(r'<article class="post" id="post-(\d+)"', page)]
 
@@ -7470,7 +7475,7 @@ def test_the_desk_from_the_keyboard_decides_in_place(web, browser):
     assert wait_for(lambda: browser.evaluate(
         f"document.getElementById('post-{ids[-32]}').dataset.busy === '0'"), timeout=10)
     assert browser.evaluate(f"document.getElementById('post-{ids[-32]}').dataset.status") == "new"
-    assert conn.execute("SELECT status FROM posts WHERE id = ?", (ids[-32],)).fetchone()[0] \
+    assert post_row(conn, ids[-32])["status"] \
         == "new"
 
 
@@ -7578,13 +7583,13 @@ def test_a_decision_that_did_not_save_looks_unsaved_and_saves_when_tried_again(w
     shown = decision_shown(browser, post)
     assert (shown["status"], shown["alerts"]) == ("new", [])
     assert shown["note"] == "Not saved: the server could not be reached. Press a to try again."
-    assert conn.execute("SELECT status FROM posts WHERE id = ?", (post,)).fetchone()[0] == "new"
+    assert post_row(conn, post)["status"] == "new"
     browser.call("Network.emulateNetworkConditions", session=True, offline=False, latency=0,
                  downloadThroughput=-1, uploadThroughput=-1)
     press(browser, "a")
     shown = decision_shown(browser, post)
     assert (shown["status"], shown["badge"], shown["note"]) == ("approved", "approved", "")
-    assert conn.execute("SELECT status FROM posts WHERE id = ?", (post,)).fetchone()[0] == \
+    assert post_row(conn, post)["status"] == \
         "approved"
 
 
@@ -7610,7 +7615,7 @@ def test_a_card_edited_since_the_page_was_loaded_is_not_decided_in_place(web, br
     browser.open(web.origin + "/", {"Authorization": web.auth})
     browser.evaluate(f"document.querySelector('#post-{ids[0]} button.rejected').click()")
     assert decision_shown(browser, ids[0])["status"] == "rejected"
-    assert conn.execute("SELECT status FROM posts WHERE id = ?", (ids[0],)).fetchone()[0] == \
+    assert post_row(conn, ids[0])["status"] == \
         "rejected"
 
 
@@ -7693,7 +7698,7 @@ def test_without_javascript_a_decision_comes_back_to_its_card(web, browser):
     assert 0 <= where["cardTop"] < 100
     assert browser.evaluate(f"document.getElementById('post-{target}').dataset.status") == \
         "approved"                                        # shown decided, in its place
-    assert conn.execute("SELECT status FROM posts WHERE id = ?", (target,)).fetchone()[0] == \
+    assert post_row(conn, target)["status"] == \
         "approved"
 
 
@@ -7738,16 +7743,14 @@ def test_undoing_a_published_post_asks_first_and_the_outbox_fits_a_phone(home, b
         browser.evaluate(f"window.answer = false; {undo.format(sent)}")
         assert "This deletes the message in @vesti_test" in browser.evaluate("window.asked")
         time.sleep(0.3)
-        assert conn.execute("SELECT status FROM posts WHERE id = ?", (sent,)).fetchone()[0] == "approved"
+        assert post_row(conn, sent)["status"] == "approved"
         browser.evaluate(f"window.answer = true; window.asked = null; {undo.format(sent)}")
-        assert wait_for(lambda: conn.execute("SELECT status FROM posts WHERE id = ?",
-                                             (sent,)).fetchone()[0] == "new", timeout=10)
+        assert wait_for(lambda: post_row(conn, sent)["status"] == "new", timeout=10)
         publisher.look()
         assert bot.messages == [] and len(bot.deleted) == 1
         # What was never sent is taken back without a question.
         browser.evaluate(f"window.asked = null; {undo.format(waiting)}")
-        assert wait_for(lambda: conn.execute("SELECT status FROM posts WHERE id = ?",
-                                             (waiting,)).fetchone()[0] == "new", timeout=10)
+        assert wait_for(lambda: post_row(conn, waiting)["status"] == "new", timeout=10)
         assert browser.evaluate("window.asked") is None
         vesti.set_decisions(conn, [waiting], "approved", "ed")
         browser.call("Emulation.setDeviceMetricsOverride", session=True, width=390, height=844,
@@ -8239,14 +8242,14 @@ def test_each_decision_names_its_editor_and_is_an_event_and_a_stale_one_is_refus
                                                       "seen": "new"},
                             auth=False, headers={**accounts["anna"], "Accept": "application/json"})
     assert status == 200
-    assert conn.execute("SELECT decided_by FROM posts WHERE id = ?", (post,)).fetchone()[0] == "anna"
+    assert post_row(conn, post)["decided_by"] == "anna"
     # Boris's page still showed it new: his rejection is refused, naming anna.
     status, headers, body = web.post(f"/posts/{post}/status",
                                      {"token": boris, "status": "rejected", "seen": "new"},
                                      auth=False, headers={**accounts["boris"],
                                                           "Accept": "application/json"})
     assert status == 409 and "by anna" in body and headers["X-Vesti-Conflict"] == "decided"
-    assert conn.execute("SELECT status FROM posts WHERE id = ?", (post,)).fetchone()[0] == "approved"
+    assert post_row(conn, post)["status"] == "approved"
     # Seeing it approved, he may.
     assert web.post(f"/posts/{post}/status", {"token": boris, "status": "rejected",
                                                "seen": "approved"},
