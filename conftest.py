@@ -173,12 +173,6 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("backend", metafunc.function.backends, indirect=True)
 
 
-
-
-
-
-
-
 @pytest.fixture(scope="session")
 def postgres_server(request):
     """The server VESTI_TEST_POSTGRES names, or ("own", see restarts_postgres)

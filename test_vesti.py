@@ -5794,7 +5794,7 @@ def test_two_publishers_in_containers_of_one_host_never_send_at_once(home, bot):
     conn = db.conn()
     ids = [desk_post(conn, lwn_id, k) for k in range(4)]
     vesti.set_decisions(conn, ids, "approved", "ed")
-    bot.script = [("hang", 1.5), ("hang", 1.5)]
+    bot.script = [("hang", 1.0), ("hang", 1.0)]
     env = cli_env({"TG_BOT_TOKEN": bot.TOKEN, "TG_BOT_API": bot.url, "RSS_TIMEOUT": "5"})
     publish = " ".join(map(shlex.quote, [*VESTI, "publish", "--forever"]))
     # The first runs as PID 2 of its namespace, the second as PID 3: in the
@@ -5816,7 +5816,7 @@ def test_two_publishers_in_containers_of_one_host_never_send_at_once(home, bot):
         first.wait()
     assert shown_titles(bot) == [f"Post {k}" for k in range(4)]
     sends = [at for method, _, at in bot.calls if method == "sendMessage"]
-    assert all(b - a >= 1.5 for a, b in zip(sends, sends[1:3]))   # none while another was out
+    assert all(b - a >= 1.0 for a, b in zip(sends, sends[1:3]))   # none while another was out
 
 
 def test_one_slow_webhook_delays_no_other_target(home, bot, closing):
@@ -8220,7 +8220,6 @@ def test_a_signed_out_desk_says_so_without_a_password_box_and_the_users_page_fit
     assert browser.evaluate("location.pathname") == "/"
     conn.execute("DELETE FROM sessions")                   # it ends on the server (12 h, disabled)
     browser.evaluate("fetch('/api/looks?ids=1',{credentials:'same-origin',headers:{'Accept':'application/json'}}).then(r=>window.st=r.status)")
-    time.sleep(1)
     assert wait_for(lambda: browser.evaluate("!!document.getElementById('signed-out')"), timeout=10)
     banner = browser.evaluate("document.getElementById('signed-out').innerHTML")
     assert "Sign in again" in banner and 'href="/login?next=' in banner
@@ -8894,8 +8893,8 @@ def test_init_is_idempotent_and_reports_the_sources(home):
     ("first_morning", r"full desk +\d+\.\d"),
     ("learning", r"mean P@20 = \d\.\d\d +goal >= 0\.9"),
     ("publish", r"run +approve to message: median min \d+\.\d+ s"),
-    # its faults that take no waiting out (the suite has a test of each)
-    ("outbox --faults 1,9,10,13", r"13 +\| T hostile link \(6,300 ch\) +\| sqlite +\| 2 +\| 1/1/1"),
+    # one fault of its matrix (the suite has a test of each)
+    ("outbox --faults 13", r"13 +\| T hostile link \(6,300 ch\) +\| sqlite +\| 2 +\| 1/1/1"),
 ])
 def test_every_benchmark_runs_in_smoke_mode(name, marker, tmp_path):
     """Each benchmark runs end to end with tiny sizes, prints its figures and
