@@ -4062,6 +4062,29 @@ def crawlers_row(page, slug):
     return re.search(rf'<tr id="source-{slug}">.*?</tr>', page)[0]
 
 
+def test_a_sources_health_is_decided_from_its_record_alone():
+    """The decisions behind the crawlers page, without a database or a clock:
+    a gap per new post (none across a silence), silence past twice the
+    longest gap once five are known, death at RSS_DEAD_AFTER failures or at
+    once when the feed is gone, probes that double up to a day."""
+    hour = 3600
+    rhythm = vesti.next_rhythm([hour] * 4, 0, False, 2, 2 * hour)
+    assert rhythm == (([hour] * 4) + [2 * hour], 2 * hour, False, None)
+    assert vesti.next_rhythm([hour] * 4, 0, False, 0, 100 * hour).silent is False   # too short a history
+    gaps = [hour] * 5
+    assert vesti.next_rhythm(gaps, 0, False, 0, 6 * hour - 1) == (gaps, 0, False, None)
+    assert vesti.next_rhythm(gaps, 0, False, 0, 6 * hour) == (gaps, 0, True, "silent")
+    assert vesti.next_rhythm(gaps, 0, True, 0, 9 * hour) == (gaps, 0, True, None)  # said once
+    back = vesti.next_rhythm(gaps, 0, True, 3, 9 * hour)
+    assert back == (gaps, 9 * hour, False, "speaks again")      # the silence is not a gap
+    assert vesti.next_rhythm([hour] * 20, 0, False, 1, hour).gaps == [hour] * 20   # the last 20
+    assert vesti.failed_fetch(0, False, 3) == (1, False, hour)
+    assert vesti.failed_fetch(2, False, 3) == (3, True, hour)
+    assert vesti.failed_fetch(0, False, 3, gone=True)[1] is True
+    assert [vesti.failed_fetch(n, True, 3)[2] for n in (3, 4, 7, 30)] == \
+        [2 * hour, 4 * hour, 24 * hour, 24 * hour]
+
+
 @both
 def test_a_source_that_goes_quiet_for_longer_than_its_rhythm_turns_silent(home, caplog, closing):
     s, db = intake(home, [rss_source("wire", "http://127.0.0.1:9/wire"),
@@ -5540,6 +5563,29 @@ def test_run_publishes_what_the_editor_approves_on_the_page(home, server, bot):
 # The outbox as one state machine --------------------------------------------
 
 HOSTILE_LINK = "https://evil.example/buy?" + "&".join(f"a{k}=<b>" for k in range(1000))
+
+
+def test_what_a_failed_send_or_deletion_does_is_decided_from_the_failure_alone():
+    """A 429 waits uncounted; a Telegram message with no answer is doubted,
+    never sent again on its own; a webhook's (its key makes a retry safe)
+    and one not done wait a doubling backoff until the attempts run out; a
+    refusal fails. A deletion whose message is gone is done; trouble on the
+    way is tried again; a refusal leaves the message published."""
+    failure = vesti.SendFailed
+    paused, unsure = failure("429", pause=7), failure("timed out", unsure=True)
+    refused, not_done = failure("400 bad request"), failure("connection refused", retry=True)
+    assert vesti.failed_send(paused, True, 5, 5) == ("pause", None)
+    assert vesti.failed_send(unsure, True, 1, 5) == ("doubt", None)
+    assert [vesti.failed_send(unsure, False, n, 5) for n in (1, 2, 4, 5)] == \
+        [("retry", 10), ("retry", 20), ("retry", 80), ("fail", None)]
+    assert vesti.failed_send(not_done, True, 1, 5) == ("retry", 10)
+    assert vesti.failed_send(not_done, False, 30, 40) == ("retry", 3600)
+    assert vesti.failed_send(refused, True, 1, 5) == ("fail", None)
+    gone = failure("Bot API deleteMessage: 400 Bad Request: message to delete not found")
+    assert vesti.failed_deletion(gone) == ("gone", None)
+    assert vesti.failed_deletion(paused) == ("again", 7)
+    assert vesti.failed_deletion(unsure) == ("again", 10)
+    assert vesti.failed_deletion(failure("400 message can't be deleted")) == ("kept", None)
 
 
 def in_time(call, seconds=15):

@@ -51,7 +51,8 @@ start reading):
       rebuild_learning, rescore_direction, judge_cards, take_in_missed,
       Rescorer (the cards judged again after decisions)
   Records: runs, health, feed and channel state.
-      start_run, record_success, record_failure, note_rhythm, save_rss_state
+      start_run, record_success, record_failure, note_rhythm, save_rss_state;
+      next_rhythm and failed_fetch decide from the record alone
   Editors: the newsroom's accounts and roles, their sessions, the record of
       who did what.
       ROLES, password_hash, add_user, change_user, start_session, session_of,
@@ -90,8 +91,9 @@ start reading):
       ClassifyStep, Classifier, WorkerPool, Worker, run_workers
   Publishing: sending the outbox: the Bot API, webhooks, one sender per
       target, alerts.
-      bot_api, post_webhook, queue_alerts, Publisher (look, take, serve,
-      send, record_failure, delete)
+      bot_api, post_webhook, failed_send and failed_deletion (decided from
+      the failure alone), queue_alerts, Publisher (look, take, serve, send,
+      record_failure, delete)
   Page assets: the style, the words of each language, the pages' scripts.
       STYLE, STRINGS, Page, phrase, DESK_SCRIPT, OUTBOX_SCRIPT
   Web pages: what every page shares, the crawlers page.
@@ -5183,7 +5185,10 @@ class Rescorer:
 ###############################################################################
 # Records #####################################################################
 ###############################################################################
-# Runs, health, feed and channel state.
+# Runs, health, feed and channel state. What a fetch's outcome does to a
+# source's record is decided by pure functions of the record (next_rhythm,
+# failed_fetch); the functions around them read the row, write the result
+# and say what changed.
 
 @redoable
 def start_run(conn, source_id, task, trigger):
@@ -5279,32 +5284,54 @@ def read_gaps(text):
     return [g for g in gaps if isinstance(g, (int, float)) and g >= 0] if isinstance(gaps, list) else []
 
 
+class Rhythm(typing.NamedTuple):
+    """What a fetch that worked does to a source's rhythm: its gaps between
+    new posts, the time of its last new post, whether it is silent, and
+    what to say ("speaks again", "silent" or None)."""
+    gaps: list
+    last_new: float
+    silent: bool
+    news: str
+
+
+def next_rhythm(gaps, last_new, silent, new_posts, now):
+    """A source's rhythm after a fetch that worked at `now`, decided from its
+    record alone (no database, no clock, no log): new posts add a gap (none
+    while it was silent: the silence is not part of its rhythm) and end a
+    silence; none for longer than silence_limit makes it silent."""
+    if new_posts:
+        if last_new is not None and not silent:
+            gaps = (gaps + [max(0, int(now - last_new))])[-RHYTHM_GAPS:]
+        return Rhythm(gaps, now, False, "speaks again" if silent and last_new is not None else None)
+    limit = silence_limit(gaps)
+    if silent or last_new is None or limit is None or now - last_new < limit:
+        return Rhythm(gaps, last_new, silent, None)
+    return Rhythm(gaps, last_new, True, "silent")
+
+
 def note_rhythm(conn, source, new_posts, now):
-    """After a fetch that worked: new posts add a gap to the source's rhythm
-    (and end its silence); none for too long makes it silent. One warning
-    each way."""
+    """After a fetch that worked: the source's rhythm brought up to date (see
+    next_rhythm), its new posts counted for the day, one warning each way."""
     row = conn.execute("SELECT last_new_at, rhythm, silent_since FROM sources WHERE id = ?",
                        (source["id"],)).fetchone()
     gaps, last_new = read_gaps(row["rhythm"]), parse_utc(row["last_new_at"])
+    rhythm = next_rhythm(gaps, last_new, bool(row["silent_since"]), new_posts, now)
     if new_posts:
-        if last_new is not None and not row["silent_since"]:
-            gaps = (gaps + [max(0, int(now - last_new))])[-RHYTHM_GAPS:]
         conn.execute("""UPDATE sources SET last_new_at = ?, rhythm = ?, silent_since = NULL
-                        WHERE id = ?""", (utc_text(now), json.dumps(gaps), source["id"]))
+                        WHERE id = ?""", (utc_text(now), json.dumps(rhythm.gaps), source["id"]))
         conn.execute("""INSERT INTO source_days (source_id, day, new_posts) VALUES (?, ?, ?)
                         ON CONFLICT (source_id, day) DO UPDATE SET
                             new_posts = source_days.new_posts + excluded.new_posts""",
                      (source["id"], utc_text(now)[:10], new_posts))
-        if row["silent_since"] and last_new is not None:
-            log.warning("source %s speaks again: %d new posts after %s of silence",
-                        source["slug"], new_posts, duration_text(now - last_new))
-        return
-    limit = silence_limit(gaps)
-    if row["silent_since"] or last_new is None or limit is None or now - last_new < limit:
-        return
-    conn.execute("UPDATE sources SET silent_since = ? WHERE id = ?", (utc_text(now), source["id"]))
-    log.warning("source %s is silent: no new post for %s (it usually brings some every %s)",
-                source["slug"], duration_text(now - last_new), duration_text(usual_gap(gaps)))
+    elif rhythm.news == "silent":
+        conn.execute("UPDATE sources SET silent_since = ? WHERE id = ?",
+                     (utc_text(now), source["id"]))
+    if rhythm.news == "speaks again":
+        log.warning("source %s speaks again: %d new posts after %s of silence",
+                    source["slug"], new_posts, duration_text(now - last_new))
+    elif rhythm.news == "silent":
+        log.warning("source %s is silent: no new post for %s (it usually brings some every %s)",
+                    source["slug"], duration_text(now - last_new), duration_text(usual_gap(gaps)))
 
 
 def refresh_figures(conn, source_id, min_relevance, now=None):
@@ -5323,13 +5350,21 @@ def refresh_figures(conn, source_id, min_relevance, now=None):
         WHERE id = :id""", {"id": source_id, "since": since, "floor": min_relevance})
 
 
+def failed_fetch(error_count, dead, dead_after, gone=False):
+    """A source's record after one more failed fetch, decided from the record
+    alone: (failures in a row, dead, seconds until a dead source is probed).
+    At `dead_after` failures in a row, or at once when the feed is gone
+    (410), it is dead; a dead source is probed with a doubling backoff."""
+    count = error_count + 1
+    dead = gone or dead or count >= dead_after
+    return count, dead, min(DEAD_PROBE_FIRST * 2 ** max(0, count - dead_after), DEAD_PROBE_MAX)
+
+
 def record_failure(conn, source, error, dead_after, dead_now=False, now=None):
-    """Count a failure; at `dead_after` in a row (or at once for 410) the source
-    is dead, and dead sources are probed with a doubling backoff."""
+    """Count a failure (see failed_fetch); a source that died says so once."""
     now = time.time() if now is None else now
-    count = source["error_count"] + 1
-    dead = dead_now or source["status"] == "dead" or count >= dead_after
-    probe_in = min(DEAD_PROBE_FIRST * 2 ** max(0, count - dead_after), DEAD_PROBE_MAX)
+    count, dead, probe_in = failed_fetch(source["error_count"], source["status"] == "dead",
+                                         dead_after, dead_now)
     conn.execute("""UPDATE sources SET error_count = ?, last_error = ?, last_fetch = ?,
                     status = ?, next_fetch_at = ? WHERE id = ?""",
                  (count, shorten(error, 2000), utc_text(now), "dead" if dead else "alive",
@@ -10331,6 +10366,35 @@ def queue_alerts(conn, target, settings):
     return queued
 
 
+def failed_send(failure, telegram, attempts, max_attempts):
+    """What a failed send does to one of its publications, decided from the
+    failure, the kind of target and the attempts made alone: ("pause", None)
+    puts it back uncounted (429: the whole target waits); ("doubt", None):
+    a Telegram message that may have arrived is uncertain, never sent again
+    on its own; ("retry", seconds): one not done, or a webhook's (whose key
+    makes a retry safe), waits its doubling backoff until its attempts run
+    out; ("fail", None): refused, or out of attempts."""
+    if failure.pause is not None:
+        return "pause", None
+    if failure.unsure and telegram:
+        return "doubt", None
+    if (failure.retry or failure.unsure) and attempts < max_attempts:
+        return "retry", min(PUBLISH_BACKOFF_MAX, PUBLISH_BACKOFF * 2 ** (attempts - 1))
+    return "fail", None
+
+
+def failed_deletion(failure):
+    """What a failed deletion does to a sent publication: ("gone", None) when
+    the message is no longer there (as good as deleted); ("again", seconds)
+    after trouble on the way (a deletion done twice does no harm); ("kept",
+    None) when the receiver refuses: it stays published, with the reason."""
+    if "message to delete not found" in str(failure):
+        return "gone", None
+    if failure.retry or failure.unsure or failure.pause is not None:
+        return "again", failure.pause or PUBLISH_BACKOFF
+    return "kept", None
+
+
 class Publisher:
     """Sends what is due, each target as its one sender (see take), the
     targets side by side; `clock` is the wall clock."""
@@ -10651,10 +10715,8 @@ class Publisher:
         return str(result["message_id"]), target.address
 
     def record_failure(self, conn, target, rows, failure):
-        """A 429 pauses the target and puts the rows back uncounted; a
-        Telegram send that may have arrived is uncertain; one not done (or a
-        webhook's, whose key makes a retry safe) waits its backoff until its
-        attempts run out; a refusal fails. Each transition reads the row as
+        """Carry out what the failure does to each row (see failed_send), and
+        a 429's pause of the whole target. Each transition reads the row as
         it is now: one taken back meanwhile is cancelled instead."""
         now = self.clock()
         error = str(failure)
@@ -10665,15 +10727,15 @@ class Publisher:
                          (error, not_before(now + failure.pause) if failure.pause is not None
                           else target.paused_until, target.name))
             for row in rows:
-                if failure.pause is not None:
+                verdict, wait = failed_send(failure, telegram, row.attempts,
+                                            self.settings.publish_attempts)
+                if verdict == "pause":
                     retry_publication(conn, row.id, row.token, error, counted=False)
-                elif failure.unsure and telegram:
+                elif verdict == "doubt":
                     if doubt_publication(conn, row.id, row.token,
                                          f"{error}: it may or may not have arrived"):
                         self.count("uncertain")
-                elif (failure.retry or failure.unsure) and \
-                        row.attempts < self.settings.publish_attempts:
-                    wait = min(PUBLISH_BACKOFF_MAX, PUBLISH_BACKOFF * 2 ** (row.attempts - 1))
+                elif verdict == "retry":
                     retry_publication(conn, row.id, row.token, error, not_before(now + wait),
                                       kept=kept)
                 elif fail_publication(conn, row.id, row.token, error, kept=kept):
@@ -10697,15 +10759,15 @@ class Publisher:
                 bot_api(self.settings, "deleteMessage",
                         {"chat_id": where, "message_id": int(row.message_id)})
         except SendFailed as e:
-            if "message to delete not found" in str(e):
-                with transaction(conn):
-                    deleted_publication(conn, row.id, utc_text(now), "it was no longer there")
-                return
-            again = e.retry or e.unsure or e.pause is not None
+            verdict, wait = failed_deletion(e)
             with transaction(conn):
-                undeleted_publication(conn, row.id, f"not deleted: {e}",
-                                      not_before(now + (e.pause or PUBLISH_BACKOFF)) if again else None)
-            log.warning("publish: %s: post %s not deleted: %s", target.name, row.post_id, e)
+                if verdict == "gone":
+                    deleted_publication(conn, row.id, utc_text(now), "it was no longer there")
+                else:
+                    undeleted_publication(conn, row.id, f"not deleted: {e}",
+                                          not_before(now + wait) if verdict == "again" else None)
+            if verdict != "gone":
+                log.warning("publish: %s: post %s not deleted: %s", target.name, row.post_id, e)
             return
         except (ValueError, TypeError):
             with transaction(conn):
