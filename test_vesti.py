@@ -1512,7 +1512,7 @@ def test_a_copy_waiting_for_its_story_is_claimable_once_the_story_has_its_verdic
     assert vesti.wake_story_copies(conn, [copy]) == []          # the story has no verdict yet
     conn.execute("UPDATE posts SET classified = 1 WHERE id = ?", (lead,))
     assert vesti.wake_story_copies(conn, [copy]) == [copy]
-    assert vesti.claim_posts(conn, 5)[0]["id"] == copy
+    assert vesti.claim_posts(conn, 5)[0].id == copy
 
 
 @both
@@ -1764,17 +1764,17 @@ def test_a_story_taken_over_while_a_copy_joins_it_stays_one_card(home, ollama, m
               for n, (slug, prefix) in enumerate((("wire", "Our correspondent"),
                                                   ("radio", "Repost")), 1)]
     vesti.catch_up_index(conn)                                  # as a worker does
-    early, late = sorted(vesti.claim_posts(conn, 2), key=lambda post: post["id"])
+    early, late = vesti.claim_posts(conn, 2)
     classify, verdicts = vesti.Classifier(registry, s, db=db), {}
     lead_now = vesti.lead_now
 
     def late_copy_first(conn, story, post_id, verdict):
-        if post_id == early["id"] and late["id"] not in verdicts:
-            verdicts[late["id"]] = classify.prepare(late)
+        if post_id == early.id and late.id not in verdicts:
+            verdicts[late.id] = classify.prepare(late)
         return lead_now(conn, story, post_id, verdict)
     monkeypatch.setattr(vesti, "lead_now", late_copy_first)
-    verdicts[early["id"]] = classify.prepare(early)
-    vesti.complete_and_claim(conn, [(post, verdicts[post["id"]]) for post in (early, late)], 0)
+    verdicts[early.id] = classify.prepare(early)
+    vesti.complete_and_claim(conn, [(post, verdicts[post.id]) for post in (early, late)], 0)
     assert len(ollama.titles()) == 1                            # the first post's
     lead = copies[1]                                            # the radio's, read for a month
     stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
@@ -3924,7 +3924,7 @@ def test_an_edit_while_a_worker_classifies_the_post_sends_it_back_to_the_queue(h
     crawl_tg(s, db, fake)
     [claimed] = vesti.claim_posts(conn, 1)
     lead, *copies = [post["id"] for post in posts_of(db, "chan")]
-    assert claimed["id"] == lead
+    assert claimed.id == lead
     # Copies join a story as its first post is asked about; its own story_id
     # is written with its verdict.
     conn.execute(f"UPDATE posts SET story_id = {lead} WHERE id IN ({copies[0]}, {copies[1]})")
@@ -4612,9 +4612,8 @@ def test_a_summary_only_post_is_classified_on_its_article_text(home, server, oll
     s = make_settings(home, OLLAMA_URL="")
     health = {"health": vesti.Direction("health", "Health", ("coronavirus", "outbreak"))}
     classify = vesti.Classifier(vesti.Registry("x", {**DIRECTIONS, **health}, ()), s)
-    post = {"id": 1, "title": "New York", "text": "Drone footage from the city.",
-            "content_type": "summary", "url": server.url + "/article",
-            "source_url": server.url + "/feed"}
+    post = vesti.Claimed(1, "New York", "Drone footage from the city.", content_type="summary",
+                         url=server.url + "/article", source_url=server.url + "/feed")
     verdict = classify(post)
     assert verdict.direction == "health"            # found only in the article's text
     assert snippet in verdict.text
@@ -4626,9 +4625,8 @@ def test_when_the_article_cannot_be_read_the_summary_is_used(home, server):
     server.status("/article", 404)
     s = make_settings(home, OLLAMA_URL="")
     classify = vesti.Classifier(vesti.Registry("x", DIRECTIONS, ()), s)
-    post = {"id": 1, "title": "Kernel news", "text": "Kernel teaser about linux.",
-            "content_type": "summary", "url": server.url + "/article",
-            "source_url": server.url + "/feed"}
+    post = vesti.Claimed(1, "Kernel news", "Kernel teaser about linux.", content_type="summary",
+                         url=server.url + "/article", source_url=server.url + "/feed")
     verdict = classify(post)
     assert verdict.text is None and verdict.direction == "linux"
 
@@ -4922,9 +4920,9 @@ def test_a_write_after_the_lease_was_taken_back_is_refused(home):
     vesti.expire_leases(conn, 60, 5)
     second = vesti.claim_post(conn)
     verdict = vesti.Verdict(direction=None, relevance=0, interest=0, summary="late")
-    assert not vesti.complete_post(conn, first["id"], first["claim_token"], verdict)
-    assert vesti.release_post(conn, first["id"], first["claim_token"], "x", 5, 0) is None
-    assert vesti.complete_post(conn, second["id"], second["claim_token"],
+    assert not vesti.complete_post(conn, first.id, first.claim_token, verdict)
+    assert vesti.release_post(conn, first.id, first.claim_token, "x", 5, 0) is None
+    assert vesti.complete_post(conn, second.id, second.claim_token,
                                dataclasses.replace(verdict, summary="ok"))
     row = conn.execute("SELECT classified, summary, attempts FROM posts").fetchone()
     assert tuple(row) == (1, "ok", 2)
@@ -5091,7 +5089,7 @@ def test_a_stop_in_the_middle_of_a_batch_writes_what_is_done_and_gives_back_the_
     seen = []
 
     def classify(post):
-        seen.append(post["id"])
+        seen.append(post.id)
         if len(seen) == 60:
             stop.set()                   # SIGTERM with a batch in hand
         return classifier(post)
@@ -8767,8 +8765,7 @@ def test_run_picks_up_new_directions_when_sources_yaml_changes(home, server):
     seen = []
     scheduler = vesti.Scheduler(db, s, registry, threading.Event(),
                                 listeners=(classifier.use, seen.append))
-    post = {"title": "A rocket reached orbit", "text": "The rocket flew.", "url": None,
-            "content_type": "full"}
+    post = vesti.Claimed(None, "A rocket reached orbit", "The rocket flew.")
     assert classifier(post).direction == "space"
     text = (home / "sources.yaml").read_text().replace("keywords: [rocket, orbit]",
                                                        "keywords: [rocket, orbit]\n  sea:\n"

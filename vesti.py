@@ -3503,16 +3503,16 @@ def settle_stories(conn, completions):
                                    if verdict.story_entry is not None])
     found = {}
     for post, _ in completions:
-        story = stories.get(post["id"])
-        if story in (None, post["id"]):
+        story = stories.get(post.id)
+        if story in (None, post.id):
             continue
         with contextlib.suppress(StoryPending):
-            found[post["id"]] = story_verdict(conn, story)
-            lead = lead_after(conn, story, post["id"], found[post["id"]])
+            found[post.id] = story_verdict(conn, story)
+            lead = lead_after(conn, story, post.id, found[post.id])
             # The posts of this batch in that story are in the lead's.
             stories.update({p: lead for p, s in stories.items() if s == story})
-    return [(post, verdict if post["id"] not in stories else
-             settled_verdict(verdict, post["id"], stories[post["id"]], found.get(post["id"])))
+    return [(post, verdict if post.id not in stories else
+             settled_verdict(verdict, post.id, stories[post.id], found.get(post.id)))
             for post, verdict in completions]
 
 
@@ -3869,6 +3869,31 @@ CLAIMED = """id, source_id, url, article_url, title, text, content_type, attempt
              (SELECT url FROM sources WHERE sources.id = posts.source_id) AS source_url"""
 
 
+class Claimed(typing.NamedTuple):
+    """A post as a worker holds it from its claim to its verdict, made from
+    the row in one place (claimed). `content_type` "summary": its article
+    (`article_url`, else `url`) is read for the full text; `source_url`, the
+    feed's, is where a relative link is read from; `old_decision`, an
+    editor's decision an edit of the post took back."""
+    id: int
+    title: str
+    text: str
+    url: str = None
+    content_type: str = "full"
+    source_id: int = None
+    article_url: str = None
+    attempts: int = 1
+    claim_token: str = None
+    old_decision: str = None
+    source_url: str = None
+
+
+def claimed(rows):
+    """The claimed posts of these rows (of CLAIMED), by id."""
+    return sorted((Claimed(**{name: row[name] for name in Claimed._fields}) for row in rows),
+                  key=operator.attrgetter("id"))
+
+
 def claim_posts(conn, limit, now=None, token=None, choose=None):
     """Take up to `limit` of the oldest claimable posts, each with a claim
     token of its own (the claim's token and the post's id). `choose`, when
@@ -3880,12 +3905,12 @@ def claim_posts(conn, limit, now=None, token=None, choose=None):
         window = conn.execute(conn.dialect.claim_window.format(pending=IS_PENDING),
                               (now_text, limit + CLAIM_LOOKAHEAD)).fetchall()
         return claim_ids(conn, choose(window)[:limit], now_text, token)
-    return conn.execute(f"""
+    return claimed(conn.execute(f"""
         UPDATE posts SET classified = {PROCESSING}, claimed_at = ?,
                          claim_token = ? || '-' || id, attempts = attempts + 1
         WHERE id IN ({conn.dialect.claimable.format(pending=IS_PENDING)})
         RETURNING {CLAIMED}
-    """, (now_text, token, now_text, limit)).fetchall()
+    """, (now_text, token, now_text, limit)).fetchall())
 
 
 # A claim that chooses its posts sees this many more of the oldest claimable ones.
@@ -3902,7 +3927,7 @@ def claim_ids(conn, ids, now_text, token):
             WHERE {among} AND {IS_PENDING}
             RETURNING {CLAIMED}
         """, (now_text, token, *values)).fetchall()
-    return sorted(posts, key=lambda post: post["id"])
+    return claimed(posts)
 
 
 def claimed_under(conn, token):
@@ -3910,9 +3935,8 @@ def claimed_under(conn, token):
     again after its commit was lost on the way back (see complete_and_claim)."""
     # No ORDER BY: SQLite would walk every post in id order instead of the
     # few held ones in their own index (posts_claimed).
-    return sorted(conn.execute(f"SELECT {CLAIMED} FROM posts WHERE classified = {PROCESSING} "
-                               f"AND claim_token LIKE ?", (f"{token}-%",)).fetchall(),
-                  key=lambda post: post["id"])
+    return claimed(conn.execute(f"SELECT {CLAIMED} FROM posts WHERE classified = {PROCESSING} "
+                                f"AND claim_token LIKE ?", (f"{token}-%",)).fetchall())
 
 
 # What complete_post returns of a post: what counting it needs (see
@@ -3950,7 +3974,7 @@ def complete_posts(conn, completions):
     plain = [(post, verdict) for post, verdict in completions if not verdict.text]
     for first in range(0, len(plain), 100):
         chunk = plain[first:first + 100]
-        values = [(post["id"], post["claim_token"], verdict.direction, verdict.relevance,
+        values = [(post.id, post.claim_token, verdict.direction, verdict.relevance,
                    verdict.interest, verdict.summary, verdict.keywords,
                    verdict.reason, verdict.story, verdict.likely) for post, verdict in chunk]
         # VALUES names its columns column1, column2, … in both dialects; the
@@ -3971,8 +3995,8 @@ def complete_posts(conn, completions):
         done.update((row["id"], row) for row in rows)
     for post, verdict in completions:
         if verdict.text:
-            done[post["id"]] = complete_post(conn, post["id"], post["claim_token"], verdict)
-    return [done.get(post["id"]) for post, _ in completions]
+            done[post.id] = complete_post(conn, post.id, post.claim_token, verdict)
+    return [done.get(post.id) for post, _ in completions]
 
 
 def count_completions(conn, completed):
@@ -9448,12 +9472,12 @@ class Classifier(ClassifyStep):
         """The post's Verdict, or a function that asks the LLM for it."""
         directions, keywords = self.vocabulary
         # Its story keys, when they were asked for ahead.
-        asked = self.ahead.pop(post["id"], None) if self.ahead else None
+        asked = self.ahead.pop(post.id, None) if self.ahead else None
         full_text = self.article(post)
-        text = full_text or post["text"]
-        matches = keywords.matches(f"{post['title']}\n{text}")
+        text = full_text or post.text
+        matches = keywords.matches(f"{post.title}\n{text}")
         learners = self.learned()
-        features = post_features(post["title"], text, post["source_id"]) if learners else None
+        features = post_features(post.title, text, post.source_id) if learners else None
         if not matches and learners:
             # A post the keywords missed but a direction's model wants is
             # classified as that direction's keyword hit would be.
@@ -9465,8 +9489,8 @@ class Classifier(ClassifyStep):
         # card on the desk to merge), nor with stories off, nor for one
         # edited after a decision: it is a card of its own until decided again.
         if matches and self.db is not None and self.settings.story_hours and \
-                not post["old_decision"]:
-            story = StoryEntry(post["id"], post["title"], text, self.keys_of(post, full_text, asked),
+                not post.old_decision:
+            story = StoryEntry(post.id, post.title, text, self.keys_of(post, full_text, asked),
                                story_since(self.settings.story_hours))
             if not self.settings.ollama_url:
                 # Keywords alone decide: the story is entered as the verdict is written.
@@ -9475,12 +9499,12 @@ class Classifier(ClassifyStep):
                 copied = self.story_verdict(post, full_text, story)
                 if copied is not None:
                     return copied
-                leads = post["id"]
+                leads = post.id
 
         def verdict():
             examples = learners.examples(self.db.conn(), next(iter(matches)), features) \
                 if learners and matches and self.settings.ollama_url else ()
-            found = classify_text(text, directions, self.settings, post["title"], matches=matches,
+            found = classify_text(text, directions, self.settings, post.title, matches=matches,
                                   examples=examples, process=self.process)
             return dataclasses.replace(
                 found, text=full_text, story_entry=entry, story=leads,
@@ -9507,8 +9531,8 @@ class Classifier(ClassifyStep):
             return
         for first in range(0, len(posts), KEY_HELPER_CHUNK):
             chunk = posts[first:first + KEY_HELPER_CHUNK]
-            future = self.helper.ask([(post["title"], post["text"]) for post in chunk])
-            self.ahead.update((post["id"], (future, place)) for place, post in enumerate(chunk))
+            future = self.helper.ask([(post.title, post.text) for post in chunk])
+            self.ahead.update((post.id, (future, place)) for place, post in enumerate(chunk))
 
     def keys_of(self, post, full_text, asked):
         """The story keys of the post: the helper's, when they were `asked`
@@ -9523,12 +9547,12 @@ class Classifier(ClassifyStep):
                 self.helper.give_up(f"the helper process for story keys did not answer "
                                     f"in {KEY_HELPER_WAIT} s")
                 self.helper.close()
-        return story_keys(story_words(post["title"], full_text or post["text"]))
+        return story_keys(story_words(post.title, full_text or post.text))
 
     def forget(self, posts):
         """Posts given back before they were classified."""
         for post in posts:
-            self.ahead.pop(post["id"], None)
+            self.ahead.pop(post.id, None)
 
     def close(self):
         """Stop the helper; a later batch starts another."""
@@ -9541,8 +9565,8 @@ class Classifier(ClassifyStep):
         link = article_link(post)
         if not link:
             return None
-        home = post["source_url"] if "source_url" in post.keys() else None
-        return fetch_full_text(link, post["text"], self.settings, self.gate, home or "",
+        home = post.source_url
+        return fetch_full_text(link, post.text, self.settings, self.gate, home or "",
                                self.process)
 
     def story_verdict(self, post, full_text, story):
@@ -9551,11 +9575,11 @@ class Classifier(ClassifyStep):
         is one; StoryPending while the story's first post is classified."""
         conn = self.db.conn()
         joined = enter_now(conn, story)
-        if joined == post["id"]:
+        if joined == post.id:
             return None
         try:
             found = story_verdict(conn, joined)
-            lead_now(conn, joined, post["id"], found)
+            lead_now(conn, joined, post.id, found)
         except StoryPending as e:
             e.text = full_text          # kept, so the article is not fetched again
             raise
@@ -9571,7 +9595,7 @@ class Classifier(ClassifyStep):
         if article_link(post):
             return False
         directions, keywords = self.vocabulary
-        return not self.settings.ollama_url or not keywords.matches(f"{post['title']}\n{post['text']}")
+        return not self.settings.ollama_url or not keywords.matches(f"{post.title}\n{post.text}")
 
     def holds(self, post):
         """True when preparing the post waits on the network (its article)."""
@@ -9588,9 +9612,9 @@ class Classifier(ClassifyStep):
 
 def article_link(post):
     """The page whose full text a summary-only post is classified on, or None."""
-    if post["content_type"] != "summary":
+    if post.content_type != "summary":
         return None
-    return (post["article_url"] if "article_url" in post.keys() else None) or post["url"]
+    return post.article_url or post.url
 
 
 @dataclasses.dataclass
@@ -9717,7 +9741,7 @@ class WorkerPool:
         if finished:
             self.take_turn(conn, finished, 0)
         if in_hand:
-            give_back_posts(conn, [post["claim_token"] for post in in_hand])
+            give_back_posts(conn, [post.claim_token for post in in_hand])
             self.classify.forget(in_hand)
             with self.lock:
                 self.held -= len(in_hand)
@@ -9742,7 +9766,7 @@ class WorkerPool:
         for (post, verdict), ok in zip(finished, written):
             self.note_written(conn, post, verdict, ok)
         if posts and self.stop.is_set():
-            give_back_posts(conn, [post["claim_token"] for post in posts])
+            give_back_posts(conn, [post.claim_token for post in posts])
             return []
         return posts
 
@@ -9856,12 +9880,12 @@ class WorkerPool:
                 if get_meta(conn, "ollama_down")[0] is not None:
                     delete_meta(conn, "ollama_down")
                     log.warning("Ollama answers again")
-        log.info("post %s: %s, relevance %s, interest %s%s", post["id"],
+        log.info("post %s: %s, relevance %s, interest %s%s", post.id,
                  verdict.direction or "no direction", verdict.relevance, verdict.interest,
                  "" if written else " (taken back by the lease or an edit; not written)")
         with self.lock:
             self.connection_failures = 0
-            self.story_waits.pop(post["id"], None)
+            self.story_waits.pop(post.id, None)
             if written:
                 self.stats.done += 1
             else:
@@ -9872,25 +9896,25 @@ class WorkerPool:
     def fail(self, conn, post, error):
         message = str(error) if isinstance(error, VestiError) else f"{type(error).__name__}: {error}"
         if isinstance(error, VestiError):
-            log.info("post %s: %s", post["id"], message)
+            log.info("post %s: %s", post.id, message)
         else:
-            log.exception("post %s: classification failed", post["id"])
+            log.exception("post %s: classification failed", post.id)
         unreachable = isinstance(error, OllamaUnreachable)
         if isinstance(error, ClassifyError):
             add_counts(conn, {("llm_failures", f'reason="{"unreachable" if unreachable else "answer"}"'): 1})
         if unreachable:
-            state = defer_post(conn, post["id"], post["claim_token"], message,
+            state = defer_post(conn, post.id, post.claim_token, message,
                                self.settings.retry_delay)
         elif isinstance(error, StoryPending):
-            state = defer_post(conn, post["id"], post["claim_token"], message, STORY_WAIT,
+            state = defer_post(conn, post.id, post.claim_token, message, STORY_WAIT,
                                text=getattr(error, "text", None))
             if state == PENDING:
                 return self.wait_for_story(post)
         else:
-            state = release_post(conn, post["id"], post["claim_token"], message,
+            state = release_post(conn, post.id, post.claim_token, message,
                                  self.settings.max_attempts, self.settings.retry_delay)
         with self.lock:
-            self.story_waits.pop(post["id"], None)
+            self.story_waits.pop(post.id, None)
             self.stats.failed += state == FAILED
             self.stats.returned += state == PENDING
             self.stats.lost += state is None
@@ -9908,7 +9932,7 @@ class WorkerPool:
         waits for it (see copies_waiting)."""
         until = time.monotonic() + STORY_WAIT + self.settings.ollama_timeout
         with self.lock:
-            self.story_waits.setdefault(post["id"], until)
+            self.story_waits.setdefault(post.id, until)
         self.give_back_tickets(1)
 
     def note_connection(self, unreachable, message):
@@ -10029,7 +10053,7 @@ class Worker:
         try:
             return self.pool.classify.prepare(post)
         except StoryPending as e:
-            if e.story not in (asked["id"] for asked, _ in self.asking):
+            if e.story not in (asked.id for asked, _ in self.asking):
                 return self.fail(post, e)
         except Exception as e:
             return self.fail(post, e)
@@ -10052,7 +10076,7 @@ class Worker:
         if len(self.asking) >= self.QUESTIONS:
             self.hear_answer()
         if self.pool.stats.ollama_down:
-            give_back_posts(self.conn, [post["claim_token"]])
+            give_back_posts(self.conn, [post.claim_token])
         else:
             if self.asker is None:
                 self.asker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ask")
@@ -10077,7 +10101,7 @@ class Worker:
         try:
             self.finished.append((post, question.result()))
         except (CancelledError, NotAsked):
-            give_back_posts(self.conn, [post["claim_token"]])
+            give_back_posts(self.conn, [post.claim_token])
         except Exception as e:
             self.fail(post, e)
 
