@@ -13,6 +13,7 @@ import os
 import pathlib
 import py_compile
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -78,12 +79,18 @@ def cheap_password_hashes(monkeypatch):
 
 @pytest.fixture
 def closing():
-    """closing(thing) gives back `thing` (a fake, a server, the web page) and
-    closes it when the test ends, the last made first, whatever failed: no
-    try/finally around a test's body."""
+    """closing(thing) gives back `thing` (a fake, a server, the web page, a
+    connection) and closes it when the test ends, the last made first,
+    whatever failed: no try/finally around a test's body. A process (a
+    subprocess.Popen) still running then is killed and waited for, and its
+    pipes are closed."""
     with contextlib.ExitStack() as stack:
         def keep(thing):
-            stack.callback(thing.close)
+            if isinstance(thing, subprocess.Popen):
+                stack.enter_context(thing)      # then: its pipes closed, waited for
+                stack.callback(thing.kill)      # first: killed, if it is still running
+            else:
+                stack.callback(thing.close)
             return thing
         yield keep
 

@@ -615,17 +615,16 @@ def with_password(url):
 
 
 @both
-def test_vv_shows_no_password_nor_secret(home, backend):
+def test_vv_shows_no_password_nor_secret(home, backend, closing):
     write_sources(home / "sources.yaml", [])
     db = with_password(backend) if backend else str(home / "vesti.db")
     env = {k: v for k, v in cli_env({"VESTI_DB": db}).items() if k != "VESTI_WEB_PASSWORD"}
-    serve = subprocess.Popen([*VESTI, "-vv", "serve", "--port", "0"], cwd=home, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    try:
-        said = first_lines(serve, 2)
-        password = re.search(r"generated password (\S+),", said)[1]
-    finally:
-        _, err = stop_process(serve)
+    serve = closing(subprocess.Popen([*VESTI, "-vv", "serve", "--port", "0"], cwd=home,
+                                     text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env=env))
+    said = first_lines(serve, 2)
+    password = re.search(r"generated password (\S+),", said)[1]
+    _, err = stop_process(serve)
     copy = cli("-vv", "copy-db", "--to", str(home / "copy.db"), cwd=home, env={"VESTI_DB": db})
     assert copy.returncode == 0, copy.stderr
     conn = vesti.Database(backend or db).conn()
@@ -658,20 +657,14 @@ conn.execute("COMMIT")
 """
 
 
-@contextlib.contextmanager
-def write_lock_held(path):
+def write_lock_held(closing, path):
     """Another process holds the database's write lock until release()."""
-    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(path)], text=True,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE)
+    holder = closing(subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(path)], text=True,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE))
     holder.release = lambda: (holder.stdin.write("\n"), holder.stdin.flush())
-    try:
-        assert holder.stdout.readline() == "locked\n", holder.stderr.read()
-        yield holder
-    finally:
-        if holder.poll() is None:
-            holder.kill()
-        holder.communicate()
+    assert holder.stdout.readline() == "locked\n", holder.stderr.read()
+    return holder
 
 
 class Output:
@@ -702,50 +695,39 @@ def wait_out_the_lock(holder, child, err):
 
 
 @pytest.mark.slow
-def test_a_forever_worker_waits_out_a_database_locked_past_the_busy_timeout(home):
+def test_a_forever_worker_waits_out_a_database_locked_past_the_busy_timeout(home, closing):
     s, db, _ = worker_home(home, "")
     add_posts(db.conn(), 40)
-    worker = None
-    try:
-        with write_lock_held(home / "vesti.db") as holder:
-            worker = worker_process(home, "", "--forever", "--workers", "2",
-                                    env={"VESTI_BUSY_TIMEOUT": "0.5"})
-            out, err = Output(worker.stdout), Output(worker.stderr)
-            wait_out_the_lock(holder, worker, err)
-        assert worker.poll() is None, err.text()             # still running after the lock
-        assert wait_for(lambda: queue_of(db) == {1: 40}, state=lambda: queue_of(db))
-        worker.send_signal(signal.SIGTERM)
-        assert worker.wait(timeout=15) == 0, err.text()
-        assert -1 not in queue_of(db)
-        assert "(40 done" in out.text(), out.text()
-        assert len(locked_warnings(err.text())) == 1, err.text()   # one warning per episode
-        assert "Traceback" not in err.text()
-    finally:
-        if worker is not None and worker.poll() is None:
-            worker.kill()
-            worker.wait()
+    holder = write_lock_held(closing, home / "vesti.db")
+    worker = closing(worker_process(home, "", "--forever", "--workers", "2",
+                                    env={"VESTI_BUSY_TIMEOUT": "0.5"}))
+    out, err = Output(worker.stdout), Output(worker.stderr)
+    wait_out_the_lock(holder, worker, err)
+    assert worker.poll() is None, err.text()             # still running after the lock
+    assert wait_for(lambda: queue_of(db) == {1: 40}, state=lambda: queue_of(db))
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=15) == 0, err.text()
+    assert -1 not in queue_of(db)
+    assert "(40 done" in out.text(), out.text()
+    assert len(locked_warnings(err.text())) == 1, err.text()   # one warning per episode
+    assert "Traceback" not in err.text()
 
 
 @pytest.mark.slow
-def test_a_crawl_started_while_the_database_is_locked_waits_and_stores_its_posts(home, server):
+def test_a_crawl_started_while_the_database_is_locked_waits_and_stores_its_posts(home, server,
+                                                                              closing):
     server.feed("/a", rss(items(5, host=server.url)))
     server.feed("/b", rss(items(5, start=100, host=server.url)))
     s, db = intake(home, [rss_source("a", server.url + "/a"), rss_source("b", server.url + "/b")])
-    crawl = None
-    try:
-        with write_lock_held(home / "vesti.db") as holder:
-            crawl = subprocess.Popen(
-                [*VESTI, "rss", "--all"], cwd=home, text=True,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                env={**os.environ, "VESTI_BUSY_TIMEOUT": "0.5", "RSS_HOST_DELAY": "0"})
-            out, err = Output(crawl.stdout), Output(crawl.stderr)
-            wait_out_the_lock(holder, crawl, err)
-        assert crawl.wait(timeout=30) == 0, err.text()
-        assert "2 sources (2 ok" in out.text(), out.text()
-    finally:
-        if crawl is not None and crawl.poll() is None:
-            crawl.kill()
-            crawl.wait()
+    holder = write_lock_held(closing, home / "vesti.db")
+    crawl = closing(subprocess.Popen(
+        [*VESTI, "rss", "--all"], cwd=home, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "VESTI_BUSY_TIMEOUT": "0.5", "RSS_HOST_DELAY": "0"}))
+    out, err = Output(crawl.stdout), Output(crawl.stderr)
+    wait_out_the_lock(holder, crawl, err)
+    assert crawl.wait(timeout=30) == 0, err.text()
+    assert "2 sources (2 ok" in out.text(), out.text()
     assert db.conn().execute("SELECT count(*) FROM posts").fetchone()[0] == 10
     assert len(locked_warnings(err.text())) == 1, err.text()
     assert "Traceback" not in err.text()
@@ -778,18 +760,14 @@ def big_feed(start, host):
 
 
 @pytest.mark.slow
-def test_a_full_disk_ends_the_crawl_with_one_line_and_blames_no_source(home):
-    servers = [FeedServer(f"127.0.0.{n}") for n in (1, 2, 3)]     # three hosts, crawled at once
-    try:
-        for n, feeds in enumerate(servers):
-            feeds.feed("/feed", big_feed(1000 * n, feeds.url))
-        write_sources(home / "sources.yaml", [rss_source(f"s{n}", f"{feeds.url}/feed")
-                                              for n, feeds in enumerate(servers)])
-        assert cli("init", cwd=home).returncode == 0
-        result = run_on_a_small_disk(home, "rss", "--all", env={"RSS_HOST_DELAY": "0"})
-    finally:
-        for feeds in servers:
-            feeds.close()
+def test_a_full_disk_ends_the_crawl_with_one_line_and_blames_no_source(home, closing):
+    servers = [closing(FeedServer(f"127.0.0.{n}")) for n in (1, 2, 3)]   # three hosts at once
+    for n, feeds in enumerate(servers):
+        feeds.feed("/feed", big_feed(1000 * n, feeds.url))
+    write_sources(home / "sources.yaml", [rss_source(f"s{n}", f"{feeds.url}/feed")
+                                          for n, feeds in enumerate(servers)])
+    assert cli("init", cwd=home).returncode == 0
+    result = run_on_a_small_disk(home, "rss", "--all", env={"RSS_HOST_DELAY": "0"})
     assert result.returncode == 1, (result.stdout, result.stderr)
     assert result.stderr.startswith("vesti: ") and result.stderr.count("\n") == 1, result.stderr
     assert "vesti.db" in result.stderr and "Traceback" not in result.stderr
@@ -972,7 +950,8 @@ def test_an_interrupted_copy_db_is_completed_by_running_it_again(home, backend, 
 
 @postgres_only
 def test_copy_db_loses_no_row_to_a_postgresql_collation_of_a_language(home, backend,
-                                                                    postgres_server, monkeypatch):
+                                                                    postgres_server, monkeypatch,
+                                                                    request):
     """A server made with a language's collation (en-US puts 'B' after 'a'
     and passes over punctuation) orders text keys as SQLite does not: each
     chunk's range is still found in the other database, both ways."""
@@ -985,23 +964,21 @@ def test_copy_db_loses_no_row_to_a_postgresql_collation_of_a_language(home, back
     except psycopg.Error as e:
         pytest.skip(f"no ICU collation on this PostgreSQL server: {e}")
     url = postgres_server.database_url(name)
-    try:
-        write_sources(home / "sources.yaml", [])
-        _, db = vesti.open_intake(make_settings(home).replace(db=str(home / "vesti.db")))
-        conn = db.conn()
-        features = ["Zebra", "apple", "B", "b", "E", "e", "a_b", "ab", "a-c", "a c", "src:lwn",
-                    "srcb", "Ёж", "ежик", "éclair", "eclair"]
-        conn.executemany("INSERT INTO learned_words (direction, feature, approved) "
-                         "VALUES ('linux', ?, 1)", [(f,) for f in features])
-        target = vesti.Database(url).conn()
-        vesti.copy_database(conn, target, quiet=True, chunk=3)
-        back = vesti.Database(str(home / "back.db")).conn()
-        vesti.copy_database(target, back, quiet=True, chunk=3)
-        for copy in (target, back):
-            assert sorted(r[0] for r in copy.execute("SELECT feature FROM learned_words")) == \
-                sorted(features)
-    finally:
-        postgres_server.drop(url)
+    request.addfinalizer(lambda: postgres_server.drop(url))
+    write_sources(home / "sources.yaml", [])
+    _, db = vesti.open_intake(make_settings(home).replace(db=str(home / "vesti.db")))
+    conn = db.conn()
+    features = ["Zebra", "apple", "B", "b", "E", "e", "a_b", "ab", "a-c", "a c", "src:lwn",
+                "srcb", "Ёж", "ежик", "éclair", "eclair"]
+    conn.executemany("INSERT INTO learned_words (direction, feature, approved) "
+                     "VALUES ('linux', ?, 1)", [(f,) for f in features])
+    target = vesti.Database(url).conn()
+    vesti.copy_database(conn, target, quiet=True, chunk=3)
+    back = vesti.Database(str(home / "back.db")).conn()
+    vesti.copy_database(target, back, quiet=True, chunk=3)
+    for copy in (target, back):
+        assert sorted(r[0] for r in copy.execute("SELECT feature FROM learned_words")) == \
+            sorted(features)
 
 
 def tables_of(conn):
@@ -1044,7 +1021,7 @@ def test_copy_db_copies_every_table_of_the_schema_but_what_the_copy_makes_again(
 
 @pytest.mark.slow
 @postgres_only
-def test_copy_db_moves_the_newsroom_to_postgresql_and_back_whole(home, backend):
+def test_copy_db_moves_the_newsroom_to_postgresql_and_back_whole(home, backend, closing):
     """Accounts (whose passwords still sign in), sessions (whose cookies
     still work), the record of events and the looks arrive, both ways, and
     what is added after a copy gets ids of its own."""
@@ -1073,18 +1050,16 @@ def test_copy_db_moves_the_newsroom_to_postgresql_and_back_whole(home, backend):
         return [tuple(r) for r in c.execute(sql)]
 
     def signs_in(database):
-        page = Web(home, settings=s.replace(db=database, web_password="pw"), password="pw")
-        try:
-            assert page.get("/", auth=False, headers=basic("anna", "anna-password"))[0] == 200
-            assert page.get("/", auth=False, headers=basic("anna", "wrong-password"))[0] == 401
-            assert page.get("/", auth=False, headers=basic("vera", "vera-password"))[0] == 401
-            signed_in = {"Cookie": f"{vesti.SESSION_COOKIE}={cookie}"}
-            status, _, body = page.get("/", auth=False, headers=signed_in)
-            assert status == 200 and "anna" in body
-            status, answer, _ = login(page, "anna", "anna-password")
-            assert status == 303 and vesti.SESSION_COOKIE in answer["Set-Cookie"]
-        finally:
-            page.close()
+        page = closing(Web(home, settings=s.replace(db=database, web_password="pw"),
+                           password="pw"))
+        assert page.get("/", auth=False, headers=basic("anna", "anna-password"))[0] == 200
+        assert page.get("/", auth=False, headers=basic("anna", "wrong-password"))[0] == 401
+        assert page.get("/", auth=False, headers=basic("vera", "vera-password"))[0] == 401
+        signed_in = {"Cookie": f"{vesti.SESSION_COOKIE}={cookie}"}
+        status, _, body = page.get("/", auth=False, headers=signed_in)
+        assert status == 200 and "anna" in body
+        status, answer, _ = login(page, "anna", "anna-password")
+        assert status == 303 and vesti.SESSION_COOKIE in answer["Set-Cookie"]
 
     copied = cli("copy-db", "--to", backend, cwd=home, env={"VESTI_DB": file_db})
     assert copied.returncode == 0, copied.stderr
@@ -1124,38 +1099,32 @@ def outlive_lease(db, killed, lease_seconds):
 
 @pytest.mark.slow
 @postgres_only
-def test_two_worker_processes_share_the_queue_and_survive_a_kill_9(home, backend):
-    fake, workers = FakeOllama(latency=0.1), []
-    try:
-        s, db, _ = worker_home(home, fake.url)
-        add_posts(db.conn(), 60)
-        # Long enough that a live worker's post never outlasts its lease
-        # (a re-ask then would be right, but not the killed worker's).
-        env = {"VESTI_LEASE_SECONDS": "4"}
-        workers = [worker_process(home, fake.url, "--workers", "4", "--forever", env=env)
-                   for _ in range(2)]
-        one, two = workers
-        assert wait_for(lambda: queue_of(db).get(1, 0) >= 10)
-        one.kill()
-        one.communicate()
-        held = {row[0] for row in db.conn().execute(
-            "SELECT title FROM posts WHERE classified = -1 AND claim_token LIKE ?",
-            (f"{one.pid}-%",))}
-        outlive_lease(db, one, 4)
-        assert wait_for(lambda: queue_of(db) == {1: 60}, timeout=30,
-                        state=lambda: (queue_of(db), two.poll()), patient=True)
-        two.send_signal(signal.SIGTERM)
-        _, err = two.communicate(timeout=15)
-        assert two.returncode == 0, err
-        asked = collections.Counter(fake.titles())
-        assert set(asked) == {f"Post {k}" for k in range(60)}
-        assert {title for title, n in asked.items() if n > 1} <= held   # only what the killed one held
-        assert len(held) <= 2 * 4                            # asked, and the next one ready
-    finally:
-        for process in workers:
-            if process.poll() is None:
-                process.kill()
-        fake.close()
+def test_two_worker_processes_share_the_queue_and_survive_a_kill_9(home, backend, closing):
+    fake = closing(FakeOllama(latency=0.1))
+    s, db, _ = worker_home(home, fake.url)
+    add_posts(db.conn(), 60)
+    # Long enough that a live worker's post never outlasts its lease
+    # (a re-ask then would be right, but not the killed worker's).
+    env = {"VESTI_LEASE_SECONDS": "4"}
+    workers = [closing(worker_process(home, fake.url, "--workers", "4", "--forever", env=env))
+               for _ in range(2)]
+    one, two = workers
+    assert wait_for(lambda: queue_of(db).get(1, 0) >= 10)
+    one.kill()
+    one.communicate()
+    held = {row[0] for row in db.conn().execute(
+        "SELECT title FROM posts WHERE classified = -1 AND claim_token LIKE ?",
+        (f"{one.pid}-%",))}
+    outlive_lease(db, one, 4)
+    assert wait_for(lambda: queue_of(db) == {1: 60}, timeout=30,
+                    state=lambda: (queue_of(db), two.poll()), patient=True)
+    two.send_signal(signal.SIGTERM)
+    _, err = two.communicate(timeout=15)
+    assert two.returncode == 0, err
+    asked = collections.Counter(fake.titles())
+    assert set(asked) == {f"Post {k}" for k in range(60)}
+    assert {title for title, n in asked.items() if n > 1} <= held   # only what the killed one held
+    assert len(held) <= 2 * 4                            # asked, and the next one ready
 
 
 @postgres_only
@@ -1181,44 +1150,40 @@ def test_two_overlapping_crawls_store_each_entry_once(home, backend, server):
 
 @pytest.mark.slow
 @restarts_postgres
-def test_a_worker_rides_out_a_postgresql_restart_and_loses_nothing(home, backend, postgres_server):
-    fake, process = FakeOllama(latency=0.05), None
-    try:
-        s, db, _ = worker_home(home, fake.url)
-        add_posts(db.conn(), 60)
-        db.close()
-        process = worker_process(home, fake.url, "--workers", "4", "--forever")
-        check = vesti.Database(backend)
-        assert wait_for(lambda: queue_of(check).get(1, 0) >= 10)
-        check.close()
-        postgres_server.stop()
-        time.sleep(0.5)                                  # the workers find it gone
-        postgres_server.start()
-        check = vesti.Database(backend)
-        assert wait_for(lambda: queue_of(check) == {1: 60}, timeout=30,
-                        state=lambda: (queue_of(check), process.poll()), patient=True)
-        process.send_signal(signal.SIGTERM)
-        _, err = process.communicate(timeout=15)
-        assert process.returncode == 0, err
-        assert err.count("database server cannot be reached; waiting for it") == 1, err
-        assert set(fake.titles()) == {f"Post {k}" for k in range(60)}
-        assert check.conn().execute("SELECT count(*) FROM posts WHERE error IS NOT NULL").fetchone()[0] == 0
-    finally:
-        if process is not None and process.poll() is None:
-            process.kill()
-        fake.close()
+def test_a_worker_rides_out_a_postgresql_restart_and_loses_nothing(home, backend, postgres_server,
+                                                                   closing):
+    fake = closing(FakeOllama(latency=0.05))
+    s, db, _ = worker_home(home, fake.url)
+    add_posts(db.conn(), 60)
+    db.close()
+    process = closing(worker_process(home, fake.url, "--workers", "4", "--forever"))
+    check = vesti.Database(backend)
+    assert wait_for(lambda: queue_of(check).get(1, 0) >= 10)
+    check.close()
+    postgres_server.stop()
+    time.sleep(0.5)                                  # the workers find it gone
+    postgres_server.start()
+    check = vesti.Database(backend)
+    assert wait_for(lambda: queue_of(check) == {1: 60}, timeout=30,
+                    state=lambda: (queue_of(check), process.poll()), patient=True)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=15)
+    assert process.returncode == 0, err
+    assert err.count("database server cannot be reached; waiting for it") == 1, err
+    assert set(fake.titles()) == {f"Post {k}" for k in range(60)}
+    assert check.conn().execute("SELECT count(*) FROM posts WHERE error IS NOT NULL").fetchone()[0] == 0
 
 
 @pytest.mark.slow
 @restarts_postgres
 def test_two_workers_and_a_crawler_on_postgresql_survive_a_kill_9_and_a_restart(
-        home, backend, postgres_server, server):
+        home, backend, postgres_server, server, closing):
     """The README's set-up: `run --workers 0` crawls and serves, two `worker
     --forever` processes classify; one is killed with kill -9 and the
     database server restarts (for well under a lease, so no live worker's
     post outlasts its lease); every post is classified, none twice but what
     the killed one held."""
-    fake = FakeOllama(latency=0.05)
+    fake = closing(FakeOllama(latency=0.05))
     entries = [40]
     server.routes["/feed"] = lambda request: (200, {"Content-Type": "application/rss+xml"},
                                               rss(items(entries[0], host=server.url)))
@@ -1229,8 +1194,8 @@ def test_two_workers_and_a_crawler_on_postgresql_survive_a_kill_9_and_a_restart(
            "VESTI_WEB_PORT": "0", "VESTI_WEB_PASSWORD": "pw"}
 
     def start(*args):
-        return subprocess.Popen([*VESTI, *args], cwd=home,
-                                env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        return closing(subprocess.Popen([*VESTI, *args], cwd=home, env=env, text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     crawler = start("run", "--workers", "0")
     port = int(re.search(r"http://127\.0\.0\.1:(\d+)/", first_lines(crawler))[1])
     workers = [start("worker", "--forever", "--workers", "4") for _ in range(2)]
@@ -1240,36 +1205,30 @@ def test_two_workers_and_a_crawler_on_postgresql_survive_a_kill_9_and_a_restart(
         with contextlib.suppress(Exception):
             return queue_of(db)
         return None
-    try:
-        assert wait_for(lambda: (queue() or {}).get(1, 0) >= 10, timeout=30, state=queue,
-                        patient=True)
-        workers[0].kill()
-        workers[0].communicate()
-        held = {row[0] for row in db.conn().execute(
-            "SELECT title FROM posts WHERE classified = -1 AND claim_token LIKE ?",
-            (f"{workers[0].pid}-%",))}
-        outlive_lease(db, workers[0], 8)
-        postgres_server.stop()
-        time.sleep(0.5)
-        postgres_server.start()
-        entries[0] = 60                                  # the feed gains 20 entries
-        assert wait_for(lambda: queue() == {1: 60}, timeout=30, patient=True,
-                        state=lambda: (queue(), crawler.poll(), workers[1].poll()))
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-        conn.request("GET", "/api/queue", headers={
-            "Authorization": "Basic " + base64.b64encode(b"admin:pw").decode()})
-        assert json.loads(conn.getresponse().read())["failed"] == 0
-        for process in (crawler, workers[1]):
-            process.send_signal(signal.SIGTERM)
-        for process in (crawler, workers[1]):
-            _, err = process.communicate(timeout=20)
-            assert process.returncode == 0, err
-            assert "pw" not in err
-    finally:
-        for process in (crawler, *workers):
-            if process.poll() is None:
-                process.kill()
-        fake.close()
+    assert wait_for(lambda: (queue() or {}).get(1, 0) >= 10, timeout=30, state=queue,
+                    patient=True)
+    workers[0].kill()
+    workers[0].communicate()
+    held = {row[0] for row in db.conn().execute(
+        "SELECT title FROM posts WHERE classified = -1 AND claim_token LIKE ?",
+        (f"{workers[0].pid}-%",))}
+    outlive_lease(db, workers[0], 8)
+    postgres_server.stop()
+    time.sleep(0.5)
+    postgres_server.start()
+    entries[0] = 60                                  # the feed gains 20 entries
+    assert wait_for(lambda: queue() == {1: 60}, timeout=30, patient=True,
+                    state=lambda: (queue(), crawler.poll(), workers[1].poll()))
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/api/queue", headers={
+        "Authorization": "Basic " + base64.b64encode(b"admin:pw").decode()})
+    assert json.loads(conn.getresponse().read())["failed"] == 0
+    for process in (crawler, workers[1]):
+        process.send_signal(signal.SIGTERM)
+    for process in (crawler, workers[1]):
+        _, err = process.communicate(timeout=20)
+        assert process.returncode == 0, err
+        assert "pw" not in err
     asked = collections.Counter(fake.titles())
     assert set(asked) == {f"Post number {k}" for k in range(60)}
     assert {title for title, n in asked.items() if n > 1} <= held   # only what the killed one held
@@ -1347,48 +1306,42 @@ def add_copy(conn, source_slug, title, text, published):
 
 
 @both
-def test_copies_of_one_story_cost_one_llm_call_and_make_one_card(home):
-    fake = FakeOllama()
-    try:
-        s, db, registry = story_home(home, fake.url)
-        conn = db.conn()
-        first = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
-        add_copy(conn, "daily", "Forty new buses for the city",
-                 "From our correspondent: " + STORY + " Read more on our site.", "2026-12-01 08:30:00")
-        add_copy(conn, "radio", "", STORY[:300] + "\n\nИсточник: @citywire", "2026-12-01 09:00:00")
-        comet = add_copy(conn, "radio", "Comet this weekend", OTHER, "2026-12-01 09:30:00")
-        stats, _ = vesti.run_workers(db, s, registry, workers=1, quiet=True)
-        assert stats.done == 4
-        assert sorted(fake.titles()) == ["Comet this weekend", "Council approves transport budget"]
-        rows = conn.execute("SELECT id, story_id, direction, relevance, summary FROM posts "
-                            "ORDER BY id").fetchall()
-        assert [r["story_id"] for r in rows] == [first, first, first, comet]
-        assert len({(r["direction"], r["relevance"], r["summary"]) for r in rows[:3]}) == 1
-        report = vesti.status_report(conn)
-        assert report["stories"] == {"stories": 1, "joined": 2, "llm_calls_saved": 2}
-        web = Web(home, settings=s.replace(web_password="s3cret"))
-        try:
-            page = web.get("/?min=0")[2]
-            assert card_ids(page) == [comet, first]                      # one card per story
-            story = re.search(rf'id="post-{first}".*?</article>', page, re.S)[0]
-            assert "+2 sources" in story and story.index("The Daily") < story.index("Radio One")
-            every = re.search(r'href="(/\?[^"]*story=\d+[^"]*)"', story)[1]
-            assert card_ids(web.get(html.unescape(every))[2]) == [first + 2, first + 1, first]
-            status, _, body = web.post(f"/posts/{first}/status",
-                                       {"status": "approved", "token": web.token()},
-                                       headers={"Accept": "application/json"})
-            assert status == 200 and json.loads(body)["status"] == "approved"
-            assert [r[0] for r in conn.execute("SELECT status FROM posts ORDER BY id")] == \
-                ["approved", "approved", "approved", "new"]
-            metrics = web.get("/metrics")[2]
-            assert "vesti_llm_calls_saved_total 2" in metrics and "vesti_stories 1" in metrics
-            page = web.get("/?min=0&status=any")[2]
-            assert facet(page, "statuses", "approved") == 1 and facet(page, "statuses", "to decide") == 1
-            assert counts_match_posts(conn)
-        finally:
-            web.close()
-    finally:
-        fake.close()
+def test_copies_of_one_story_cost_one_llm_call_and_make_one_card(home, closing):
+    fake = closing(FakeOllama())
+    s, db, registry = story_home(home, fake.url)
+    conn = db.conn()
+    first = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:00:00")
+    add_copy(conn, "daily", "Forty new buses for the city",
+             "From our correspondent: " + STORY + " Read more on our site.", "2026-12-01 08:30:00")
+    add_copy(conn, "radio", "", STORY[:300] + "\n\nИсточник: @citywire", "2026-12-01 09:00:00")
+    comet = add_copy(conn, "radio", "Comet this weekend", OTHER, "2026-12-01 09:30:00")
+    stats, _ = vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    assert stats.done == 4
+    assert sorted(fake.titles()) == ["Comet this weekend", "Council approves transport budget"]
+    rows = conn.execute("SELECT id, story_id, direction, relevance, summary FROM posts "
+                        "ORDER BY id").fetchall()
+    assert [r["story_id"] for r in rows] == [first, first, first, comet]
+    assert len({(r["direction"], r["relevance"], r["summary"]) for r in rows[:3]}) == 1
+    report = vesti.status_report(conn)
+    assert report["stories"] == {"stories": 1, "joined": 2, "llm_calls_saved": 2}
+    web = closing(Web(home, settings=s.replace(web_password="s3cret")))
+    page = web.get("/?min=0")[2]
+    assert card_ids(page) == [comet, first]                      # one card per story
+    story = re.search(rf'id="post-{first}".*?</article>', page, re.S)[0]
+    assert "+2 sources" in story and story.index("The Daily") < story.index("Radio One")
+    every = re.search(r'href="(/\?[^"]*story=\d+[^"]*)"', story)[1]
+    assert card_ids(web.get(html.unescape(every))[2]) == [first + 2, first + 1, first]
+    status, _, body = web.post(f"/posts/{first}/status",
+                               {"status": "approved", "token": web.token()},
+                               headers={"Accept": "application/json"})
+    assert status == 200 and json.loads(body)["status"] == "approved"
+    assert [r[0] for r in conn.execute("SELECT status FROM posts ORDER BY id")] == \
+        ["approved", "approved", "approved", "new"]
+    metrics = web.get("/metrics")[2]
+    assert "vesti_llm_calls_saved_total 2" in metrics and "vesti_stories 1" in metrics
+    page = web.get("/?min=0&status=any")[2]
+    assert facet(page, "statuses", "approved") == 1 and facet(page, "statuses", "to decide") == 1
+    assert counts_match_posts(conn)
 
 
 @both
@@ -1606,20 +1559,17 @@ def test_a_copy_that_adds_a_link_joins_its_story_but_one_with_sentences_stands_a
     if asked == "llm":
         assert sorted(fake.titles()) == ["Budget and mortgages",
                                          "Council approves transport budget"]
-    web = Web(home, settings=s.replace(web_password="s3cret"))
-    try:
-        page = web.get("/?min=0")[2]
-        assert card_ids(page) == [own, first]
-        card = re.search(rf'id="post-{first}".*?</article>', page, re.S)[0]
-        assert "+4 sources" in card and "its own: loans.example" in card
-        web.post(f"/posts/{first}/status", {"status": "approved", "token": web.token()})
-        assert dict(conn.execute("SELECT id, status FROM posts")) == \
-            {**{post: "approved" for post in [first, *joining, linked]}, own: "new"}
-        feed = json.loads(web.get("/approved.json")[2])
-        assert [item["id"] for item in feed["items"]] == [str(first)]
-        assert counts_match_posts(conn)
-    finally:
-        web.close()
+    web = closing(Web(home, settings=s.replace(web_password="s3cret")))
+    page = web.get("/?min=0")[2]
+    assert card_ids(page) == [own, first]
+    card = re.search(rf'id="post-{first}".*?</article>', page, re.S)[0]
+    assert "+4 sources" in card and "its own: loans.example" in card
+    web.post(f"/posts/{first}/status", {"status": "approved", "token": web.token()})
+    assert dict(conn.execute("SELECT id, status FROM posts")) == \
+        {**{post: "approved" for post in [first, *joining, linked]}, own: "new"}
+    feed = json.loads(web.get("/approved.json")[2])
+    assert [item["id"] for item in feed["items"]] == [str(first)]
+    assert counts_match_posts(conn)
 
 
 @both
@@ -1715,17 +1665,14 @@ def test_a_story_is_led_by_its_copy_from_an_established_source(home, asked, clos
     if asked == "llm":
         assert sorted(fake.titles()) == ["Budget approved", "Comet this weekend"]
     assert vesti.story_figures(conn)["joined"] == 2 and counts_match_posts(conn)
-    web = Web(home, settings=s.replace(web_password="s3cret"))
-    try:
-        page = web.get("/?min=0")[2]
-        assert copy in card_ids(page) and first not in card_ids(page)
-        card = re.search(rf'id="post-{copy}".*?</article>', page, re.S)[0]
-        assert "+1 source:" in card and "The Daily" in card
-        web.post(f"/posts/{copy}/status", {"status": "approved", "token": web.token()})
-        feed = json.loads(web.get("/approved.json")[2])
-        assert [item["title"] for item in feed["items"]] == ["Council approves transport budget"]
-    finally:
-        web.close()
+    web = closing(Web(home, settings=s.replace(web_password="s3cret")))
+    page = web.get("/?min=0")[2]
+    assert copy in card_ids(page) and first not in card_ids(page)
+    card = re.search(rf'id="post-{copy}".*?</article>', page, re.S)[0]
+    assert "+1 source:" in card and "The Daily" in card
+    web.post(f"/posts/{copy}/status", {"status": "approved", "token": web.token()})
+    feed = json.loads(web.get("/approved.json")[2])
+    assert [item["title"] for item in feed["items"]] == ["Council approves transport budget"]
 
 
 @both
@@ -2068,30 +2015,27 @@ def gone(pid):
 
 @pytest.mark.skipif(not pathlib.Path("/proc/self/stat").exists(), reason="needs /proc")
 @pytest.mark.parametrize("stop", ["sigterm to the group", "kill -9"])
-def test_the_story_key_helper_ends_with_its_worker(home, stop):
+def test_the_story_key_helper_ends_with_its_worker(home, stop, closing):
     """Stopped as systemd or a terminal stops it (SIGTERM to the whole
     group), the worker exits 0 and its helper with it, saying nothing; killed
     with kill -9, it leaves no helper behind either."""
     s, db, registry = story_home(home, "")
     told_twice(db.conn(), 40)
     # One worker: its batches grow to 32 posts, and the helper starts.
-    process = subprocess.Popen([*VESTI, "worker", "--forever", "--workers", "1"],
-                               cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True, env={**os.environ, "OLLAMA_URL": ""})
-    try:
-        assert wait_for(lambda: helper_of(process.pid) is not None and queue_of(db) == {1: 80})
-        helper = helper_of(process.pid)
-        if stop == "kill -9":
-            process.kill()
-        else:
-            os.killpg(process.pid, signal.SIGTERM)
-        _, err = process.communicate(timeout=30)
-        assert wait_for(lambda: gone(helper), timeout=10)
-        if stop != "kill -9":
-            assert process.returncode == 0 and "Traceback" not in err, err
-    finally:
-        if process.poll() is None:
-            process.kill()
+    process = closing(subprocess.Popen([*VESTI, "worker", "--forever", "--workers", "1"],
+                                       cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, start_new_session=True,
+                                       env={**os.environ, "OLLAMA_URL": ""}))
+    assert wait_for(lambda: helper_of(process.pid) is not None and queue_of(db) == {1: 80})
+    helper = helper_of(process.pid)
+    if stop == "kill -9":
+        process.kill()
+    else:
+        os.killpg(process.pid, signal.SIGTERM)
+    _, err = process.communicate(timeout=30)
+    assert wait_for(lambda: gone(helper), timeout=10)
+    if stop != "kill -9":
+        assert process.returncode == 0 and "Traceback" not in err, err
 
 
 # Learning ---------------------------------------------------------------------
@@ -2791,17 +2735,15 @@ def test_a_compressed_feed_many_times_its_size_is_decoded_whole(home, server, en
     assert "Post number 39" in {post["title"] for post in posts_of(db, "lwn")}
 
 
-def test_refusing_a_gzip_bomb_holds_about_the_limit_in_memory(home, server):
+def test_refusing_a_gzip_bomb_holds_about_the_limit_in_memory(home, server, request):
     bomb = gzip.compress(b"\0" * (64 << 20), compresslevel=9)
     server.routes["/feed"] = lambda request: (200, {"Content-Encoding": "gzip"}, bomb)
     s = make_settings(home, RSS_MAX_BYTES=4_000_000)
     tracemalloc.start()
-    try:
-        with pytest.raises(vesti.FetchError, match="over the limit of 4000000 bytes"):
-            vesti.http_get(server.url + "/feed", s)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    request.addfinalizer(tracemalloc.stop)
+    with pytest.raises(vesti.FetchError, match="over the limit of 4000000 bytes"):
+        vesti.http_get(server.url + "/feed", s)
+    peak = tracemalloc.get_traced_memory()[1]
     assert peak < 1.25 * 4_000_000
 
 
@@ -2920,28 +2862,24 @@ def test_sources_are_fetched_in_priority_order(home, server):
     assert [path for path, *_ in server.requests] == ["/b", "/c", "/a"]
 
 
-def test_one_request_at_a_time_per_host_with_the_delay_and_hosts_in_parallel(home):
-    servers = [FeedServer("127.0.0.1"), FeedServer("127.0.0.2")]
-    try:
-        sources = []
-        for n, srv in enumerate(servers):
-            for k in range(3):
-                def slow(request, body=rss(items(1, start=10 * n + k, host=srv.url))):
-                    time.sleep(0.2)
-                    return 200, {"Content-Type": "application/rss+xml"}, body
-                srv.routes[f"/f{k}"] = slow
-                sources.append(rss_source(f"s{n}{k}", f"{srv.url}/f{k}"))
-        s, db = intake(home, sources, RSS_HOST_DELAY=0.3, RSS_CONCURRENCY=4)
-        started = time.monotonic()
-        assert crawl(s, db).new_posts == 6
-        elapsed = time.monotonic() - started
-        for srv in servers:
-            times = sorted(t for *_, t in srv.requests)
-            assert all(b - a >= 0.5 for a, b in zip(times, times[1:]))    # 0.2 s answer + 0.3 s delay
-        assert elapsed < 2.5        # the two hosts overlapped (serially it would take 3 s)
-    finally:
-        for srv in servers:
-            srv.close()
+def test_one_request_at_a_time_per_host_with_the_delay_and_hosts_in_parallel(home, closing):
+    servers = [closing(FeedServer("127.0.0.1")), closing(FeedServer("127.0.0.2"))]
+    sources = []
+    for n, srv in enumerate(servers):
+        for k in range(3):
+            def slow(request, body=rss(items(1, start=10 * n + k, host=srv.url))):
+                time.sleep(0.2)
+                return 200, {"Content-Type": "application/rss+xml"}, body
+            srv.routes[f"/f{k}"] = slow
+            sources.append(rss_source(f"s{n}{k}", f"{srv.url}/f{k}"))
+    s, db = intake(home, sources, RSS_HOST_DELAY=0.3, RSS_CONCURRENCY=4)
+    started = time.monotonic()
+    assert crawl(s, db).new_posts == 6
+    elapsed = time.monotonic() - started
+    for srv in servers:
+        times = sorted(t for *_, t in srv.requests)
+        assert all(b - a >= 0.5 for a, b in zip(times, times[1:]))    # 0.2 s answer + 0.3 s delay
+    assert elapsed < 2.5        # the two hosts overlapped (serially it would take 3 s)
 
 
 # Fetching: the network policy and slow peers ----------------------------------
@@ -2957,16 +2895,13 @@ def finishes_within(seconds, function):
     return not thread.is_alive(), outcome.get("result")
 
 
-def test_a_feed_that_drips_its_headers_cannot_hold_the_crawl(home, server):
-    drip = DripServer("127.0.0.3")
-    try:
-        server.feed("/feed", rss(items(2, host=server.url)))
-        s, db = intake(home, [rss_source("slow", drip.url + "/feed"),
-                              rss_source("fast", server.url + "/feed", priority=1)],
-                       RSS_TIMEOUT=0.3)
-        finished, result = finishes_within(10, lambda: crawl(s, db))
-    finally:
-        drip.close()
+def test_a_feed_that_drips_its_headers_cannot_hold_the_crawl(home, server, closing):
+    drip = closing(DripServer("127.0.0.3"))
+    server.feed("/feed", rss(items(2, host=server.url)))
+    s, db = intake(home, [rss_source("slow", drip.url + "/feed"),
+                          rss_source("fast", server.url + "/feed", priority=1)],
+                   RSS_TIMEOUT=0.3)
+    finished, result = finishes_within(10, lambda: crawl(s, db))
     assert finished
     assert drip.connections == 1
     assert source_row(db, "slow")["last_error"] == "response took longer than 0.9 s"
@@ -3013,24 +2948,20 @@ def test_a_host_busy_longer_than_the_patience_gives_host_busy():
 
 @pytest.mark.slow
 @both
-def test_articles_on_a_dripping_host_do_not_stall_the_workers(home):
+def test_articles_on_a_dripping_host_do_not_stall_the_workers(home, closing):
     page = (CORPUS / "html" / "bbc.com.52241221.html").read_bytes()
     expected = json.loads((CORPUS / "html" / "expected.json").read_text())["pages"]
     snippet = expected["bbc.com.52241221.html"]["with"][0]
-    fast, drip = FeedServer("127.0.0.2"), DripServer("127.0.0.3")
-    try:
-        s, db, registry = worker_home(home, "", RSS_TIMEOUT=0.3, VESTI_ALLOW_PRIVATE_NETWORKS=1)
-        add_posts(db.conn(), 12)
-        for k in range(12):
-            fast.routes[f"/a/{k}"] = lambda request: (200, {"Content-Type": "text/html"}, page)
-            url = f"{fast.url}/a/{k}" if k % 2 else f"{drip.url}/a/{k}"
-            db.conn().execute("UPDATE posts SET url = ?, content_type = 'summary' WHERE title = ?",
-                              (url, f"Post {k}"))
-        finished, _ = finishes_within(
-            20, lambda: vesti.run_workers(db, s, registry, workers=4, quiet=True))
-    finally:
-        drip.close()
-        fast.close()
+    fast, drip = closing(FeedServer("127.0.0.2")), closing(DripServer("127.0.0.3"))
+    s, db, registry = worker_home(home, "", RSS_TIMEOUT=0.3, VESTI_ALLOW_PRIVATE_NETWORKS=1)
+    add_posts(db.conn(), 12)
+    for k in range(12):
+        fast.routes[f"/a/{k}"] = lambda request: (200, {"Content-Type": "text/html"}, page)
+        url = f"{fast.url}/a/{k}" if k % 2 else f"{drip.url}/a/{k}"
+        db.conn().execute("UPDATE posts SET url = ?, content_type = 'summary' WHERE title = ?",
+                          (url, f"Post {k}"))
+    finished, _ = finishes_within(
+        20, lambda: vesti.run_workers(db, s, registry, workers=4, quiet=True))
     assert finished
     posts = db.conn().execute("SELECT * FROM posts ORDER BY id").fetchall()
     assert [p["classified"] for p in posts] == [1] * 12
@@ -3046,7 +2977,7 @@ def test_articles_on_a_dripping_host_do_not_stall_the_workers(home):
 
 @pytest.mark.slow
 @both
-def test_articles_of_different_hosts_are_fetched_side_by_side(home, monkeypatch):
+def test_articles_of_different_hosts_are_fetched_side_by_side(home, monkeypatch, closing):
     """Posts are stored feed by feed, so the oldest pending ones are one
     host's: two workers still fetch two hosts' articles at a time, each
     host at its own pace, instead of queueing for the first host. Their
@@ -3065,20 +2996,16 @@ def test_articles_of_different_hosts_are_fetched_side_by_side(home, monkeypatch)
         finally:
             extracting.pop()
     monkeypatch.setattr(trafilatura, "extract", extract)
-    hosts = [FeedServer("127.0.0.2"), FeedServer("127.0.0.3")]
-    try:
-        s, db, registry = worker_home(home, "", RSS_HOST_DELAY=0.2,
-                                      VESTI_ALLOW_PRIVATE_NETWORKS=1)
-        add_posts(db.conn(), 12, content_type="summary")
-        for k in range(12):
-            host = hosts[k // 6]
-            host.routes[f"/a/{k}"] = lambda request: (200, {"Content-Type": "text/html"}, page)
-            db.conn().execute("UPDATE posts SET url = ? WHERE title = ?",
-                              (f"{host.url}/a/{k}", f"Post {k}"))
-        vesti.run_workers(db, s, registry, workers=2, quiet=True)
-    finally:
-        for host in hosts:
-            host.close()
+    hosts = [closing(FeedServer("127.0.0.2")), closing(FeedServer("127.0.0.3"))]
+    s, db, registry = worker_home(home, "", RSS_HOST_DELAY=0.2,
+                                  VESTI_ALLOW_PRIVATE_NETWORKS=1)
+    add_posts(db.conn(), 12, content_type="summary")
+    for k in range(12):
+        host = hosts[k // 6]
+        host.routes[f"/a/{k}"] = lambda request: (200, {"Content-Type": "text/html"}, page)
+        db.conn().execute("UPDATE posts SET url = ? WHERE title = ?",
+                          (f"{host.url}/a/{k}", f"Post {k}"))
+    vesti.run_workers(db, s, registry, workers=2, quiet=True)
     assert queue_of(db) == {1: 12}
     order = [host for _, host in sorted((at, k) for k, host in enumerate(hosts)
                                         for _, _, at in host.requests)]
@@ -3144,14 +3071,12 @@ def test_a_feed_redirect_to_an_internal_host_is_refused_unless_allowed(home, ser
 @pytest.mark.parametrize("scheme, target", [("file", "file:///etc/passwd"),
                                             ("ftp", "ftp://127.0.0.1:{ftp}/x"),
                                             ("data", "data:text/plain,hello")])
-def test_a_redirect_to_a_scheme_other_than_http_is_refused(home, server, scheme, target):
-    ftp = TcpListener()
-    try:
-        server.redirect("/feed", 302, target.format(ftp=ftp.port))
-        s, db = intake(home, [rss_source("x", server.url + "/feed")])
-        crawl(s, db)
-    finally:
-        ftp.close()
+def test_a_redirect_to_a_scheme_other_than_http_is_refused(home, server, scheme, target,
+                                                           closing):
+    ftp = closing(TcpListener())
+    server.redirect("/feed", 302, target.format(ftp=ftp.port))
+    s, db = intake(home, [rss_source("x", server.url + "/feed")])
+    crawl(s, db)
     assert not ftp.connected.is_set()
     error = source_row(db, "x")["last_error"]
     assert error and f"{scheme}:" in error and "refused" in error
@@ -3193,27 +3118,27 @@ def test_public_addresses_are_allowed(address):
     assert vesti.why_refused(address) is None
 
 
-def test_a_dripping_feed_does_not_hold_the_crawls_of_other_priorities(home, server):
-    drip = DripServer("127.0.0.3", lifetime=10)
+def test_a_dripping_feed_does_not_hold_the_crawls_of_other_priorities(home, server, closing,
+                                                                      request):
+    drip = closing(DripServer("127.0.0.3", lifetime=10))
     stop = threading.Event()
-    try:
-        server.feed("/feed", rss(items(3, host=server.url)))
-        s, db = intake(home, [rss_source("slow", drip.url + "/feed", priority=0),
-                              rss_source("fast", server.url + "/feed", priority=1)],
-                       RSS_TIMEOUT=5, VESTI_CRAWL_EVERY="10m,1h")
-        now = [time.time()]
-        scheduler = vesti.Scheduler(db, s, vesti.load_registry(s.sources), stop,
-                                    clock=lambda: now[0])
-        assert scheduler.tick() == [0, 1]
-        assert wait_for(lambda: len(posts_of(db, "fast")) == 3, timeout=10)
-        assert wait_for(lambda: drip.connections == 1, timeout=5)
-        assert [r["status"] for r in runs_of(db, "slow")] == ["running"]
-        now[0] += 901                                       # priority 0 is due again
-        assert scheduler.tick() == []                       # but still running: not restarted
-        assert drip.connections == 1
-    finally:
-        stop.set()
-        drip.close()
+    request.addfinalizer(stop.set)                  # the crawl stops, whatever failed
+    server.feed("/feed", rss(items(3, host=server.url)))
+    s, db = intake(home, [rss_source("slow", drip.url + "/feed", priority=0),
+                          rss_source("fast", server.url + "/feed", priority=1)],
+                   RSS_TIMEOUT=5, VESTI_CRAWL_EVERY="10m,1h")
+    now = [time.time()]
+    scheduler = vesti.Scheduler(db, s, vesti.load_registry(s.sources), stop,
+                                clock=lambda: now[0])
+    assert scheduler.tick() == [0, 1]
+    assert wait_for(lambda: len(posts_of(db, "fast")) == 3, timeout=10)
+    assert wait_for(lambda: drip.connections == 1, timeout=5)
+    assert [r["status"] for r in runs_of(db, "slow")] == ["running"]
+    now[0] += 901                                       # priority 0 is due again
+    assert scheduler.tick() == []                       # but still running: not restarted
+    assert drip.connections == 1
+    stop.set()
+    drip.close()
     assert scheduler.join(10)
     run = runs_of(db, "slow")[0]
     assert run["status"] == "error" and run["finished_at"]      # the cut-off crawl is closed
@@ -4706,14 +4631,11 @@ def test_a_misbehaving_ollama_costs_attempts_until_the_post_fails(home, mode, er
 
 
 @both
-def test_one_run_does_not_burn_all_attempts_on_one_post(home):
-    fake = FakeOllama("500")
-    try:
-        s, db, registry = worker_home(home, fake.url, VESTI_RETRY_DELAY=60)
-        add_posts(db.conn(), 1)
-        stats, _ = vesti.run_workers(db, s, registry, workers=2, quiet=True)
-    finally:
-        fake.close()
+def test_one_run_does_not_burn_all_attempts_on_one_post(home, closing):
+    fake = closing(FakeOllama("500"))
+    s, db, registry = worker_home(home, fake.url, VESTI_RETRY_DELAY=60)
+    add_posts(db.conn(), 1)
+    stats, _ = vesti.run_workers(db, s, registry, workers=2, quiet=True)
     post = db.conn().execute("SELECT * FROM posts").fetchone()
     assert (post["classified"], post["attempts"], stats.returned) == (0, 1, 1)
     assert len(fake.requests) == 1
@@ -4862,7 +4784,7 @@ def test_workers_stopped_right_after_their_last_post_still_say_what_they_did(hom
 
 
 def test_a_spell_being_said_when_the_stop_grace_runs_out_is_said_by_the_stop(home, capsys,
-                                                                            monkeypatch):
+                                                                            monkeypatch, request):
     """A worker that is looking up the queue for its line of work (a
     database that does not answer) when a stop's grace runs out is left
     behind, and `run` exits without it: the line said at the stop counts
@@ -4879,12 +4801,10 @@ def test_a_spell_being_said_when_the_stop_grace_runs_out_is_said_by_the_stop(hom
             answer.wait(30)
         return count(conn)
     monkeypatch.setattr(vesti, "pending_count", stuck_in_a_worker)
-    try:
-        stats, finished = vesti.run_workers(db, s, registry, workers=1, forever=True, stop=stop,
-                                            quiet=True)
-        said = capsys.readouterr().out
-    finally:
-        answer.set()
+    request.addfinalizer(answer.set)                # the worker left behind goes on at the end
+    stats, finished = vesti.run_workers(db, s, registry, workers=1, forever=True, stop=stop,
+                                        quiet=True)
+    said = capsys.readouterr().out
     assert not finished and stats.processed >= 1
     spells = re.findall(r"^worker: (\d+) processed \(.*\) in [0-9.]+ s; (.*)$", said, re.M)
     assert sum(int(n) for n, _ in spells) == stats.processed, said
@@ -5215,46 +5135,43 @@ def test_a_text_longer_than_telegram_allows_is_cut_and_keeps_its_link(home, bot)
     assert "<b>Long &lt;read&gt; &amp; more</b>" in message["text"]
 
 
-def test_an_edited_text_is_what_is_sent_and_publish_now_skips_the_pace(home, bot):
+def test_an_edited_text_is_what_is_sent_and_publish_now_skips_the_pace(home, bot, closing):
     s, db, lwn_id = publish_home(home, bot, [{**CHANNEL, "every": "1h"}],
                                  VESTI_WEB_PASSWORD="s3cret")
-    web = Web(home, settings=s)
-    try:
-        conn = db.conn()
-        first, second = desk_post(conn, lwn_id, 1), desk_post(conn, lwn_id, 2)
-        vesti.set_decisions(conn, [first, second], "approved", "ed")
-        publisher = vesti.Publisher(db, s)
-        publisher.look()
-        waiting = publications(conn)[1]
-        assert waiting["state"] == "queued"
-        page = web.get("/outbox")[2]
-        assert f'id="publication-{waiting["id"]}"' in page and "Publish now" in page
-        assert "Summary 2" in re.search(r'<textarea name="text"[^>]*>(.*?)</textarea>', page, re.S)[1]
-        edited = "AT&T and R&D: prices < $5\nsee https://example.com/a?b=1&c=2"
-        status, _, _ = web.post(f"/publications/{waiting['id']}",
-                                {"token": web.token(), "action": "text", "text": edited,
-                                 "seen": "queued"})
-        assert status == 303
-        assert publisher.look() > 3000          # still paced
-        assert web.post(f"/publications/{waiting['id']}", {"token": web.token(), "action": "now"},
-                        headers={"Accept": "application/json"})[0] == 200
-        publisher.look()
-        assert bot.messages[-1]["text"] == (
-            "<b>AT&amp;T and R&amp;D: prices &lt; $5</b>\nsee "
-            '<a href="https://example.com/a?b=1&amp;c=2">https://example.com/a?b=1&amp;c=2</a>')
-        assert bot.messages[-1]["shown"] == edited
-        desk = web.get("/?status=approved")[2]
-        assert desk.count('class="small muted outbox-line"') == 2
-        assert f'#publication-{waiting["id"]}">channel</a> published' in desk
-        # The page it was edited on is out of date now: it is said, not done.
-        status, _, text = web.post(f"/publications/{waiting['id']}",
-                                   {"token": web.token(), "action": "cancel", "seen": "queued"})
-        assert status == 409 and "published" in text
-        # And a post from another site is refused.
-        assert web.post(f"/publications/{waiting['id']}", {"token": "x", "action": "text",
-                                                          "text": "evil"})[0] == 403
-    finally:
-        web.close()
+    web = closing(Web(home, settings=s))
+    conn = db.conn()
+    first, second = desk_post(conn, lwn_id, 1), desk_post(conn, lwn_id, 2)
+    vesti.set_decisions(conn, [first, second], "approved", "ed")
+    publisher = vesti.Publisher(db, s)
+    publisher.look()
+    waiting = publications(conn)[1]
+    assert waiting["state"] == "queued"
+    page = web.get("/outbox")[2]
+    assert f'id="publication-{waiting["id"]}"' in page and "Publish now" in page
+    assert "Summary 2" in re.search(r'<textarea name="text"[^>]*>(.*?)</textarea>', page, re.S)[1]
+    edited = "AT&T and R&D: prices < $5\nsee https://example.com/a?b=1&c=2"
+    status, _, _ = web.post(f"/publications/{waiting['id']}",
+                            {"token": web.token(), "action": "text", "text": edited,
+                             "seen": "queued"})
+    assert status == 303
+    assert publisher.look() > 3000          # still paced
+    assert web.post(f"/publications/{waiting['id']}", {"token": web.token(), "action": "now"},
+                    headers={"Accept": "application/json"})[0] == 200
+    publisher.look()
+    assert bot.messages[-1]["text"] == (
+        "<b>AT&amp;T and R&amp;D: prices &lt; $5</b>\nsee "
+        '<a href="https://example.com/a?b=1&amp;c=2">https://example.com/a?b=1&amp;c=2</a>')
+    assert bot.messages[-1]["shown"] == edited
+    desk = web.get("/?status=approved")[2]
+    assert desk.count('class="small muted outbox-line"') == 2
+    assert f'#publication-{waiting["id"]}">channel</a> published' in desk
+    # The page it was edited on is out of date now: it is said, not done.
+    status, _, text = web.post(f"/publications/{waiting['id']}",
+                               {"token": web.token(), "action": "cancel", "seen": "queued"})
+    assert status == 409 and "published" in text
+    # And a post from another site is refused.
+    assert web.post(f"/publications/{waiting['id']}", {"token": "x", "action": "text",
+                                                      "text": "evil"})[0] == 403
 
 
 def test_a_429_pauses_the_target_as_long_as_asked_then_the_post_goes_once(home, bot):
@@ -5361,21 +5278,21 @@ def test_taking_a_decision_back_cancels_what_waits_and_deletes_what_was_sent(hom
     assert publications(conn)[1]["state"] == "published"
 
 
-def test_a_publisher_killed_between_the_send_and_its_record_leaves_it_uncertain(home, bot):
+def test_a_publisher_killed_between_the_send_and_its_record_leaves_it_uncertain(home, bot,
+                                                                               closing):
     s, db, lwn_id = publish_home(home, bot)
     conn = db.conn()
     bot.script = [("hang", 60)]
     post = desk_post(conn, lwn_id, 1)
     vesti.set_decisions(conn, [post], "approved", "ed")
     env = {"TG_BOT_TOKEN": bot.TOKEN, "TG_BOT_API": bot.url}
-    process = subprocess.Popen([*VESTI, "publish", "--forever"], cwd=home, env=cli_env(env),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert bot.posted.wait(30), process.stderr.read() if process.poll() is not None else ""
-        assert publications(conn)[0]["state"] == "sending"
-    finally:
-        process.kill()
-        process.wait()
+    process = closing(subprocess.Popen([*VESTI, "publish", "--forever"], cwd=home,
+                                       env=cli_env(env), stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True))
+    assert bot.posted.wait(30), process.stderr.read() if process.poll() is not None else ""
+    assert publications(conn)[0]["state"] == "sending"
+    process.kill()
+    process.wait()
     # Its lease still holds the target: nobody else sends to it meanwhile.
     result = cli("publish", cwd=home, env=env)
     assert result.returncode == 0, result.stderr
@@ -5391,15 +5308,12 @@ def test_a_publisher_killed_between_the_send_and_its_record_leaves_it_uncertain(
     assert row["state"] == "uncertain" and "may or may not have arrived" in row["error"]
     assert len(bot.messages) == 1             # never sent again on its own
     assert cli("publish", cwd=home, env=env).returncode == 0 and len(bot.messages) == 1
-    web = Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret", **env))
-    try:
-        page = web.get("/outbox")[2]
-        assert "Mark published" in page and "Send again" in page
-        assert web.post(f"/publications/{row['id']}", {"token": web.token(),
-                                                       "action": "published"})[0] == 303
-        assert publications(conn)[0]["state"] == "published"
-    finally:
-        web.close()
+    web = closing(Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret", **env)))
+    page = web.get("/outbox")[2]
+    assert "Mark published" in page and "Send again" in page
+    assert web.post(f"/publications/{row['id']}", {"token": web.token(),
+                                                   "action": "published"})[0] == 303
+    assert publications(conn)[0]["state"] == "published"
     assert bot.TOKEN not in result.stdout + result.stderr
 
 
@@ -5525,35 +5439,33 @@ def test_status_and_metrics_count_publications_by_target_and_state(home, bot):
 
 
 @pytest.mark.slow
-def test_run_publishes_what_the_editor_approves_on_the_page(home, server, bot):
+def test_run_publishes_what_the_editor_approves_on_the_page(home, server, bot, closing):
     server.feed("/feed", rss(items(3, host=server.url)))
     write_sources(home / "sources.yaml", [rss_source("lwn", server.url + "/feed", direction="linux")])
     with open(home / "sources.yaml", "a", encoding="utf-8") as f:
         f.write("publish:\n" + yaml.safe_dump([CHANNEL]))
-    process, port = run_process(home, env={"OLLAMA_URL": "", "TG_BOT_TOKEN": bot.TOKEN,
-                                           "TG_BOT_API": bot.url})
-    try:
-        auth = {"Authorization": "Basic " + base64.b64encode(b"admin:pw").decode()}
+    process, port = run_process(closing, home, env={"OLLAMA_URL": "", "TG_BOT_TOKEN": bot.TOKEN,
+                                                    "TG_BOT_API": bot.url})
+    auth = {"Authorization": "Basic " + base64.b64encode(b"admin:pw").decode()}
 
-        def ask(method, path, body=None, headers=None):
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            conn.request(method, path, body=body, headers={**auth, **(headers or {})})
-            response = conn.getresponse()
-            return response.status, response.read().decode()
-        assert wait_for(lambda: ask("GET", "/")[1].count('class="post"') == 3, timeout=15)
-        page = ask("GET", "/")[1]
-        token = re.search(r'name="token" value="([0-9a-f]+)"', page)[1]
-        post = card_ids(page)[0]
-        status, _ = ask("POST", f"/posts/{post}/status", f"token={token}&status=approved",
-                        {"Content-Type": "application/x-www-form-urlencoded",
-                         "Origin": f"http://127.0.0.1:{port}", "Accept": "application/json"})
-        assert status == 200
-        assert wait_for(lambda: len(bot.messages) == 1, timeout=10)
-        # the message is out before the row says so: wait for the row, not the bot
-        assert wait_for(lambda: "published" in ask("GET", "/outbox")[1], timeout=10)
-        assert len(bot.messages) == 1
-    finally:
-        out, err = stop_process(process)
+    def ask(method, path, body=None, headers=None):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request(method, path, body=body, headers={**auth, **(headers or {})})
+        response = conn.getresponse()
+        return response.status, response.read().decode()
+    assert wait_for(lambda: ask("GET", "/")[1].count('class="post"') == 3, timeout=15)
+    page = ask("GET", "/")[1]
+    token = re.search(r'name="token" value="([0-9a-f]+)"', page)[1]
+    post = card_ids(page)[0]
+    status, _ = ask("POST", f"/posts/{post}/status", f"token={token}&status=approved",
+                    {"Content-Type": "application/x-www-form-urlencoded",
+                     "Origin": f"http://127.0.0.1:{port}", "Accept": "application/json"})
+    assert status == 200
+    assert wait_for(lambda: len(bot.messages) == 1, timeout=10)
+    # the message is out before the row says so: wait for the row, not the bot
+    assert wait_for(lambda: "published" in ask("GET", "/outbox")[1], timeout=10)
+    assert len(bot.messages) == 1
+    out, err = stop_process(process)
     assert process.returncode == 0, err
     assert bot.TOKEN not in out + err
 
@@ -5698,14 +5610,12 @@ def test_a_webhook_send_cut_off_by_a_crash_is_sent_again_with_its_key(home, clos
     conn = db.conn()
     receiver.script = [("hang", 60, 200)]
     vesti.set_decisions(conn, [desk_post(conn, lwn_id, 1)], "approved", "ed")
-    process = subprocess.Popen([*VESTI, "publish", "--forever"], cwd=home,
-                               env=cli_env({"VESTI_WEBHOOK_SECRET": "hook-secret"}),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert receiver.received.wait(30)
-    finally:
-        process.kill()
-        process.wait()
+    process = closing(subprocess.Popen([*VESTI, "publish", "--forever"], cwd=home,
+                                       env=cli_env({"VESTI_WEBHOOK_SECRET": "hook-secret"}),
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    assert receiver.received.wait(30)
+    process.kill()
+    process.wait()
     clock = Clock()
     clock.now += 3600                      # the dead sender's lease ran out
     vesti.Publisher(db, s, clock).look()
@@ -5830,7 +5740,7 @@ def unshared(*command):
 
 @pytest.mark.slow
 @both
-def test_two_publishers_in_containers_of_one_host_never_send_at_once(home, bot):
+def test_two_publishers_in_containers_of_one_host_never_send_at_once(home, bot, closing):
     probe = subprocess.run(unshared("true"), capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"no PID namespaces here: {probe.stderr.decode().strip()}")
@@ -5843,21 +5753,19 @@ def test_two_publishers_in_containers_of_one_host_never_send_at_once(home, bot):
     publish = " ".join(map(shlex.quote, [*VESTI, "publish", "--forever"]))
     # The first runs as PID 2 of its namespace, the second as PID 3: in the
     # second's, PID 2 is gone, as the first would look if judged by its PID.
-    first = subprocess.Popen(unshared("sh", "-c", f"{publish}; true"), cwd=home, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert bot.posted.wait(20)
-        second = subprocess.Popen(unshared("sh", "-c", f"/bin/true; {publish}; true"), cwd=home,
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            assert wait_for(lambda: [r["state"] for r in publications(conn)] == ["published"] * 4,
-                            timeout=60)
-        finally:
-            second.kill()
-            second.wait()
-    finally:
-        first.kill()
-        first.wait()
+    first = closing(subprocess.Popen(unshared("sh", "-c", f"{publish}; true"), cwd=home,
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True))
+    assert bot.posted.wait(20)
+    second = closing(subprocess.Popen(unshared("sh", "-c", f"/bin/true; {publish}; true"),
+                                      cwd=home, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    assert wait_for(lambda: [r["state"] for r in publications(conn)] == ["published"] * 4,
+                    timeout=60)
+    second.kill()
+    second.wait()
+    first.kill()
+    first.wait()
     assert shown_titles(bot) == [f"Post {k}" for k in range(4)]
     sends = [at for method, _, at in bot.calls if method == "sendMessage"]
     assert all(b - a >= 1.0 for a, b in zip(sends, sends[1:3]))   # none while another was out
@@ -5928,16 +5836,13 @@ def test_a_failing_target_is_named_on_every_page_and_in_status(home, closing):
     conn = db.conn()
     vesti.set_decisions(conn, [desk_post(conn, lwn_id, k) for k in range(3)], "approved", "ed")
     vesti.Publisher(db, s).look()
-    web = Web(home, settings=s)
-    try:
-        for path in ("/", "/crawlers", "/quality", "/outbox"):
-            banner = re.search(r'<p class="banner outbox-trouble"[^>]*>(.*?)</p>', web.get(path)[2])
-            assert banner, path
-            assert 'href="/outbox#target-channel">channel</a>' in banner[1]
-            assert "bot is not a member" in banner[1] and "3 posts wait" in banner[1]
-            assert "paused until" in banner[1]
-    finally:
-        web.close()
+    web = closing(Web(home, settings=s))
+    for path in ("/", "/crawlers", "/quality", "/outbox"):
+        banner = re.search(r'<p class="banner outbox-trouble"[^>]*>(.*?)</p>', web.get(path)[2])
+        assert banner, path
+        assert 'href="/outbox#target-channel">channel</a>' in banner[1]
+        assert "bot is not a member" in banner[1] and "3 posts wait" in banner[1]
+        assert "paused until" in banner[1]
     assert [row["state"] for row in publications(conn)] == ["queued"] * 3
     assert len(bot.calls) == 1           # one refusal pauses the whole target
     out = cli("status", cwd=home, env={"VESTI_WEB_PASSWORD": "s3cret"}).stdout
@@ -6025,30 +5930,28 @@ def test_healthz_answers_without_a_password(web):
 
 
 @pytest.mark.slow
-def test_the_generated_password_stays_the_same_across_restarts(home):
+def test_the_generated_password_stays_the_same_across_restarts(home, closing):
     write_sources(home / "sources.yaml", [])
     statuses = []
     for run in range(2):
         env = {k: v for k, v in os.environ.items() if k != "VESTI_WEB_PASSWORD"}
-        process = subprocess.Popen([*VESTI, "serve", "--port", "0"],
-                                   cwd=home, text=True, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, env=env)
-        try:
-            said = first_lines(process, 2)
-            port = int(re.search(r"http://127\.0\.0\.1:(\d+)/", said)[1])
-            if run == 0:
-                password = re.search(r"generated password (\S+),", said)[1]
-                assert "VESTI_WEB_PASSWORD" in said
-            else:
-                assert password not in said and "generated" not in said
-                assert "the one printed at the first start" in said
-            for given in (password, "wrong"):
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-                auth = base64.b64encode(f"admin:{given}".encode()).decode()
-                conn.request("GET", "/api/queue", headers={"Authorization": f"Basic {auth}"})
-                statuses.append(conn.getresponse().status)
-        finally:
-            out, err = stop_process(process)
+        process = closing(subprocess.Popen([*VESTI, "serve", "--port", "0"],
+                                           cwd=home, text=True, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, env=env))
+        said = first_lines(process, 2)
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)/", said)[1])
+        if run == 0:
+            password = re.search(r"generated password (\S+),", said)[1]
+            assert "VESTI_WEB_PASSWORD" in said
+        else:
+            assert password not in said and "generated" not in said
+            assert "the one printed at the first start" in said
+        for given in (password, "wrong"):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            auth = base64.b64encode(f"admin:{given}".encode()).decode()
+            conn.request("GET", "/api/queue", headers={"Authorization": f"Basic {auth}"})
+            statuses.append(conn.getresponse().status)
+        out, err = stop_process(process)
         assert password not in err
     assert statuses == [200, 401, 200, 401]
     kept = sqlite3.connect(home / "vesti.db").execute(
@@ -6703,13 +6606,10 @@ def test_a_page_left_open_across_a_restart_still_decides(web, home, closing):
     post = desk_post(conn, lwn(web), 1)
     token_before = re.search(r'name="token" value="([0-9a-f]+)"', web.get("/")[2])[1]
     web.close()
-    restarted = Web(home)             # a new server process on the same database
-    try:
-        status, headers, _ = restarted.post(f"/posts/{post}/status",
-                                            {"token": token_before, "status": "approved"})
-        assert status == 303 and headers["Location"].endswith(f"#post-{post}")
-    finally:
-        restarted.close()
+    restarted = closing(Web(home))      # a new server process on the same database
+    status, headers, _ = restarted.post(f"/posts/{post}/status",
+                                        {"token": token_before, "status": "approved"})
+    assert status == 303 and headers["Location"].endswith(f"#post-{post}")
     assert conn.execute("SELECT status FROM posts").fetchone()[0] == "approved"
     changed = closing(Web(home, password="n3w"))     # restarted with another password: old forms refused
     status, _, _ = changed.post(f"/posts/{post}/status", {"token": token_before, "status": "new"})
@@ -7769,48 +7669,46 @@ def test_on_a_phone_each_source_shows_its_status_and_last_error(web, browser):
     assert "HTTP 500 Internal Server Error" in boxes["errorText"]
 
 
-def test_undoing_a_published_post_asks_first_and_the_outbox_fits_a_phone(home, bot, browser):
+def test_undoing_a_published_post_asks_first_and_the_outbox_fits_a_phone(home, bot, browser,
+                                                                         closing):
     s, db, lwn_id = publish_home(home, bot, [{**CHANNEL, "every": "1h"}], VESTI_WEB_PASSWORD="s3cret")
-    web = Web(home, settings=s)
-    try:
-        conn = db.conn()
-        sent, waiting = desk_post(conn, lwn_id, 1), desk_post(conn, lwn_id, 2)
-        conn.execute("UPDATE posts SET url = ?, title = ? WHERE id = ?",
-                     ("https://news.example/" + "long-path/" * 150, "Word " * 60, waiting))
-        vesti.set_decisions(conn, [sent, waiting], "approved", "ed")
-        publisher = vesti.Publisher(db, s)
-        publisher.look()
-        assert len(bot.messages) == 1
-        browser.open(web.origin + "/?status=approved", {"Authorization": web.auth})
-        undo = "document.querySelector('#post-{} button[value=new]').click()"
-        browser.evaluate("window.confirm = m => { window.asked = m; return window.answer }")
-        browser.evaluate(f"window.answer = false; {undo.format(sent)}")
-        assert "This deletes the message in @vesti_test" in browser.evaluate("window.asked")
-        time.sleep(0.3)
-        assert post_row(conn, sent)["status"] == "approved"
-        browser.evaluate(f"window.answer = true; window.asked = null; {undo.format(sent)}")
-        assert wait_for(lambda: post_row(conn, sent)["status"] == "new", timeout=10)
-        publisher.look()
-        assert bot.messages == [] and len(bot.deleted) == 1
-        # What was never sent is taken back without a question.
-        browser.evaluate(f"window.asked = null; {undo.format(waiting)}")
-        assert wait_for(lambda: post_row(conn, waiting)["status"] == "new", timeout=10)
-        assert browser.evaluate("window.asked") is None
-        vesti.set_decisions(conn, [waiting], "approved", "ed")
-        browser.call("Emulation.setDeviceMetricsOverride", session=True, width=390, height=844,
-                     deviceScaleFactor=3, mobile=True)
-        browser.open(web.origin + "/outbox", {"Authorization": web.auth})
-        shown = browser.evaluate("""(() => {
-            const row = document.querySelector('tr.pub-queued'), area = row.querySelector('textarea');
-            const r = row.getBoundingClientRect();
-            area.value = 'x'.repeat(5000); area.dispatchEvent(new Event('input'));
-            const counter = row.querySelector('.counter');
-            return {page: document.documentElement.scrollWidth, left: r.left, right: r.right,
-                    counter: counter.textContent, over: counter.classList.contains('over')}; })()""")
-        assert shown["page"] <= 390 and 0 <= shown["left"] and shown["right"] <= 390, shown
-        assert shown["counter"] == "5000 / 4096" and shown["over"]
-    finally:
-        web.close()
+    web = closing(Web(home, settings=s))
+    conn = db.conn()
+    sent, waiting = desk_post(conn, lwn_id, 1), desk_post(conn, lwn_id, 2)
+    conn.execute("UPDATE posts SET url = ?, title = ? WHERE id = ?",
+                 ("https://news.example/" + "long-path/" * 150, "Word " * 60, waiting))
+    vesti.set_decisions(conn, [sent, waiting], "approved", "ed")
+    publisher = vesti.Publisher(db, s)
+    publisher.look()
+    assert len(bot.messages) == 1
+    browser.open(web.origin + "/?status=approved", {"Authorization": web.auth})
+    undo = "document.querySelector('#post-{} button[value=new]').click()"
+    browser.evaluate("window.confirm = m => { window.asked = m; return window.answer }")
+    browser.evaluate(f"window.answer = false; {undo.format(sent)}")
+    assert "This deletes the message in @vesti_test" in browser.evaluate("window.asked")
+    time.sleep(0.3)
+    assert post_row(conn, sent)["status"] == "approved"
+    browser.evaluate(f"window.answer = true; window.asked = null; {undo.format(sent)}")
+    assert wait_for(lambda: post_row(conn, sent)["status"] == "new", timeout=10)
+    publisher.look()
+    assert bot.messages == [] and len(bot.deleted) == 1
+    # What was never sent is taken back without a question.
+    browser.evaluate(f"window.asked = null; {undo.format(waiting)}")
+    assert wait_for(lambda: post_row(conn, waiting)["status"] == "new", timeout=10)
+    assert browser.evaluate("window.asked") is None
+    vesti.set_decisions(conn, [waiting], "approved", "ed")
+    browser.call("Emulation.setDeviceMetricsOverride", session=True, width=390, height=844,
+                 deviceScaleFactor=3, mobile=True)
+    browser.open(web.origin + "/outbox", {"Authorization": web.auth})
+    shown = browser.evaluate("""(() => {
+        const row = document.querySelector('tr.pub-queued'), area = row.querySelector('textarea');
+        const r = row.getBoundingClientRect();
+        area.value = 'x'.repeat(5000); area.dispatchEvent(new Event('input'));
+        const counter = row.querySelector('.counter');
+        return {page: document.documentElement.scrollWidth, left: r.left, right: r.right,
+                counter: counter.textContent, over: counter.classList.contains('over')}; })()""")
+    assert shown["page"] <= 390 and 0 <= shown["left"] and shown["right"] <= 390, shown
+    assert shown["counter"] == "5000 / 4096" and shown["over"]
 
 CRAWLER_ERRORS = [
     "TLS certificate not accepted (certificate has expired)",
@@ -8056,36 +7954,28 @@ def test_one_editors_typos_lock_only_them_and_spraying_locks_the_address(web, ca
 
 
 @both
-def test_the_settings_accounts_sessions_end_when_its_password_or_name_changes(home):
-    web = Web(home)
-    try:
-        status, answer, _ = login(web, "admin", "s3cret")
-        assert status == 303
-        cookie = session_of(answer)
-        assert web.get("/", auth=False, headers=cookie)[0] == 200
-        rows = {row["name"]: row for row in vesti.list_users(web.db.conn())}
-        assert rows["admin"]["settings"] == 1 and rows["admin"]["password_hash"].startswith("scrypt:")
-    finally:
-        web.close()
+def test_the_settings_accounts_sessions_end_when_its_password_or_name_changes(home, closing):
+    web = closing(Web(home))
+    status, answer, _ = login(web, "admin", "s3cret")
+    assert status == 303
+    cookie = session_of(answer)
+    assert web.get("/", auth=False, headers=cookie)[0] == 200
+    rows = {row["name"]: row for row in vesti.list_users(web.db.conn())}
+    assert rows["admin"]["settings"] == 1 and rows["admin"]["password_hash"].startswith("scrypt:")
     # Restarted with another VESTI_WEB_PASSWORD: the old session is over.
-    web = Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="n3w-secret"), password="n3w-secret")
-    try:
-        assert web.get("/", auth=False, headers={**cookie, **PAGE})[0] == 303
-        assert web.get("/", auth=False, headers=basic("admin", "s3cret"))[0] == 401
-        assert web.get("/", auth=False, headers=basic("admin", "n3w-secret"))[0] == 200
-        status, answer, _ = login(web, "admin", "n3w-secret")
-        cookie = session_of(answer)
-    finally:
-        web.close()
+    web = closing(Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="n3w-secret"),
+                      password="n3w-secret"))
+    assert web.get("/", auth=False, headers={**cookie, **PAGE})[0] == 303
+    assert web.get("/", auth=False, headers=basic("admin", "s3cret"))[0] == 401
+    assert web.get("/", auth=False, headers=basic("admin", "n3w-secret"))[0] == 200
+    status, answer, _ = login(web, "admin", "n3w-secret")
+    cookie = session_of(answer)
     # Renamed (VESTI_WEB_USER=chief): the old name's sessions end, and it is disabled.
-    web = Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="n3w-secret",
-                                           VESTI_WEB_USER="chief"), password="n3w-secret")
-    try:
-        assert web.get("/", auth=False, headers=cookie)[0] == 401
-        assert web.get("/", auth=False, headers=basic("admin", "n3w-secret"))[0] == 401
-        assert web.get("/", auth=False, headers=basic("chief", "n3w-secret"))[0] == 200
-    finally:
-        web.close()
+    web = closing(Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="n3w-secret",
+                                                   VESTI_WEB_USER="chief"), password="n3w-secret"))
+    assert web.get("/", auth=False, headers=cookie)[0] == 401
+    assert web.get("/", auth=False, headers=basic("admin", "n3w-secret"))[0] == 401
+    assert web.get("/", auth=False, headers=basic("chief", "n3w-secret"))[0] == 200
     listed = cli("user", "list", cwd=home, env={"VESTI_WEB_USER": "chief"}).stdout
     assert "chief: admin (VESTI_WEB_USER, by the settings)" in listed
     assert "admin: admin, disabled" in listed
@@ -8201,7 +8091,7 @@ def test_russian_pages_say_a_sources_state_its_runs_and_the_audit_in_russian(web
     assert ">вход<" in web.get("/users?lang=ru")[2]
 
 
-def test_the_page_listens_on_ipv6(home):
+def test_the_page_listens_on_ipv6(home, request):
     write_sources(home / "sources.yaml", [])
     settings = make_settings(home, VESTI_WEB_PASSWORD="s3cret")
     registry, db = vesti.open_intake(settings)
@@ -8210,42 +8100,41 @@ def test_the_page_listens_on_ipv6(home):
     except vesti.ConfigError as e:
         pytest.skip(f"no IPv6 loopback here: {e}")
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
-    try:
-        conn = http.client.HTTPConnection("::1", server.server_address[1], timeout=10)
-        conn.request("GET", "/", headers=basic("admin", "s3cret"))
-        assert conn.getresponse().status == 200
-    finally:
+
+    def stop():
         server.shutdown()
         server.server_close()
+    request.addfinalizer(stop)
+    conn = http.client.HTTPConnection("::1", server.server_address[1], timeout=10)
+    conn.request("GET", "/", headers=basic("admin", "s3cret"))
+    assert conn.getresponse().status == 200
 
 
-def test_the_report_cards_chart_has_its_labels_inside_it_and_the_card_fits_a_phone(home, browser):
+def test_the_report_cards_chart_has_its_labels_inside_it_and_the_card_fits_a_phone(home, browser,
+                                                                                   closing):
     s, db = rocket_desk(home)
-    web = Web(home, settings=s)
-    try:
-        for width in (1200, 390):
-            browser.call("Emulation.setDeviceMetricsOverride", session=True, width=width,
-                         height=844, deviceScaleFactor=1, mobile=width < 600)
-            browser.open(web.origin + "/quality", {"Authorization": web.auth})
-            chart = browser.evaluate("""(() => {
-                const svg = document.querySelector('svg.calibration'), r = svg.getBoundingClientRect();
-                const texts = [...svg.querySelectorAll('text')].map(t => {
-                    const b = t.getBoundingClientRect();
-                    return {text: t.textContent, inside: b.left >= r.left - 1 && b.right <= r.right + 1
-                            && b.top >= r.top - 1 && b.bottom <= r.bottom + 1}; });
-                return {role: svg.getAttribute('role'), label: svg.getAttribute('aria-label'),
-                        width: r.width, texts: texts, page: document.documentElement.scrollWidth,
-                        caption: svg.closest('figure').querySelector('figcaption').textContent};
-                })()""")
-            assert chart["role"] == "img" and "diagonal" in chart["label"]
-            assert all(t["inside"] for t in chart["texts"]), (width, chart["texts"])
-            labels = {t["text"] for t in chart["texts"]}
-            assert {"0", "0.2", "1", "0 %", "50 %", "100 %", "the chance the model gave (likely "
-                    "approved)", "approved by the editors", "24", "14", "22"} <= labels, labels
-            assert "a chance of 0.7 approved 7 times in 10" in chart["caption"]
-            assert chart["width"] >= min(400, width - 60) and chart["page"] <= width, (width, chart)
-    finally:
-        web.close()
+    web = closing(Web(home, settings=s))
+    for width in (1200, 390):
+        browser.call("Emulation.setDeviceMetricsOverride", session=True, width=width,
+                     height=844, deviceScaleFactor=1, mobile=width < 600)
+        browser.open(web.origin + "/quality", {"Authorization": web.auth})
+        chart = browser.evaluate("""(() => {
+            const svg = document.querySelector('svg.calibration'), r = svg.getBoundingClientRect();
+            const texts = [...svg.querySelectorAll('text')].map(t => {
+                const b = t.getBoundingClientRect();
+                return {text: t.textContent, inside: b.left >= r.left - 1 && b.right <= r.right + 1
+                        && b.top >= r.top - 1 && b.bottom <= r.bottom + 1}; });
+            return {role: svg.getAttribute('role'), label: svg.getAttribute('aria-label'),
+                    width: r.width, texts: texts, page: document.documentElement.scrollWidth,
+                    caption: svg.closest('figure').querySelector('figcaption').textContent};
+            })()""")
+        assert chart["role"] == "img" and "diagonal" in chart["label"]
+        assert all(t["inside"] for t in chart["texts"]), (width, chart["texts"])
+        labels = {t["text"] for t in chart["texts"]}
+        assert {"0", "0.2", "1", "0 %", "50 %", "100 %", "the chance the model gave (likely "
+                "approved)", "approved by the editors", "24", "14", "22"} <= labels, labels
+        assert "a chance of 0.7 approved 7 times in 10" in chart["caption"]
+        assert chart["width"] >= min(400, width - 60) and chart["page"] <= width, (width, chart)
 
 
 def test_a_signed_out_desk_says_so_without_a_password_box_and_the_users_page_fits_a_phone(web, browser):
@@ -8407,7 +8296,8 @@ def test_a_client_that_drips_its_request_is_dropped_while_others_are_served(web,
 
 
 @pytest.mark.slow
-def test_slow_clients_that_reconnect_leave_the_page_to_its_editors(web, monkeypatch, caplog):
+def test_slow_clients_that_reconnect_leave_the_page_to_its_editors(web, monkeypatch, caplog,
+                                                                   closing):
     """80 clients from two addresses drip their headers and reconnect as
     soon as they are dropped; an editor's requests meanwhile are answered,
     and the log names each of those addresses a few times, not once a
@@ -8415,22 +8305,20 @@ def test_slow_clients_that_reconnect_leave_the_page_to_its_editors(web, monkeypa
     monkeypatch.setattr(vesti.WebHandler, "request_deadline", 1)
     answered, failed = [], []
     with caplog.at_level(logging.WARNING, logger="vesti"):
-        attack = SlowClients(web.port, ["127.0.0.2", "127.0.0.3"], count=80, every=0.5)
-        try:
-            ends = time.monotonic() + 2.5
-            while time.monotonic() < ends:
-                started = time.monotonic()
-                try:
-                    status, _, body = web.get("/api/queue")
-                except OSError as e:
-                    failed.append(repr(e))
-                    continue
-                if status == 200 and time.monotonic() - started < 5:
-                    answered.append(json.loads(body)["pending"])
-                else:
-                    failed.append(status)
-        finally:
-            attack.close()
+        attack = closing(SlowClients(web.port, ["127.0.0.2", "127.0.0.3"], count=80, every=0.5))
+        ends = time.monotonic() + 2.5
+        while time.monotonic() < ends:
+            started = time.monotonic()
+            try:
+                status, _, body = web.get("/api/queue")
+            except OSError as e:
+                failed.append(repr(e))
+                continue
+            if status == 200 and time.monotonic() - started < 5:
+                answered.append(json.loads(body)["pending"])
+            else:
+                failed.append(status)
+        attack.close()
     assert len(answered) >= 0.9 * (len(answered) + len(failed)) and len(answered) >= 20, \
         (len(answered), failed[:5])
     assert attack.connections > 120                        # they were dropped and came back
@@ -8441,25 +8329,19 @@ def test_slow_clients_that_reconnect_leave_the_page_to_its_editors(web, monkeypa
     assert not [w for w in warnings if "127.0.0.1" in w]
 
 
-def test_connections_kept_open_after_a_page_hold_no_thread(web):
+def test_connections_kept_open_after_a_page_hold_no_thread(web, closing):
     """Browsers keep their connections open after a page: a hundred of them
     left idle, from four addresses, neither take a thread each nor keep the
     next editor out."""
     threads = threading.active_count()
-    kept = []
-    try:
-        for i in range(100):
-            conn = http.client.HTTPConnection("127.0.0.1", web.port, timeout=10,
-                                              source_address=(f"127.0.0.{2 + i % 4}", 0))
-            kept.append(conn)
-            conn.request("GET", "/healthz")
-            response = conn.getresponse()
-            assert (response.status, response.read(), response.will_close) == (200, b"ok\n", False)
-        assert web.get("/api/queue")[0] == 200
-        assert threading.active_count() - threads < 10
-    finally:
-        for conn in kept:
-            conn.close()
+    for i in range(100):                            # each kept open until the test ends
+        conn = closing(http.client.HTTPConnection("127.0.0.1", web.port, timeout=10,
+                                                  source_address=(f"127.0.0.{2 + i % 4}", 0)))
+        conn.request("GET", "/healthz")
+        response = conn.getresponse()
+        assert (response.status, response.read(), response.will_close) == (200, b"ok\n", False)
+    assert web.get("/api/queue")[0] == 200
+    assert threading.active_count() - threads < 10
 
 
 def raw_answer(port, request):
@@ -8547,7 +8429,7 @@ def closed_by_the_server(socks, count, within=30):
 
 
 def test_requests_coming_in_hold_no_more_memory_than_the_servers_budget(home, monkeypatch,
-                                                                        caplog):
+                                                                        caplog, closing):
     """Clients from a few addresses each send most of a 64 KiB request head
     and no more: past the bytes the server may hold for requests coming in,
     their oldest are dropped (and told in the log), and an editor is served."""
@@ -8555,24 +8437,19 @@ def test_requests_coming_in_hold_no_more_memory_than_the_servers_budget(home, mo
     monkeypatch.setattr(vesti.WebServer, "max_buffered", budget)
     monkeypatch.setattr(vesti.WebHandler, "request_deadline", 60)
     head = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"y" * 60000
-    web, clients = Web(home), []
-    try:
-        with caplog.at_level(logging.WARNING, logger="vesti"):
-            for i in range(40):
-                address = (f"127.0.0.{2 + i % 4}", 0)
-                clients.append(socket.create_connection(("127.0.0.1", web.port), timeout=10,
-                                                        source_address=address))
-                clients[-1].sendall(head)
-            too_many = 40 - budget // len(head)
-            assert closed_by_the_server(clients, too_many) >= too_many
-            assert web.server.waiting.buffered <= budget
-            assert web.get("/")[0] == 200
-        told = [r.getMessage() for r in caplog.records if "1 MiB" in r.getMessage()]
-        assert told and all("dropped" in line for line in told), told
-    finally:
-        for sock in clients:
-            sock.close()
-        web.close()
+    web, clients = closing(Web(home)), []
+    with caplog.at_level(logging.WARNING, logger="vesti"):
+        for i in range(40):
+            address = (f"127.0.0.{2 + i % 4}", 0)
+            clients.append(closing(socket.create_connection(("127.0.0.1", web.port), timeout=10,
+                                                            source_address=address)))
+            clients[-1].sendall(head)
+        too_many = 40 - budget // len(head)
+        assert closed_by_the_server(clients, too_many) >= too_many
+        assert web.server.waiting.buffered <= budget
+        assert web.get("/")[0] == 200
+    told = [r.getMessage() for r in caplog.records if "1 MiB" in r.getMessage()]
+    assert told and all("dropped" in line for line in told), told
 
 
 def test_requests_dropped_are_told_once_a_minute_per_client(caplog):
@@ -8594,30 +8471,27 @@ def test_requests_dropped_are_told_once_a_minute_per_client(caplog):
 
 
 def test_a_page_keeps_its_connection_open_and_an_idle_or_refused_one_is_closed(web, monkeypatch,
-                                                                            caplog):
+                                                                            caplog, closing):
     """Pages come one after the other on one connection (a browser's
     refresh); a refusal, a posted form or a connection left idle past the
     deadline end it, the last without a line in the log."""
     monkeypatch.setattr(vesti.WebHandler, "request_deadline", 0.5)
-    conn = http.client.HTTPConnection("127.0.0.1", web.port, timeout=10)
-    try:
-        statuses = []
-        for path in ("/", "/crawlers", "/api/queue"):
-            conn.request("GET", path, headers={"Authorization": web.auth})
-            response = conn.getresponse()
-            response.read()
-            statuses.append((response.status, response.will_close))
-        assert statuses == [(200, False)] * 3
-        first = conn.sock
-        conn.request("GET", "/healthz")
-        conn.getresponse().read()
-        assert conn.sock is first                                    # the same connection
-        with caplog.at_level(logging.INFO, logger="vesti"):
-            time.sleep(0.8)                                          # idle past the deadline
-            assert first.recv(1) == b""                              # closed by the server
-        assert not [r for r in caplog.records if "timed out" in r.getMessage()]
-    finally:
-        conn.close()
+    conn = closing(http.client.HTTPConnection("127.0.0.1", web.port, timeout=10))
+    statuses = []
+    for path in ("/", "/crawlers", "/api/queue"):
+        conn.request("GET", path, headers={"Authorization": web.auth})
+        response = conn.getresponse()
+        response.read()
+        statuses.append((response.status, response.will_close))
+    assert statuses == [(200, False)] * 3
+    first = conn.sock
+    conn.request("GET", "/healthz")
+    conn.getresponse().read()
+    assert conn.sock is first                                    # the same connection
+    with caplog.at_level(logging.INFO, logger="vesti"):
+        time.sleep(0.8)                                          # idle past the deadline
+        assert first.recv(1) == b""                              # closed by the server
+    assert not [r for r in caplog.records if "timed out" in r.getMessage()]
     classified_posts(web.db.conn(), 1)
     form = {"Authorization": web.auth, "Origin": web.origin,
             "Content-Type": "application/x-www-form-urlencoded"}
@@ -8626,15 +8500,12 @@ def test_a_page_keeps_its_connection_open_and_an_idle_or_refused_one_is_closed(w
             ("POST", "/posts/1/status", form, "status=approved", 403),       # no token
             ("POST", "/posts/1/status", form,
              urllib.parse.urlencode({"token": web.token(), "status": "approved"}), 303)):
-        conn = http.client.HTTPConnection("127.0.0.1", web.port, timeout=10)
-        try:
-            conn.request(method, path, body=body, headers=headers)
-            response = conn.getresponse()
-            response.read()
-            assert (response.status, response.will_close) == (status, True)
-            assert conn.sock is None or conn.sock.recv(1) == b""
-        finally:
-            conn.close()
+        conn = closing(http.client.HTTPConnection("127.0.0.1", web.port, timeout=10))
+        conn.request(method, path, body=body, headers=headers)
+        response = conn.getresponse()
+        response.read()
+        assert (response.status, response.will_close) == (status, True)
+        assert conn.sock is None or conn.sock.recv(1) == b""
 
 
 def test_a_connection_answered_as_the_server_closes_is_closed_too(web, closing):
@@ -8683,43 +8554,39 @@ def test_deciding_on_a_post_that_does_not_exist_is_404(web, post_id):
 
 # Scheduler: run, everything at once -------------------------------------------
 
-def run_process(home, *args, env=None):
+def run_process(closing, home, *args, env=None):
     """`vesti.py run` in its own process, with the page on a free port and
     the password "pw"; returns (process, port)."""
-    process = subprocess.Popen(
+    process = closing(subprocess.Popen(
         [*VESTI, "run", *args], cwd=home, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env={**os.environ, "VESTI_WEB_PORT": "0", "RSS_HOST_DELAY": "0",
-             "VESTI_WEB_PASSWORD": "pw", **(env or {})})
+             "VESTI_WEB_PASSWORD": "pw", **(env or {})}))
     return process, int(re.search(r"http://127\.0\.0\.1:(\d+)/", first_lines(process))[1])
 
 
 def stop_process(process):
+    """SIGTERM, then the process's (stdout, stderr) once it has ended; one
+    still running after 15 s fails the test (and `closing` kills it)."""
     process.send_signal(signal.SIGTERM)
-    try:
-        return process.communicate(timeout=15)
-    finally:
-        if process.poll() is None:
-            process.kill()
+    return process.communicate(timeout=15)
 
 
 @pytest.mark.slow
-def test_run_crawls_classifies_serves_and_stops_on_sigterm(home, server, ollama):
+def test_run_crawls_classifies_serves_and_stops_on_sigterm(home, server, ollama, closing):
     server.feed("/feed", rss(items(5, host=server.url)))
     write_sources(home / "sources.yaml", [rss_source("lwn", server.url + "/feed", direction="linux")])
-    process, port = run_process(home, env={"OLLAMA_URL": ollama.url})
-    try:
-        auth = {"Authorization": "Basic " + base64.b64encode(b"admin:pw").decode()}
+    process, port = run_process(closing, home, env={"OLLAMA_URL": ollama.url})
+    auth = {"Authorization": "Basic " + base64.b64encode(b"admin:pw").decode()}
 
-        def candidates():
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            conn.request("GET", "/", headers=auth)
-            return conn.getresponse().read().decode()
-        assert wait_for(lambda: candidates().count('class="post"') == 5, timeout=15)
-        page = candidates()
-        assert "Summary: Post number 0" in page and "relevance <b>8</b>" in page
-    finally:
-        out, err = stop_process(process)
+    def candidates():
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request("GET", "/", headers=auth)
+        return conn.getresponse().read().decode()
+    assert wait_for(lambda: candidates().count('class="post"') == 5, timeout=15)
+    page = candidates()
+    assert "Summary: Post number 0" in page and "relevance <b>8</b>" in page
+    out, err = stop_process(process)
     assert process.returncode == 0, err
     assert "pw" not in out + err
     # A line per crawl and per spell of work on the console, none per page asked.
@@ -8736,7 +8603,8 @@ def test_run_crawls_classifies_serves_and_stops_on_sigterm(home, server, ollama)
 
 
 @pytest.mark.slow
-def test_run_makes_one_story_of_four_outlets_copies_and_asks_the_llm_once(home, server, ollama):
+def test_run_makes_one_story_of_four_outlets_copies_and_asks_the_llm_once(home, server, ollama,
+                                                                          closing):
     wrappers = ("", "From our correspondent: ", "Repost: ", "Breaking: ")
     for k, prefix in enumerate(wrappers):
         server.feed(f"/{k}", rss([{"guid": f"budget-{k}", "link": f"{server.url}/{k}/budget",
@@ -8744,13 +8612,11 @@ def test_run_makes_one_story_of_four_outlets_copies_and_asks_the_llm_once(home, 
                                    "text": prefix + STORY + " The kernel of the plan is buses."}]))
     write_sources(home / "sources.yaml", [rss_source(f"outlet{k}", f"{server.url}/{k}",
                                                      direction="linux") for k in range(4)])
-    process, _ = run_process(home, "--workers", "1", env={"OLLAMA_URL": ollama.url})
-    try:
-        conn = sqlite3.connect(home / "vesti.db")
-        assert wait_for(lambda: conn.execute("SELECT count(*) FROM posts WHERE classified = 1")
-                        .fetchone()[0] == 4, timeout=20)
-    finally:
-        out, err = stop_process(process)
+    process, _ = run_process(closing, home, "--workers", "1", env={"OLLAMA_URL": ollama.url})
+    conn = sqlite3.connect(home / "vesti.db")
+    assert wait_for(lambda: conn.execute("SELECT count(*) FROM posts WHERE classified = 1")
+                    .fetchone()[0] == 4, timeout=20)
+    out, err = stop_process(process)
     assert process.returncode == 0, err
     assert len(ollama.titles()) == 1
     stories = {row[0] for row in conn.execute("SELECT story_id FROM posts")}
@@ -8806,24 +8672,21 @@ def test_a_rejected_sources_yaml_edit_is_on_every_page_until_a_good_one_loads(ho
 
 
 @pytest.mark.slow
-def test_sigterm_stops_a_crawl_and_closes_its_runs(home):
-    srv = FeedServer()
-    try:
-        release = threading.Event()
-        srv.routes["/slow"] = lambda request: release.wait(30) and None
-        write_sources(home / "sources.yaml", [rss_source("slow", srv.url + "/slow")] +
-                      [rss_source(f"s{k}", f"{srv.url}/slow?{k}") for k in range(3)])
-        process = subprocess.Popen([*VESTI, "rss", "--all"],
-                                   cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True, env={**os.environ, "RSS_TIMEOUT": "30",
-                                                   "VESTI_STOP_GRACE": "0.5"})
-        assert wait_for(lambda: len(srv.requests) == 1)
-        started = time.monotonic()
-        process.send_signal(signal.SIGTERM)
-        out, err = process.communicate(timeout=20)
-        release.set()
-    finally:
-        srv.close()
+def test_sigterm_stops_a_crawl_and_closes_its_runs(home, closing):
+    srv = closing(FeedServer())
+    release = threading.Event()
+    srv.routes["/slow"] = lambda request: release.wait(30) and None
+    write_sources(home / "sources.yaml", [rss_source("slow", srv.url + "/slow")] +
+                  [rss_source(f"s{k}", f"{srv.url}/slow?{k}") for k in range(3)])
+    process = closing(subprocess.Popen([*VESTI, "rss", "--all"],
+                                       cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, env={**os.environ, "RSS_TIMEOUT": "30",
+                                                       "VESTI_STOP_GRACE": "0.5"}))
+    assert wait_for(lambda: len(srv.requests) == 1)
+    started = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=20)
+    release.set()
     assert process.returncode == 128 + signal.SIGTERM, err
     assert time.monotonic() - started < 4
     assert "interrupted; 1 unfinished runs recorded as interrupted" in err
