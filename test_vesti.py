@@ -118,6 +118,47 @@ def runs_of(db, slug):
                              "WHERE s.slug = ? ORDER BY r.id", (slug,)).fetchall()
 
 
+def stored_posts(conn):
+    """{id: row} of every post, by id."""
+    return {row["id"]: row for row in conn.execute("SELECT * FROM posts ORDER BY id")}
+
+
+def first_post(conn):
+    """The row of the first post stored."""
+    return conn.execute("SELECT * FROM posts ORDER BY id LIMIT 1").fetchone()
+
+
+def post_ids(conn):
+    """The ids of every post, in order."""
+    return [row[0] for row in conn.execute("SELECT id FROM posts ORDER BY id")]
+
+
+def statuses(conn):
+    """{id: the editors' decision (status)} of every post, by id."""
+    return dict(conn.execute("SELECT id, status FROM posts ORDER BY id").fetchall())
+
+
+def decision_of(conn, post_id):
+    """(status, decided_by) of a post."""
+    return tuple(conn.execute("SELECT status, decided_by FROM posts WHERE id = ?",
+                              (post_id,)).fetchone())
+
+
+def story_ids(conn):
+    """Each post's story_id as stored (None: it stands alone), by id."""
+    return [row[0] for row in conn.execute("SELECT story_id FROM posts ORDER BY id")]
+
+
+def stories_of(conn):
+    """{post id: the story it is in, its own id when it stands alone}."""
+    return dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts ORDER BY id").fetchall())
+
+
+def last_message_read(db):
+    """The id of the last Telegram message read (one channel's state)."""
+    return db.conn().execute("SELECT last_message_id FROM tg_state").fetchone()[0]
+
+
 def cli_env(env=None):
     """The environment of a user's vesti.py: none of the test run's settings."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("VESTI_", "RSS_", "OLLAMA_", "TG_"))}
@@ -1335,7 +1376,7 @@ def test_copies_of_one_story_cost_one_llm_call_and_make_one_card(home, closing):
                                {"status": "approved", "token": web.token()},
                                headers={"Accept": "application/json"})
     assert status == 200 and json.loads(body)["status"] == "approved"
-    assert [r[0] for r in conn.execute("SELECT status FROM posts ORDER BY id")] == \
+    assert list(statuses(conn).values()) == \
         ["approved", "approved", "approved", "new"]
     metrics = web.get("/metrics")[2]
     assert "vesti_llm_calls_saved_total 2" in metrics and "vesti_stories 1" in metrics
@@ -1363,7 +1404,7 @@ def test_a_sources_list_shows_its_copies_and_a_copy_decides_its_story(home, clos
     status, _, _ = web.post(f"/posts/{copy}/status", {"status": "approved",
                                                       "token": web.token()})
     assert status == 303
-    assert [r[0] for r in conn.execute("SELECT status FROM posts ORDER BY id")] == \
+    assert list(statuses(conn).values()) == \
         ["approved", "approved", "new"]
     feed = json.loads(web.get("/approved.json")[2])
     assert [item["title"] for item in feed["items"]] == ["Council approves transport budget"]
@@ -1391,8 +1432,8 @@ def test_a_post_edited_out_of_an_approved_story_leaves_it_and_the_story_keeps_it
                                   for name, message in channels.items()})
     crawl_tg(s, db, fake)
     vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
-    lead, copy, other = [r[0] for r in conn.execute("SELECT id FROM posts ORDER BY id")]
-    assert {r[0] for r in conn.execute("SELECT story_id FROM posts")} == {lead}
+    lead, copy, other = post_ids(conn)
+    assert set(story_ids(conn)) == {lead}
     web.post(f"/posts/{lead}/status", {"token": web.token(), "status": "approved"})
 
     def approved():
@@ -1432,7 +1473,7 @@ def test_copies_in_one_batch_of_keyword_verdicts_make_one_story(home):
             for k, (slug, prefix) in enumerate((("wire", ""), ("daily", "Our correspondent: "),
                                                 ("radio", "Repost: ")))]
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    stories = [r[0] for r in conn.execute("SELECT story_id FROM posts ORDER BY id")]
+    stories = story_ids(conn)
     assert stories == ids[:4] + [ids[3], ids[3]]
     assert vesti.story_figures(conn)["joined"] == 2 and counts_match_posts(conn)
 
@@ -1478,7 +1519,7 @@ def test_a_different_release_from_one_template_is_another_story(home):
     one = add_copy(conn, "wire", "QEMU 10.0.0", text.format(v="10.0.0"), "2026-12-01 08:00:00")
     two = add_copy(conn, "daily", "QEMU 10.1.0", text.format(v="10.1.0"), "2026-12-01 09:00:00")
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    assert [r[0] for r in conn.execute("SELECT story_id FROM posts ORDER BY id")] == [one, two]
+    assert story_ids(conn) == [one, two]
 
 
 @both
@@ -1489,14 +1530,14 @@ def test_posts_of_no_direction_and_stories_turned_off_make_no_story(home):
     add_copy(conn, "wire", "Weather", noise, "2026-12-01 08:00:00")
     add_copy(conn, "daily", "Weather", noise + "More tomorrow.", "2026-12-01 08:10:00")
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    assert [r[0] for r in conn.execute("SELECT story_id FROM posts ORDER BY id")] == [None, None]
+    assert story_ids(conn) == [None, None]
     assert conn.execute("SELECT count(*) FROM story_keys").fetchone()[0] == 0
     off = s.replace(story_hours=0)
     add_copy(conn, "wire", "Budget", STORY, "2026-12-01 09:00:00")
     add_copy(conn, "daily", "Budget", STORY + " More soon.", "2026-12-01 09:10:00")
     vesti.run_workers(db, off, registry, workers=1, quiet=True)
     assert queue_of(db) == {1: 4}
-    assert [r[0] for r in conn.execute("SELECT story_id FROM posts ORDER BY id")] == [None] * 4
+    assert story_ids(conn) == [None] * 4
 
 
 @both
@@ -1517,7 +1558,7 @@ def test_a_teaser_whose_article_another_feed_carries_joins_that_story(home, serv
     sources.write_text(sources.read_text().replace("[rocket, orbit]", "[rocket, orbit, coronavirus]"))
     vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=1, quiet=True)
     assert server.sent("/article")                          # the teaser's article was read
-    rows = {r["id"]: r for r in conn.execute("SELECT * FROM posts")}
+    rows = stored_posts(conn)
     assert rows[teaser]["story_id"] == full
     assert (rows[teaser]["relevance"], rows[teaser]["summary"]) == \
         (rows[full]["relevance"], rows[full]["summary"])
@@ -1552,7 +1593,7 @@ def test_a_copy_that_adds_a_link_joins_its_story_but_one_with_sentences_stands_a
                       f"{STORY} Cheap loans: https://loans.example/offer", "2026-12-01 09:00:00")
     own = add_copy(conn, "radio", "Budget and mortgages", STORY + ADVERT, "2026-12-01 09:10:00")
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    stories = stories_of(conn)
     assert [stories[post] for post in [first, *joining, linked, own]] == [first] * 5 + [own]
     adds = dict(conn.execute("SELECT id, adds FROM posts"))
     assert adds[linked] == "loans.example" and not any(adds[post] for post in joining)
@@ -1565,7 +1606,7 @@ def test_a_copy_that_adds_a_link_joins_its_story_but_one_with_sentences_stands_a
     card = re.search(rf'id="post-{first}".*?</article>', page, re.S)[0]
     assert "+4 sources" in card and "its own: loans.example" in card
     web.post(f"/posts/{first}/status", {"status": "approved", "token": web.token()})
-    assert dict(conn.execute("SELECT id, status FROM posts")) == \
+    assert statuses(conn) == \
         {**{post: "approved" for post in [first, *joining, linked]}, own: "new"}
     feed = json.loads(web.get("/approved.json")[2])
     assert [item["id"] for item in feed["items"]] == [str(first)]
@@ -1628,8 +1669,8 @@ def test_copies_of_a_cut_short_post_or_of_a_telegram_post_keep_the_links_they_ad
     assert {post: (rows[post]["story_id"], rows[post]["adds"]) for post in adding} == adding
     assert rows[teaser]["story_id"] == teaser and rows[told]["story_id"] == told
     vesti.set_decisions(conn, [teaser, told], "approved", "editor")
-    statuses = dict(conn.execute("SELECT id, status FROM posts"))
-    assert [statuses[post] for post in adding] == ["approved"] * len(adding)
+    decided = statuses(conn)
+    assert [decided[post] for post in adding] == ["approved"] * len(adding)
 
 
 def read_for_a_month(conn, *slugs):
@@ -1659,7 +1700,7 @@ def test_a_story_is_led_by_its_copy_from_an_established_source(home, asked, clos
                     "Our correspondent: " + STORY, "2026-12-01 08:30:00")
     later = add_copy(conn, "radio", "Comet", "Repost: " + OTHER, "2026-12-01 08:40:00")
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    stories = stories_of(conn)
     assert [stories[post] for post in (first, copy, decided, later)] == \
         [copy, copy, decided, decided]
     if asked == "llm":
@@ -1688,7 +1729,7 @@ def test_an_established_sources_post_does_not_join_a_new_sources_post_that_adds_
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
     told = add_copy(conn, "wire", "Council approves transport budget", STORY, "2026-12-01 08:30:00")
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    stories = stories_of(conn)
     assert (stories[advert], stories[told]) == (advert, told)
     vesti.set_decisions(conn, [advert], "rejected", "editor")
     assert post_row(conn, told)["status"] == "new"
@@ -1724,7 +1765,7 @@ def test_a_story_taken_over_while_a_copy_joins_it_stays_one_card(home, ollama, m
     vesti.complete_and_claim(conn, [(post, verdicts[post.id]) for post in (early, late)], 0)
     assert len(ollama.titles()) == 1                            # the first post's
     lead = copies[1]                                            # the radio's, read for a month
-    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    stories = stories_of(conn)
     assert [stories[post] for post in (first, *copies)] == [lead] * 3
     assert sorted(r[0] for r in conn.execute(f"SELECT id FROM posts WHERE {vesti.copies_of()}",
                                              (lead,))) == [first, copies[0]]
@@ -1765,7 +1806,7 @@ def test_a_copy_joining_a_story_whose_first_post_is_edited_meanwhile_goes_on_wit
         return lead_now(conn, story, post_id, verdict)
     monkeypatch.setattr(vesti, "lead_now", edited_meanwhile)
     vesti.complete_and_claim(conn, [(post, vesti.Classifier(registry, s, db=db).prepare(post))], 0)
-    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    stories = stories_of(conn)
     assert [stories[p] for p in (first, older, copy)] == [first, older, older]
     assert counts_match_posts(conn)
 
@@ -1789,7 +1830,7 @@ def test_a_post_edited_after_its_decision_stays_its_card_when_a_copy_joins_it(ho
     copy = add_copy(conn, "wire", "Council approves transport budget",
                     f"Our correspondent: {STORY} Updated.", "2026-12-01 08:30:00")
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    stories = dict(conn.execute("SELECT id, coalesce(story_id, id) FROM posts"))
+    stories = stories_of(conn)
     assert (stories[edited], stories[copy]) == (edited, edited)
     web = closing(Web(home, settings=s.replace(web_password="s3cret")))
     card = card_of(web.get("/?min=0")[2], edited)
@@ -1807,7 +1848,7 @@ def test_a_story_of_many_copies_names_ten_of_them_and_counts_the_rest(home, clos
     copies = [add_copy(conn, ("daily", "radio")[n % 2], "Budget", "Repost: " + STORY,
                        f"2026-12-01 09:{n:02}:00") for n in range(60)]
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    assert {row[0] for row in conn.execute("SELECT story_id FROM posts")} == {first}
+    assert set(story_ids(conn)) == {first}
     web = closing(Web(home, settings=s.replace(web_password="s3cret")))
     line = re.search(r'<p class="small story">(.*?)</p>', web.get("/?min=0")[2], re.S)[1]
     assert line.startswith("+60 sources: ") and " and 50 more · " in line, line[-300:]
@@ -2113,7 +2154,7 @@ def test_a_storys_decision_counts_once_whichever_of_its_posts_is_decided(home):
     copies = [desk_post(conn, wire, k, text=KERNEL + " Source: a wire.") for k in (2, 3)]
     conn.execute("UPDATE posts SET story_id = ? WHERE id IN (?, ?, ?)", (lead, lead, *copies))
     vesti.set_decisions(conn, [copies[0]], "approved", "ed")
-    assert {r[0] for r in conn.execute("SELECT status FROM posts")} == {"approved"}
+    assert set(statuses(conn).values()) == {"approved"}
     counts, words = learned(conn)
     assert counts == (1, 0) and words["kernel"] == (1, 0)
     vesti.set_decisions(conn, [lead], "rejected", "ed")
@@ -3020,7 +3061,7 @@ def test_articles_of_different_hosts_are_fetched_side_by_side(home, monkeypatch,
 
 def everything_stored(db):
     """Every value of every post, as one text."""
-    rows = db.conn().execute("SELECT * FROM posts").fetchall()
+    rows = list(stored_posts(db.conn()).values())
     return "\n".join(str(value) for row in rows for value in tuple(row))
 
 
@@ -3470,8 +3511,7 @@ def test_telegram_messages_become_posts(home):
     assert posts["6"]["title"].startswith("Forwarded from Open Source Daily")
     assert posts["9"]["content_type"] == "document"
     assert all(p["classified"] == 0 and p["direction"] == "linux" for p in posts.values())
-    state = db.conn().execute("SELECT last_message_id FROM tg_state").fetchone()
-    assert state[0] == 9
+    assert last_message_read(db) == 9
     assert fake.requests == ["ResolveUsernameRequest", "GetHistoryRequest"]
     run = runs_of(db, "chan")[-1]
     assert (run["task"], run["status"], run["new_posts"]) == ("telegram", "ok", summary.new_posts)
@@ -3483,7 +3523,7 @@ def test_an_empty_media_message_without_text_is_not_a_post(home):
                                   tg.MessageService(id=2, peer_id=tg.PeerChannel(1), date=tg_date(2),
                                                     action=tg.MessageActionPinMessage())]))
     assert posts_of(db, "chan") == []
-    assert db.conn().execute("SELECT last_message_id FROM tg_state").fetchone()[0] == 2
+    assert last_message_read(db) == 2
 
 
 def test_a_video_message_is_a_video_post(home):
@@ -3505,7 +3545,7 @@ def test_the_second_telegram_run_takes_only_newer_messages_oldest_first(home):
     assert fake.count("ResolveUsernameRequest") == 1      # resolved once, on the first run
     ids = [p["external_id"] for p in posts_of(db, "chan")][-2:]
     assert ids == ["10", "11"]
-    assert db.conn().execute("SELECT last_message_id FROM tg_state").fetchone()[0] == 11
+    assert last_message_read(db) == 11
     assert crawl_tg(s, db, fake).new_posts == 0
 
 
@@ -3527,7 +3567,7 @@ def test_an_album_cut_by_the_batch_limit_stays_one_post(home):
                      tg_message(4, "", grouped_id=9, media=tg.MessageMediaPhoto(photo=None)),
                      tg_message(5, "", grouped_id=9, media=tg.MessageMediaPhoto(photo=None))]
     crawl_tg(s, db, fake)                         # takes 2, 3, 4: the album is cut at 4
-    assert db.conn().execute("SELECT last_message_id FROM tg_state").fetchone()[0] == 2
+    assert last_message_read(db) == 2
     crawl_tg(s, db, fake)                         # 3, 4, 5: the whole album
     posts = [(p["external_id"], p["content_type"]) for p in posts_of(db, "chan")]
     assert posts == [("1", "text"), ("2", "text"), ("3", "album")]
@@ -4624,7 +4664,7 @@ def test_a_misbehaving_ollama_costs_attempts_until_the_post_fails(home, mode, er
     for attempt in (1, 2, 3):
         db.conn().execute("UPDATE posts SET next_attempt_at = NULL")    # the backoff passed
         vesti.run_workers(db, s, registry, workers=1, quiet=True)
-        post = db.conn().execute("SELECT * FROM posts").fetchone()
+        post = first_post(db.conn())
         assert post["attempts"] == attempt and error in post["error"]
         assert post["classified"] == (0 if attempt < 3 else -2)
     assert vesti.queue_sizes(db.conn())["failed"] == 1
@@ -4636,7 +4676,7 @@ def test_one_run_does_not_burn_all_attempts_on_one_post(home, closing):
     s, db, registry = worker_home(home, fake.url, VESTI_RETRY_DELAY=60)
     add_posts(db.conn(), 1)
     stats, _ = vesti.run_workers(db, s, registry, workers=2, quiet=True)
-    post = db.conn().execute("SELECT * FROM posts").fetchone()
+    post = first_post(db.conn())
     assert (post["classified"], post["attempts"], stats.returned) == (0, 1, 1)
     assert len(fake.requests) == 1
 
@@ -4686,13 +4726,13 @@ def test_a_long_ollama_outage_never_marks_posts_failed(home, closing):
     for _ in range(4):
         db.conn().execute("UPDATE posts SET next_attempt_at = NULL")
         vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    post = db.conn().execute("SELECT * FROM posts").fetchone()
+    post = first_post(db.conn())
     assert (post["classified"], post["attempts"]) == (0, 0)      # the claims were given back
     assert "connection refused" in post["error"]
     fake = closing(FakeOllama("500"))                 # then a real failure counts as the first one
     db.conn().execute("UPDATE posts SET next_attempt_at = NULL")
     vesti.run_workers(db, s.replace(ollama_url=fake.url), registry, workers=1, quiet=True)
-    post = db.conn().execute("SELECT * FROM posts").fetchone()
+    post = first_post(db.conn())
     assert (post["classified"], post["attempts"]) == (0, 1)
 
 
@@ -4857,7 +4897,7 @@ def test_the_full_text_found_for_a_summary_post_is_kept(home, server):
     db.conn().execute("UPDATE posts SET url = ?", (server.url + "/a",))
     db.conn().execute("UPDATE sources SET url = ?", (server.url + "/feed",))
     vesti.run_workers(db, s, registry, workers=1, quiet=True)
-    post = db.conn().execute("SELECT * FROM posts").fetchone()
+    post = first_post(db.conn())
     assert (post["classified"], post["content_type"]) == (1, "full")
     assert len(post["text"]) > 1000
 
@@ -6144,7 +6184,7 @@ def test_an_editor_approves_and_rejects_candidates(web):
     assert status == 303 and headers["Location"] == "/?direction=linux&decided=2#post-2"
     web.post("/posts/1/status", {"token": web.token(), "status": "rejected",
                                  "back": "//evil.example/"})
-    assert dict(conn.execute("SELECT id, status FROM posts").fetchall()) == \
+    assert statuses(conn) == \
         {1: "rejected", 2: "approved"}
     assert re.findall(r'id="post-(\d+)"', web.get("/?status=approved")[2]) == ["2"]
     for back in ("/x\r\nSet-Cookie: injected=1", "/\\evil.example", "https://evil.example/"):
@@ -6495,7 +6535,7 @@ def test_paging_by_position_covers_every_post_once_in_every_order(web):
             found = re.search(r'<a href="([^"]+)" rel="next">', page)
             path = html.unescape(found[1]) if found else None
         assert sorted(seen) == ids, (sort, status)
-        rows = {r["id"]: r for r in conn.execute("SELECT * FROM posts")}
+        rows = stored_posts(conn)
         key = {"newest": lambda i: (rows[i]["published_at"], i),
                "relevance": lambda i: (rows[i]["relevance"], rows[i]["published_at"], i),
                "interest": lambda i: (rows[i]["interest"], rows[i]["published_at"], i)}[sort]
@@ -6534,7 +6574,7 @@ def test_a_decision_with_json_answers_json_and_records_who_and_when(web):
                                      {"token": web.token(), "status": "approved"},
                                      headers={"Accept": "application/json"})
     assert status == 200 and json.loads(body) == {"id": post, "status": "approved"}
-    row = conn.execute("SELECT status, decided_at, decided_by FROM posts").fetchone()
+    row = first_post(conn)
     assert row["status"] == "approved" and row["decided_by"] == "admin"
     assert row["decided_at"] >= vesti.utc_text(time.time() - 60)
     assert web.post("/posts/424242/status", {"token": web.token(), "status": "approved"})[0] == 404
@@ -6559,17 +6599,17 @@ def test_bulk_decisions_reject_every_card_shown_once_confirmed(web):
     fields = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', asked))
     assert fields == {"token": web.token(), "ids": shown, "status": "rejected",
                       "back": sent["back"], "wording": sent["wording"], "confirmed": "1"}
-    assert {r[0] for r in conn.execute("SELECT status FROM posts")} == {"new"}
+    assert set(statuses(conn).values()) == {"new"}
     status, headers, _ = web.post("/posts/status", fields)
     assert status == 303 and headers["Location"] == sent["back"]
-    assert {r[0] for r in conn.execute("SELECT status FROM posts")} == {"rejected"}
+    assert set(statuses(conn).values()) == {"rejected"}
     assert card_ids(web.get("/")[2]) == []
     decided = web.get("/?status=rejected")[2]        # only posts still to decide go at once
     assert len(card_ids(decided)) == 5 and 'class="actions bulk"' not in decided
     # A script's post (not the page's form) decides at once, as it always did.
     status, _, _ = web.post("/posts/status", {"token": web.token(), "ids": "3,4", "status": "new"})
-    assert status == 303 and [r[0] for r in conn.execute(
-        "SELECT status FROM posts ORDER BY id")] == ["rejected"] * 2 + ["new"] * 2 + ["rejected"]
+    assert status == 303
+    assert list(statuses(conn).values()) == ["rejected"] * 2 + ["new"] * 2 + ["rejected"]
     status, _, body = web.post("/posts/status", {"token": web.token(), "ids": "1,2,999",
                                                  "status": "new"},
                                headers={"Accept": "application/json"})
@@ -6587,10 +6627,9 @@ def test_an_undo_takes_back_who_decided_and_when(web):
     web.post("/posts/1/status", {"token": web.token(), "status": "approved"})
     web.post("/posts/4/status", {"token": web.token(), "status": "approved"})
     web.post("/posts/status", {"token": web.token(), "ids": "2,3", "status": "rejected"})
-    decided = conn.execute("SELECT status, decided_by FROM posts ORDER BY id").fetchall()
-    assert [tuple(r) for r in decided] == [("approved", "admin"), ("rejected", "admin"),
-                                           ("rejected", "admin"), ("approved", "admin"),
-                                           ("approved", "admin")]
+    assert [decision_of(conn, i) for i in post_ids(conn)] == \
+        [("approved", "admin"), ("rejected", "admin"), ("rejected", "admin"),
+         ("approved", "admin"), ("approved", "admin")]
     web.post("/posts/1/status", {"token": web.token(), "status": "new"})
     web.post("/posts/4/status", {"token": web.token(), "status": "new"})
     web.post("/posts/status", {"token": web.token(), "ids": "2,3", "status": "new"})
@@ -6644,7 +6683,7 @@ def test_a_desk_loaded_before_an_edit_does_not_decide_the_edited_words(home, clo
     vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
     assert SPAM in card_of(web.get("/")[2], 1)      # on the desk again, in its new words
 
-    def statuses():
+    def decisions():
         return [p["status"] for p in posts_of(db, "chan")]
     status, _, body = web.post("/posts/1/status", {**card, "status": "approved"})
     assert (status, body.strip()) == (409, CHANGED)
@@ -6658,15 +6697,15 @@ def test_a_desk_loaded_before_an_edit_does_not_decide_the_edited_words(home, clo
     status, _, body = web.post("/posts/status", {**bulk, "status": "rejected",
                                                  "confirmed": "1"},
                                headers={"Accept": "application/json"})
-    assert status == 409 and statuses() == ["new", "new"]
+    assert status == 409 and decisions() == ["new", "new"]
     assert json.loads(web.get("/approved.json")[2])["items"] == []
     page = web.get("/")[2]                          # reloaded: the words it shows now
     status, _, _ = web.post("/posts/1/status", {**hidden_fields(card_of(page, 1)),
                                                 "status": "approved"})
-    assert status == 303 and statuses() == ["approved", "new"]
+    assert status == 303 and decisions() == ["approved", "new"]
     bulk = hidden_fields(re.search(r'<form class="actions bulk".*?</form>', page, re.S)[0])
     status, _, _ = web.post("/posts/status", {**bulk, "status": "rejected", "confirmed": "1"})
-    assert status == 303 and statuses() == ["rejected", "rejected"]
+    assert status == 303 and decisions() == ["rejected", "rejected"]
     # A script's decision names no words: decided as before.
     assert web.post("/posts/1/status", {"token": web.token(), "status": "new"})[0] == 303
 
@@ -6703,7 +6742,7 @@ def test_undated_entries_say_so_and_keep_their_feeds_order(web, home, server):
     vesti.sync_sources(conn, vesti.load_registry(str(home / "sources.yaml")))
     crawl(web.settings, web.db)
     conn.execute("UPDATE posts SET classified = 1, direction = 'linux', relevance = 7, interest = 4")
-    posts = {r["title"]: r for r in conn.execute("SELECT * FROM posts")}
+    posts = {r["title"]: r for r in stored_posts(conn).values()}
     page = web.get("/")[2]
     assert re.findall(r"<h2><a [^>]*>([^<]*)</a></h2>", page) == \
         ["Post number 0", "Post number 1", "Post number 2", "Post number 9"]
@@ -6899,7 +6938,7 @@ def crawled_undated_post(web, home, server):
     vesti.sync_sources(conn, vesti.load_registry(str(home / "sources.yaml")))
     crawl(web.settings, web.db)
     conn.execute("UPDATE posts SET classified = 1, direction = 'linux', relevance = 7, interest = 4")
-    post = conn.execute("SELECT id FROM posts").fetchone()[0]
+    post = post_ids(conn)[0]
     web.post(f"/posts/{post}/status", {"token": web.token(), "status": "approved"})
     return post
 
@@ -7412,8 +7451,7 @@ def test_the_desk_from_the_keyboard_decides_in_place(web, browser):
     assert shown["badge"] == "approved" and shown["disabled"] == [True, False, False]
     assert int(shown["next"]) == ids[-32]                # focus moved on, no reload
     assert shown["marker"] == "same page" and shown["top"] > 0
-    assert conn.execute("SELECT status, decided_by FROM posts WHERE id = ?",
-                        (current,)).fetchone()[:] == ("approved", "admin")
+    assert decision_of(conn, current) == ("approved", "admin")
     press(browser, "r")
     press(browser, "u")                                   # undo the reject at once
     assert wait_for(lambda: browser.evaluate(
@@ -7462,11 +7500,10 @@ def test_an_editor_signs_in_sees_who_else_looks_and_signs_out_in_a_real_browser(
                  unsaved: (c.querySelector('.unsaved') || {{hidden: true}}).hidden}}; }})()""")
     assert card["badge"] == "approved" and "Set to approved by boris meanwhile" in card["decided"]
     assert card["looking"] and card["unsaved"]
-    assert conn.execute("SELECT status, decided_by FROM posts WHERE id = ?", (top,)).fetchone()[:] \
+    assert decision_of(conn, top) \
         == ("approved", "boris")
     browser.evaluate(f"document.querySelector('#post-{top} button[value=rejected]').click()")
-    assert wait_for(lambda: conn.execute("SELECT status, decided_by FROM posts WHERE id = ?",
-                                         (top,)).fetchone()[:] == ("rejected", "anna"), timeout=10)
+    assert wait_for(lambda: decision_of(conn, top) == ("rejected", "anna"), timeout=10)
     browser.events.clear()
     browser.evaluate("document.querySelector('form.signout button').click()")
     browser.wait_for_load()
@@ -7553,7 +7590,7 @@ def test_a_card_edited_since_the_page_was_loaded_is_not_decided_in_place(web, br
         "!document.querySelector('form.bulk .unsaved').hidden"), timeout=10)
     assert "the post changed since this page was loaded" in \
         browser.evaluate("document.querySelector('form.bulk .unsaved').textContent")
-    assert {r[0] for r in conn.execute("SELECT status FROM posts")} == {"new"}
+    assert set(statuses(conn).values()) == {"new"}
     browser.evaluate(f"document.querySelector('#post-{ids[1]} button.approved').click()")
     assert decision_shown(browser, ids[1])["status"] == "approved"    # its words are as shown
     browser.open(web.origin + "/", {"Authorization": web.auth})
@@ -7569,29 +7606,29 @@ def test_rejecting_every_card_shown_asks_first_and_can_be_undone(web, browser):
     browser.open(web.origin + "/", {"Authorization": web.auth})
     browser.evaluate("window.asked = []; window.confirm = m => window.asked.push(m)")
 
-    def statuses(shown):
+    def all_shown(shown):
         on_page = browser.evaluate("[...document.querySelectorAll('article.post')]"
                                    ".map(c => c.dataset.status).join()")
-        stored = {r[0] for r in conn.execute("SELECT status FROM posts")}
+        stored = set(statuses(conn).values())
         return on_page == ",".join([shown] * 3) and stored == {shown}
     browser.evaluate("document.querySelector('form.bulk button[value=rejected]').click()")
     assert visible(browser, "form.bulk .confirm") and not visible(browser, "form.bulk .ask")
     assert browser.evaluate("document.querySelector('form.bulk .confirm').innerText") \
         .startswith("Reject these 3 posts?")
-    assert statuses("new")                                  # nothing decided yet
+    assert all_shown("new")                                  # nothing decided yet
     browser.evaluate("document.querySelector('form.bulk .no').click()")       # Cancel
     assert visible(browser, "form.bulk .ask") and not visible(browser, "form.bulk .confirm")
     browser.evaluate("document.querySelector('form.bulk button[value=rejected]').click()")
     browser.evaluate("document.querySelector('form.bulk .yes').click()")
     assert wait_for(lambda: browser.evaluate(
         "!document.querySelector('form.bulk .done').hidden"), timeout=10)
-    assert statuses("rejected")
+    assert all_shown("rejected")
     assert browser.evaluate("document.querySelector('form.bulk .done').innerText") \
         .startswith("3 posts rejected.")
     browser.evaluate("document.querySelector('form.bulk .undo').click()")
     assert wait_for(lambda: browser.evaluate(
         "document.querySelector('form.bulk .done').hidden"), timeout=10)
-    assert statuses("new")
+    assert all_shown("new")
     assert visible(browser, "form.bulk .ask") and browser.evaluate("window.asked") == []
 
 
@@ -8168,7 +8205,7 @@ def test_each_decision_names_its_editor_and_is_an_event_and_a_stale_one_is_refus
     accounts = newsroom(web)
     conn = web.db.conn()
     classified_posts(conn, 1)
-    post = conn.execute("SELECT id FROM posts ORDER BY id").fetchone()[0]
+    post = post_ids(conn)[0]
     anna, boris = form_token(web, accounts["anna"]), form_token(web, accounts["boris"])
     status, _, _ = web.post(f"/posts/{post}/status", {"token": anna, "status": "approved",
                                                       "seen": "new"},
@@ -8200,7 +8237,7 @@ def test_each_decision_names_its_editor_and_is_an_event_and_a_stale_one_is_refus
 def test_editors_see_who_else_is_looking_at_a_card(web):
     accounts = newsroom(web)
     classified_posts(web.db.conn(), 1)
-    post = web.db.conn().execute("SELECT id FROM posts").fetchone()[0]
+    post = post_ids(web.db.conn())[0]
     token = form_token(web, accounts["anna"])
     assert web.post(f"/posts/{post}/look", {"token": token}, auth=False,
                     headers={**accounts["anna"], "Accept": "application/json"})[0] == 200
@@ -8549,7 +8586,7 @@ def test_deciding_on_a_post_that_does_not_exist_is_404(web, post_id):
     classified_posts(conn, 1)
     status, _, _ = web.post(f"/posts/{post_id}/status", {"token": web.token(), "status": "approved"})
     assert status == 404
-    assert [tuple(r) for r in conn.execute("SELECT id, status FROM posts")] == [(1, "new")]
+    assert statuses(conn) == {1: "new"}
 
 
 # Scheduler: run, everything at once -------------------------------------------
@@ -8619,7 +8656,7 @@ def test_run_makes_one_story_of_four_outlets_copies_and_asks_the_llm_once(home, 
     out, err = stop_process(process)
     assert process.returncode == 0, err
     assert len(ollama.titles()) == 1
-    stories = {row[0] for row in conn.execute("SELECT story_id FROM posts")}
+    stories = set(story_ids(conn))
     assert len(stories) == 1 and None not in stories
 
 
