@@ -123,6 +123,11 @@ def stored_posts(conn):
     return {row["id"]: row for row in conn.execute("SELECT * FROM posts ORDER BY id")}
 
 
+def post_row(conn, post_id):
+    """A post's row as the database holds it now."""
+    return conn.execute("SELECT * FROM posts WHERE id = ?", (post_id,)).fetchone()
+
+
 def first_post(conn):
     """The row of the first post stored."""
     return conn.execute("SELECT * FROM posts ORDER BY id LIMIT 1").fetchone()
@@ -1453,8 +1458,8 @@ def test_a_post_edited_out_of_an_approved_story_leaves_it_and_the_story_keeps_it
     crawl_tg(s, db, fake)
     vesti.run_workers(db, s, web.registry, workers=1, quiet=True)
     assert approved() == ["https://t.me/dailychan/1"]     # the copy's own words
-    assert tuple(conn.execute("SELECT status, story_id FROM posts WHERE id = ?",
-                              (copy,)).fetchone()) == ("approved", copy)
+    row = post_row(conn, copy)
+    assert (row["status"], row["story_id"]) == ("approved", copy)
     page = web.get("/")[2]
     assert {lead, other} <= set(card_ids(page)) and "+1 source" not in page
     assert "Edited after your decision" in card_of(page, lead)
@@ -1799,7 +1804,7 @@ def test_a_copy_joining_a_story_whose_first_post_is_edited_meanwhile_goes_on_wit
     lead_now = vesti.lead_now
 
     def edited_meanwhile(conn, story, post_id, verdict):
-        row = conn.execute("SELECT * FROM posts WHERE id = ?", (first,)).fetchone()
+        row = post_row(conn, first)
         vesti.leave_story(conn, row)
         conn.execute("""UPDATE posts SET status = 'new', old_decision = status, text = ?,
                         story_id = id WHERE id = ?""", ("Budget tip: casino bonuses!", first))
@@ -4647,7 +4652,7 @@ def test_seed_a_post_whose_classification_raises_returns_to_the_queue(home, clos
     db.conn().execute("UPDATE posts SET title = 'BROKEN post' WHERE id = 3")
     result = cli("worker", "--workers", "2", cwd=home, env={"OLLAMA_URL": fake.url})
     assert result.returncode == 0, result.stderr
-    broken = db.conn().execute("SELECT * FROM posts WHERE id = 3").fetchone()
+    broken = post_row(db.conn(), 3)
     assert (broken["classified"], broken["attempts"]) == (0, 1)
     assert "HTTP 500" in broken["error"] and broken["next_attempt_at"] > vesti.utc_text()
     assert queue_of(db) == {1: 4, 0: 1}
@@ -6210,11 +6215,6 @@ def desk_post(conn, source_id, k, relevance=7, interest=4, direction="linux", st
          november(k if minute is None else minute), "linux, kernel")).fetchone()[0]
 
 
-def post_row(conn, post_id):
-    """A post's row as the database holds it now."""
-    return conn.execute("SELECT * FROM posts WHERE id = ?", (post_id,)).fetchone()
-
-
 def card_ids(page):
     return [int(i) for i in re.findall(r'<article class="post" id="post-(\d+)"', page)]
 
@@ -7525,8 +7525,8 @@ def test_a_decision_in_place_takes_the_edited_after_decision_mark_away(web, brow
     assert wait_for(lambda: browser.evaluate(
         f"document.getElementById('post-{post}').dataset.busy === '0'"), timeout=10)
     assert browser.evaluate(mark) == 0
-    assert conn.execute("SELECT status, old_decision FROM posts WHERE id = ?",
-                        (post,)).fetchone()[:] == ("rejected", None)
+    assert (post_row(conn, post)["status"], post_row(conn, post)["old_decision"]) == \
+        ("rejected", None)
     press(browser, "?")
     assert browser.evaluate("!document.getElementById('keys').hidden")
     assert visible(browser, ".keys-hint") and visible(browser, "form.filters")   # a wide screen
