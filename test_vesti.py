@@ -2086,6 +2086,31 @@ def test_the_story_key_helper_ends_with_its_worker(home, stop, closing):
 
 # Learning ---------------------------------------------------------------------
 
+@both
+def test_a_process_starting_up_reads_the_news_in_general_another_worked_out(home):
+    """What news looks like in general (the background every model judges
+    by) is worked out from the posts once for its mark and kept: another
+    process reads it, even after the posts changed; a new mark is worked
+    out afresh. A thousand posts' features took a fresh process a second."""
+    s, db, _ = worker_home(home, "")
+    conn = db.conn()
+    add_posts(conn, 20, text="Rocket engines and orbital launches.")
+    conn.execute("UPDATE posts SET classified = 1")
+    mark = post_ids(conn)[-1]
+    rocket = vesti.stems(["rocket"])[0]
+    worked_out = vesti.Background.load(conn, mark)
+    assert (worked_out.docs, worked_out.counts[rocket]) == (20, 20)
+    conn.execute("UPDATE posts SET text = 'Parliament debates the budget.'")
+    other = vesti.Database(s.db)                 # another process's connection
+    kept = vesti.Background.load(other.conn(), mark)
+    assert (kept.docs, kept.counts) == (worked_out.docs, worked_out.counts)
+    add_posts(conn, 1, text="Parliament debates the budget.", start=20)
+    conn.execute("UPDATE posts SET classified = 1")
+    anew = vesti.Background.load(other.conn(), post_ids(conn)[-1])
+    assert (anew.docs, anew.counts[rocket]) == (21, 0)
+    other.close()
+
+
 KERNEL = "The Linux kernel maintainers merged the new scheduler patch for the next release."
 GARDEN = "The gardening club meets to discuss roses and tulips at the spring show."
 # What an editor of a space channel approves (missions) and rejects (a video

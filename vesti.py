@@ -4396,11 +4396,30 @@ class Background:
     'learn_background') each feature was. Against it a model learns what sets
     its approved posts apart, not only from the few its editors rejected."""
 
-    def __init__(self, mark=None):
-        self.mark, self.counts, self.docs = mark, collections.Counter(), 0
+    def __init__(self, mark=None, counts=None, docs=0):
+        self.mark, self.counts, self.docs = mark, collections.Counter(counts or {}), docs
+
+    @classmethod
+    def load(cls, conn, mark):
+        """The background at `mark` as the first process that needed it kept
+        it (meta 'learn_background_counts'): a process starting up reads its
+        counts instead of working out the features of a thousand posts again.
+        None kept for this mark: read from the posts (see read), then kept."""
+        kept, _ = get_meta(conn, "learn_background_counts")
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            found = json.loads(kept)
+            if found["mark"] == mark:
+                return cls(mark, found["counts"], found["docs"])
+        background = cls.read(conn, mark)
+        text = json.dumps({"mark": mark, "docs": background.docs, "counts": background.counts},
+                          ensure_ascii=False, separators=(",", ":"))
+        with transaction(conn):
+            set_meta(conn, "learn_background_counts", text)
+        return background
 
     @classmethod
     def read(cls, conn, mark):
+        """The background at `mark`, worked out from the posts."""
         background = cls(mark)
         for row in conn.execute(f"""SELECT title, substr(text, 1, {LEARN_CHARS}) AS text, source_id
                                     FROM posts WHERE id <= ? AND classified = {DONE}
@@ -4799,7 +4818,7 @@ class Learners:
                 set_meta(conn, "learn_background", str(top))
             mark = str(top)
         if self.background.mark != int(mark):
-            self.background = Background.read(conn, int(mark))
+            self.background = Background.load(conn, int(mark))
 
     def latest(self, conn, model):
         """[(features, title, keywords matched, decision)] of the direction's
