@@ -484,6 +484,25 @@ def test_database_is_wal_with_busy_timeout_and_migrations_are_idempotent(tmp_pat
     assert {"sources", "posts", "rss_state", "tg_state", "runs"} <= tables
 
 
+def test_an_up_to_date_database_opens_while_another_process_writes_and_a_changed_one_is_mended(
+        tmp_path):
+    path = str(tmp_path / "v.db")
+    vesti.Database(path).conn().execute("INSERT INTO sources (slug, url) VALUES ('a', 'http://a/')")
+    writer = sqlite3.connect(path, isolation_level=None)
+    writer.execute("BEGIN IMMEDIATE")               # another process, in a long write
+    read = []
+    opening = threading.Thread(target=lambda: read.extend(
+        tuple(r) for r in vesti.Database(path).conn().execute("SELECT slug FROM sources")))
+    opening.start()
+    opening.join(20)
+    assert read == [("a",)]
+    writer.execute("ROLLBACK")
+    opening.join()
+    writer.execute("DROP INDEX posts_story")        # a schema someone changed by hand
+    conn = vesti.Database(path).conn()
+    assert conn.execute("SELECT count(*) FROM sqlite_master WHERE name = 'posts_story'").fetchone()[0]
+
+
 def test_an_older_database_gains_the_missing_columns_and_keeps_its_rows(tmp_path):
     path = tmp_path / "old.db"
     old = sqlite3.connect(path)

@@ -2622,16 +2622,29 @@ OBSOLETE = ("DROP INDEX IF EXISTS posts_queue", "DROP INDEX IF EXISTS posts_cand
             "DROP TRIGGER IF EXISTS posts_counted", "DROP TRIGGER IF EXISTS posts_fts_insert")
 
 
+def schema_is_current(existing, statements):
+    """Whether a SQLite database's objects ({name: sql} of sqlite_master)
+    are SCHEMA's word for word: SQLite keeps each CREATE as it ran, without
+    IF NOT EXISTS, and rewrites a table's when a column is added. Then
+    migrate has nothing to do, and takes no write lock."""
+    return all(existing.get(statement.split()[-1]) is None for statement in OBSOLETE) and \
+        all(existing.get(re.search(r"IF NOT EXISTS (\w+)", statement)[1]) ==
+            statement.replace(" IF NOT EXISTS", "", 1) for statement in statements)
+
+
 @redoable
 def migrate(conn):
     """Create what is missing, idempotently: tables, the columns an older
     database lacks, indexes and triggers (one whose definition changed is
-    replaced); what mirrors posts (counts, search) is rebuilt when new."""
+    replaced); what mirrors posts (counts, search) is rebuilt when new. An
+    up-to-date database opens at once."""
     if conn.dialect is POSTGRES:
         return migrate_postgres(conn)
     statements = schema_statements()
     tables = [s for s in statements if s.startswith(("CREATE TABLE", "CREATE VIRTUAL"))]
     existing = dict(conn.execute("SELECT name, sql FROM sqlite_master"))
+    if schema_is_current(existing, statements) and get_meta(conn, INDEXED_TO)[0] is not None:
+        return
     recount = False
     with transaction(conn):
         if "post_counts" in existing and not key_columns_counted(
