@@ -192,6 +192,21 @@ def first_lines(process, count=1):
     return said.decode()
 
 
+def ended(process, timeout=20):
+    """(stdout, stderr) of a process told to stop, once it has ended. One
+    still running after `timeout` seconds is asked where its threads are
+    (SIGUSR1) and fails the test with its answer."""
+    try:
+        return process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        process.kill()
+        _, err = process.communicate()
+        pytest.fail(f"{shlex.join(map(str, process.args[-3:]))} still ran {timeout} s after "
+                    f"it was told to stop; where its threads were:\n{err[-8000:]}")
+
+
 # Settings ---------------------------------------------------------------------
 
 def test_settings_defaults_match_the_contract():
@@ -1291,7 +1306,7 @@ def test_two_workers_and_a_crawler_on_postgresql_survive_a_kill_9_and_a_restart(
     for process in (crawler, workers[1]):
         process.send_signal(signal.SIGTERM)
     for process in (crawler, workers[1]):
-        _, err = process.communicate(timeout=20)
+        _, err = ended(process)
         assert process.returncode == 0, err
         assert "pw" not in err
     asked = collections.Counter(fake.titles())
@@ -8649,9 +8664,30 @@ def run_process(closing, home, *args, env=None):
 
 def stop_process(process):
     """SIGTERM, then the process's (stdout, stderr) once it has ended; one
-    still running after 15 s fails the test (and `closing` kills it)."""
+    still running after 15 s fails the test, saying where its threads were."""
     process.send_signal(signal.SIGTERM)
-    return process.communicate(timeout=15)
+    return ended(process, timeout=15)
+
+
+def test_a_command_that_seems_stuck_tells_where_its_threads_are_and_goes_on(home, closing):
+    write_sources(home / "sources.yaml", [])
+    process = closing(subprocess.Popen([*VESTI, "serve", "--port", "0"], cwd=home, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       env=cli_env({"VESTI_WEB_PASSWORD": "pw"})))
+    port = int(re.search(r"http://127\.0\.0\.1:(\d+)/", first_lines(process))[1])
+    process.send_signal(signal.SIGUSR1)
+    said = b""
+    while not all(name in said for name in (b"in cmd_serve", b"in serve_forever")):
+        assert select.select([process.stderr], [], [], 20)[0], said
+        chunk = os.read(process.stderr.fileno(), 65536)
+        assert chunk, said
+        said += chunk
+    assert b"vesti.py" in said and b"pw" not in said
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/healthz")
+    assert conn.getresponse().status == 200         # it went on
+    stop_process(process)
+    assert process.returncode == 0
 
 
 @pytest.mark.slow

@@ -148,6 +148,7 @@ import dataclasses
 import datetime
 import email.utils
 import errno
+import faulthandler
 import functools
 import getpass
 import hashlib
@@ -15334,6 +15335,15 @@ def stop_on_signals(stop, process):
             signal.signal(sig, handler)
 
 
+def tell_stacks_on_sigusr1():
+    """`kill -USR1 <pid>` writes where every thread of the process is to
+    its stderr, and the process goes on: what one that seems stuck is
+    doing (file, line and function of each frame; no value in them)."""
+    if hasattr(signal, "SIGUSR1"):
+        with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):
+            faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+
+
 def leave_now(code):
     """Exit without waiting for threads stuck in a network call: their posts
     are already back in the queue, and Python would join them forever."""
@@ -15957,6 +15967,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     process = Process()
     configure_logging(getattr(args, "verbose", 0), process.log_mask)
+    tell_stacks_on_sigusr1()
     try:
         settings = load_settings(db=getattr(args, "db", None),
                                  sources=getattr(args, "sources", None))
