@@ -121,9 +121,10 @@ start reading):
       Scheduler, next_slot
   OPML and discovery: importing and exporting OPML, finding a site's feeds.
       read_opml, import_opml, opml_document, discover_feeds
-  Command line: the commands, their arguments, main().
+  Command line: the commands, their arguments, how they stop (SIGTERM) and
+  say where their threads are (SIGUSR1), main().
       build_parser, main, cmd_run, cmd_worker, cmd_status, cmd_learn,
-      cmd_quality, cmd_publish, cmd_user
+      cmd_quality, cmd_publish, cmd_user, stop_on_signals, tell_stacks_on_sigusr1
 """
 
 __version__ = "0.1.0"
