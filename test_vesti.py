@@ -5034,6 +5034,23 @@ def test_a_claim_that_lands_after_a_stop_is_given_back(home, monkeypatch):
     assert pool.release_unfinished(wait=1) == 0
 
 
+@postgres_only
+def test_a_claim_takes_no_more_posts_than_it_asks_for_whatever_plan_postgresql_chooses(home):
+    """PostgreSQL may join each post to the claim's choice of the oldest
+    pending posts (it does when it believes the table tiny): the choice is
+    made once, or a claim of one post would take the whole queue and hold it
+    in one worker's hand."""
+    s, db, _ = worker_home(home, "")
+    add_posts(db.conn(), 40)
+    conn = db.conn()
+    for method in ("hashjoin", "hashagg", "mergejoin", "material", "sort"):
+        conn.execute(f"SET enable_{method} = off")       # leaves it the nested loop
+    for asked in (1, 3):
+        with vesti.transaction(conn, shared=True):
+            assert len(vesti.claim_posts(conn, asked)) == asked
+    assert queue_of(db) == {-1: 4, 0: 36}
+
+
 @both
 def test_fast_posts_are_claimed_in_batches_and_the_limit_still_holds(home, monkeypatch):
     """Keyword-only posts: many verdicts share one transaction with the next

@@ -1372,10 +1372,11 @@ class SQLiteDialect:
     """Where SQLite's SQL is its own: the claim, the search, statistics."""
     name = "sqlite"
     fts5 = FTS5
-    # The oldest claimable posts (the claim's UPDATE takes them in the same
-    # statement, under SQLite's one write lock).
-    claimable = (f"SELECT id FROM posts INDEXED BY posts_pending WHERE {{pending}} "
-                 f"AND (next_attempt_at IS NULL OR next_attempt_at <= ?) ORDER BY id LIMIT ?")
+    # The claim's condition on a post's id: one of the oldest claimable posts
+    # (the claim's UPDATE takes them in the same statement, under SQLite's
+    # one write lock).
+    claimable = (f"id IN (SELECT id FROM posts INDEXED BY posts_pending WHERE {{pending}} "
+                 f"AND (next_attempt_at IS NULL OR next_attempt_at <= ?) ORDER BY id LIMIT ?)")
     claim_window = ("SELECT id, content_type, coalesce(article_url, url) AS link "
                     "FROM posts INDEXED BY posts_pending WHERE {pending} "
                     "AND (next_attempt_at IS NULL OR next_attempt_at <= ?) ORDER BY id LIMIT ?")
@@ -1456,10 +1457,13 @@ class PostgresDialect(SQLiteDialect):
     # rows no other claim holds (SKIP LOCKED), so a post is never claimed twice.
     # The order names both columns of posts_pending, which only that index
     # gives: by id alone, the planner would walk the primary key through
-    # every post done already.
-    claimable = (f"SELECT id FROM posts WHERE {{pending}} "
+    # every post done already. The ids are chosen once, as an array: as `id
+    # IN (SELECT ...)`, a plan that joins each post to the choice would
+    # choose again for every post, skip the rows this UPDATE has just taken
+    # and claim the whole queue for one worker.
+    claimable = (f"id = ANY(ARRAY(SELECT id FROM posts WHERE {{pending}} "
                  f"AND (next_attempt_at IS NULL OR next_attempt_at <= ?) "
-                 f"ORDER BY id, classified LIMIT ? FOR UPDATE SKIP LOCKED")
+                 f"ORDER BY id, classified LIMIT ? FOR UPDATE SKIP LOCKED))")
     claim_window = ("SELECT id, content_type, coalesce(article_url, url) AS link FROM posts "
                     "WHERE {pending} AND (next_attempt_at IS NULL OR next_attempt_at <= ?) "
                     "ORDER BY id, classified LIMIT ? FOR UPDATE SKIP LOCKED")
@@ -3923,7 +3927,7 @@ def claim_posts(conn, limit, now=None, token=None, choose=None):
     return claimed(conn.execute(f"""
         UPDATE posts SET classified = {PROCESSING}, claimed_at = ?,
                          claim_token = ? || '-' || id, attempts = attempts + 1
-        WHERE id IN ({conn.dialect.claimable.format(pending=IS_PENDING)})
+        WHERE {conn.dialect.claimable.format(pending=IS_PENDING)}
         RETURNING {CLAIMED}
     """, (now_text, token, now_text, limit)).fetchall())
 
