@@ -1317,6 +1317,34 @@ def test_two_workers_and_a_crawler_on_postgresql_survive_a_kill_9_and_a_restart(
     assert tuple(stored) == (60, 60)
 
 
+@pytest.mark.slow
+@restarts_postgres
+def test_a_stop_just_after_the_database_server_is_back_is_a_clean_stop(
+        home, backend, postgres_server, server, closing):
+    """`run` is told to stop a moment after PostgreSQL restarted, while its
+    threads still wait to connect again: each tries the server once more,
+    finds it, and the run stops as any other, with exit code 0."""
+    server.routes["/feed"] = lambda request: (200, {"Content-Type": "application/rss+xml"},
+                                              rss(items(5, host=server.url)))
+    write_sources(home / "sources.yaml", [rss_source("wire", server.url + "/feed",
+                                                     direction="linux")])
+    env = {**os.environ, "VESTI_DB": backend, "OLLAMA_URL": "", "RSS_HOST_DELAY": "0",
+           "VESTI_CRAWL_EVERY": "1s", "VESTI_WEB_PORT": "0", "VESTI_WEB_PASSWORD": "pw"}
+    process = closing(subprocess.Popen([*VESTI, "run", "--workers", "2"], cwd=home, env=env,
+                                       text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    first_lines(process)
+    db = vesti.Database(backend)
+    assert wait_for(lambda: queue_of(db) == {1: 5}, state=lambda: queue_of(db))
+    postgres_server.stop()
+    time.sleep(1.5)             # its crawls look every second: they find it gone, and wait
+    postgres_server.start()
+    process.send_signal(signal.SIGTERM)
+    _, err = ended(process)
+    assert process.returncode == 0, err
+    assert "the database server cannot be reached; waiting for it" in err
+    assert "stopped waiting" not in err and "trying again" not in err, err
+
+
 # Schema and migrations: posts claimed before leases existed -------------------
 
 def test_posts_left_processing_by_a_database_from_before_leases_are_classified(home):

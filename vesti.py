@@ -1320,23 +1320,35 @@ def redoable(function):
     """For a storage function whose work is one transaction of its own: when
     the database server undoes it (TransactionUndone), wait until the server
     can take it and do the work again. Inside a caller's transaction the
-    caller's work is undone too, so the error goes up to the caller."""
+    caller's work is undone too, so the error goes up to the caller. While
+    the process stops, the work is done again only once (see last_try)."""
     @functools.wraps(function)
     def again(conn, *args, **kwargs):
+        tried = False
         while True:
             try:
                 return function(conn, *args, **kwargs)
             except TransactionUndone as e:
                 if conn.depth:
                     raise
-                if conn.process.stopping.is_set():
+                if last_try(conn.process, e.episode, tried):
                     raise StorageError(f"{e}; not done again since the process is stopping") from None
+                tried = conn.process.stopping.is_set()
                 e.episode.enter(conn.path)
                 try:
                     conn.recover()
                 finally:
                     e.episode.leave(conn.path)
     return again
+
+
+def last_try(process, episode, tried):
+    """Whether a statement or transaction the database could not take is
+    given up: only while the process stops. A lock held elsewhere (the busy
+    episode) is not waited for then; a connection the server lost (it
+    restarted a moment ago) is opened again and the work tried once more
+    (`tried`: it was), so a stop right after a restart loses nothing."""
+    return process.stopping.is_set() and (episode is process.busy or tried)
 
 
 def has_fts5():
@@ -1764,7 +1776,7 @@ class PostgresConnection:
         server that is away or a lock held elsewhere when no transaction of
         ours is open."""
         started = time.perf_counter() if SQL_LOG.isEnabledFor(logging.DEBUG) else None
-        episode = None
+        episode, tried = None, False
         try:
             while True:
                 try:
@@ -1774,9 +1786,10 @@ class PostgresConnection:
                         self.process.busy if getattr(e, "busy", False) else None
                     if waiting is None or self.depth:
                         raise
-                    if self.process.stopping.is_set():
+                    if last_try(self.process, waiting, tried):
                         raise StorageError(f"{e}; stopped waiting since the process is "
                                            f"stopping") from None
+                    tried = self.process.stopping.is_set()
                     if episode is None:
                         episode = waiting
                         episode.enter(self.path)
@@ -1819,17 +1832,20 @@ class PostgresConnection:
     def recover(self):
         """After TransactionUndone or a wait: the transaction is rolled back
         and, when the server went away, a new connection opened once it is
-        back. Waits no more than a second when nothing is wrong."""
+        back. Waits no more than a second when nothing is wrong. While the
+        process stops, the server is tried once more, not waited for."""
         if self.raw is not None and not (self.raw.broken or self.raw.closed):
             with contextlib.suppress(self.psycopg.Error):
                 self.raw.execute("ROLLBACK")
             self.open_transaction = False
             self.process.stopping.wait(0.05)
             return
-        while not self.process.stopping.is_set():
+        while True:
             try:
                 old, self.raw = self.raw, self.connect()
             except self.psycopg.Error:
+                if self.process.stopping.is_set():
+                    break
                 self.process.stopping.wait(1.0)
                 continue
             if old is not None:
@@ -10243,6 +10259,12 @@ ALERT_SCAN = 5000               # posts an alert target looks at in one go
 ALERT_WAIT = 6 * 3600           # seconds its look waits for a post the workers have not done
 
 
+def next_try(stop):
+    """What a publisher's error line says of its next try: nothing once the
+    process stops (the error may be the stop's: a database not waited for)."""
+    return "" if stop.is_set() else f"; trying again in {PUBLISH_AFTER_ERROR} s"
+
+
 def seconds_to_wait(value, default=PAUSE_DEFAULT):
     """Retry-After or retry_after: seconds, or an HTTP date."""
     if value is None:
@@ -10511,11 +10533,11 @@ class Publisher:
             try:
                 names = self.prepare()
             except StorageError as e:
-                log.error("publish: %s; trying again in %d s", e, PUBLISH_AFTER_ERROR)
+                log.error("publish: %s%s", e, next_try(stop))
                 stop.wait(PUBLISH_AFTER_ERROR)
                 continue
             except Exception:
-                log.exception("publish: unexpected error; trying again in %d s", PUBLISH_AFTER_ERROR)
+                log.exception("publish: unexpected error%s", next_try(stop))
                 stop.wait(PUBLISH_AFTER_ERROR)
                 continue
             for name in names:
@@ -10533,13 +10555,12 @@ class Publisher:
             try:
                 wait = self.turn(name, stop)
             except StorageError as e:
-                log.error("publish: %s: %s; trying again in %d s", name, e, PUBLISH_AFTER_ERROR)
+                log.error("publish: %s: %s%s", name, e, next_try(stop))
                 wait = PUBLISH_AFTER_ERROR
             except Exception:
                 # The sender goes on: a send it was making is uncertain
                 # (see release), never sent twice.
-                log.exception("publish: %s: unexpected error; trying again in %d s", name,
-                              PUBLISH_AFTER_ERROR)
+                log.exception("publish: %s: unexpected error%s", name, next_try(stop))
                 wait = PUBLISH_AFTER_ERROR
             if wait is None:
                 return
