@@ -25,7 +25,7 @@ start reading):
       log's mask, warn_once), run_until_stopped, Progress
   Connections: SQLite and PostgreSQL connections, transactions, the two
       dialects.
-      connect, Connection, transaction, redoable, SQLiteDialect,
+      connect, Connection, transaction, redoable, last_try, SQLiteDialect,
       PostgresDialect, psycopg_placeholders
   Facts and counters: facts between processes (meta) and the counters behind
       /metrics.
