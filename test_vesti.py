@@ -2539,6 +2539,35 @@ def test_the_news_in_general_is_read_once_per_move_of_its_mark_not_per_look(home
     assert learners.models["space"].calibrated_at == calibrated
 
 
+@both
+def test_a_cards_chance_does_not_drop_when_the_news_in_general_takes_it_in(home):
+    """A post is never evidence about itself: when the news in general moves
+    on (every BACKGROUND_REFRESH) to take in the newest posts, a card it
+    takes in keeps its chance, though its own rare words are now in the news
+    in general. Judged with them counted against it, it dropped; and the
+    decided posts the chances are fitted on, all in the news in general,
+    made every new post's chance look surer than it was."""
+    s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10)
+    conn = db.conn()
+    decided_space(conn, wire, MISSIONS, GAMES)
+    card = desk_post(conn, wire, 500, direction="space", title="Europa probe",
+                     text="The space agency's probe photographed Europa's icy geysers.")
+    learners = vesti.Learners(10).refresh(conn, now=True)
+    vesti.set_meta(conn, "learn_background", str(card - 1))
+    learners.refresh(conn, now=True)
+
+    def likely():
+        row = post_row(conn, card)
+        features = vesti.post_features(row["title"], row["text"], row["source_id"], card)
+        return learners.likely("space", features, vesti.keyword_count(row["keywords"]))
+    before = likely()
+    assert card not in learners.background.posts and before > 0.5
+    vesti.set_meta(conn, "learn_background", str(card))     # moved on: it takes the card in
+    learners.refresh(conn, now=True)
+    assert card in learners.background.posts
+    assert likely() == pytest.approx(before, abs=0.01)
+
+
 def test_the_llm_is_shown_the_editors_decisions_most_like_the_post(home, closing):
     fake = closing(FakeOllama())
     s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10, OLLAMA_URL=fake.url)

@@ -4410,7 +4410,13 @@ def function_stems():
     return frozenset(stems(FUNCTION_WORDS))
 
 
-def post_features(title, text, source_id):
+class Features(set):
+    """A post's features (see post_features) and, for a stored post, its id:
+    judged, a post is never evidence about itself (see Model.weights)."""
+    __slots__ = ("post",)
+
+
+def post_features(title, text, source_id, post_id=None):
     """What a post is learned and judged by: the stems of the words of its
     lead (two letters or more, no numbers), each pair of stems that
     follow each other, and its source (as '@' and the source's id). Words
@@ -4418,7 +4424,8 @@ def post_features(title, text, source_id):
     lead = f"{title or ''}\n{(text or '')[:LEARN_CHARS]}".casefold()
     dropped = function_stems()
     words = [word for word in stems(LEARN_WORD.findall(lead)[:LEARN_WORDS]) if word not in dropped]
-    features = set(words)
+    features = Features(words)
+    features.post = post_id
     features.update(f"{a} {b}" for a, b in zip(words, words[1:]))
     if source_id is not None:
         features.add(f"@{source_id}")
@@ -4428,11 +4435,13 @@ def post_features(title, text, source_id):
 class Background:
     """What news looks like in general: in how many of the newest classified
     posts (BACKGROUND_POSTS, of every direction, up to the id in meta
-    'learn_background') each feature was. Against it a model learns what sets
-    its approved posts apart, not only from the few its editors rejected."""
+    'learn_background') each feature was, and which posts they were. Against
+    it a model learns what sets its approved posts apart, not only from the
+    few its editors rejected."""
 
-    def __init__(self, mark=None, counts=None, docs=0):
+    def __init__(self, mark=None, counts=None, docs=0, posts=()):
         self.mark, self.counts, self.docs = mark, collections.Counter(counts or {}), docs
+        self.posts = frozenset(posts)
 
     @classmethod
     def load(cls, conn, mark):
@@ -4444,9 +4453,10 @@ class Background:
         with contextlib.suppress(ValueError, TypeError, KeyError):
             found = json.loads(kept)
             if found["mark"] == mark:
-                return cls(mark, found["counts"], found["docs"])
+                return cls(mark, found["counts"], found["docs"], found["posts"])
         background = cls.read(conn, mark)
-        text = json.dumps({"mark": mark, "docs": background.docs, "counts": background.counts},
+        text = json.dumps({"mark": mark, "docs": background.docs, "counts": background.counts,
+                           "posts": sorted(background.posts)},
                           ensure_ascii=False, separators=(",", ":"))
         with transaction(conn):
             set_meta(conn, "learn_background_counts", text)
@@ -4455,12 +4465,14 @@ class Background:
     @classmethod
     def read(cls, conn, mark):
         """The background at `mark`, worked out from the posts."""
-        background = cls(mark)
-        for row in conn.execute(f"""SELECT title, substr(text, 1, {LEARN_CHARS}) AS text, source_id
-                                    FROM posts WHERE id <= ? AND classified = {DONE}
+        background, posts = cls(mark), []
+        for row in conn.execute(f"""SELECT id, title, substr(text, 1, {LEARN_CHARS}) AS text,
+                                           source_id FROM posts WHERE id <= ? AND classified = {DONE}
                                     ORDER BY id DESC LIMIT ?""", (mark, BACKGROUND_POSTS)).fetchall():
             background.counts.update(post_features(row["title"], row["text"], row["source_id"]))
             background.docs += 1
+            posts.append(row["id"])
+        background.posts = frozenset(posts)
         floor = 2
         while len(background.counts) > MODEL_FEATURES:
             background.counts = collections.Counter(
@@ -4538,24 +4550,32 @@ class Model:
         other directions (news of another kind for this one). The share of
         posts that have it is smoothed toward its share of all posts by
         LEARN_SMOOTHING posts. `own`: a decided post's own decision, left
-        out when it is judged (calibrate)."""
+        out when it is judged (calibrate). A post is never evidence about
+        itself: one of the news in general is judged as if it were not in it,
+        as a post is before the news in general moves on to take it in, so
+        its chance does not drop when that happens."""
         background, elsewhere = self.background, self.elsewhere
+        itself = int(getattr(features, "post", None) in background.posts)
         mine = self.direction in elsewhere.directions       # its own approvals are in it
         approved = self.approved - own[0]
-        other = self.rejected - own[1] + background.docs + elsewhere.total - mine * self.approved
+        other = self.rejected - own[1] + background.docs - itself + elsewhere.total - \
+            mine * self.approved
         everything = approved + other
         # Smoothed by as many posts as it has decisions, up to LEARN_SMOOTHING:
         # a few decisions are not drowned by it, many are steadied.
         smoothing = min(LEARN_SMOOTHING, self.approved + self.rejected)
-        common = COMMON_SHARE * background.docs if background.docs >= COMMON_AFTER else 0
+        docs = background.docs - itself
+        common = COMMON_SHARE * docs if docs >= COMMON_AFTER else 0
         found = []
         for feature in features:
-            if feature[0] == "@" or (common and background.counts.get(feature, 0) > common):
+            general = background.counts.get(feature, 0)
+            if itself and general:          # (one its count dropped holds no post)
+                general -= 1
+            if feature[0] == "@" or (common and general > common):
                 continue            # the source weighs on its own (source_weight)
             counted = self.counts.get(feature)
             wanted, unwanted = counted or (0, 0)
-            unwanted += background.counts.get(feature, 0) + elsewhere.counts.get(feature, 0) - \
-                mine * wanted
+            unwanted += general + elsewhere.counts.get(feature, 0) - mine * wanted
             if counted is not None:     # one the model dropped (seen_floor) holds no decision
                 wanted, unwanted = wanted - own[0], unwanted - own[1]
             if wanted + unwanted <= 0:
@@ -4869,7 +4889,8 @@ class Learners:
             for among, values in conn.dialect.among("id", missing):
                 for row in conn.execute(f"""SELECT id, title, substr(text, 1, {LEARN_CHARS}) AS text,
                                                    source_id FROM posts WHERE {among}""", values):
-                    known[row["id"]] = post_features(row["title"], row["text"], row["source_id"])
+                    known[row["id"]] = post_features(row["title"], row["text"], row["source_id"],
+                                                     row["id"])
             for gone in set(known) - {row["id"] for row in rows}:
                 del known[gone]
             decided = [(known[row["id"]], row["title"], keyword_count(row["keywords"]),
@@ -5096,7 +5117,7 @@ def judge_cards(conn, learners, direction, after=None, limit=None, unjudged=Fals
     changed = []
     for row in rows:
         likely = None if model is None else \
-            model.likely(post_features(row["title"], row["text"], row["source_id"]),
+            model.likely(post_features(row["title"], row["text"], row["source_id"], row["id"]),
                          keyword_count(row["keywords"]))
         if likely != row["likely"]:
             changed.append((likely, row["id"]))
@@ -5144,7 +5165,8 @@ def take_in_missed(conn, learners, limit=RESCORE_LIMIT):
                             ORDER BY p.published_at DESC, p.id DESC LIMIT ?""", (limit,)).fetchall()
     joined = []
     for row in rows:
-        wanted = learners.wanted(post_features(row["title"], row["text"], row["source_id"]))
+        wanted = learners.wanted(post_features(row["title"], row["text"], row["source_id"],
+                                               row["id"]))
         if wanted:
             joined.append((*wanted, row["id"]))
     if joined:
@@ -6873,7 +6895,7 @@ def decided_rows(conn, direction):
             WHERE p.learned_in = ? AND p.learned_as IS NOT NULL
             ORDER BY p.decided_at DESC, p.id DESC LIMIT ?""", (direction, QUALITY_DECISIONS))][::-1]
     for row in rows:
-        row["features"] = post_features(row["title"], row["text"], row["source_id"])
+        row["features"] = post_features(row["title"], row["text"], row["source_id"], row["id"])
     return rows
 
 
@@ -9531,7 +9553,7 @@ class Classifier(ClassifyStep):
         text = full_text or post.text
         matches = keywords.matches(f"{post.title}\n{text}")
         learners = self.learned()
-        features = post_features(post.title, text, post.source_id) if learners else None
+        features = post_features(post.title, text, post.source_id, post.id) if learners else None
         if not matches and learners:
             # A post the keywords missed but a direction's model wants is
             # classified as that direction's keyword hit would be.
@@ -12566,7 +12588,7 @@ def weighed_most(post, learners):
     model = learners.model(post.direction) if learners and post.likely is not None else None
     if model is None:
         return ()
-    features = post_features(post.title, post.text, post.source_id)
+    features = post_features(post.title, post.text, post.source_id, post.id)
     return tuple(reason_words(model.reasons(features, post.likely), post.title, post.text,
                               post.source or f'@{post.source_id}'))
 
