@@ -319,6 +319,26 @@ def test_an_in_memory_database_is_refused_with_one_line_and_exit_2(home, args, e
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("db,said", [
+    ("postgresql+psycopg://vesti:Pg5ecretPW@127.0.0.1:1/vesti", "postgresql+psycopg:// URL"),
+    ("mysql://vesti:Pg5ecretPW@127.0.0.1/vesti", "mysql:// URL"),
+    ("host=127.0.0.1 port=1 password=Pg5ecretPW", "key=value connection string"),
+    ("PostgreSQL://vesti:Pg5ecretPW@127.0.0.1:1/vesti", "cannot open the database"),
+])
+def test_a_database_named_otherwise_than_a_file_or_url_is_refused_without_its_password(home, db,
+                                                                                   said):
+    """Taken for a SQLite file's name, such a setting was shown whole in the
+    error, or became a file named after the password. A URL's scheme is in
+    any case (PostgreSQL:// is a PostgreSQL URL)."""
+    write_sources(home / "sources.yaml", [rss_source("a", "http://x.test/feed")])
+    result = cli("status", cwd=home, env={"VESTI_DB": db, "VESTI_BUSY_TIMEOUT": "1"})
+    assert result.returncode == 2, (result.stdout, result.stderr[-2000:])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and said in lines[0], lines
+    assert "Pg5ecretPW" not in result.stdout + result.stderr
+    assert not [p for p in home.iterdir() if "Pg5ecretPW" in p.name]
+
+
 def test_a_nul_byte_in_the_env_file_is_one_line_naming_the_file_and_line(home):
     write_sources(home / "sources.yaml", [rss_source("a", "http://x.test/feed")])
     (home / ".env").write_bytes(b"RSS_TIMEOUT=5\nVESTI_DB=ves\x00ti.db\n")

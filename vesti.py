@@ -418,12 +418,30 @@ def _required(name, raw):
     return raw
 
 
+# A libpq key=value connection string ("host=db password=…"): not read, and
+# never shown, since it may hold a password.
+CONNINFO = re.compile(r"(?:^|\s)(?:host|hostaddr|port|dbname|user|password|passfile|service|"
+                      r"sslmode|options|connect_timeout)\s*=")
+
+
 def _database(name, raw):
+    """A SQLite file, or a PostgreSQL URL (its scheme in any case, as URLs
+    allow, kept in lower case). Anything else naming a server is refused
+    without its password: it would be taken for a file's name."""
     raw = _required(name, raw)
     if raw == ":memory:":
         raise ConfigError(f"{name}: ':memory:' cannot hold the database: each connection of "
                           f"the process (every thread, the page, the workers) would open "
                           f"another, empty one; name a file or a postgresql:// URL")
+    scheme, sep, rest = raw.partition("://")
+    if sep and scheme.lower() in ("postgresql", "postgres"):
+        return f"{scheme.lower()}://{rest}"
+    if sep:
+        raise ConfigError(f"{name}: a {scheme[:20]}:// URL is not a database VESTI "
+                          f"opens; name a SQLite file or a postgresql:// URL")
+    if CONNINFO.search(raw):
+        raise ConfigError(f"{name}: a key=value connection string is not read (not shown "
+                          f"here: it may hold a password); write it as a postgresql:// URL")
     return raw
 
 
@@ -1557,7 +1575,7 @@ URL_PASSWORD = re.compile(r"(?<=://)([^/?#@:]*):.*(?=@[^@]*$)|(?<=[?&]password=)
 
 def redacted(path):
     """A database URL fit for a log line or a page: no password."""
-    if not is_postgres(path):
+    if "://" not in str(path):
         return path
     return URL_PASSWORD.sub(lambda m: f"{m.group(1)}:***" if m.group(1) is not None else "***",
                             path)
@@ -15498,12 +15516,13 @@ def cmd_run(args, settings, process):
 def cmd_copy_db(args, settings, process):
     """Everything of the database into another one; run again, it brings the
     other one up to date (rows are matched by their keys)."""
-    if _database("--to", args.to) == settings.db:
-        raise ConfigError(f"copy-db: {redacted(args.to)} is the database itself; "
+    to = _database("--to", args.to)
+    if to == settings.db:
+        raise ConfigError(f"copy-db: {redacted(to)} is the database itself; "
                           f"--to names the other one")
     _, db = open_intake(settings, process)
     learn_owed(db.conn())           # the copy's models as its decisions say
-    target = Database(args.to, settings.busy_timeout, process)
+    target = Database(to, settings.busy_timeout, process)
     copy_database(db.conn(), target.conn())
     return 0
 
