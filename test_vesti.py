@@ -6225,6 +6225,26 @@ def test_a_cross_site_post_is_refused(web, form, origin):
     assert source_row(web.db, "lwn")["status"] == "dead"
 
 
+@pytest.mark.parametrize("kind", ["text/plain", "application/json", None])
+def test_a_form_sent_as_another_kind_of_body_is_refused(web, kind):
+    """A page of another site may send text/plain without asking first; a
+    form is only ever read from a form's own kind of body, whatever it
+    holds (here the right token, from this page's origin)."""
+    web.db.conn().execute("UPDATE sources SET status = 'dead', error_count = 7")
+    body = urllib.parse.urlencode({"token": web.token()})
+    headers = {"Origin": web.origin, **({"Content-Type": kind} if kind else {})}
+    conn = http.client.HTTPConnection("127.0.0.1", web.port, timeout=10)
+    conn.request("POST", "/crawlers/reset", body=body, headers={"Authorization": web.auth,
+                                                                **headers})
+    response = conn.getresponse()
+    assert (response.status, response.read()) == \
+        (415, b"Send the form as application/x-www-form-urlencoded\n")
+    conn.close()
+    assert source_row(web.db, "lwn")["status"] == "dead"
+    status, _, _ = web.post("/crawlers/reset", {"token": web.token()})
+    assert status == 303 and source_row(web.db, "lwn")["status"] == "alive"
+
+
 def test_a_huge_request_body_is_refused(web):
     status, _, _ = web.request("POST", "/crawlers/reset", body="x" * 100_000,
                                headers={"Origin": web.origin})

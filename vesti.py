@@ -14702,10 +14702,16 @@ class WebApp(DeskRoutes, ReportCardRoutes, OutboxRoutes, UserRoutes, CrawlerRout
         abort(405, "Method not allowed", {"Allow": allowed})
 
     def read_form(self, request):
+        """A POST's form: a body only as a form sends it (urlencoded), so that
+        no other kind of body (text/plain, which a page of another site may
+        send without asking) is read as one."""
         length = readable_body_length(request.headers)
         if length is None:
             abort(413, "Request body too large")
         body = request.rfile.read(length).decode("utf-8", "replace")
+        kind = request.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        if body and kind != "application/x-www-form-urlencoded":
+            abort(415, "Send the form as application/x-www-form-urlencoded")
         return urllib.parse.parse_qs(body)
 
     def check_forgery(self, request, form, expected=None):
