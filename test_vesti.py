@@ -8240,6 +8240,46 @@ def test_a_flood_of_wrong_passwords_is_refused_at_once_and_signed_in_pages_do_no
     assert answers[200] == 0
 
 
+def test_a_flood_of_guesses_from_one_address_takes_no_turn_of_another(web, monkeypatch):
+    """One address has one password check at a time: its other guesses are
+    refused at once, so that an editor signing in from elsewhere is checked,
+    not told "too many sign-ins" for as long as the guesser keeps at it."""
+    accounts = newsroom(web)
+    matches = vesti.password_matches
+
+    def slow(password, kept):
+        time.sleep(0.1)                           # as long as scrypt at its real cost
+        return matches(password, kept)
+    monkeypatch.setattr(vesti, "password_matches", slow)
+    answers, flooding = collections.Counter(), threading.Event()
+
+    def guesser(k):
+        for n in itertools.count():
+            if flooding.is_set():
+                return
+            conn = http.client.HTTPConnection("127.0.0.1", web.port, timeout=30,
+                                              source_address=("127.0.0.7", 0))
+            conn.request("GET", "/api/queue", headers=basic(f"guess{k}", f"wrong-{n}"))
+            answers[conn.getresponse().status] += 1
+            conn.close()
+    guessers = [threading.Thread(target=guesser, args=(k,)) for k in range(8)]
+    for thread in guessers:
+        thread.start()
+    time.sleep(0.3)
+    signed_in = []
+    for name in ("anna", "vera", "olga"):
+        conn = http.client.HTTPConnection("127.0.0.1", web.port, timeout=30,
+                                          source_address=("127.0.0.9", 0))
+        conn.request("GET", "/api/queue", headers=accounts[name])
+        signed_in.append(conn.getresponse().status)
+        conn.close()
+    flooding.set()
+    for thread in guessers:
+        thread.join()
+    assert signed_in == [200, 200, 200], (signed_in, answers)
+    assert answers[503] > answers[401] > 0, answers
+
+
 def test_a_browser_is_sent_to_the_sign_in_page_and_a_script_gets_the_challenge(web):
     status, answer, _ = web.get("/?direction=linux", auth=False, headers=PAGE)
     assert status == 303 and answer["Location"] == "/login?next=%2F%3Fdirection%3Dlinux"

@@ -14043,6 +14043,8 @@ def generated_web_password(conn):
 # Password checks (scrypt) that may wait for the one under way at a time;
 # a sign-in beyond them is refused at once (503): guessers from many
 # addresses cannot take every thread of the page from signed-in editors.
+# One address has one check under way or waiting at a time, so that a
+# guesser's flood from one address takes no other's turn.
 CHECKS_WAITING = 4
 
 
@@ -14511,6 +14513,7 @@ class WebApp(DeskRoutes, ReportCardRoutes, OutboxRoutes, UserRoutes, CrawlerRout
         # CHECKS_WAITING more wait for it.
         self.hashing = threading.Lock()
         self.checks = threading.BoundedSemaphore(1 + CHECKS_WAITING)
+        self.checking, self.checking_lock = set(), threading.Lock()     # addresses' keys
         # A hash no password is known to match, checked for a name no account
         # has: made now, so that even the first such check costs no more.
         self.decoy = password_hash(secrets.token_urlsafe(16), db.process.password_cost)
@@ -14618,7 +14621,8 @@ class WebApp(DeskRoutes, ReportCardRoutes, OutboxRoutes, UserRoutes, CrawlerRout
         password (kept: see note_wrong_password). A locked name or address
         is answered 429 before any password is looked at, right or not; a
         password given right before passes without scrypt; a check beyond
-        the ones that may wait is refused at once (503)."""
+        the ones that may wait, or while one from the same address is under
+        way, is refused at once (503)."""
         conn = self.db.conn()
         lock = sign_in_lock(conn, address, name)
         if lock is not None:
@@ -14626,13 +14630,14 @@ class WebApp(DeskRoutes, ReportCardRoutes, OutboxRoutes, UserRoutes, CrawlerRout
         found = self.account(name, password, slow=False)
         if found is not None:
             return found
-        if not self.checks.acquire(blocking=False):
-            abort(503, "Too many sign-ins at once; try again in a few seconds",
-                  {"Retry-After": "5"})
-        try:
-            found = self.account(name, password)
-        finally:
-            self.checks.release()
+        with self.one_check_per_address(address):
+            if not self.checks.acquire(blocking=False):
+                abort(503, "Too many sign-ins at once; try again in a few seconds",
+                      {"Retry-After": "5"})
+            try:
+                found = self.account(name, password)
+            finally:
+                self.checks.release()
         if found is None:
             lock = note_wrong_password(conn, address, name, how)
             if lock is not None:
@@ -14641,6 +14646,23 @@ class WebApp(DeskRoutes, ReportCardRoutes, OutboxRoutes, UserRoutes, CrawlerRout
                             f"for user {shorten(name, 64)!r}" if lock[0] == "name" else
                             f"from {address_key(address)}", LOGIN_WINDOW // 60, utc_text(lock[1]))
         return found
+
+    @contextlib.contextmanager
+    def one_check_per_address(self, address):
+        """While one password from an address is checked, another from it is
+        refused at once (503)."""
+        key = address_key(address)
+        with self.checking_lock:
+            busy = key in self.checking
+            self.checking.add(key)
+        if busy:
+            abort(503, "A sign-in from this address is being checked; try again in a few "
+                       "seconds", {"Retry-After": "5"})
+        try:
+            yield
+        finally:
+            with self.checking_lock:
+                self.checking.discard(key)
 
     def ask_for_login(self, request, stale=False):
         """No (or wrong) credentials: a browser (a page, accepting HTML) goes
