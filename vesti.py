@@ -9200,15 +9200,18 @@ def crawl_everything(db, settings, selection=("all", None), trigger="cli", quiet
 
 class KeywordIndex:
     """Whole-word, case-insensitive keyword matching per direction. A keyword
-    ending in '*' matches any ending (ядр* finds ядро, ядра, ядром)."""
+    ending in '*' matches any ending (ядр* finds ядро, ядра, ядром); words
+    of a keyword of several match across any white space, a line break too."""
 
     def __init__(self, directions):
-        self.patterns = {}
+        self.patterns, self.keywords = {}, {}
         for direction in directions.values():
             words = [self._pattern(k) for k in direction.keywords]
             if words:
                 self.patterns[direction.id] = re.compile(
                     r"(?<!\w)(?:" + "|".join(words) + r")(?!\w)", re.IGNORECASE)
+                self.keywords[direction.id] = [(" ".join(k.rstrip("*").split()).casefold(),
+                                                k.endswith("*")) for k in direction.keywords]
 
     @staticmethod
     def _pattern(keyword):
@@ -9217,13 +9220,29 @@ class KeywordIndex:
         return r"\s+".join(map(re.escape, words)) + (r"\w*" if stem else "")
 
     def matches(self, text):
-        """{direction: the distinct words found, sorted}, best first."""
+        """{direction: the words found, one for each keyword (the first form
+        found: ядро and ядра are one keyword, ядр*), sorted}, best first: the
+        direction with most keywords found."""
         found = {}
         for direction, pattern in self.patterns.items():
-            words = sorted({m.casefold() for m in pattern.findall(text)})
+            words = {}
+            for match in pattern.findall(text):
+                word = " ".join(match.split()).casefold()
+                words.setdefault(self.keyword_of(direction, word), word)
             if words:
-                found[direction] = words
+                found[direction] = sorted(words.values())
         return dict(sorted(found.items(), key=lambda item: -len(item[1])))
+
+    def keyword_of(self, direction, word):
+        """The direction's keyword a word found stands for: the one it is, or
+        the longest stem it begins with."""
+        best = None
+        for said, stem in self.keywords[direction]:
+            if word == said:
+                return said
+            if stem and word.startswith(said) and (best is None or len(said) > len(best)):
+                best = said
+        return best or word
 
 
 def lead_summary(text, limit=300):
