@@ -18,7 +18,8 @@ CREATE TABLE IF NOT EXISTS sources (
     last_new_at TEXT,
     rhythm TEXT,
     silent_since TEXT,
-    -- Figures for the operator, refreshed after each of its runs.
+    -- Figures for the operator, refreshed after each of its runs and once
+    -- workers classified its posts.
     week_posts INTEGER NOT NULL DEFAULT 0,
     relevant_share REAL,
     approved INTEGER NOT NULL DEFAULT 0

@@ -4247,7 +4247,9 @@ def test_the_crawlers_page_and_status_show_each_sources_figures(home, server, cl
     s, db = intake(home, [rss_source("lwn", server.url + "/feed", direction="linux"),
                           rss_source("garden", server.url + "/other")])
     crawl(s, db)
+    assert source_row(db, "lwn")["relevant_share"] is None     # none classified yet
     vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=2, quiet=True)
+    assert source_row(db, "lwn")["relevant_share"] == 1.0       # known once classified
     w = closing(Web(home, settings=s))
     assert w.post("/posts/1/status", {"status": "approved", "token": w.token()})[0] == 303
     crawl(s, db)                                  # the figures follow each run

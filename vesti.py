@@ -2226,7 +2226,8 @@ CREATE TABLE IF NOT EXISTS sources (
     last_new_at TEXT,
     rhythm TEXT,
     silent_since TEXT,
-    -- Figures for the operator, refreshed after each of its runs.
+    -- Figures for the operator, refreshed after each of its runs and once
+    -- workers classified its posts.
     week_posts INTEGER NOT NULL DEFAULT 0,
     relevant_share REAL,
     approved INTEGER NOT NULL DEFAULT 0
@@ -5466,6 +5467,14 @@ def refresh_figures(conn, source_id, min_relevance, now=None):
             approved = (SELECT coalesce(sum(n), 0) FROM source_post_counts
                         WHERE source_id = :id AND status = 'approved')
         WHERE id = :id""", {"id": source_id, "since": since, "floor": min_relevance})
+
+
+def refresh_every_figure(conn, min_relevance):
+    """refresh_figures of every source, once workers classified their posts:
+    a source's share of relevant posts is known only then, after its run."""
+    with transaction(conn):
+        for (source_id,) in conn.execute("SELECT id FROM sources ORDER BY id").fetchall():
+            refresh_figures(conn, source_id, min_relevance)
 
 
 def failed_fetch(error_count, dead, dead_after, gone=False):
@@ -10281,6 +10290,8 @@ def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
             pool.release_unfinished(wait=0)
         raise
     released = 0 if finished else pool.release_unfinished()
+    with contextlib.suppress(StorageError, sqlite3.Error):
+        refresh_every_figure(db.conn(), settings.min_relevance)
     pool.say_done(dry=False, stopping=True)
     progress.finish(pool.stats.line() + (f", {released} put back unfinished" if released else ""))
     return pool.stats, finished
@@ -14798,6 +14809,9 @@ def announce_web(server, settings, generated):
 
 # runs rows older than this are deleted by `run` once a day.
 KEEP_RUNS_DAYS = 30
+# Seconds between two refreshes of every source's figures (the share of its
+# posts the workers found relevant) by `run`.
+FIGURES_EVERY = 60
 
 
 def source_slot(slug, interval):
@@ -14829,7 +14843,7 @@ class Scheduler:
         self.crawls = {}
         self.failure = None
         self.sources_mtime = self.mtime()
-        self.next_prune = 0.0
+        self.next_prune = self.next_figures = 0.0
 
     def interval(self, priority):
         every = self.settings.crawl_every
@@ -14880,6 +14894,9 @@ class Scheduler:
                     target=self.crawl, args=(priority, due), name=f"crawl-{priority}", daemon=True)
                 self.crawls[priority].start()
                 started.append(priority)
+        if self.clock() >= self.next_figures:
+            refresh_every_figure(self.db.conn(), self.settings.min_relevance)
+            self.next_figures = self.clock() + FIGURES_EVERY
         if self.clock() >= self.next_prune:
             prune_runs(self.db.conn(), KEEP_RUNS_DAYS)
             if self.next_prune:
