@@ -7540,13 +7540,13 @@ def test_the_report_card_says_too_few_to_say_and_the_terminal_never_none(home, c
         "10 needed)." in text.stdout
     assert "No model yet: one is learned from 10 decisions, at least 5 approved and 5 rejected" \
         in text.stdout
-    assert "linux (Linux): no decisions yet" in text.stdout
+    assert text.stdout.rstrip().endswith("\nNo decisions yet: linux (Linux).")
     assert "approved per tenth of the chance (likely): No decided post had a chance" in text.stdout
     [space] = [c for c in json.loads(cli("quality", "--json", cwd=home, env=env).stdout)
                if c["direction"] == "space"]
     assert space["precision"] is None and space["minimum"] == {"decisions": 20, "held_out": 10}
     empty = cli("quality", "--direction", "linux", cwd=home, env=env)
-    assert empty.stdout == "linux (Linux): no decisions yet\n"
+    assert empty.stdout == "No decisions yet: linux (Linux).\n"
     web = closing(Web(home, settings=s))
     page = web.get("/quality")[2]
     assert "too few to say (8 decisions; 20 needed)" in page and "beyond chance" not in page

@@ -15698,12 +15698,20 @@ def week_lines(card):
         for change in ("raised", "lowered")]
 
 
+def quality_text(report):
+    """The report card as the terminal shows it: every direction with
+    decisions in full (quality_lines), those without in one line."""
+    lines = [line for card in report if card["decisions"] for line in quality_lines(card)]
+    idle = [f"{card['direction']} ({card['title']})" for card in report if not card["decisions"]]
+    if idle:
+        lines.append(say_en("q.no_decisions", titles=", ".join(idle)))
+    return "\n".join(lines)
+
+
 def quality_lines(card):
     """A direction's report card as the terminal shows it: the page's words
     and figures, never a None."""
     head = f"{card['direction']} ({card['title']})"
-    if not card["decisions"]:
-        return [f"{head}: no decisions yet"]
     approved, model, agrees, misses = card_sentences(card, say_en)
     calibration = rates_text(card["by_likely"], lambda k: f"{k:.1f}") if card["by_likely"] else \
         say_en("q.calibration_none")
@@ -15727,8 +15735,8 @@ def cmd_quality(args, settings, process):
     if args.json:
         print(json.dumps(report, ensure_ascii=False, indent=2))
         return 0
-    for card in report:
-        print("\n".join(quality_lines(card)))
+    if report:
+        print(quality_text(report))
     agreement = editor_agreement(db.conn())
     if agreement["pairs"]:
         print(f"editors who decided the same post: {agreement['agreed']} of "
