@@ -8878,7 +8878,7 @@ def test_run_crawls_classifies_serves_and_stops_on_sigterm(home, server, ollama,
     assert process.returncode == 0, err
     assert "pw" not in out + err
     # A line per crawl and per spell of work on the console, none per page asked.
-    assert re.search(r"^crawl: priority 0: 1 sources \(1 ok.*5 new posts in [0-9.]+ s$", out, re.M)
+    assert re.search(r"^crawl: priority 0: 1 source \(1 ok.*5 new posts in [0-9.]+ s$", out, re.M)
     # Each line tells what was done since the one before: once nothing is
     # left to claim, or after a minute of work (a slow machine's first spell).
     spells = re.findall(r"^worker: (\d+) processed \(.* in [0-9.]+ s; "
@@ -9028,7 +9028,7 @@ def test_rss_command_and_its_shim_crawl_and_report(home, server):
     env = {"RSS_HOST_DELAY": "0", "PYTHONPATH": str(ROOT)}
     result = cli("rss", "--source", "lwn", "--trigger", "cron", cwd=home, env=env)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("rss: 1 sources (1 ok, 0 failed, 0 deferred), 3 new posts in ")
+    assert result.stdout.startswith("rss: 1 source (1 ok, 0 failed, 0 deferred), 3 new posts in ")
     shim = subprocess.run([sys.executable, "-m", "crawler.rss_crawler", "--all", "--db",
                            str(home / "vesti.db")], cwd=home, capture_output=True, text=True,
                           env=cli_env({**env, "VESTI_SOURCES": str(home / "sources.yaml")}),

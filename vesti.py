@@ -8656,7 +8656,8 @@ class CrawlSummary:
     def line(self, stop=None):
         """The run in one line; it says so when `stop` cut it short."""
         cut = "interrupted: " if stop is not None and stop.is_set() else ""
-        return (f"{cut}{len(self.results)} sources ({self.count('ok', 'not_modified', 'unchanged')} ok, "
+        sources = f"{len(self.results)} source{'' if len(self.results) == 1 else 's'}"
+        return (f"{cut}{sources} ({self.count('ok', 'not_modified', 'unchanged')} ok, "
                 f"{self.count('error', 'gone')} failed, {self.count('deferred')} deferred), "
                 f"{self.new_posts} new posts")
 
@@ -14865,8 +14866,8 @@ class Scheduler:
             sync_sources(self.db.conn(), self.registry)
             for listener in self.listeners:
                 listener(self.registry)
-            log.warning("%s changed: %d sources synced", self.settings.sources,
-                        len(self.registry.sources))
+            print(f"{self.settings.sources} changed: {len(self.registry.sources)} sources synced",
+                  flush=True)
             forget_sources_rejected(self.db.conn(), self.settings.sources)
         except ConfigError as e:
             log.error("%s; keeping the sources as they were", e)
