@@ -6469,8 +6469,10 @@ def test_a_nul_byte_in_the_desk_query_is_a_page_not_a_server_error(web):
         status, _, page = web.get(f"/?{query}")
         assert status in (200, 400) and "Traceback" not in page, (query, status, page[-500:])
     assert card_ids(web.get("/?source=lwn&q=Kernel%00")[2]) == [1]
-    for path in ("/crawlers?lang=%00", "/approved.atom?direction=%00", "/approved.json?x=%00"):
+    for path in ("/crawlers?lang=%00", "/approved.json?x=%00"):
         assert web.get(path)[0] == 200, path
+    status, _, body = web.get("/approved.atom?direction=%00")
+    assert status == 400 and body.startswith("direction: ") and "Traceback" not in body
 
 
 def searched(conn, word):
@@ -7075,6 +7077,9 @@ def test_approved_posts_as_atom_and_json_feed(web):
     assert feed.entries[0].link == "http://x/2"
     linux = feedparser.parse(web.get("/approved.atom?direction=linux")[2].encode())
     assert [e.title for e in linux.entries] == ["Story <2> & co", "Story <1> & co"]
+    for path in ("/approved.atom?direction=linuks", "/approved.json?direction=linuks"):
+        status, _, body = web.get(path)           # a misspelt direction: not every direction's
+        assert (status, body) == (400, "direction: none of linux, space ('linuks')\n"), path
     status, headers, body = web.get("/approved.json")
     feed = json.loads(body)
     assert feed["version"] == "https://jsonfeed.org/version/1.1" and feed["title"]
@@ -7296,6 +7301,8 @@ def test_the_desk_as_json_pages_through_every_card_once_with_its_story(web):
                             "relevance", "interest", "likely", "status", "decided_by",
                             "decided_at", "story"}
     assert len(json.loads(web.get("/api/posts?limit=500")[2])["posts"]) == 6
+    for more in ("501", "999999", "1000000"):       # more than is given: as many as are
+        assert len(json.loads(web.get(f"/api/posts?limit={more}")[2])["posts"]) == 6
     for asked, named in (("after=garbage", "after"), ("limit=abc", "limit"), ("limit=0", "limit"),
                          ("direction=nope", "direction"), ("status=maybe", "status"),
                          ("sort=oldest", "sort"), ("min=11", "min")):

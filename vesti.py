@@ -14179,7 +14179,7 @@ class DeskRoutes:
         wrong = [f"after: not a cursor this answer gave ({shorten(query['after'], 40)!r})"
                  if "after" in query and desk.after is None else None,
                  f"limit: a number from 1 (at most {MAX_API_POSTS} are given) ({shorten(limit, 20)!r})"
-                 if not re.fullmatch(r"[1-9][0-9]{0,5}", limit) else None,
+                 if not re.fullmatch(r"[1-9][0-9]{0,17}", limit) else None,
                  f"direction: none of {', '.join(self.registry.directions) or 'no direction'} "
                  f"nor 'none' ({shorten(query['direction'], 40)!r})"
                  if query.get("direction") and desk.direction is None else None,
@@ -14505,8 +14505,12 @@ class ExportRoutes:
     )
 
     def exported(self, request, query):
-        direction = query.get("direction")
-        direction = direction if direction in self.registry.directions else None
+        """The approved posts a feed gives (of one direction when asked; an
+        unknown one is 400 naming it, not every direction's posts)."""
+        direction = query.get("direction") or None
+        if direction is not None and direction not in self.registry.directions:
+            abort(400, f"direction: none of {', '.join(self.registry.directions) or 'no direction'} "
+                       f"({shorten(direction, 40)!r})")
         posts = decided_posts(self.db.conn(), "approved", direction, FEED_POSTS)
         title = "VESTI: approved" + (f" ({direction})" if direction else "")
         host = request.headers.get("Host")
