@@ -6332,6 +6332,25 @@ def classified_posts(conn, count, direction="linux"):
 
 
 @both
+def test_a_title_cannot_turn_its_own_direction_on_the_desk(home, server, closing):
+    """A feed's "photo \u202egnp.exe" reads on a page as "photo exe.png": the
+    controls that turn the direction of the text after them are dropped at
+    intake; Arabic, Hebrew and Russian read as they are without them."""
+    server.feed("/feed", rss([{"guid": "t1", "link": f"{server.url}/a/1",
+                               "title": "Kernel photo \u202egnp.exe",
+                               "text": "The kernel \u2067image\u2069 \u202bשלום\u202c and "
+                                       "Linux ядро. " + "More words. " * 10}]))
+    s, db = intake(home, [rss_source("lwn", server.url + "/feed", direction="linux")],
+                   OLLAMA_URL="", VESTI_WEB_PASSWORD="s3cret")
+    crawl(s, db)
+    vesti.run_workers(db, s, vesti.load_registry(s.sources), workers=1, quiet=True)
+    post = first_post(db.conn())
+    assert post["title"] == "Kernel photo gnp.exe"
+    assert post["text"].startswith("The kernel image שלום and Linux ядро.")
+    page = closing(Web(home, settings=s)).get("/?min=0")[2]
+    assert "gnp.exe" in page and not re.search("[\u202a-\u202e\u2066-\u2069]", page)
+
+
 def test_the_desk_is_newest_first_escaped_and_keyset_paged(web):
     conn = web.db.conn()
     classified_posts(conn, 60)

@@ -756,6 +756,17 @@ def normalize_text(text):
     return " ".join((text or "").split())
 
 
+# The controls that turn the direction of the text after them (embeddings,
+# overrides, isolates): a feed's title "photo \u202egnp.exe" reads as
+# "photo exe.png". Text of either direction reads right without them.
+BIDI_CONTROLS = dict.fromkeys([*range(0x202A, 0x202F), *range(0x2066, 0x206A)])
+
+
+def without_bidi_controls(text):
+    """The text with no control that turns its direction (see BIDI_CONTROLS)."""
+    return text.translate(BIDI_CONTROLS) if text else text
+
+
 def user_key(name):
     """A user name as sign-in compares it: "Anna", "anna" and "ＡＮＮＡ" are
     one name."""
@@ -4239,6 +4250,9 @@ class Draft:
     article_url: str = None     # a Telegram teaser's link, fetched in phase 3
     edited_at: str = None
     words_sha256: str = None    # what a Telegram message says (see words_sha256)
+
+    def __post_init__(self):
+        self.title, self.text = without_bidi_controls(self.title), without_bidi_controls(self.text)
 
 
 def is_stored(conn, source_id, draft, sha):
@@ -8864,7 +8878,7 @@ def message_draft(channel, group):
     edited = max((m.edit_date for m in group if getattr(m, "edit_date", None)), default=None)
     return Draft(str(first.id), url, url, title, text, kind, published,
                  article_url=article_url, edited_at=telegram_time(edited),
-                 words_sha256=words_sha256(text, article_url))
+                 words_sha256=words_sha256(without_bidi_controls(text), article_url))
 
 
 def telegram_time(moment):
@@ -9689,8 +9703,8 @@ class Classifier(ClassifyStep):
         if not link:
             return None
         home = post.source_url
-        return fetch_full_text(link, post.text, self.settings, self.gate, home or "",
-                               self.process)
+        return without_bidi_controls(fetch_full_text(link, post.text, self.settings, self.gate,
+                                                     home or "", self.process))
 
     def story_verdict(self, post, full_text, story):
         """Before an LLM call: the post enters its story at once (a copy met
