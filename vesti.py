@@ -9249,24 +9249,24 @@ class KeywordIndex:
         direction with most keywords found."""
         found = {}
         for direction, pattern in self.patterns.items():
-            words = {}
+            forms = {}
             for match in pattern.findall(text):
-                word = " ".join(match.split()).casefold()
-                words.setdefault(self.keyword_of(direction, word), word)
-            if words:
-                found[direction] = sorted(words.values())
+                form = " ".join(match.split()).casefold()
+                forms.setdefault(self.keyword_of(direction, form), form)
+            if forms:
+                found[direction] = sorted(forms.values())
         return dict(sorted(found.items(), key=lambda item: -len(item[1])))
 
-    def keyword_of(self, direction, word):
-        """The direction's keyword a word found stands for: the one it is, or
+    def keyword_of(self, direction, form):
+        """The direction's keyword a form found stands for: the one it is, or
         the longest stem it begins with."""
         best = None
-        for said, stem in self.keywords[direction]:
-            if word == said:
-                return said
-            if stem and word.startswith(said) and (best is None or len(said) > len(best)):
-                best = said
-        return best or word
+        for keyword, stem in self.keywords[direction]:
+            if form == keyword:
+                return keyword
+            if stem and form.startswith(keyword) and (best is None or len(keyword) > len(best)):
+                best = keyword
+        return best or form
 
 
 def lead_summary(text, limit=300):
