@@ -2409,6 +2409,12 @@ def test_a_source_the_editors_keep_rejecting_sinks_below_the_floor(home):
     assert "spam" in vesti.reason_words(model.reasons(vesti.post_features("", MISSIONS[5], spam),
                                                       likely[fresh]), "", MISSIONS[5], "spam")
     assert model.source_weight(vesti.post_features("", MISSIONS[5], games)) == 0.0
+    # Approved against the model, it is among the report card's disagreements,
+    # its source named as the page names it.
+    vesti.set_decisions(conn, [fresh], "approved", "ed")
+    [card] = vesti.quality_report(conn, registry.directions, s, "space")
+    [worst] = [w for w in card["worst"] if w["id"] == fresh]
+    assert "spam" in worst["weighed"] and not [w for w in worst["weighed"] if w[0] == "@"]
     # A decision or two on a source say nothing.
     few = second_source(db, "few")
     vesti.set_decisions(conn, [desk_post(conn, few, 500, text=GAMES[3], direction="space")],

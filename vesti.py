@@ -6980,7 +6980,7 @@ def worst_disagreements(rows, model):
     return [{"id": row["id"], "title": row["title"], "url": row["url"],
              "decision": row["status"], "likely": row["likely"],
              "weighed": reason_words(model.reasons(row["features"], row["likely"]),
-                                     row["title"], row["text"]) if model else []}
+                                     row["title"], row["text"], row["source"]) if model else []}
             for row in wrong[:QUALITY_WORST]]
 
 
