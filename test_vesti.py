@@ -2370,6 +2370,35 @@ def test_a_direction_that_learned_enough_judges_its_posts_and_lifts_what_keyword
     assert counts_match_posts(conn)
 
 
+@both
+def test_a_post_the_model_let_in_says_so_and_stays_among_the_approved(home, closing):
+    """A card no keyword matched says that the model let it in. Approved, it
+    is among the approved though its relevance (2) is under the default
+    floor's: an editor saw and decided it. What the default floor hides is
+    said to be less relevant or unlikely to be approved."""
+    s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10, VESTI_WEB_PASSWORD="s3cret")
+    conn = db.conn()
+    decided_space(conn, wire, MISSIONS, GAMES)
+    add_posts(conn, 1, source_id=wire, start=300,
+              text="The space agency said its spacecraft reached the Moon and the satellite "
+                   "unfolded its solar panels.")                                # no keyword
+    add_posts(conn, 1, source_id=wire, start=301,
+              text="Rocket League esports players won the game tournament.")
+    vesti.run_workers(db, s, registry, workers=1, quiet=True)
+    moon = conn.execute("SELECT * FROM posts WHERE title = 'Post 300'").fetchone()
+    assert (moon["direction"], moon["keywords"], moon["relevance"]) == ("space", None, 2)
+    web = closing(Web(home, settings=s))
+    card = card_of(web.get("/?direction=space&min=0")[2], moon["id"])
+    assert "no keyword matched: the model let it in" in card
+    page = web.get("/?direction=space")[2]
+    assert re.search(r"\d+ posts? (is|are) hidden: less relevant, or unlikely to be approved", page)
+    assert web.post(f"/posts/{moon['id']}/status",
+                    {"status": "approved", "token": web.token()})[0] == 303
+    approved = web.get("/?direction=space&status=approved")[2]
+    assert moon["id"] in card_ids(approved) and facet(approved, "statuses", "approved") == 7
+    assert moon["id"] not in card_ids(web.get("/?direction=space&status=approved&min=3")[2])
+
+
 def second_source(db, slug="spam"):
     """Another source beside the space home's wire."""
     conn = db.conn()

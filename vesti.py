@@ -11046,7 +11046,7 @@ STRINGS = {
         "show": "Show", "approve": "Approve", "reject": "Reject", "undo": "Undo",
         "reject_shown": ("Reject the {n} post shown", "Reject all {n} shown"),
         "relevance": "relevance", "interest": "interest", "likely": "likely approved",
-        "weighed": "weighed most",
+        "weighed": "weighed most", "let_in": "no keyword matched: the model let it in",
         "keywords": "keywords", "reason": "why", "stored_text": "Stored text",
         "more_sources": ("+{count} source", "+{count} sources"), "every_copy": "every copy",
         "adds": "its own: {sites}",
@@ -11058,6 +11058,8 @@ STRINGS = {
         "empty_none": "No classified posts yet: they appear here as the workers classify "
                       "the queue.",
         "hidden_low": ("{n} less relevant post is hidden.", "{n} less relevant posts are hidden."),
+        "hidden_floor": ("{n} post is hidden: less relevant, or unlikely to be approved.",
+                         "{n} posts are hidden: less relevant, or unlikely to be approved."),
         "show_all": "Show them",
         "many_matches": ("more than {n} match", "more than {n} matches"), "utc": "UTC",
         "undated": "undated · fetched",
@@ -11272,6 +11274,7 @@ STRINGS = {
                          "Отклонить все {n} показанных постов"),
         "relevance": "релевантность", "interest": "интерес", "keywords": "ключевые слова",
         "likely": "вероятность одобрения", "weighed": "больше всего весили",
+        "let_in": "ключевых слов нет: пост добавила модель",
         "reason": "почему", "stored_text": "Сохранённый текст", "older": "старше →",
         "next": "дальше →", "to_first": "← в начало",
         "adds": "от себя: {sites}",
@@ -11286,6 +11289,9 @@ STRINGS = {
                       "разберут очередь.",
         "hidden_low": ("{n} менее релевантный пост скрыт.", "{n} менее релевантных поста скрыты.",
                        "{n} менее релевантных постов скрыто."),
+        "hidden_floor": ("{n} пост скрыт: менее релевантный или вряд ли будет одобрен.",
+                         "{n} поста скрыты: менее релевантные или вряд ли будут одобрены.",
+                         "{n} постов скрыто: менее релевантные или вряд ли будут одобрены."),
         "show_all": "Показать их",
         "many_matches": ("больше {n} совпадения", "больше {n} совпадений", "больше {n} совпадений"),
         "utc": "UTC",
@@ -12078,10 +12084,12 @@ def search_words(text):
 def floor_clause(desk, row="", counted=False):
     """SQL of the desk's floor and its parameters. One asked for (min) is on
     relevance. The default floor is too, but for a post still to decide that
-    a direction's learned model is sure of: shown at LIKELY_HIGH or more,
-    not under LIKELY_LOW. On posts (`row` their alias and a dot), or on the
-    count tables' rows (`counted`). The relevance is marked not to pick an
-    index (the unary +) unless the order is by relevance."""
+    a direction's learned model is sure of (shown at LIKELY_HIGH or more,
+    not under LIKELY_LOW), and for a decided post, shown whatever its
+    relevance: an editor saw it (one the model let in has relevance 2) and
+    finds it among the approved. On posts (`row` their alias and a dot), or
+    on the count tables' rows (`counted`). The relevance is marked not to
+    pick an index (the unary +) unless the order is by relevance."""
     if not desk.min:
         return "1 = 1", []
     relevance = f"{'' if desk.sort == 'relevance' or counted else '+'}{row}relevance >= ?"
@@ -12089,8 +12097,7 @@ def floor_clause(desk, row="", counted=False):
         return relevance, [desk.min]
     liked, open_ = ("liked = 2", "liked IN (-1, 1)") if counted else \
         (f"{row}likely >= {LIKELY_HIGH}", f"({row}likely IS NULL OR {row}likely >= {LIKELY_LOW})")
-    return (f"({row}status != 'new' AND {relevance} OR {row}status = 'new' "
-            f"AND ({liked} OR {open_} AND {relevance}))"), [desk.min, desk.min]
+    return (f"({row}status != 'new' OR {liked} OR {open_} AND {relevance})"), [desk.min]
 
 
 def desk_filters(desk):
@@ -12479,7 +12486,7 @@ def card_words(lang):
     return {key: said(lang, key) for key in ("untitled", "no_direction", "keywords", "reason",
                                              "stored_text", "utc", "relevance", "interest",
                                              "undated", "edit_texts", "before_edit",
-                                             "after_edit", "likely", "weighed")}
+                                             "after_edit", "likely", "weighed", "let_in")}
 
 
 def card_time(post, words):
@@ -12554,6 +12561,8 @@ def card_html(post, page, back, story=None, weighed=(), publications=(), unsure=
     why = []
     if post.keywords:
         why.append(f'{words["keywords"]}: {esc(post.keywords)}')
+    elif post.direction and post.likely is not None:
+        why.append(words["let_in"])
     if post.reason:
         why.append(f'{words["reason"]}: {esc(post.reason)}')
     if weighed:
@@ -12766,7 +12775,10 @@ def desk_page(conn, desk, page, directions, settings, sources=None, learners=Non
         empty = "empty_filtered" if desk.direction or desk.q or desk.source or \
             desk.status != "new" or counts["hidden"] else "empty_none"
         cards = f'<p class="muted">{page.t(empty)}</p>'
-    hidden = (f'<p class="small muted">{page.t("hidden_low", n=counts["hidden"])} '
+    # Under the default floor, once a model judges, a post may be hidden by its chance too.
+    judged = not desk.chosen and learners is not None and any(map(learners.model, learners.models))
+    says = "hidden_floor" if judged else "hidden_low"
+    hidden = (f'<p class="small muted">{page.t(says, n=counts["hidden"])} '
               f'<a href="{esc(page.link("/", **desk.params(min=0)))}">{page.t("show_all")}</a></p>'
               if counts["hidden"] and desk.min else "")
     # Only newest first leads to older posts; another order leads to the next ones.

@@ -833,10 +833,13 @@ def desk_cases(db, deep_page, floor, decisions):
         one = lambda sql, *params: conn.execute(sql, params).fetchone()  # noqa: E731
 
         def where(status, relevance=True):
+            """The page's filter: the relevance floor is on posts still to
+            decide (a decided post is shown whatever its relevance)."""
             clause = "classified = 1" + ("" if status == "any" else " AND status = ?")
-            if relevance:
-                clause += " AND relevance >= ?"
-            values = ([] if status == "any" else [status]) + ([floor] if relevance else [])
+            values = [] if status == "any" else [status]
+            if relevance and status in ("new", "any"):
+                clause += " AND (status != 'new' OR relevance >= ?)"
+                values.append(floor)
             return clause, values
 
         def cursor_at(status, offset, ascending=False):
