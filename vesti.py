@@ -9228,14 +9228,12 @@ class KeywordIndex:
     of a keyword of several match across any white space, a line break too."""
 
     def __init__(self, directions):
-        self.patterns, self.keywords = {}, {}
+        self.patterns = {}
         for direction in directions.values():
             words = [self._pattern(k) for k in direction.keywords]
             if words:
                 self.patterns[direction.id] = re.compile(
                     r"(?<!\w)(?:" + "|".join(words) + r")(?!\w)", re.IGNORECASE)
-                self.keywords[direction.id] = [(" ".join(k.rstrip("*").split()).casefold(),
-                                                k.endswith("*")) for k in direction.keywords]
 
     @staticmethod
     def _pattern(keyword):
@@ -9244,29 +9242,17 @@ class KeywordIndex:
         return r"\s+".join(map(re.escape, words)) + (r"\w*" if stem else "")
 
     def matches(self, text):
-        """{direction: the words found, one for each keyword (the first form
-        found: ядро and ядра are one keyword, ядр*), sorted}, best first: the
-        direction with most keywords found."""
+        """{direction: the distinct words found, sorted}, best first: the
+        direction with most. Each form of a stem counts (a text that says
+        фильм, фильма and фильме is about films more than one that says
+        фильм once); a keyword of several words counts once however the
+        text breaks its lines."""
         found = {}
         for direction, pattern in self.patterns.items():
-            forms = {}
-            for match in pattern.findall(text):
-                form = " ".join(match.split()).casefold()
-                forms.setdefault(self.keyword_of(direction, form), form)
-            if forms:
-                found[direction] = sorted(forms.values())
+            words = sorted({" ".join(m.split()).casefold() for m in pattern.findall(text)})
+            if words:
+                found[direction] = words
         return dict(sorted(found.items(), key=lambda item: -len(item[1])))
-
-    def keyword_of(self, direction, form):
-        """The direction's keyword a form found stands for: the one it is, or
-        the longest stem it begins with."""
-        best = None
-        for keyword, stem in self.keywords[direction]:
-            if form == keyword:
-                return keyword
-            if stem and form.startswith(keyword) and (best is None or len(keyword) > len(best)):
-                best = keyword
-        return best or form
 
 
 def lead_summary(text, limit=300):
@@ -9282,8 +9268,9 @@ def lead_summary(text, limit=300):
 
 
 def keyword_verdict(title, text, matches):
-    """What keywords alone can say: the direction with most distinct keywords
-    found, relevance and interest growing with their number, and the words."""
+    """What keywords alone can say: the direction with most distinct words
+    found (see KeywordIndex.matches), relevance and interest growing with
+    their number, and the words."""
     if not matches:
         return Verdict(summary=lead_summary(text or title))
     direction, words = next(iter(matches.items()))
