@@ -2253,6 +2253,9 @@ def test_words_are_learned_by_their_stems_and_function_words_not_at_all():
                                   7)
     assert {"elect", "result", "count", "@7"} <= english
     assert not {"the", "and", "are", "in"} & english
+    # What is left of "we'll", "they're" and "didn't" is no word either.
+    cut = vesti.post_features("We'll see", "They're sure the vote didn't count", None)
+    assert {"see", "sure", "vote", "count"} <= cut and not {"ll", "re", "didn"} & cut
     assert vesti.reason_words(["elect", "elect result"], "The elections",
                               "Election results are in") == ["elections", "election results"]
 

@@ -4427,6 +4427,7 @@ themselves then there these they this those through to too under until up very w
 what when where which while who whom why will with would you your yours yourself yourselves
 says said say new one two also get got like just year years day days time week news read
 more via full story click here today still much many even may might must since though
+ll re ve isn aren wasn weren doesn didn hasn hadn wouldn couldn shouldn
 а без более бы был была были было быть в вам вас весь во вот все всего всех вы где да даже
 для до его ее ей ему если есть еще же за здесь и из или им их к как ко когда кто ли либо мне
 может мы на над надо наш не него нее нет ни них но ну о об однако он она они оно от очень по
