@@ -7542,6 +7542,23 @@ def rocket_desk(home, **settings):
     return s, db     # decided in turn, a minute apart: the newest 12 hold both
 
 
+def test_agreement_beyond_chance_is_not_told_when_the_desk_showed_every_decided_post():
+    """Editors who decide only the cards the desk shows agree with it as
+    often as they approve: Cohen's κ is 0 whatever the desk shows, and says
+    nothing. The report card says it cannot be told instead."""
+    shown_only = [(True, True)] * 38 + [(True, False)] * 22
+    assert vesti.kappa(shown_only) is None
+    assert vesti.kappa([(True, True)] * 30 + [(False, False)] * 20 + [(True, False)] * 10) == \
+        pytest.approx(0.667, abs=0.001)
+    card = {"decisions": 60, "minimum": {"decisions": 20}, "kappa": None, "agreed": 38,
+            "model_used": True, "learn_min": 30, "keyword_misses": 0,
+            "keyword_misses_decided": 0, "keyword_misses_approved": 0, "approved": 38,
+            "approval_rate": 0.633}
+    agrees = vesti.card_sentences(card, vesti.say_en)[2]
+    assert agrees.startswith("The desk agrees with the editors on 63 % of 60 decisions; how far "
+                             "beyond chance cannot be told")
+
+
 @both
 def test_the_report_card_reads_in_plain_words_under_the_directions_titles(home, closing):
     s, db = rocket_desk(home)

@@ -6886,14 +6886,19 @@ def wilson(approved, decided):
 
 
 def kappa(pairs):
-    """Cohen's kappa of [(classifier says yes, editor says yes)], or None."""
+    """Cohen's kappa of [(classifier says yes, editor says yes)], or None
+    when it cannot tell anything: one of the two said the same of every
+    post (a desk whose editors decide only the cards it shows agrees by
+    chance alone, whatever it shows)."""
     if not pairs:
         return None
     n = len(pairs)
     agreed = sum(a == b for a, b in pairs) / n
     yes_a, yes_b = sum(a for a, _ in pairs) / n, sum(b for _, b in pairs) / n
+    if yes_a in (0, 1) or yes_b in (0, 1):
+        return None
     chance = yes_a * yes_b + (1 - yes_a) * (1 - yes_b)
-    return None if chance == 1 else round((agreed - chance) / (1 - chance), 3)
+    return round((agreed - chance) / (1 - chance), 3)
 
 
 def precision_at(ranked, k):
