@@ -7704,6 +7704,32 @@ def test_the_crawlers_page_in_a_real_browser(web, browser):
     assert (row["status"], row["error_count"], row["last_error"]) == ("alive", 0, None)
 
 
+def test_a_page_runs_its_own_scripts_and_no_other(web, browser):
+    """Every page says, in its Content-Security-Policy, which scripts it may
+    run: its own, by their hashes. A script that reached a page past the
+    escaping would not run; the page's own do."""
+    conn = web.db.conn()
+    for k in range(1, 4):
+        desk_post(conn, lwn(web), k)
+    for path, auth in (("/", True), ("/crawlers", True), ("/outbox", True), ("/quality", True),
+                       ("/users", True), ("/login", False)):
+        status, headers, page = web.get(path, auth=auth, headers=PAGE)
+        policy = headers.get("Content-Security-Policy", "")
+        assert "default-src 'none'" in policy and "frame-ancestors 'none'" in policy, path
+        for script in re.findall(r"<script>(.*?)</script>", page, re.S):
+            assert vesti.script_source(script) in policy, (path, script[:60])
+    browser.open(web.origin + "/", {"Authorization": web.auth})
+    ran = browser.evaluate("""(function(){
+        var s = document.createElement('script');
+        s.textContent = 'window.smuggled = 1';
+        document.body.appendChild(s);
+        return {smuggled: window.smuggled === 1,
+                own: document.querySelectorAll('article.post').length}})()""")
+    assert ran == {"smuggled": False, "own": 3}
+    browser.evaluate("document.dispatchEvent(new KeyboardEvent('keydown', {key: 'j'}))")
+    assert browser.evaluate("document.querySelector('article.post.current') !== null")
+
+
 def test_the_desk_from_the_keyboard_decides_in_place(web, browser):
     conn = web.db.conn()
     ids = [desk_post(conn, lwn(web), k) for k in range(1, 41)]

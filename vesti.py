@@ -11756,6 +11756,22 @@ function count(area){var limit=+area.dataset.limit,used=shown(area.value,area.da
 """ % {"link_max": LINK_MAX, "label": LABEL_CHARS}
 
 
+def script_source(script):
+    """The Content-Security-Policy source that lets exactly this inline
+    script run: its sha256."""
+    return f"'sha256-{base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()}'"
+
+
+# What a page may run and load (its Content-Security-Policy): its own
+# scripts, by their hashes, so that a script a hostile feed smuggled past
+# the escaping would not run; its styles; requests to itself. No frame, no
+# plug-in, no form posting to another site.
+PAGE_POLICY = ("default-src 'none'; script-src "
+               + " ".join(script_source(s) for s in (FOLD_FILTERS, DESK_SCRIPT, OUTBOX_SCRIPT))
+               + "; style-src 'unsafe-inline'; img-src 'self' data:; connect-src 'self'; "
+                 "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
+
+
 ###############################################################################
 # Web pages ###################################################################
 ###############################################################################
@@ -14451,12 +14467,12 @@ class UserRoutes:
         page = self.page(request, query)
         name = (form.get("user") or [""])[-1]
         body = login_form(page, token, after if LOCAL_PATH.fullmatch(after) else "/", problem, name)
-        headers = {"Set-Cookie": made} if made else {}
+        headers = {"Content-Security-Policy": PAGE_POLICY, **({"Set-Cookie": made} if made else {})}
         if status == 429:
             headers["Retry-After"] = str(max(1, math.ceil(problem[2] - time.time())))
         request.reply(status, "text/html; charset=utf-8",
                       layout(page, page.strings["login.title"], body, "/login").encode(),
-                      headers or None)
+                      headers)
 
     def login(self, request, query, form):
         """Sign in: a session for the account, its cookie in the answer."""
@@ -14751,7 +14767,8 @@ class WebApp(DeskRoutes, ReportCardRoutes, OutboxRoutes, UserRoutes, CrawlerRout
             self.route(request, method)
         except EarlyReply as e:
             if e.page:
-                request.reply(e.status, "text/html; charset=utf-8", e.text.encode(), e.headers)
+                request.reply(e.status, "text/html; charset=utf-8", e.text.encode(),
+                              {"Content-Security-Policy": PAGE_POLICY, **(e.headers or {})})
             else:
                 request.reply(e.status, "text/plain; charset=utf-8", f"{e.text}\n".encode(),
                               e.headers)
@@ -14806,7 +14823,8 @@ class WebApp(DeskRoutes, ReportCardRoutes, OutboxRoutes, UserRoutes, CrawlerRout
                                                              if k == "lang"}, account, trouble)
 
     def html(self, request, text):
-        request.reply(200, "text/html; charset=utf-8", text.encode("utf-8"))
+        request.reply(200, "text/html; charset=utf-8", text.encode("utf-8"),
+                      {"Content-Security-Policy": PAGE_POLICY})
 
     def json(self, request, data):
         request.reply(200, "application/json", json.dumps(data, ensure_ascii=False).encode())
