@@ -7778,6 +7778,13 @@ def test_an_editor_signs_in_sees_who_else_looks_and_signs_out_in_a_real_browser(
     browser.wait_for_load()
     assert browser.evaluate("location.pathname") == "/"
     assert "anna" in browser.evaluate("document.querySelector('.account').textContent")
+    # "Sign out" on the line of the name it signs out, not wrapped under it.
+    assert browser.evaluate("""(() => {
+        const out = document.querySelector('form.signout button').getBoundingClientRect(),
+              words = document.createRange();
+        words.selectNodeContents(document.querySelector('.account').firstChild);
+        const name = words.getBoundingClientRect();
+        return out.top < name.bottom && out.bottom > name.top; })()""")
     boris = form_token(web, accounts["boris"])
     web.post(f"/posts/{top}/look", {"token": boris}, auth=False, headers=accounts["boris"])
     assert wait_for(lambda: "boris looking" in browser.evaluate(

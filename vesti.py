@@ -10952,6 +10952,7 @@ header{display:flex;gap:1.2em;align-items:baseline;flex-wrap:wrap;padding:.8em 1
 header h1{font-size:1.15em;margin:0}
 header a{color:var(--muted);text-decoration:none}header a.here{color:var(--fg);font-weight:600}
 header .lang{margin-left:auto;font-size:.85em}
+header form.signout{display:inline;margin-left:.6em}
 main{padding:1em 1.2em;max-width:1400px}
 .banner{background:#fffaeb;border:1px solid #fedf89;color:var(--warn);border-radius:8px;padding:.6em 1em;margin-bottom:.8em}
 .cards{display:grid;grid-template-columns:repeat(auto-fit,minmax(130px,1fr));gap:.8em;margin-bottom:1.2em}
