@@ -6182,6 +6182,11 @@ def test_healthz_answers_without_a_password(web):
     assert web.request("HEAD", "/healthz", auth=False)[0] == 200
     assert web.request("OPTIONS", "/crawlers", auth=False)[0] == 401
     assert web.request("OPTIONS", "/crawlers")[0] == 405
+    for method in ("TRACE", "PROPFIND", "BREW"):          # methods http.server never heard of
+        assert web.request(method, "/crawlers", auth=False)[0] == 401
+        status, headers, _ = web.request(method, "/crawlers")
+        assert (status, headers["Allow"]) == (405, "GET, HEAD"), method
+        assert web.request(method, "/nowhere")[0] == 404
 
 
 @pytest.mark.slow
