@@ -6307,6 +6307,26 @@ def test_a_form_sent_as_another_kind_of_body_is_refused(web, kind):
     assert status == 303 and source_row(web.db, "lwn")["status"] == "alive"
 
 
+def test_a_form_sent_in_chunks_is_refused_for_want_of_its_length(web):
+    """Not taken for a forgery (its token is right): the client is told to
+    give the form's length."""
+    web.db.conn().execute("UPDATE sources SET status = 'dead', error_count = 7")
+    body = urllib.parse.urlencode({"token": web.token()}).encode()
+    request = (f"POST /crawlers/reset HTTP/1.1\r\nHost: 127.0.0.1:{web.port}\r\n"
+               f"Authorization: {web.auth}\r\nOrigin: {web.origin}\r\n"
+               "Content-Type: application/x-www-form-urlencoded\r\n"
+               "Transfer-Encoding: chunked\r\n\r\n").encode() + \
+        b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    with socket.create_connection(("127.0.0.1", web.port), timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 411 ") and \
+        answer.endswith(b"Send the form with a Content-Length, not in chunks\n"), answer
+    assert source_row(web.db, "lwn")["status"] == "dead"
+
+
 def test_a_huge_request_body_is_refused(web):
     status, _, _ = web.request("POST", "/crawlers/reset", body="x" * 100_000,
                                headers={"Origin": web.origin})

@@ -14785,7 +14785,10 @@ class WebApp(DeskRoutes, ReportCardRoutes, OutboxRoutes, UserRoutes, CrawlerRout
     def read_form(self, request):
         """A POST's form: a body only as a form sends it (urlencoded), so that
         no other kind of body (text/plain, which a page of another site may
-        send without asking) is read as one."""
+        send without asking) is read as one; and only of a Content-Length
+        (the front reads no body sent in chunks)."""
+        if "Transfer-Encoding" in request.headers:
+            abort(411, "Send the form with a Content-Length, not in chunks")
         length = readable_body_length(request.headers)
         if length is None:
             abort(413, "Request body too large")
