@@ -36,7 +36,13 @@ class PostgresServer:
         self.count = itertools.count()
         self.background = concurrent.futures.ThreadPoolExecutor(self.ahead or 1)
         self.coming = collections.deque()
-        self.admin(f"DROP DATABASE IF EXISTS {self.template}")
+        # What an earlier process of the same id left behind (killed before
+        # it dropped its databases) would stand in the way of this one's.
+        with self.psycopg.connect(self.url, autocommit=True) as conn:
+            left = [row[0] for row in conn.execute(
+                "SELECT datname FROM pg_database WHERE datname LIKE %s", (f"{self.prefix}\\_%",))]
+        for name in left:
+            self.drop(self.database_url(name))
         self.admin(f"CREATE DATABASE {self.template}")
         vesti.Database(self.database_url(self.template)).close()
 
