@@ -7577,7 +7577,8 @@ def test_agreement_beyond_chance_is_not_told_when_the_desk_showed_every_decided_
         pytest.approx(0.667, abs=0.001)
     card = {"decisions": 60, "minimum": {"decisions": 20}, "kappa": None, "agreed": 38,
             "model_used": True, "learn_min": 30, "keyword_misses": 0,
-            "keyword_misses_decided": 0, "keyword_misses_approved": 0, "approved": 38,
+            "keyword_misses_decided": 0, "keyword_misses_approved": 0,
+            "keyword_misses_shown": 0, "approved": 38,
             "approval_rate": 0.633}
     agrees = vesti.card_sentences(card, vesti.say_en)[2]
     assert agrees.startswith("The desk agrees with the editors on 63 % of 60 decisions; how far "
@@ -7690,7 +7691,7 @@ def test_the_report_card_says_what_learning_changed_on_the_desk_this_week(home, 
     assert week["lowered"] == {"posts": 2, "decided": 1, "approved": 0}
     # The posts no keyword matched that the model let in, and what editors made of them.
     assert (space["keyword_misses"], space["keyword_misses_decided"],
-            space["keyword_misses_approved"]) == (5, 3, 2)
+            space["keyword_misses_approved"], space["keyword_misses_shown"]) == (5, 3, 2, 4)
     web = closing(Web(home, settings=s))
     page = html.unescape(web.get("/quality")[2])
     assert "<h3>What learning changed on the desk in the last 7 days</h3><table><tr><th>change" in page
@@ -7698,8 +7699,8 @@ def test_the_report_card_says_what_learning_changed_on_the_desk_this_week(home, 
         "<td>1/2 (50 %)</td>" in page
     assert "<td>hidden by the model: relevance 3 or more, chance under 0.35</td><td>2</td><td>1</td>" \
         "<td>0/1 (0 %)</td>" in page
-    assert "The model let in 5 posts no keyword matched; the editors approved 2 of the 3 they " \
-        "decided." in page
+    assert "The model let in 5 posts no keyword matched, 4 of them sure enough (a chance of 0.75 " \
+        "or more) for the desk to show; the editors approved 2 of the 3 they decided." in page
     text = cli("quality", "--direction", "space", cwd=home, env={"VESTI_LEARN_MIN": "10"}).stdout
     assert "shown by the model: relevance under 3, chance 0.75 or more: 3 posts, 2 decided, " \
         "approved 1/2 (50 %)" in text

@@ -6999,11 +6999,16 @@ def decided_counts(rows):
 
 
 def keyword_misses(conn, direction):
-    """{posts, decided, approved} of the posts no keyword matched that the
-    direction's model let in (see Learners.wanted)."""
-    return decided_counts(conn.execute(
-        f"""SELECT status, count(*) FROM posts WHERE direction = ? AND keywords IS NULL
-            AND classified = {DONE} GROUP BY status""", (direction,)).fetchall())
+    """{posts, decided, approved, shown} of the posts no keyword matched that
+    the direction's model let in (see Learners.wanted): shown, those sure
+    enough for the desk's default floor (LIKELY_HIGH); the rest wait under it."""
+    rows = conn.execute(f"""SELECT status, likely >= {LIKELY_HIGH} AS shown, count(*) FROM posts
+                            WHERE direction = ? AND keywords IS NULL AND classified = {DONE}
+                            GROUP BY status, likely >= {LIKELY_HIGH}""", (direction,)).fetchall()
+    counts = collections.Counter()
+    for status, _, n in rows:
+        counts[status] += n
+    return {**decided_counts(counts.items()), "shown": sum(n for _, shown, n in rows if shown)}
 
 
 def changed_this_week(conn, direction, floor, now=None):
@@ -7049,7 +7054,7 @@ def direction_quality(conn, direction, settings, learners):
         "agreed": sum(a == b for a, b in agreement), "kappa": kappa(agreement),
         "sources": sources,
         "keyword_misses": misses["posts"], "keyword_misses_decided": misses["decided"],
-        "keyword_misses_approved": misses["approved"],
+        "keyword_misses_approved": misses["approved"], "keyword_misses_shown": misses["shown"],
         "changed_this_week": changed_this_week(conn, direction.id, settings.min_relevance),
         "worst": worst_disagreements(rows, model),
         "editors": editors_of(rows),
@@ -11200,9 +11205,11 @@ STRINGS = {
                          "they reject. Cohen's κ takes away the agreement chance alone would give: "
                          "0 is no better than chance, 1 is agreeing on every post, below 0 is worse "
                          "than chance.",
-        "q.misses": ("The model let in {n} post no keyword matched; the editors approved "
+        "q.misses": ("The model let in {n} post no keyword matched, {shown} of them sure enough "
+                     "(a chance of {high} or more) for the desk to show; the editors approved "
                      "{approved} of the {decided} they decided.",
-                     "The model let in {n} posts no keyword matched; the editors approved "
+                     "The model let in {n} posts no keyword matched, {shown} of them sure enough "
+                     "(a chance of {high} or more) for the desk to show; the editors approved "
                      "{approved} of the {decided} they decided."),
         "q.week": "What learning changed on the desk in the last 7 days",
         "q.week_none": "Nothing: no post of the last 7 days was shown or hidden because of the model.",
@@ -11451,12 +11458,15 @@ STRINGS = {
                          "скрывает тот, что они отклоняют. Каппа Коэна вычитает согласие, которое "
                          "дал бы один случай: 0 — не лучше случая, 1 — согласие во всём, меньше 0 "
                          "— хуже случая.",
-        "q.misses": ("Модель приняла {n} пост, в котором не нашлось ключевых слов; редакторы "
-                     "одобрили {approved} из {decided} решённых.",
-                     "Модель приняла {n} поста, в которых не нашлось ключевых слов; редакторы "
-                     "одобрили {approved} из {decided} решённых.",
-                     "Модель приняла {n} постов, в которых не нашлось ключевых слов; редакторы "
-                     "одобрили {approved} из {decided} решённых."),
+        "q.misses": ("Модель приняла {n} пост, в котором не нашлось ключевых слов; отбор "
+                     "показывает {shown} из них (вероятность {high} и выше); редакторы одобрили "
+                     "{approved} из {decided} решённых.",
+                     "Модель приняла {n} поста, в которых не нашлось ключевых слов; отбор "
+                     "показывает {shown} из них (вероятность {high} и выше); редакторы одобрили "
+                     "{approved} из {decided} решённых.",
+                     "Модель приняла {n} постов, в которых не нашлось ключевых слов; отбор "
+                     "показывает {shown} из них (вероятность {high} и выше); редакторы одобрили "
+                     "{approved} из {decided} решённых."),
         "q.week": "Что обучение изменило в отборе за последние 7 дней",
         "q.week_none": "Ничего: ни один пост последних 7 дней не показан и не скрыт из-за модели.",
         "q.change": "изменение", "q.posts": "постов", "q.decided": "решено",
@@ -12834,7 +12844,8 @@ def card_sentences(card, say):
     model = say("q.used") if card["model_used"] else \
         say("q.unused", min=card["learn_min"], each=LEARN_EACH)
     misses = say("q.misses", n=card["keyword_misses"], decided=card["keyword_misses_decided"],
-                 approved=card["keyword_misses_approved"])
+                 approved=card["keyword_misses_approved"], shown=card["keyword_misses_shown"],
+                 high=LIKELY_HIGH)
     return [say("q.approved_of", n=n, approved=card["approved"], rate=percent(card["approval_rate"])),
             model, agrees, misses]
 
