@@ -2497,6 +2497,22 @@ def test_decisions_that_carry_no_signal_leave_the_desk_as_keywords_made_it(home)
     assert counts_match_posts(conn)
 
 
+def test_a_chance_is_no_surer_than_the_decisions_it_rests_on(home):
+    """Twelve decisions whose words split cleanly: a card that says the
+    approved posts' words again is likely approved, but after 12 decisions
+    no more than 13 in 14 (the rule of succession), and one that says the
+    rejected posts' words again no less than 1 in 14 (the curve alone
+    said 0.99 of the first). The order stays."""
+    s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10)
+    conn = db.conn()
+    decided_space(conn, wire, MISSIONS, GAMES)
+    learners = vesti.Learners(10).refresh(conn, now=True)
+    sure = [learners.likely("space", vesti.post_features(text, text, wire), 2) for text in MISSIONS]
+    unsure = [learners.likely("space", vesti.post_features(text, text, wire)) for text in GAMES]
+    assert 0.75 <= max(sure) <= 13 / 14 and 1 / 14 <= min(unsure) <= 0.35, (sure, unsure)
+    assert min(sure) > max(unsure)
+
+
 @both
 def test_every_third_decision_the_desk_asks_about_the_card_the_model_is_least_sure_of(web):
     conn = web.db.conn()

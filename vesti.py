@@ -4664,8 +4664,15 @@ class Model:
             (KEYWORD_HIT_EVIDENCE + KEYWORD_EVIDENCE * keywords if keywords else 0.0)
 
     def likely(self, features, keywords=0):
-        """The chance that an editor approves a post of these features."""
-        return chance(self.scale * self.score(features, keywords) + self.shift)
+        """The chance that an editor approves a post of these features, no
+        surer than the direction's decisions can make it: after n of them,
+        between 1 / (n + 2) and (n + 1) / (n + 2) (had all n gone one way,
+        the rule of succession's chance that the next does too), the curve's
+        chance counted as n decisions beside one approval and one rejection.
+        The order of the posts is the curve's."""
+        decided = self.approved + self.rejected
+        curve = chance(self.scale * self.score(features, keywords) + self.shift)
+        return round((decided * curve + 1) / (decided + 2), 4)
 
     def calibrate(self, decided):
         """Fit how scores turn into chances (see fit_chances) to decided posts
