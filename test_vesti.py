@@ -2860,6 +2860,27 @@ def test_a_retry_after_of_centuries_waits_a_day_at_most(home, server):
     assert source_row(db, "x")["next_fetch_at"] <= vesti.utc_text(time.time() + 86401)
 
 
+def test_numbers_in_a_feeds_headers_that_are_not_ascii_digits_are_not_numbers(home, server):
+    """'²' is a digit to Python's str.isdigit but no number to int(): a
+    Retry-After or Content-Length of it is unreadable, not an internal error."""
+    server.status("/feed", 429, {"Retry-After": "²"})
+    s, db = intake(home, [rss_source("x", server.url + "/feed")])
+    crawl(s, db)
+    row = source_row(db, "x")
+    assert "internal error" not in row["last_error"] and "429" in row["last_error"], \
+        row["last_error"]
+    assert vesti.retry_after_seconds("²") is None and vesti.retry_after_seconds(" 120 ") == 120
+
+    def unreadable_length(request):
+        request.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/rss+xml\r\n"
+                            b"Content-Length: \xb2\r\nConnection: close\r\n\r\n" + rss(items(2)))
+        request.close_connection = True
+    server.routes["/feed"] = unreadable_length
+    crawl(s, db, ("source", "x"))
+    row = source_row(db, "x")
+    assert (row["error_count"], row["last_error"]) == (0, None) and len(posts_of(db, "x")) == 2
+
+
 @both
 def test_410_gone_marks_the_source_dead_at_once(home, server):
     server.status("/feed", 410)
@@ -6099,6 +6120,12 @@ def test_an_editors_text_is_plain_and_one_too_long_is_kept_on_the_page_with_why(
                             {"token": web.token(), "action": "text", "text": "Mine",
                              "seen": "queued", "version": str(waiting["version"] - 1)})
     assert status == 409 and publications(conn)[1]["text"] == waiting["text"]
+    for version in ("²", "1e3", "-1"):             # not a version at all: said so, nothing saved
+        status, _, page = web.post(f"/publications/{waiting['id']}",
+                                   {"token": web.token(), "action": "text", "text": "Mine",
+                                    "seen": "queued", "version": version})
+        assert status == 400 and "version" in page, (version, status)
+    assert publications(conn)[1]["text"] == waiting["text"]
 
 
 def test_a_failing_target_is_named_on_every_page_and_in_status(home, closing):

@@ -650,6 +650,12 @@ def load_settings(environ=None, env_file=".env", **overrides):
 ###############################################################################
 # Words, hashes, dates and the canonical form of a link.
 
+def digits_only(text):
+    """Whether a number in a header, a form or a command's argument is one:
+    ASCII digits only (str.isdigit says yes to '²', which int() refuses)."""
+    return text.isascii() and text.isdigit()
+
+
 def utc_text(timestamp=None):
     """UTC time as SQLite's datetime('now') writes it."""
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(timestamp))
@@ -7884,7 +7890,7 @@ def read_body(response, settings, deadline):
     if encoding not in ("identity", "gzip", "x-gzip", "deflate"):
         raise FetchError(f"unsupported Content-Encoding {encoding!r}")
     declared = response.headers.get("Content-Length")
-    if encoding == "identity" and declared and declared.isdigit() and int(declared) > limit:
+    if encoding == "identity" and declared and digits_only(declared) and int(declared) > limit:
         raise FetchError(f"body of {int(declared)} bytes is over the limit of {limit} bytes")
     decoder = None if encoding == "identity" else _Decoder(encoding)
     chunks, size = [], 0
@@ -7926,7 +7932,7 @@ def describe_error(error):
 def retry_after_seconds(value, now=None):
     """Retry-After as seconds from now: a number or an HTTP date; None if unreadable."""
     value = (value or "").strip()
-    if value.isdigit():
+    if digits_only(value):
         return int(value[:9])
     when = http_time(value)
     return None if when is None else max(0, when - (time.time() if now is None else now))
@@ -8061,7 +8067,7 @@ class ParsedFeed:
 def feed_ttl(ttl):
     """An RSS <ttl> (minutes) as seconds; None when absent or unreadable."""
     value = str(ttl or "").strip()
-    return int(value) * 60 if value.isdigit() and len(value) < 9 else None
+    return int(value) * 60 if digits_only(value) and len(value) < 9 else None
 
 
 def _fragment_sensitive(links):
@@ -8779,7 +8785,7 @@ def telegram_client(settings):
     if not settings.tg_api_id or not settings.tg_api_hash:
         raise TelegramSetupError("TG_API_ID and TG_API_HASH are not set "
                                  "(get them at https://my.telegram.org)")
-    if not settings.tg_api_id.isdigit():
+    if not digits_only(settings.tg_api_id):
         raise TelegramSetupError(f"TG_API_ID must be a number, got {settings.tg_api_id!r}")
     if not os.path.exists(session_path(settings)):
         raise TelegramSetupError(f"Telegram session {session_path(settings)} not found: "
@@ -13544,7 +13550,7 @@ def readable_body_length(headers):
     """The Content-Length of a request body the page reads, or None for one
     it refuses unread (not a number, or over MAX_REQUEST_BODY)."""
     length = headers.get("Content-Length", "0")
-    if not (length.isascii() and length.isdigit()):
+    if not digits_only(length):
         return None
     # Its digits are counted before they make a number: Python refuses a
     # number of over 4,300 digits, which a client may well send.
@@ -14373,11 +14379,13 @@ class OutboxRoutes:
             self.check_text(request, query, int(publication_id), text)
         seen = (form.get("seen") or [""])[-1]
         version = (form.get("version") or [""])[-1]
+        if version and not digits_only(version):
+            abort(400, f"version: the number the page gave ({shorten(version, 20)!r})")
         try:
             row = act_on_publication(self.db.conn(), int(publication_id), action,
                                      request.account.name, text, seen=seen or None,
                                      address=request.client_address[0],
-                                     version=int(version) if version.isdigit() else None)
+                                     version=int(version) if digits_only(version) else None)
         except Conflict as e:
             abort(409, str(e))
         if row is None:
@@ -16023,13 +16031,13 @@ def positive_int(text):
 
 
 def port_number(text):
-    if not text.isdigit() or int(text) > 65535:
+    if not digits_only(text) or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"expected a port 0-65535, got {text!r}")
     return int(text)
 
 
 def whole_number(text):
-    if not text.isdigit():
+    if not digits_only(text):
         raise argparse.ArgumentTypeError(f"expected a whole number 0 or more, got {text!r}")
     return int(text)
 
