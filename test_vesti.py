@@ -8394,6 +8394,29 @@ def test_the_settings_accounts_sessions_end_when_its_password_or_name_changes(ho
     assert "admin: admin, disabled" in listed
 
 
+def test_the_settings_account_stays_an_admin_whoever_tries_to_demote_it(home, closing):
+    """SPEC: VESTI_WEB_USER remains an admin account. Not demoted by another
+    admin, nor by itself under its name in other letters, nor by `user role`;
+    one made a viewer in the database is an admin again at the next start."""
+    web = closing(Web(home))
+    accounts = newsroom(web)
+    for name in ("ADMIN", "Admin"):
+        status, _, body = web.post(f"/users/{name}", {"token": web.token(), "action": "role",
+                                                      "role": "viewer"})
+        assert status == 400 and "demote their own account" in body
+    olga = form_token(web, accounts["olga"])
+    status, _, body = web.post("/users/admin", {"token": olga, "action": "role", "role": "viewer"},
+                               auth=False, headers=accounts["olga"])
+    assert status == 400 and "stays an admin" in body
+    refused = cli("user", "role", "admin", "--role", "editor", cwd=home)
+    assert refused.returncode != 0 and "stays an admin" in refused.stderr
+    assert web.get("/users")[0] == 200
+    web.db.conn().execute("UPDATE users SET role = 'viewer' WHERE name = 'admin'")
+    web = closing(Web(home))                                    # restarted
+    assert web.get("/users")[0] == 200
+    assert "admin: admin (VESTI_WEB_USER, by the settings)" in cli("user", "list", cwd=home).stdout
+
+
 def test_a_wrong_password_costs_the_same_check_whatever_the_name(web, monkeypatch):
     newsroom(web)
     checked = []

@@ -5723,7 +5723,8 @@ def keep_settings_account(conn, name, password=None, kept=None):
     hash is that of the settings' password (VESTI_WEB_PASSWORD, or `kept`,
     the generated one's hash): signing in compares it as any other, and a
     new password or name ends the sessions made with the old one (a
-    renamed account is disabled). Returns its row."""
+    renamed account is disabled), and it is an admin again if it was made
+    anything else. Returns its row."""
     row = conn.execute("SELECT * FROM users WHERE name = ?", (name,)).fetchone()
     same = row is not None and row["settings"] and not row["disabled"] and (
         row["password_hash"] == kept if password is None else
@@ -5737,6 +5738,10 @@ def keep_settings_account(conn, name, password=None, kept=None):
             conn.execute("DELETE FROM sessions WHERE user_name = ?", (old[0],))
             record_event(conn, "settings", "local", "user change", f"user:{old[0]}",
                          f"VESTI_WEB_USER is {name} now: disabled, its sessions ended")
+        if same and row["role"] != "admin":
+            conn.execute("UPDATE users SET role = 'admin' WHERE name = ?", (name,))
+            record_event(conn, "settings", "local", "user change", f"user:{name}",
+                         f"role {row['role']} -> admin (VESTI_WEB_USER's account is an admin)")
         if not same:
             if row is not None and not row["settings"]:
                 log.warning("web: the account %r of the users table is VESTI_WEB_USER's now: "
@@ -5780,6 +5785,9 @@ def change_user(conn, name, who, address, password=None, role=None, disabled=Non
         if user["settings"] and (kept is not None or disabled):
             raise ConfigError(f"{name} is the account of VESTI_WEB_USER: its password is "
                               f"VESTI_WEB_PASSWORD (change it there)")
+        if user["settings"] and role not in (None, "admin"):
+            raise ConfigError(f"{name} is the account of VESTI_WEB_USER: it stays an admin "
+                              f"(another VESTI_WEB_USER, or none, frees it)")
         if kept is not None or disabled:
             ended = conn.execute("DELETE FROM sessions WHERE user_name = ?", (name,)).rowcount
             if ended:
@@ -14452,7 +14460,7 @@ class UserRoutes:
                    "disable": {"disabled": True}, "enable": {"disabled": False}}
         if action not in changes:
             abort(400, f"action must be one of {', '.join(changes)}")
-        if name == request.account.name and action in ("disable", "role"):
+        if user_key(name) == user_key(request.account.name) and action in ("disable", "role"):
             abort(400, "an admin does not disable or demote their own account here "
                        "(another admin, or `vesti.py user`, can)")
         try:
