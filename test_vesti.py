@@ -6445,7 +6445,7 @@ def test_a_title_cannot_turn_its_own_direction_on_the_desk(home, server, closing
     """A feed's "photo \u202egnp.exe" reads on a page as "photo exe.png": the
     controls that turn the direction of the text after them are dropped at
     intake; Arabic, Hebrew and Russian read as they are without them."""
-    server.feed("/feed", rss([{"guid": "t1", "link": f"{server.url}/a/1",
+    server.feed("/feed", rss([{"guid": "t1", "link": f"{server.url}/a/photo\u202egnp.exe",
                                "title": "Kernel photo \u202egnp.exe",
                                "text": "The kernel \u2067image\u2069 \u202bשלום\u202c and "
                                        "Linux ядро. " + "More words. " * 10}]))
@@ -6458,6 +6458,11 @@ def test_a_title_cannot_turn_its_own_direction_on_the_desk(home, server, closing
     assert post["text"].startswith("The kernel image שלום and Linux ядро.")
     page = closing(Web(home, settings=s)).get("/?min=0")[2]
     assert "gnp.exe" in page and not re.search("[\u202a-\u202e\u2066-\u2069]", page)
+    # Its link leads where it led, but reads as it is, on the page and in a message.
+    assert post["url"] == f"{server.url}/a/photo%E2%80%AEgnp.exe"
+    message = vesti.post_message({**dict(post), "url": f"{server.url}/a/photo\u202egnp.exe",
+                                  "source": "LWN", "direction": "linux"})
+    assert "photo%E2%80%AEgnp.exe" in message and not re.search("[\u202a-\u202e]", message)
 
 
 def test_the_desk_is_newest_first_escaped_and_keyset_paged(web):

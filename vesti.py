@@ -773,6 +773,16 @@ def without_bidi_controls(text):
     return text.translate(BIDI_CONTROLS) if text else text
 
 
+BIDI_CONTROL = re.compile("[\u202a-\u202e\u2066-\u2069]")
+
+
+def link_without_bidi_controls(url):
+    """A link whose controls that turn the direction are percent-encoded: it
+    leads where it led, and reads as it is ("…/photo\u202egnp.exe" would
+    read "…/photoexe.png" in a message)."""
+    return BIDI_CONTROL.sub(lambda m: urllib.parse.quote(m[0]), url) if url else url
+
+
 def user_key(name):
     """A user name as sign-in compares it: "Anna", "anna" and "ＡＮＮＡ" are
     one name."""
@@ -915,7 +925,7 @@ def canonical_url(url, base=None, keep_fragment=False):
 
 def canonical_urls(url, base=None):
     """canonical_url without and with the fragment, worked out once."""
-    url = (url or "").strip()
+    url = link_without_bidi_controls((url or "").strip())
     if base:
         url = urllib.parse.urljoin(base, url)
     try:
@@ -4259,6 +4269,8 @@ class Draft:
 
     def __post_init__(self):
         self.title, self.text = without_bidi_controls(self.title), without_bidi_controls(self.text)
+        self.url = link_without_bidi_controls(self.url)
+        self.article_url = link_without_bidi_controls(self.article_url)
 
 
 def is_stored(conn, source_id, draft, sha):
@@ -6096,7 +6108,8 @@ def one_line(text):
 def carried_link(url):
     """A post's link as a message carries it: whole, with what would end
     it in a message's text percent-encoded; None when it is too long."""
-    url = re.sub(r"[\s<>\"]", lambda m: urllib.parse.quote(m[0]), url or "")
+    url = re.sub(r"[\s<>\"]", lambda m: urllib.parse.quote(m[0]),
+                 link_without_bidi_controls(url or ""))
     return url if len(url) <= LINK_MAX and WEB_LINK.fullmatch(url) else None
 
 
