@@ -5512,14 +5512,25 @@ def test_server_errors_retry_a_webhook_make_a_telegram_send_uncertain_and_a_refu
     cms = publications(conn, "cms")[0]
     assert cms["state"] == "failed" and cms["attempts"] == 2 and "503" in cms["error"]
     assert len(receiver.deliveries) == 2
-    # A refusal of the message itself fails it at once, with the reason.
+    # Its channel waits before the next send: an outage does not turn the
+    # whole queue uncertain, one post after another.
     bot.script = [("400", "Bad Request: message text is empty")]
     second = desk_post(conn, lwn_id, 2)
     vesti.set_decisions(conn, [second], "approved", "ed")
+    sends = len([call for call in bot.calls if call[0] == "sendMessage"])
     publisher.look()
     row = [row for row in publications(conn, "channel") if row["post_id"] == second][0]
-    assert row["state"] == "failed" and "message text is empty" in row["error"]
-    assert not bot.messages
+    assert row["state"] == "queued" and \
+        len([call for call in bot.calls if call[0] == "sendMessage"]) == sends
+    # Sent again by an editor, the uncertain one waits its turn too.
+    uncertain = states["channel"]["id"]
+    assert not vesti.act_on_publication(conn, uncertain, "again", "ed").hurry
+    # A refusal of the message itself fails it at once, with the reason.
+    clock.now += vesti.TARGET_PAUSE + 1
+    publisher.look()
+    rows = {row["post_id"]: row for row in publications(conn, "channel")}
+    assert rows[first]["state"] == "failed" and "message text is empty" in rows[first]["error"]
+    assert rows[second]["state"] == "published" and len(bot.messages) == 1
 
 
 def test_an_unreachable_bot_api_or_webhook_keeps_the_post_queued_and_names_no_secret(home, closing):

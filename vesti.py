@@ -6516,8 +6516,7 @@ ACTION_CHANGES = {
     "now": "hurry = 1, next_attempt_at = NULL",
     "cancel": "state = 'cancelled', token = NULL, retract = 0",
     "published": "state = 'published', sent_at = ?, error = NULL, token = NULL, retract = 0",
-    "again": "state = 'queued', attempts = 0, next_attempt_at = NULL, error = NULL, hurry = 1, "
-             "token = NULL",
+    "again": "state = 'queued', attempts = 0, next_attempt_at = NULL, error = NULL, token = NULL",
 }
 
 
@@ -10368,7 +10367,10 @@ PAUSE_DEFAULT = 30              # a 429 that does not say for how long
 PAUSE_MAX = 86400
 # A target Telegram refuses as a whole (the token, the bot's place in the
 # chat, the chat itself) waits this long between tries, its posts queued:
-# once the chat is mended they go, and none is failed meanwhile.
+# once the chat is mended they go, and none is failed meanwhile. A Telegram
+# send that may have arrived pauses its target as long (or its pace, if
+# longer): Telegram answering so is likely to do it again, and an outage
+# must not turn the whole queue uncertain.
 TARGET_PAUSE = 300
 ANSWER_BYTES = 1 << 20
 ANSWER_CHARS = 200              # of a webhook's answer, kept as its message id
@@ -10922,10 +10924,15 @@ class Publisher:
         error = str(failure)
         telegram = target.kind != "webhook"
         kept = failure.unsure and not telegram     # a webhook's receiver may have it
+        if failure.pause is not None:
+            paused = not_before(now + failure.pause)
+        elif failure.unsure and telegram:
+            paused = not_before(now + max(TARGET_PAUSE, target.every or 0))
+        else:
+            paused = target.paused_until
         with transaction(conn):
             conn.execute("UPDATE targets SET error = ?, paused_until = ? WHERE name = ?",
-                         (error, not_before(now + failure.pause) if failure.pause is not None
-                          else target.paused_until, target.name))
+                         (error, paused, target.name))
             for row in rows:
                 verdict, wait = failed_send(failure, telegram, row.attempts,
                                             self.settings.publish_attempts)
