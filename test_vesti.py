@@ -8382,6 +8382,33 @@ def test_one_editors_typos_lock_only_them_and_spraying_locks_the_address(web, ca
     assert locks == {"name", "address"}
 
 
+def test_behind_a_reverse_proxy_one_strangers_guesses_lock_out_only_the_stranger(web, caplog):
+    """A TLS proxy on this machine (the README's set-up) makes every client
+    127.0.0.1; it names the client in X-Forwarded-For, which is believed
+    from this machine alone. A stranger spraying names locks their own
+    address, not the newsroom's."""
+    newsroom(web)
+    stranger, editor = {"X-Forwarded-For": "203.0.113.9"}, {"X-Forwarded-For": "198.51.100.7"}
+    with caplog.at_level(logging.INFO):
+        for k in range(vesti.ADDRESS_FAILURES):
+            assert web.get("/", auth=False, headers={**basic(f"name{k % 20}", "guess"),
+                                                     **stranger})[0] == 401
+        assert web.get("/", auth=False, headers={**basic("anna", "anna-password"),
+                                                 **stranger})[0] == 429
+        assert web.get("/", auth=False, headers={**basic("anna", "anna-password"),
+                                                 **editor})[0] == 200
+    assert {(kind, key) for kind, key, *_ in vesti.sign_in_locks(web.db.conn())} == \
+        {("address", "203.0.113.9")}
+    access = [r.getMessage() for r in caplog.records if r.name == "vesti.access"]
+    assert any(line.startswith("198.51.100.7 ") for line in access), access[-3:]
+    # Believed from this machine only: anyone elsewhere may send the header.
+    assert vesti.forwarded_client("192.0.2.1", {"X-Forwarded-For": "198.51.100.7"}) == "192.0.2.1"
+    assert vesti.forwarded_client("::1", {"X-Forwarded-For": "10.0.0.1, 2001:db8::5"}) == \
+        "2001:db8::5"
+    assert vesti.forwarded_client("127.0.0.1", {"X-Forwarded-For": "nonsense"}) == "127.0.0.1"
+    assert vesti.forwarded_client("127.0.0.1", {}) == "127.0.0.1"
+
+
 @both
 def test_the_settings_accounts_sessions_end_when_its_password_or_name_changes(home, closing):
     web = closing(Web(home))

@@ -13825,6 +13825,8 @@ class WebHandler(http.server.BaseHTTPRequestHandler):
         raise AttributeError(name)
 
     def guard(self, method):
+        self.client_address = (forwarded_client(self.client_address[0], self.headers),
+                               *self.client_address[1:])
         try:
             with self.server.app.db.lent():
                 self.server.app.handle(self, method)
@@ -14177,6 +14179,20 @@ def cookies_of(headers):
 
 def session_cookie(headers):
     return cookies_of(headers).get(SESSION_COOKIE)
+
+
+def forwarded_client(peer, headers):
+    """The address of the client a request is from: the connection's, or,
+    where that is this machine (a reverse proxy in front, as the README
+    sets it up), the last address the proxy added to X-Forwarded-For. So
+    sign-in locks, events and the log name each editor's address, not the
+    proxy's one for everyone. From another machine the header is not
+    believed: anyone may send it."""
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(peer).is_loopback:
+            last = (headers.get("X-Forwarded-For") or "").split(",")[-1].strip()
+            return str(ipaddress.ip_address(last))
+    return peer
 
 
 def behind_https(headers):
