@@ -8546,6 +8546,14 @@ def test_a_flood_of_guesses_from_one_address_takes_no_turn_of_another(web, monke
         thread.join()
     assert signed_in == [200, 200, 200], (signed_in, answers)
     assert answers[503] > answers[401] > 0, answers
+    # An editor whose sign-in meets another from the same address (an office
+    # behind one address) gets the form again, saying why, not a bare page.
+    web.app.checking.add("127.0.0.1")
+    status, headers, page = login(web, "anna", "wrong-password")
+    assert status == 503 and headers["Retry-After"] == "5" and 'name="password"' in page
+    assert "another sign-in is being checked" in page
+    web.app.checking.discard("127.0.0.1")
+    assert login(web, "anna", "anna-password")[0] == 303
 
 
 def test_a_browser_is_sent_to_the_sign_in_page_and_a_script_gets_the_challenge(web):

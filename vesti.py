@@ -11195,6 +11195,8 @@ STRINGS = {
         "role.viewer": "viewer", "role.editor": "editor", "role.admin": "admin",
         "login.title": "Sign in to VESTI", "login.user": "Name", "login.password": "Password",
         "login.wrong": "Wrong name or password.",
+        "login.busy": "Signing in waits for a moment: another sign-in is being checked. "
+                      "Try again in a few seconds.",
         "login.locked.name": "Too many wrong passwords for this name: every try is refused "
         "until {when} UTC (in {minutes} min), the right password too. Ask an admin if it "
         "was not you.",
@@ -11437,6 +11439,8 @@ STRINGS = {
         "role.viewer": "читатель", "role.editor": "редактор", "role.admin": "администратор",
         "login.title": "Вход в VESTI", "login.user": "Имя", "login.password": "Пароль",
         "login.wrong": "Неверное имя или пароль.",
+        "login.busy": "Вход подождёт немного: сейчас проверяется другой вход. Попробуйте ещё "
+                      "раз через несколько секунд.",
         "login.locked.name": "Слишком много неверных паролей для этого имени: до {when} UTC "
         "(ещё {minutes} мин) отказ на любую попытку, и с верным паролем тоже. Если это были "
         "не вы, скажите администратору.",
@@ -13278,7 +13282,7 @@ def login_problem(page, problem):
         text = page.t(f"login.locked.{problem[1]}", when=utc_text(problem[2]),
                       minutes=max(1, math.ceil((problem[2] - time.time()) / 60)))
     else:
-        text = page.t("login.wrong")
+        text = page.t(f"login.{problem[0]}")
     return f'<p class="banner" role="alert">{text}</p>'
 
 
@@ -14528,6 +14532,8 @@ class UserRoutes:
         headers = {"Content-Security-Policy": PAGE_POLICY, **({"Set-Cookie": made} if made else {})}
         if status == 429:
             headers["Retry-After"] = str(max(1, math.ceil(problem[2] - time.time())))
+        elif status == 503:
+            headers["Retry-After"] = "5"
         request.reply(status, "text/html; charset=utf-8",
                       layout(page, page.strings["login.title"], body, "/login").encode(),
                       headers)
@@ -14542,6 +14548,10 @@ class UserRoutes:
             found = self.sign_in(address, name, password, how="sign-in page")
         except SignInLocked as e:
             return self.login_page(request, query, form, ("locked", e.kind, e.until), 429)
+        except EarlyReply as e:
+            if e.status != 503:
+                raise
+            return self.login_page(request, query, form, ("busy",), 503)
         if found is None:
             log.warning("web: sign-in refused for %r from %s", shorten(name, 64), address)
             return self.login_page(request, query, form, ("wrong",), 401)
