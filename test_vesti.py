@@ -6109,6 +6109,31 @@ def test_a_digest_of_many_alerts_is_cut_on_its_items_and_telegram_takes_it(home,
     assert {row["state"] for row in publications(conn, "editors")} == {"published"}
 
 
+def test_a_webhooks_long_text_in_cyrillic_is_saved_as_its_counter_promised(home, closing):
+    """The counter says a webhook's text may hold WEBHOOK_TEXT_LIMIT
+    characters; Cyrillic takes 6 bytes each in a form, CJK 9: a text the
+    counter allows is never refused for the size of its form."""
+    receiver = closing(WebhookReceiver("k"))
+    s, db, lwn_id = publish_home(home, None, [{"name": "cms", "webhook": receiver.url + "/in",
+                                               "every": "1h"}],
+                                 VESTI_WEB_PASSWORD="s3cret", VESTI_WEBHOOK_SECRET="k")
+    web = closing(Web(home, settings=s))
+    conn = db.conn()
+    vesti.set_decisions(conn, [desk_post(conn, lwn_id, 1), desk_post(conn, lwn_id, 2)],
+                        "approved", "ed")
+    vesti.Publisher(db, s).look()
+    waiting = publications(conn, "cms")[1]
+    assert f'data-limit="{vesti.WEBHOOK_TEXT_LIMIT}"' in web.get("/outbox")[2]
+    for text in ("Ядро Linux " * (vesti.WEBHOOK_TEXT_LIMIT // 11),
+                 "内核" * (vesti.WEBHOOK_TEXT_LIMIT // 2)):
+        waiting = publications(conn, "cms")[1]
+        status, _, page = web.post(f"/publications/{waiting['id']}",
+                                   {"token": web.token(), "action": "text", "text": text,
+                                    "seen": "queued", "version": str(waiting["version"])})
+        assert status == 303, page[:300]
+        assert publications(conn, "cms")[1]["text"] == text
+
+
 def test_an_editors_text_is_plain_and_one_too_long_is_kept_on_the_page_with_why(home, bot, closing):
     s, db, lwn_id = publish_home(home, bot, [{**CHANNEL, "every": "1h"}], VESTI_WEB_PASSWORD="s3cret")
     web = closing(Web(home, settings=s))
@@ -6382,7 +6407,7 @@ def test_a_form_sent_in_chunks_is_refused_for_want_of_its_length(web):
 
 
 def test_a_huge_request_body_is_refused(web):
-    status, _, _ = web.request("POST", "/crawlers/reset", body="x" * 100_000,
+    status, _, _ = web.request("POST", "/crawlers/reset", body="x" * (vesti.MAX_REQUEST_BODY + 1),
                                headers={"Origin": web.origin})
     assert status == 413
 

@@ -11835,7 +11835,10 @@ PAGE_POLICY = ("default-src 'none'; script-src "
 # in words) and the crawlers page.
 
 PAGE_SIZE = 50
-MAX_REQUEST_BODY = 64 * 1024
+# The largest form a page sends: a webhook's text of WEBHOOK_TEXT_LIMIT
+# characters, each up to 9 bytes once percent-encoded (3 of UTF-8), and the
+# rest of the form.
+MAX_REQUEST_BODY = 9 * WEBHOOK_TEXT_LIMIT + 64 * 1024
 REFRESH_SECONDS = 5
 DECISIONS = ("new", "approved", "rejected")
 SORTS = ("newest", "relevance", "interest", "likely")
