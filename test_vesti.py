@@ -5620,6 +5620,30 @@ def test_a_publisher_killed_between_the_send_and_its_record_leaves_it_uncertain(
     assert bot.TOKEN not in result.stdout + result.stderr
 
 
+def test_a_publisher_stopped_during_a_send_leaves_it_uncertain_and_the_target_free(home, bot,
+                                                                                   closing):
+    """Stopped (SIGTERM) while the Bot API has not answered: the send is
+    uncertain at once, and the next sender need not wait for the lease."""
+    s, db, lwn_id = publish_home(home, bot)
+    conn = db.conn()
+    bot.script = [("hang", 60)]
+    vesti.set_decisions(conn, [desk_post(conn, lwn_id, 1)], "approved", "ed")
+    env = {"TG_BOT_TOKEN": bot.TOKEN, "TG_BOT_API": bot.url, "VESTI_STOP_GRACE": "0.5"}
+    process = closing(subprocess.Popen([*VESTI, "publish", "--forever"], cwd=home,
+                                       env=cli_env(env), stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True))
+    assert bot.posted.wait(30), process.stderr.read() if process.poll() is not None else ""
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 0, stderr
+    assert "stopped during a send; it is uncertain" in stderr
+    row = publications(conn)[0]
+    assert row["state"] == "uncertain" and "VESTI stopped before the answer came" in row["error"]
+    assert conn.execute("SELECT sender FROM targets WHERE name = 'channel'").fetchone()[0] is None
+    result = cli("publish", cwd=home, env=env)
+    assert "being sent by" not in result.stdout and len(bot.messages) == 1
+
+
 @both
 def test_two_publishers_at_once_send_each_post_once_in_order(home, bot):
     s, db, lwn_id = publish_home(home, bot)

@@ -10667,6 +10667,30 @@ class Publisher:
             wake.wait(PUBLISH_LOOK)
         for sender in senders.values():
             sender.join(self.settings.stop_grace)
+        self.let_go([name for name, sender in senders.items() if sender.is_alive()])
+
+    def let_go(self, names):
+        """At a stop, the targets whose sender still waits for an answer the
+        process will not live to read: that send is uncertain now (as a
+        killed sender's would be once its lease ran out), and the target is
+        free for the next sender at once, not only when the lease ends."""
+        if not names:
+            return
+        conn = self.db.conn()
+        for name in names:
+            try:
+                with transaction(conn):
+                    lost = doubt_lost_sends(conn, name, self.me, "VESTI stopped before the "
+                                            "answer came: it may or may not have arrived")
+                    conn.execute("UPDATE targets SET sender = NULL, sender_until = NULL "
+                                 "WHERE name = ? AND sender = ?", (name, self.me))
+            except StorageError as e:       # its lease then runs out, as a killed sender's
+                log.error("publish: %s: %s", name, e)
+                continue
+            if lost:
+                self.count("uncertain", lost)
+                log.warning("publish: %s: stopped during a send; it is uncertain, see /outbox",
+                            name)
 
     def keep_sending(self, name, stop):
         """One target's sends, as they fall due, until it has none."""
