@@ -2898,8 +2898,10 @@ def test_429_with_retry_after_defers_the_source_without_counting_an_error(home, 
     assert (row["status"], row["error_count"]) == ("alive", 0)
     assert "retry after 3600 s" in row["last_error"]
     assert row["next_fetch_at"] > vesti.utc_text(time.time() + 3500)
-    crawl(s, db)                                   # --all waits as asked
+    waited = crawl(s, db)                          # --all waits as asked, and says so
     assert len(server.sent("/feed")) == 1
+    assert waited.line() == "0 sources (0 ok, 0 failed, 0 deferred), 0 new posts; 1 more not " \
+        "due yet (see status)"
     crawl(s, db, ("source", "x"))                  # --source fetches at once
     assert len(server.sent("/feed")) == 2
 

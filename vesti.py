@@ -7606,13 +7606,16 @@ def sync_targets(conn, targets):
                  "UPDATE targets SET enabled = 0", names)
 
 
-def select_sources(conn, crawler, selection, now=None):
+def select_sources(conn, crawler, selection, now=None, due=True):
     """Enabled sources of one crawler kind (or all kinds) for a selection:
     ('all', None), ('direction', d), ('source', slug), ('priority', n) or
     ('ids', [id, …]) from run's scheduler. --all and the others skip sources
-    that asked to wait (cache headers, Retry-After) or whose dead-probe is
-    not due; --source fetches at once; the scheduler has asked already."""
+    that asked to wait (cache headers, a feed's ttl, Retry-After) or whose
+    dead-probe is not due; --source fetches at once; the scheduler has asked
+    already. Not `due`: the ones --all and the others skip."""
     kind, value = selection
+    if not due and kind in ("source", "ids"):
+        return []
     where, params = ["enabled = 1"], []
     if crawler:
         where.append("crawler = ?")
@@ -7623,7 +7626,8 @@ def select_sources(conn, crawler, selection, now=None):
     elif kind == "ids":         # chosen by run's scheduler, which has asked the same
         where.append(f"id IN ({','.join(str(int(i)) for i in value) or 'NULL'})")
     else:
-        where.append("(next_fetch_at IS NULL OR next_fetch_at <= ?)")
+        where.append("(next_fetch_at IS NULL OR next_fetch_at <= ?)" if due else
+                     "next_fetch_at > ?")
         params.append(utc_text(now))
         if kind == "direction":
             where.append("direction = ?")
@@ -8703,6 +8707,7 @@ def group_by_host(sources, url_of):
 @dataclasses.dataclass
 class CrawlSummary:
     results: list
+    not_due: int = 0        # sources of the selection that asked to wait (select_sources)
 
     @property
     def new_posts(self):
@@ -8715,9 +8720,10 @@ class CrawlSummary:
         """The run in one line; it says so when `stop` cut it short."""
         cut = "interrupted: " if stop is not None and stop.is_set() else ""
         sources = f"{len(self.results)} source{'' if len(self.results) == 1 else 's'}"
+        waiting = f"; {self.not_due} more not due yet (see status)" if self.not_due else ""
         return (f"{cut}{sources} ({self.count('ok', 'not_modified', 'unchanged')} ok, "
                 f"{self.count('error', 'gone')} failed, {self.count('deferred')} deferred), "
-                f"{self.new_posts} new posts")
+                f"{self.new_posts} new post{'' if self.new_posts == 1 else 's'}{waiting}")
 
 
 def crawl_rss(db, settings, selection=("all", None), trigger="cli", gate=None, quiet=False,
@@ -8725,6 +8731,7 @@ def crawl_rss(db, settings, selection=("all", None), trigger="cli", gate=None, q
     """Phase 1 for feeds: every selected RSS source, hosts in parallel. Once
     `stop` is set no further source is started."""
     sources = select_sources(db.conn(), "rss", selection)
+    not_due = len(select_sources(db.conn(), "rss", selection, due=False))
     gate = gate or HostGate(settings.host_delay)
     stop = stop or threading.Event()
     own_progress = progress is None
@@ -8768,7 +8775,7 @@ def crawl_rss(db, settings, selection=("all", None), trigger="cli", gate=None, q
         results = [r for _, group in sorted(c for lane in crawled for c in lane.result())
                    for r in group]
     count_fetches(db.conn(), "rss", results)
-    summary = CrawlSummary(results)
+    summary = CrawlSummary(results, not_due)
     if own_progress:
         progress.finish(summary.line(stop))
     return summary
@@ -9187,6 +9194,7 @@ def crawl_telegram(db, settings, selection=("all", None), trigger="cli", client_
                    sleep=None, quiet=False, stop=None, progress=None):
     """Phase 1 for Telegram channels, one after another through one session."""
     sources = select_sources(db.conn(), "telegram", selection)
+    not_due = len(select_sources(db.conn(), "telegram", selection, due=False))
     own_progress = progress is None
     progress = progress or Progress("telegram", len(sources), quiet)
     results = []
@@ -9197,7 +9205,7 @@ def crawl_telegram(db, settings, selection=("all", None), trigger="cli", client_
                                              sleep or asyncio.sleep, progress,
                                              stop or threading.Event()))
         count_fetches(db.conn(), "telegram", results)
-    summary = CrawlSummary(results)
+    summary = CrawlSummary(results, not_due)
     if own_progress:
         progress.finish(summary.line(stop))
     return summary
@@ -9256,7 +9264,8 @@ def crawl_everything(db, settings, selection=("all", None), trigger="cli", quiet
         channels.join()
     if "failure" in result:
         raise result["failure"]
-    summary = CrawlSummary(feeds.results + result["telegram"].results)
+    summary = CrawlSummary(feeds.results + result["telegram"].results,
+                           feeds.not_due + result["telegram"].not_due)
     progress.finish(summary.line(stop))
     return summary
 
