@@ -9840,6 +9840,8 @@ class WorkerPool:
         self.lock = threading.Lock()
         self.tickets = None
         self.held = 0
+        self.said_dry = True        # no spell of work under way: none yet, or the last line
+        #                             said nothing was left to claim
         self.claiming = 0
         self.connection_failures = 0
         self.paused_until = 0.0
@@ -9942,6 +9944,8 @@ class WorkerPool:
                 self.claiming -= 1
         for (post, verdict), ok in zip(finished, written):
             self.note_written(conn, post, verdict, ok)
+        if posts:
+            self.spell_begins()
         if posts and self.stop.is_set():
             give_back_posts(conn, [post.claim_token for post in posts])
             return []
@@ -10009,7 +10013,16 @@ class WorkerPool:
             now = time.monotonic()
             seconds, self.said, self.said_at = now - self.said_at, dataclasses.replace(self.stats), now
             left = f"{waiting} waiting" if waiting else "nothing left to claim"
+            self.said_dry = not waiting
             print(f"worker: {done.line()} in {seconds:.1f} s; {left}", flush=True)
+
+    def spell_begins(self):
+        """Posts were claimed: after a line that said nothing was left to
+        claim, a spell of work begins now, so that its line counts the
+        work's seconds, not the idle ones before it."""
+        with self.lock:
+            if self.said_dry:
+                self.said_at, self.said_dry = time.monotonic(), False
 
     def spell_due(self, at_once):
         """Whether posts done are to be said now: `at_once`, or after
