@@ -7824,7 +7824,8 @@ def test_the_report_card_says_what_learning_changed_on_the_desk_this_week(home, 
             space["keyword_misses_approved"], space["keyword_misses_shown"]) == (5, 3, 2, 4)
     web = closing(Web(home, settings=s))
     page = html.unescape(web.get("/quality")[2])
-    assert "<h3>What learning changed on the desk in the last 7 days</h3><table><tr><th>change" in page
+    assert "<h3>What learning changed on the desk among the posts published in the last 7 days" \
+        "</h3><table><tr><th>change" in page
     assert "<td>shown by the model: relevance under 3, chance 0.75 or more</td><td>3</td><td>2</td>" \
         "<td>1/2 (50 %)</td>" in page
     assert "<td>hidden by the model: relevance 3 or more, chance under 0.35</td><td>2</td><td>1</td>" \

@@ -11300,8 +11300,9 @@ STRINGS = {
                      "The model let in {n} posts no keyword matched, {shown} of them sure enough "
                      "(a chance of {high} or more) for the desk to show; the editors approved "
                      "{approved} of the {decided} they decided."),
-        "q.week": "What learning changed on the desk in the last 7 days",
-        "q.week_none": "Nothing: no post of the last 7 days was shown or hidden because of the model.",
+        "q.week": "What learning changed on the desk among the posts published in the last 7 days",
+        "q.week_none": "Nothing: no post published in the last 7 days was shown or hidden "
+                        "because of the model.",
         "q.change": "change", "q.posts": "posts", "q.decided": "decided",
         "q.approved": "approved of decided", "q.share": "share approved",
         "q.raised": "shown by the model: relevance under {floor}, chance {high} or more",
@@ -11558,8 +11559,9 @@ STRINGS = {
                      "Модель приняла {n} постов, в которых не нашлось ключевых слов; отбор "
                      "показывает {shown} из них (вероятность {high} и выше); редакторы одобрили "
                      "{approved} из {decided} решённых."),
-        "q.week": "Что обучение изменило в отборе за последние 7 дней",
-        "q.week_none": "Ничего: ни один пост последних 7 дней не показан и не скрыт из-за модели.",
+        "q.week": "Что обучение изменило в отборе среди постов, опубликованных за последние 7 дней",
+        "q.week_none": "Ничего: ни один пост, опубликованный за последние 7 дней, не показан и "
+                        "не скрыт из-за модели.",
         "q.change": "изменение", "q.posts": "постов", "q.decided": "решено",
         "q.approved": "одобрено из решённых", "q.share": "доля одобренных",
         "q.raised": "показаны моделью: релевантность ниже {floor}, вероятность {high} и выше",
