@@ -8528,8 +8528,12 @@ def test_the_settings_account_stays_an_admin_whoever_tries_to_demote_it(home, cl
     assert web.get("/users")[0] == 200
     web.db.conn().execute("UPDATE users SET role = 'viewer' WHERE name = 'admin'")
     web = closing(Web(home))                                    # restarted
-    assert web.get("/users")[0] == 200
-    assert "admin: admin (VESTI_WEB_USER, by the settings)" in cli("user", "list", cwd=home).stdout
+    status, _, page = web.get("/users")
+    assert status == 200 and "admin (the account VESTI_WEB_USER names, admin unless set) is " \
+        "always an admin" in page and "Nobody: no name or address" in page
+    listed = cli("user", "list", cwd=home).stdout
+    assert "admin: admin (VESTI_WEB_USER, by the settings), 0 sessions" in listed
+    assert "anna: editor, 0 sessions" in listed
 
 
 def test_a_wrong_password_costs_the_same_check_whatever_the_name(web, monkeypatch):

@@ -11253,10 +11253,10 @@ STRINGS = {
         "u.add": "Add user", "u.password": "new password (8 characters or more)",
         "u.set_role": "Change role", "u.set_password": "Set password",
         "u.disable": "Disable", "u.enable": "Enable",
-        "u.env": "{name} (VESTI_WEB_USER) is an admin by the settings: its password is "
-        "VESTI_WEB_PASSWORD (or the one printed at the first start).",
+        "u.env": "{name} (the account VESTI_WEB_USER names, admin unless set) is always an "
+        "admin: its password is VESTI_WEB_PASSWORD (or the one printed at the first start).",
         "u.by_settings": "by the settings (VESTI_WEB_USER)",
-        "u.locks": "Sign-ins refused now", "u.no_locks": "None: no name or address gave too "
+        "u.locks": "Sign-ins refused now", "u.no_locks": "Nobody: no name or address gave too "
         "many wrong passwords in the last 15 minutes.",
         "u.locked": "locked", "u.until": "until (UTC)", "u.lock.name": "name",
         "u.lock.address": "address",
@@ -11498,8 +11498,9 @@ STRINGS = {
         "u.add": "Добавить", "u.password": "новый пароль (от 8 символов)",
         "u.set_role": "Сменить роль", "u.set_password": "Задать пароль",
         "u.disable": "Отключить", "u.enable": "Включить",
-        "u.env": "{name} (VESTI_WEB_USER) — администратор по настройкам: его пароль — "
-        "VESTI_WEB_PASSWORD (или напечатанный при первом запуске).",
+        "u.env": "{name} (учётная запись, которую называет VESTI_WEB_USER, по умолчанию admin) "
+        "— всегда администратор: её пароль — VESTI_WEB_PASSWORD (или напечатанный при первом "
+        "запуске).",
         "u.by_settings": "задан настройками (VESTI_WEB_USER)",
         "u.locks": "Кому сейчас отказано во входе", "u.no_locks": "Никому: за последние 15 минут "
         "ни одно имя и ни один адрес не дали слишком много неверных паролей.",
@@ -15995,11 +15996,19 @@ def new_password(name):
     return line.rstrip("\r\n")
 
 
+def system_user():
+    """Who runs a command on the server, for its events ("cli:anna")."""
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):         # no such variable, and no entry for the uid
+        return f"uid {os.getuid()}" if hasattr(os, "getuid") else "?"
+
+
 def cmd_user(args, settings, process):
     """Accounts of the newsroom: add, passwd, disable, enable, list."""
     _, db = open_intake(settings, process)
     conn = db.conn()
-    who = "cli:" + (os.environ.get("USER") or os.environ.get("LOGNAME") or "?")
+    who = "cli:" + system_user()
     if args.action == "list":
         users = list_users(conn)
         if not any(user["settings"] and not user["disabled"] for user in users):
@@ -16008,7 +16017,8 @@ def cmd_user(args, settings, process):
         for user in users:
             print(f"{user['name']}: {user['role']}{', disabled' if user['disabled'] else ''}"
                   f"{' (VESTI_WEB_USER, by the settings)' if user['settings'] else ''}, "
-                  f"{user['sessions']} sessions, since {user['created_at'] or '-'} UTC")
+                  f"{user['sessions']} session{'' if user['sessions'] == 1 else 's'}, "
+                  f"since {user['created_at'] or '-'} UTC")
         for kind, key, until in sign_in_locks(conn):
             print(f"sign-ins refused for the {kind} {key} until {utc_text(until)} UTC "
                   f"(too many wrong passwords)")
