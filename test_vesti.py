@@ -8785,6 +8785,15 @@ def test_each_decision_names_its_editor_and_is_an_event_and_a_stale_one_is_refus
                                                           "Accept": "application/json"})
     assert status == 409 and "by anna" in body and headers["X-Vesti-Conflict"] == "decided"
     assert post_row(conn, post)["status"] == "approved"
+    # From a browser without the page's script: a page that says so and leads back.
+    status, headers, body = web.post(f"/posts/{post}/status",
+                                     {"token": boris, "status": "rejected", "seen": "new",
+                                      "back": "/?direction=linux"},
+                                     auth=False, headers={**accounts["boris"],
+                                                          "Accept": "text/html,*/*;q=0.8"})
+    assert status == 409 and headers["Content-Type"].startswith("text/html")
+    assert "<h2>Not decided</h2>" in body and "by anna" in body
+    assert 'href="/?direction=linux">Back to the desk, as it is now</a>' in body
     # Seeing it approved, he may.
     assert web.post(f"/posts/{post}/status", {"token": boris, "status": "rejected",
                                                "seen": "approved"},

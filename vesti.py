@@ -11240,6 +11240,7 @@ STRINGS = {
         "users": "Users", "sign_out": "Sign out", "sign_in": "Sign in",
         "role.viewer": "viewer", "role.editor": "editor", "role.admin": "admin",
         "login.title": "Sign in to VESTI", "login.user": "Name", "login.password": "Password",
+        "conflict.title": "Not decided", "conflict.back": "Back to the desk, as it is now",
         "login.wrong": "Wrong name or password.",
         "login.busy": "Signing in waits for a moment: another sign-in is being checked. "
                       "Try again in a few seconds.",
@@ -11485,6 +11486,7 @@ STRINGS = {
         "users": "Пользователи", "sign_out": "Выйти", "sign_in": "Войти",
         "role.viewer": "читатель", "role.editor": "редактор", "role.admin": "администратор",
         "login.title": "Вход в VESTI", "login.user": "Имя", "login.password": "Пароль",
+        "conflict.title": "Решение не принято", "conflict.back": "Назад к отбору, каким он стал",
         "login.wrong": "Неверное имя или пароль.",
         "login.busy": "Вход подождёт немного: сейчас проверяется другой вход. Попробуйте ещё "
                       "раз через несколько секунд.",
@@ -14367,7 +14369,7 @@ class DeskRoutes:
             abort(400, "seen must be new, approved or rejected")
         if not self.decide_posts(request, [int(post_id)], status,
                                  {int(post_id): seen} if seen else None,
-                                 {int(post_id): saw} if saw else None):
+                                 {int(post_id): saw} if saw else None, form):
             abort(404, "No such post")
         if "application/json" in request.headers.get("Accept", ""):
             return self.json(request, {"id": int(post_id), "status": status})
@@ -14384,7 +14386,7 @@ class DeskRoutes:
         # The page's own form asks first; a script's post decides at once.
         if not wants_json and form.get("ask") and (form.get("confirmed") or [""])[-1] != "1":
             return self.confirm_many(request, query, form, ids, status)
-        changed = self.decide_posts(request, ids, status, named_wordings(form, ids))
+        changed = self.decide_posts(request, ids, status, named_wordings(form, ids), form=form)
         if wants_json:
             return self.json(request, {"ids": ids, "status": status, "changed": changed})
         self.back(request, form)
@@ -14400,21 +14402,39 @@ class DeskRoutes:
                                              titled_posts(self.db.conn(), ids), status, fields,
                                              back if LOCAL_PATH.fullmatch(back) else "/"))
 
-    def decide_posts(self, request, ids, status, seen, saw=None):
+    def decide_posts(self, request, ids, status, seen, saw=None, form=None):
         """set_decisions by the signed-in editor, refused (409, nothing
         decided) when a post changed since the page naming its words was
-        loaded, or another editor decided it meanwhile (naming who)."""
+        loaded, or another editor decided it meanwhile (naming who): to a
+        page's own form (a browser without the page's script) as a page
+        that leads back to the desk."""
         try:
             found = set_decisions(self.db.conn(), ids, status, request.account.name, seen, saw,
                                   address=request.client_address[0])
         except Reworded as e:
             post = "this post" if len(ids) == 1 else f"post {e.post_id}"
-            abort(409, f"{post} changed since your page was loaded; reload to see it")
+            self.conflict(request, form, f"{post} changed since your page was loaded; "
+                                         f"reload to see it")
         except Redecided as e:
-            abort(409, str(e), {"X-Vesti-Conflict": "decided", "X-Vesti-Status": e.status,
-                                "X-Vesti-Decided-By": urllib.parse.quote(e.by or "")})
+            self.conflict(request, form, str(e), {
+                "X-Vesti-Conflict": "decided", "X-Vesti-Status": e.status,
+                "X-Vesti-Decided-By": urllib.parse.quote(e.by or "")})
         self.rescorer.ask(decided_directions(self.db.conn(), ids))
         return found
+
+    def conflict(self, request, form, text, headers=None):
+        """409: as a page to a browser's form (back to where it came from),
+        else as a line."""
+        accepts = request.headers.get("Accept", "")
+        if form is None or "text/html" not in accepts or "application/json" in accepts:
+            abort(409, text, headers)
+        page = self.page(request, {})
+        back = (form.get("back") or ["/"])[-1]
+        body = (f'<h2>{page.t("conflict.title")}</h2><p class="banner" role="alert">{esc(text)}'
+                f'</p><p><a href="{esc(back if LOCAL_PATH.fullmatch(back) else "/")}">'
+                f'{page.t("conflict.back")}</a></p>')
+        raise EarlyReply(409, layout(page, page.t("conflict.title"), body, "/"), headers,
+                         page=True)
 
     def back(self, request, form, post_id=None):
         """To the page the form came from; after one post's decision, to its
