@@ -8477,6 +8477,8 @@ def test_behind_a_reverse_proxy_one_strangers_guesses_lock_out_only_the_stranger
     assert vesti.forwarded_client("192.0.2.1", {"X-Forwarded-For": "198.51.100.7"}) == "192.0.2.1"
     assert vesti.forwarded_client("::1", {"X-Forwarded-For": "10.0.0.1, 2001:db8::5"}) == \
         "2001:db8::5"
+    assert vesti.forwarded_client("::ffff:127.0.0.1", {"X-Forwarded-For": "198.51.100.7"}) == \
+        "198.51.100.7"                             # a server listening on :: as well
     assert vesti.forwarded_client("127.0.0.1", {"X-Forwarded-For": "nonsense"}) == "127.0.0.1"
     assert vesti.forwarded_client("127.0.0.1", {}) == "127.0.0.1"
 

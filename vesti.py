@@ -14247,7 +14247,8 @@ def forwarded_client(peer, headers):
     proxy's one for everyone. From another machine the header is not
     believed: anyone may send it."""
     with contextlib.suppress(ValueError):
-        if ipaddress.ip_address(peer).is_loopback:
+        address = ipaddress.ip_address(peer)
+        if (getattr(address, "ipv4_mapped", None) or address).is_loopback:
             last = (headers.get("X-Forwarded-For") or "").split(",")[-1].strip()
             return str(ipaddress.ip_address(last))
     return peer
