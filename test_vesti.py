@@ -2290,16 +2290,20 @@ def test_learn_shows_each_model_and_rebuild_learns_it_again_from_the_decisions(h
     vesti.set_decisions(conn, [desk_post(conn, wire, k, text=KERNEL) for k in range(3)],
                         "approved", "ed")
     vesti.set_decisions(conn, [desk_post(conn, wire, 9, text=GARDEN)], "rejected", "ed")
+    # Decisions are counted when a process next judges: the first was made before.
+    conn.execute("UPDATE posts SET decided_at = '2026-01-02 03:04:05' WHERE title = 'Post 0'")
     result = cli("learn", cwd=home)
     assert result.returncode == 0, result.stderr
-    assert re.search(r"^linux: 3 approved, 1 rejected, \d+ features, since 20\d\d-.* UTC; "
-                     r"no model yet \(needs 30 decisions, 5 of each\)$", result.stdout, re.M)
+    assert re.search(r"^linux: 3 approved, 1 rejected, \d+ features, since 2026-01-02 03:04:05 "
+                     r"UTC; no model yet \(needs 30 decisions, 5 of each\)$", result.stdout, re.M)
     before = learned(conn)
     conn.execute("DELETE FROM learned_words")           # counts lost or damaged by hand
     result = cli("learn", "--rebuild", cwd=home)
     assert result.returncode == 0, result.stderr
     assert "4 decisions counted in 1 direction;" in result.stdout
     assert learned(conn) == before
+    # "since" is the first decision's time, counted as it lands or again.
+    assert conn.execute("SELECT since FROM learners").fetchone()[0] == "2026-01-02 03:04:05"
 
 
 @both

@@ -5001,7 +5001,8 @@ class Learners:
 # of the desk (in no story, or its story's first post), approved or rejected
 # in a direction.
 LEARNED_ROW = f"""SELECT p.id, p.title, substr(p.text, 1, {LEARN_CHARS}) AS text, p.source_id,
-                         p.status, p.direction, p.story_id, p.learned_as, p.learned_in
+                         p.status, p.direction, p.story_id, p.learned_as, p.learned_in,
+                         p.decided_at
                   FROM posts p"""
 
 
@@ -5038,7 +5039,10 @@ def count_decisions(conn, changes):
     marks; returns the directions changed."""
     deltas = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0]))
     decisions = collections.defaultdict(lambda: [0, 0])
+    first = {}          # direction: its earliest decision counted now (learners.since)
     for row, (decision, direction) in changes:
+        if decision is not None and row["decided_at"]:
+            first[direction] = min(first.get(direction, row["decided_at"]), row["decided_at"])
         features = post_features(row["title"], row["text"], row["source_id"])
         for sign, was, where in ((-1, row["learned_as"], row["learned_in"]), (1, decision, direction)):
             if was is None:
@@ -5058,7 +5062,8 @@ def count_decisions(conn, changes):
                ON CONFLICT (direction) DO UPDATE SET approved = learners.approved + excluded.approved,
                    rejected = learners.rejected + excluded.rejected, version = learners.version + 1,
                    since = coalesce(learners.since, excluded.since), updated_at = excluded.updated_at
-               RETURNING version""", (direction, approved, rejected, now, now)).fetchone()[0]
+               RETURNING version""", (direction, approved, rejected, first.get(direction, now),
+                                      now)).fetchone()[0]
         insert_rows(conn, "learned_words (direction, feature, approved, rejected, version)",
                     [(direction, feature, a, r, version)
                      for feature, (a, r) in sorted(deltas[direction].items()) if a or r],
