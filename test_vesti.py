@@ -2301,6 +2301,7 @@ def test_learn_shows_each_model_and_rebuild_learns_it_again_from_the_decisions(h
     result = cli("learn", "--rebuild", cwd=home)
     assert result.returncode == 0, result.stderr
     assert "4 decisions counted in 1 direction;" in result.stdout
+    assert re.search(r" in [0-9.]+ s \([0-9.]+ decisions/s\)$", result.stdout, re.M)
     assert learned(conn) == before
     # "since" is the first decision's time, counted as it lands or again.
     assert conn.execute("SELECT since FROM learners").fetchone()[0] == "2026-01-02 03:04:05"

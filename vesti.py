@@ -1120,8 +1120,9 @@ def run_until_stopped(target, stop, grace):
 class Progress:
     """A self-overwriting status line on a terminal; silent elsewhere."""
 
-    def __init__(self, label, total, quiet=False, stream=None):
+    def __init__(self, label, total, unit, quiet=False, stream=None):
         self.label, self.total, self.done, self.quiet = label, total, 0, quiet
+        self.unit = unit            # what a step counts, for the rate: "sources", "posts"
         self.stream = stream or sys.stderr
         self.live = not quiet and self.stream.isatty()
         self.lock = threading.Lock()
@@ -1135,14 +1136,14 @@ class Progress:
                 self.stream.flush()
 
     def finish(self, summary):
-        """End with one summary line: counts, seconds and rate."""
+        """End with one summary line: counts, seconds and the steps' rate."""
         seconds = time.monotonic() - self.started
         if self.quiet:
             return seconds
         if self.live:
             self.stream.write("\r\033[K")
         rate = self.done / seconds if seconds > 0 else 0.0
-        print(f"{self.label}: {summary} in {seconds:.1f} s ({rate:.1f}/s)", flush=True)
+        print(f"{self.label}: {summary} in {seconds:.1f} s ({rate:.1f} {self.unit}/s)", flush=True)
         return seconds
 
 
@@ -7237,7 +7238,7 @@ def copy_database(source, target, quiet=False, chunk=COPY_CHUNK):
         set_meta(target, "copy_of", origin)
     total = sum(source.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
                 for table, _ in COPIED_TABLES)
-    progress = Progress("copy-db", total, quiet=quiet)
+    progress = Progress("copy-db", total, "rows", quiet=quiet)
     counts = {table: copy_table(source, target, table, key, progress, chunk)
               for table, key in COPIED_TABLES}
     with transaction(target):
@@ -8740,7 +8741,7 @@ def crawl_rss(db, settings, selection=("all", None), trigger="cli", gate=None, q
     gate = gate or HostGate(settings.host_delay)
     stop = stop or threading.Event()
     own_progress = progress is None
-    progress = progress or Progress("rss", len(sources), quiet)
+    progress = progress or Progress("rss", len(sources), "sources", quiet)
     moved = moved_feeds(db.conn())
     groups = group_by_host(sources, lambda s: moved.get(s["id"]) or s["url"])
 
@@ -9201,7 +9202,7 @@ def crawl_telegram(db, settings, selection=("all", None), trigger="cli", client_
     sources = select_sources(db.conn(), "telegram", selection)
     not_due = len(select_sources(db.conn(), "telegram", selection, due=False))
     own_progress = progress is None
-    progress = progress or Progress("telegram", len(sources), quiet)
+    progress = progress or Progress("telegram", len(sources), "sources", quiet)
     results = []
     if sources:
         import asyncio      # here: its import costs every other command 35 ms
@@ -9249,7 +9250,7 @@ def crawl_everything(db, settings, selection=("all", None), trigger="cli", quiet
                      client_factory=None, gate=None, stop=None):
     """Phase 1: RSS and Telegram sources at once, each in priority order."""
     total = len(select_sources(db.conn(), None, selection))
-    progress = Progress("crawl", total, quiet)
+    progress = Progress("crawl", total, "sources", quiet)
     result = {"telegram": CrawlSummary([])}
 
     def crawl_channels_aside():
@@ -10351,7 +10352,7 @@ def run_workers(db, settings, registry, workers=None, limit=None, forever=False,
         set_meta(db.conn(), "story_keys_pruned", utc_text())
     pending = pending_count(db.conn())
     total = pending if limit is None else min(limit, pending)
-    progress = Progress("worker", total, quiet)
+    progress = Progress("worker", total, "posts", quiet)
     stop = stop or threading.Event()
     pool = WorkerPool(db, settings, classify or Classifier(registry, settings, gate, db), stop,
                       progress, report=forever)
@@ -15821,7 +15822,7 @@ def rebuild_models(conn, settings):
     decisions judges as the one it replaces."""
     decided = conn.execute("SELECT count(*) FROM posts WHERE status IN ('approved', 'rejected')"
                            ).fetchone()[0]
-    progress = Progress("learn --rebuild", decided)
+    progress = Progress("learn --rebuild", decided, "decisions")
     learned = rebuild_learning(conn, progress)
     learners = Learners(settings.learn_min).refresh(conn, now=True)
     judged = sum(undecided_cards(conn, d) for d in learned if learners.model(d) is not None)
