@@ -5553,11 +5553,37 @@ def test_server_errors_retry_a_webhook_make_a_telegram_send_uncertain_and_a_refu
     uncertain = states["channel"]["id"]
     assert not vesti.act_on_publication(conn, uncertain, "again", "ed").hurry
     # A refusal of the message itself fails it at once, with the reason.
-    clock.now += vesti.TARGET_PAUSE + 1
+    clock.now += vesti.DOUBT_PAUSE + 1
     publisher.look()
     rows = {row["post_id"]: row for row in publications(conn, "channel")}
     assert rows[first]["state"] == "failed" and "message text is empty" in rows[first]["error"]
     assert rows[second]["state"] == "published" and len(bot.messages) == 1
+
+
+def test_a_send_that_may_have_arrived_counts_for_the_pace_and_publish_now_still_goes(home, bot):
+    """On a paced channel a doubtful send counts as a send: the next post
+    waits its pace, so an outage does not make the whole queue uncertain;
+    an editor's Publish now goes out at once, as after any send, and Send
+    again waits its turn."""
+    s, db, lwn_id = publish_home(home, bot, [{**CHANNEL, "every": "1h"}])
+    conn = db.conn()
+    bot.script = [("500",)]
+    posts = [desk_post(conn, lwn_id, k) for k in range(3)]
+    vesti.set_decisions(conn, posts, "approved", "ed")
+    clock = Clock()
+    publisher = vesti.Publisher(db, s, clock)
+    publisher.look()
+    rows = publications(conn)
+    assert [row["state"] for row in rows] == ["uncertain", "queued", "queued"]
+    assert not bot.messages
+    vesti.act_on_publication(conn, rows[0]["id"], "again", "ed")
+    clock.now += 60
+    publisher.look()
+    assert [row["state"] for row in publications(conn)] == ["queued", "queued", "queued"]
+    vesti.act_on_publication(conn, rows[2]["id"], "now", "ed")
+    publisher.look()
+    assert [row["state"] for row in publications(conn)] == ["queued", "queued", "published"]
+    assert shown_titles(bot) == ["Post 2"]
 
 
 def test_an_unreachable_bot_api_or_webhook_keeps_the_post_queued_and_names_no_secret(home, closing):

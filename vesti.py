@@ -10395,11 +10395,14 @@ PAUSE_DEFAULT = 30              # a 429 that does not say for how long
 PAUSE_MAX = 86400
 # A target Telegram refuses as a whole (the token, the bot's place in the
 # chat, the chat itself) waits this long between tries, its posts queued:
-# once the chat is mended they go, and none is failed meanwhile. A Telegram
-# send that may have arrived pauses its target as long (or its pace, if
-# longer): Telegram answering so is likely to do it again, and an outage
-# must not turn the whole queue uncertain.
+# once the chat is mended they go, and none is failed meanwhile.
 TARGET_PAUSE = 300
+# A Telegram send that may have arrived counts for its target's pace (the
+# message may well be in the channel), and a target without a pace waits
+# this long before its next send: Telegram answering so is likely to do it
+# again, and an outage must not turn the whole queue uncertain at once.
+# Publish now goes ahead of the pace, as after any send.
+DOUBT_PAUSE = 60
 ANSWER_BYTES = 1 << 20
 ANSWER_CHARS = 200              # of a webhook's answer, kept as its message id
 ALERT_SCAN = 5000               # posts an alert target looks at in one go
@@ -10976,15 +10979,19 @@ class Publisher:
         error = str(failure)
         telegram = target.kind != "webhook"
         kept = failure.unsure and not telegram     # a webhook's receiver may have it
+        doubt = failure.pause is None and failure.unsure and telegram
         if failure.pause is not None:
             paused = not_before(now + failure.pause)
-        elif failure.unsure and telegram:
-            paused = not_before(now + max(TARGET_PAUSE, target.every or 0))
+        elif doubt and not target.every:
+            paused = not_before(now + DOUBT_PAUSE)
         else:
             paused = target.paused_until
         with transaction(conn):
             conn.execute("UPDATE targets SET error = ?, paused_until = ? WHERE name = ?",
                          (error, paused, target.name))
+            if doubt:
+                conn.execute("UPDATE targets SET last_sent_at = ? WHERE name = ?",
+                             (utc_text(now), target.name))
             for row in rows:
                 verdict, wait = failed_send(failure, telegram, row.attempts,
                                             self.settings.publish_attempts)
@@ -11208,7 +11215,7 @@ STRINGS = {
         "o.kind.telegram": "Telegram", "o.kind.webhook": "webhook", "o.kind.alert": "alerts",
         "o.all": "every direction", "o.every": "at most one post every {every}",
         "o.now": "no pace", "o.per_hour": "at most {n} a hour, relevance {min}+",
-        "o.paused": "paused until {when} UTC (the other side asked)",
+        "o.paused": "paused until {when} UTC",
         "o.disabled": "not in sources.yaml any more: nothing is sent",
         "o.last_sent": "last sent {when} UTC",
         "o.col.post": "post", "o.col.state": "state", "o.col.queued": "queued (UTC)",
@@ -11450,7 +11457,7 @@ STRINGS = {
         "o.kind.telegram": "Telegram", "o.kind.webhook": "вебхук", "o.kind.alert": "оповещения",
         "o.all": "все направления", "o.every": "не чаще одного поста в {every}",
         "o.now": "без темпа", "o.per_hour": "не больше {n} в час, релевантность от {min}",
-        "o.paused": "на паузе до {when} UTC (просила другая сторона)",
+        "o.paused": "на паузе до {when} UTC",
         "o.disabled": "больше нет в sources.yaml: ничего не отправляется",
         "o.last_sent": "последняя отправка {when} UTC",
         "o.col.post": "пост", "o.col.state": "состояние", "o.col.queued": "в очереди с (UTC)",
