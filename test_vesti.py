@@ -6487,6 +6487,14 @@ def test_a_huge_request_body_is_refused(web):
     status, _, _ = web.request("POST", "/crawlers/reset", body="x" * (vesti.MAX_REQUEST_BODY + 1),
                                headers={"Origin": web.origin})
     assert status == 413
+    # Only the outbox's text form may be larger (a webhook's long text); no
+    # other, and not that one past its own limit.
+    status, _, _ = web.request("POST", "/login", body="x" * (vesti.MAX_REQUEST_BODY + 1),
+                               auth=False, headers={"Origin": web.origin})
+    assert status == 413
+    status, _, _ = web.request("POST", "/publications/1", body="x" * (vesti.MAX_LARGE_FORM + 1),
+                               headers={"Origin": web.origin})
+    assert status == 413
 
 
 def test_names_and_errors_full_of_html_are_escaped_and_errors_cut_to_200(web):

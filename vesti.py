@@ -11899,10 +11899,18 @@ PAGE_POLICY = ("default-src 'none'; script-src "
 # in words) and the crawlers page.
 
 PAGE_SIZE = 50
-# The largest form a page sends: a webhook's text of WEBHOOK_TEXT_LIMIT
-# characters, each up to 9 bytes once percent-encoded (3 of UTF-8), and the
-# rest of the form.
-MAX_REQUEST_BODY = 9 * WEBHOOK_TEXT_LIMIT + 64 * 1024
+# The body of a request a page reads; but for the outbox's text form, which
+# may carry a webhook's text of WEBHOOK_TEXT_LIMIT characters, each up to 9
+# bytes once percent-encoded (3 of UTF-8). Only an editor's is read (a
+# route's role is checked first).
+MAX_REQUEST_BODY = 64 * 1024
+LARGE_FORMS = re.compile(r"/publications/[0-9]+")
+MAX_LARGE_FORM = 9 * WEBHOOK_TEXT_LIMIT + MAX_REQUEST_BODY
+
+
+def body_limit(path):
+    """The largest body a request to this path may send."""
+    return MAX_LARGE_FORM if LARGE_FORMS.fullmatch(path.partition("?")[0]) else MAX_REQUEST_BODY
 REFRESH_SECONDS = 5
 DECISIONS = ("new", "approved", "rejected")
 SORTS = ("newest", "relevance", "interest", "likely")
@@ -13645,16 +13653,16 @@ ACCEPT_PAUSE = 0.1
 DROPS_TOLD_EVERY = 60
 
 
-def readable_body_length(headers):
+def readable_body_length(headers, limit):
     """The Content-Length of a request body the page reads, or None for one
-    it refuses unread (not a number, or over MAX_REQUEST_BODY)."""
+    it refuses unread (not a number, or over `limit`, see body_limit)."""
     length = headers.get("Content-Length", "0")
     if not digits_only(length):
         return None
     # Its digits are counted before they make a number: Python refuses a
     # number of over 4,300 digits, which a client may well send.
     digits = length.lstrip("0") or "0"
-    if len(digits) > len(str(MAX_REQUEST_BODY)) or int(digits) > MAX_REQUEST_BODY:
+    if len(digits) > len(str(limit)) or int(digits) > limit:
         return None
     return int(digits)
 
@@ -13662,12 +13670,14 @@ def readable_body_length(headers):
 def body_to_read(head):
     """Bytes of body to wait for after a request's head: its Content-Length
     when the page would read it (a larger one is refused unread)."""
-    _, _, lines = bytes(head).partition(b"\n")
+    line, _, lines = bytes(head).partition(b"\n")
     try:
         headers = http.client.parse_headers(io.BytesIO(lines))
     except http.client.HTTPException:
         return 0            # http.server refuses it again, with its reason
-    return readable_body_length(headers) or 0
+    words = line.split()
+    path = words[1].decode("latin-1") if len(words) == 3 else "/"
+    return readable_body_length(headers, body_limit(path)) or 0
 
 
 def connection_limit():
@@ -13949,7 +13959,7 @@ class WebServer(http.server.HTTPServer):
     max_threads = 64
     max_per_client = 32
     # Bytes of requests coming in the front holds at most (a connection may
-    # hold a 64 KiB head and a 64 KiB body): past them, the oldest
+    # hold a 64 KiB head and a body of body_limit): past them, the oldest
     # unfinished request is dropped.
     max_buffered = 32 * 2**20
     # Connections the kernel keeps waiting for accept() (socketserver's 5
@@ -14955,7 +14965,7 @@ class WebApp(DeskRoutes, ReportCardRoutes, OutboxRoutes, UserRoutes, CrawlerRout
         (the front reads no body sent in chunks)."""
         if "Transfer-Encoding" in request.headers:
             abort(411, "Send the form with a Content-Length, not in chunks")
-        length = readable_body_length(request.headers)
+        length = readable_body_length(request.headers, body_limit(request.path))
         if length is None:
             abort(413, "Request body too large")
         body = request.rfile.read(length).decode("utf-8", "replace")
