@@ -8513,13 +8513,21 @@ def test_behind_a_reverse_proxy_one_strangers_guesses_lock_out_only_the_stranger
     access = [r.getMessage() for r in caplog.records if r.name == "vesti.access"]
     assert any(line.startswith("198.51.100.7 ") for line in access), access[-3:]
     # Believed from this machine only: anyone elsewhere may send the header.
-    assert vesti.forwarded_client("192.0.2.1", {"X-Forwarded-For": "198.51.100.7"}) == "192.0.2.1"
-    assert vesti.forwarded_client("::1", {"X-Forwarded-For": "10.0.0.1, 2001:db8::5"}) == \
-        "2001:db8::5"
-    assert vesti.forwarded_client("::ffff:127.0.0.1", {"X-Forwarded-For": "198.51.100.7"}) == \
-        "198.51.100.7"                             # a server listening on :: as well
-    assert vesti.forwarded_client("127.0.0.1", {"X-Forwarded-For": "nonsense"}) == "127.0.0.1"
-    assert vesti.forwarded_client("127.0.0.1", {}) == "127.0.0.1"
+    client = vesti.forwarded_client
+    assert client("192.0.2.1", ["198.51.100.7"]) == "192.0.2.1"
+    assert client("::1", ["10.0.0.1, 2001:db8::5"]) == "2001:db8::5"
+    assert client("::ffff:127.0.0.1", ["198.51.100.7"]) == "198.51.100.7"   # listening on ::
+    # The proxy's own value is the last one: what a client put before it is not believed.
+    assert client("127.0.0.1", ["203.0.113.50", "198.51.100.66"]) == "198.51.100.66"
+    assert client("127.0.0.1", ["198.51.100.7:51234"]) == "198.51.100.7"
+    assert client("127.0.0.1", ["[2001:db8::1]:443"]) == "2001:db8::1"
+    assert client("127.0.0.1", ["::ffff:203.0.113.77"]) == "203.0.113.77"
+    for forged in ("nonsense", "fe80::1%\x1b[2K forged line", "1" * 20000):
+        assert client("127.0.0.1", [forged]) == "127.0.0.1"
+    assert client("127.0.0.1", None) == "127.0.0.1"
+    # Clients seen through IPv6 as IPv4 addresses are each their own, not one ::/64.
+    assert vesti.address_key("::ffff:203.0.113.77") == "203.0.113.77"
+    assert vesti.address_key("2001:db8::1") == "2001:db8::/64"
 
 
 @both

@@ -5826,10 +5826,10 @@ LOGIN_WINDOW = 900
 def address_key(address):
     """Who a client address is for the locks: an IPv6 client's whole /64
     (one host has them all)."""
-    with contextlib.suppress(ValueError):
-        if ipaddress.ip_address(address).version == 6:
-            return str(ipaddress.ip_network(f"{address}/64", strict=False))
-    return address
+    plain = plain_address(address)
+    if plain is not None and plain.version == 6:
+        return str(ipaddress.ip_network(f"{plain}/64", strict=False))
+    return str(plain or address)
 
 
 # What each lock counts: the column, and how many wrong passwords lock it.
@@ -13906,7 +13906,8 @@ class WebHandler(http.server.BaseHTTPRequestHandler):
         raise AttributeError(name)
 
     def guard(self, method):
-        self.client_address = (forwarded_client(self.client_address[0], self.headers),
+        self.client_address = (forwarded_client(self.client_address[0],
+                                                self.headers.get_all("X-Forwarded-For")),
                                *self.client_address[1:])
         try:
             with self.server.app.db.lent():
@@ -14262,19 +14263,38 @@ def session_cookie(headers):
     return cookies_of(headers).get(SESSION_COOKIE)
 
 
-def forwarded_client(peer, headers):
+def plain_address(text):
+    """An IP address as one client is known by: an IPv4 one seen through
+    IPv6 (::ffff:203.0.113.5) as itself; None for anything else, an IPv6
+    zone (fe80::1%eth0) too, which may carry any text."""
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if address.version == 6 and address.ipv4_mapped:
+        return address.ipv4_mapped
+    return None if "%" in text else address
+
+
+def forwarded_client(peer, forwarded):
     """The address of the client a request is from: the connection's, or,
     where that is this machine (a reverse proxy in front, as the README
-    sets it up), the last address the proxy added to X-Forwarded-For. So
+    sets it up), the last address the proxy added to X-Forwarded-For
+    (`forwarded`: the header's values, each occurrence; a proxy adds its
+    own at the end, after anything the client sent), without a port. So
     sign-in locks, events and the log name each editor's address, not the
     proxy's one for everyone. From another machine the header is not
     believed: anyone may send it."""
-    with contextlib.suppress(ValueError):
-        address = ipaddress.ip_address(peer)
-        if (getattr(address, "ipv4_mapped", None) or address).is_loopback:
-            last = (headers.get("X-Forwarded-For") or "").split(",")[-1].strip()
-            return str(ipaddress.ip_address(last))
-    return peer
+    connected = plain_address(peer)
+    if connected is None or not connected.is_loopback or not forwarded:
+        return str(connected or peer)
+    last = forwarded[-1].split(",")[-1].strip()
+    if last.startswith("["):                        # [2001:db8::1]:443
+        last = last[1:].partition("]")[0]
+    elif last.count(":") == 1:                      # 203.0.113.5:51234
+        last = last.partition(":")[0]
+    client = plain_address(last)
+    return str(client or connected)
 
 
 def behind_https(headers):
