@@ -783,6 +783,19 @@ def link_without_bidi_controls(url):
     return BIDI_CONTROL.sub(lambda m: urllib.parse.quote(m[0]), url) if url else url
 
 
+def plain_address(text):
+    """An IP address as one client is known by: an IPv4 one seen through
+    IPv6 (::ffff:203.0.113.5) as itself; None for anything else, an IPv6
+    zone (fe80::1%eth0) too, which may carry any text."""
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if address.version == 6 and address.ipv4_mapped:
+        return address.ipv4_mapped
+    return None if "%" in text else address
+
+
 def user_key(name):
     """A user name as sign-in compares it: "Anna", "anna" and "ＡＮＮＡ" are
     one name."""
@@ -13859,6 +13872,27 @@ class WebWorkers:
             self.jobs.put(None)
 
 
+def forwarded_client(peer, forwarded):
+    """The address of the client a request is from: the connection's, or,
+    where that is this machine (a reverse proxy in front, as the README
+    sets it up), the last address the proxy added to X-Forwarded-For
+    (`forwarded`: the header's values, each occurrence; a proxy adds its
+    own at the end, after anything the client sent), without a port. So
+    sign-in locks, events and the log name each editor's address, not the
+    proxy's one for everyone. From another machine the header is not
+    believed: anyone may send it."""
+    connected = plain_address(peer)
+    if connected is None or not connected.is_loopback or not forwarded:
+        return str(connected or peer)
+    last = forwarded[-1].split(",")[-1].strip()
+    if last.startswith("["):                        # [2001:db8::1]:443
+        last = last[1:].partition("]")[0]
+    elif last.count(":") == 1:                      # 203.0.113.5:51234
+        last = last.partition(":")[0]
+    client = plain_address(last)
+    return str(client or connected)
+
+
 # Control characters of a request line (C0, DEL, C1) are written to the log
 # escaped, and so is the backslash, so an escape cannot be forged.
 LOG_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(32), *range(127, 160)]}
@@ -14261,40 +14295,6 @@ def cookies_of(headers):
 
 def session_cookie(headers):
     return cookies_of(headers).get(SESSION_COOKIE)
-
-
-def plain_address(text):
-    """An IP address as one client is known by: an IPv4 one seen through
-    IPv6 (::ffff:203.0.113.5) as itself; None for anything else, an IPv6
-    zone (fe80::1%eth0) too, which may carry any text."""
-    try:
-        address = ipaddress.ip_address(text)
-    except ValueError:
-        return None
-    if address.version == 6 and address.ipv4_mapped:
-        return address.ipv4_mapped
-    return None if "%" in text else address
-
-
-def forwarded_client(peer, forwarded):
-    """The address of the client a request is from: the connection's, or,
-    where that is this machine (a reverse proxy in front, as the README
-    sets it up), the last address the proxy added to X-Forwarded-For
-    (`forwarded`: the header's values, each occurrence; a proxy adds its
-    own at the end, after anything the client sent), without a port. So
-    sign-in locks, events and the log name each editor's address, not the
-    proxy's one for everyone. From another machine the header is not
-    believed: anyone may send it."""
-    connected = plain_address(peer)
-    if connected is None or not connected.is_loopback or not forwarded:
-        return str(connected or peer)
-    last = forwarded[-1].split(",")[-1].strip()
-    if last.startswith("["):                        # [2001:db8::1]:443
-        last = last[1:].partition("]")[0]
-    elif last.count(":") == 1:                      # 203.0.113.5:51234
-        last = last.partition(":")[0]
-    client = plain_address(last)
-    return str(client or connected)
 
 
 def behind_https(headers):
