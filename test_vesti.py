@@ -5673,16 +5673,18 @@ def test_a_publisher_killed_between_the_send_and_its_record_leaves_it_uncertain(
     assert bot.TOKEN not in result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("command", [["publish", "--forever"], ["run", "--workers", "0"]])
 def test_a_publisher_stopped_during_a_send_leaves_it_uncertain_and_the_target_free(home, bot,
-                                                                                   closing):
+                                                                                   closing, command):
     """Stopped (SIGTERM) while the Bot API has not answered: the send is
     uncertain at once, and the next sender need not wait for the lease."""
     s, db, lwn_id = publish_home(home, bot)
     conn = db.conn()
     bot.script = [("hang", 60)]
     vesti.set_decisions(conn, [desk_post(conn, lwn_id, 1)], "approved", "ed")
-    env = {"TG_BOT_TOKEN": bot.TOKEN, "TG_BOT_API": bot.url, "VESTI_STOP_GRACE": "0.5"}
-    process = closing(subprocess.Popen([*VESTI, "publish", "--forever"], cwd=home,
+    env = {"TG_BOT_TOKEN": bot.TOKEN, "TG_BOT_API": bot.url, "VESTI_STOP_GRACE": "0.5",
+           "VESTI_WEB_PORT": "0", "VESTI_WEB_PASSWORD": "s3cret", "OLLAMA_URL": ""}
+    process = closing(subprocess.Popen([*VESTI, *command], cwd=home,
                                        env=cli_env(env), stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True))
     assert bot.posted.wait(30), process.stderr.read() if process.poll() is not None else ""

@@ -10709,8 +10709,9 @@ class Publisher:
                                                      name=f"publish {name}", daemon=True)
                     senders[name].start()
             wake.wait(PUBLISH_LOOK)
+        grace = time.monotonic() + self.settings.stop_grace      # for them all, not each
         for sender in senders.values():
-            sender.join(self.settings.stop_grace)
+            sender.join(max(0.0, grace - time.monotonic()))
         self.let_go([name for name, sender in senders.items() if sender.is_alive()])
 
     def let_go(self, names):
@@ -15796,7 +15797,7 @@ def cmd_run(args, settings, process):
     if stats is not None:
         print(f"worker: {stats.line()}", flush=True)
     crawls.join(settings.stop_grace)
-    publishing.join(settings.stop_grace)
+    publishing.join(settings.stop_grace + 2)    # its senders' grace, then what they leave
     crawled = scheduler.join(settings.stop_grace)
     if scheduler.failure is not None:
         raise scheduler.failure
