@@ -8558,6 +8558,10 @@ def test_the_settings_accounts_sessions_end_when_its_password_or_name_changes(ho
     listed = cli("user", "list", cwd=home, env={"VESTI_WEB_USER": "chief"}).stdout
     assert "chief: admin (VESTI_WEB_USER, by the settings)" in listed
     assert "admin: admin, disabled" in listed
+    # The old name is an account like any other now: enabled again, it may be made an editor.
+    conn = web.db.conn()
+    vesti.change_user(conn, "admin", "chief", "local", disabled=False)
+    assert vesti.change_user(conn, "admin", "chief", "local", role="editor")["role"] == "editor"
 
 
 def test_the_settings_account_stays_an_admin_whoever_tries_to_demote_it(home, closing):

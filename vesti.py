@@ -5754,7 +5754,8 @@ def keep_settings_account(conn, name, password=None, kept=None):
     hash is that of the settings' password (VESTI_WEB_PASSWORD, or `kept`,
     the generated one's hash): signing in compares it as any other, and a
     new password or name ends the sessions made with the old one (a
-    renamed account is disabled), and it is an admin again if it was made
+    renamed account is disabled, an account like any other from then on),
+    and it is an admin again if it was made
     anything else. Returns its row."""
     row = conn.execute("SELECT * FROM users WHERE name = ?", (name,)).fetchone()
     same = row is not None and row["settings"] and not row["disabled"] and (
@@ -5765,7 +5766,7 @@ def keep_settings_account(conn, name, password=None, kept=None):
     with transaction(conn):
         for old in conn.execute("SELECT name FROM users WHERE settings = 1 AND name != ? "
                                 "AND disabled = 0", (name,)).fetchall():
-            conn.execute("UPDATE users SET disabled = 1 WHERE name = ?", (old[0],))
+            conn.execute("UPDATE users SET disabled = 1, settings = 0 WHERE name = ?", (old[0],))
             conn.execute("DELETE FROM sessions WHERE user_name = ?", (old[0],))
             record_event(conn, "settings", "local", "user change", f"user:{old[0]}",
                          f"VESTI_WEB_USER is {name} now: disabled, its sessions ended")
