@@ -4703,8 +4703,12 @@ class Model:
         chance counted as n decisions beside one approval and one rejection.
         The order of the posts is the curve's."""
         decided = self.approved + self.rejected
-        curve = chance(self.scale * self.score(features, keywords) + self.shift)
-        return round((decided * curve + 1) / (decided + 2), 4)
+        return round((decided * self.curve(features, keywords) + 1) / (decided + 2), 4)
+
+    def curve(self, features, keywords=0):
+        """The chance its fitted curve gives, unbounded: what directions are
+        compared by (see Learners.wanted), whatever decisions each has."""
+        return chance(self.scale * self.score(features, keywords) + self.shift)
 
     def calibrate(self, decided):
         """Fit how scores turn into chances (see fit_chances) to decided posts
@@ -4995,20 +4999,22 @@ class Learners:
     def wanted(self, features):
         """(direction, likely) of the direction whose model wants a post no
         keyword matched, on its own evidence: with no keyword's, its chance
-        is WANTED_LIKELY or more, and WANTED_WORDS of its words are words the
+        by the direction's curve (not bounded by how many decisions each
+        direction has: see Model.likely) is the highest, WANTED_LIKELY or
+        more, and WANTED_WORDS of its words are words the
         direction's approved posts share (each in two or more of them) more
         than the news in general does.
         Else None: the post stays out of every direction. One that joins is
         on the desk only at LIKELY_HIGH (see floor_clause); below, it waits
         in the direction's list for an editor who looks further."""
-        best = max(((model.likely(features), direction) for direction in list(self.models)
+        best = max(((model.curve(features), direction) for direction in list(self.models)
                     if (model := self.model(direction)) is not None), default=None)
         if best is None or best[0] < WANTED_LIKELY:
             return None
         model = self.models[best[1]]
         shared = [feature for weight, feature in model.weights(features)
                   if weight > 0 and model.counts.get(feature, (0, 0))[0] >= 2]
-        return (best[1], best[0]) if len(shared) >= WANTED_WORDS else None
+        return (best[1], model.likely(features)) if len(shared) >= WANTED_WORDS else None
 
 
 # A post's decision counts in its direction's model when the post is a card
