@@ -7871,8 +7871,8 @@ def test_the_report_card_says_what_learning_changed_on_the_desk_this_week(home, 
         "<td>1/2 (50 %)</td>" in page
     assert "<td>hidden by the model: relevance 3 or more, chance under 0.35</td><td>2</td><td>1</td>" \
         "<td>0/1 (0 %)</td>" in page
-    assert "The model let in 5 posts no keyword matched, 4 of them sure enough (a chance of 0.75 " \
-        "or more) for the desk to show; the editors approved 2 of the 3 they decided." in page
+    assert "The model let in 5 posts no keyword matched, 4 of them on the desk as it opens (the " \
+        "rest wait under its floor); the editors approved 2 of the 3 they decided." in page
     text = cli("quality", "--direction", "space", cwd=home, env={"VESTI_LEARN_MIN": "10"}).stdout
     assert "shown by the model: relevance under 3, chance 0.75 or more: 3 posts, 2 decided, " \
         "approved 1/2 (50 %)" in text

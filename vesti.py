@@ -7057,13 +7057,16 @@ def decided_counts(rows):
             "approved": counts.get("approved", 0)}
 
 
-def keyword_misses(conn, direction):
+def keyword_misses(conn, direction, floor):
     """{posts, decided, approved, shown} of the posts no keyword matched that
-    the direction's model let in (see Learners.wanted): shown, those sure
-    enough for the desk's default floor (LIKELY_HIGH); the rest wait under it."""
-    rows = conn.execute(f"""SELECT status, likely >= {LIKELY_HIGH} AS shown, count(*) FROM posts
+    the direction's model let in (see Learners.wanted): shown, those the
+    desk's default floor shows (the model sure of them, or an LLM's
+    relevance at the floor and the model not against, see shown_by_floor)."""
+    shown = (f"(likely >= {LIKELY_HIGH} OR coalesce(relevance, 0) >= {int(floor)} "
+             f"AND likely >= {LIKELY_LOW})")
+    rows = conn.execute(f"""SELECT status, {shown} AS shown, count(*) FROM posts
                             WHERE direction = ? AND keywords IS NULL AND classified = {DONE}
-                            GROUP BY status, likely >= {LIKELY_HIGH}""", (direction,)).fetchall()
+                            GROUP BY status, {shown}""", (direction,)).fetchall()
     counts = collections.Counter()
     for status, _, n in rows:
         counts[status] += n
@@ -7099,7 +7102,7 @@ def direction_quality(conn, direction, settings, learners):
     sources = approval_rates(rows, lambda row: row["source"] or "-")
     for figures in sources.values():
         figures["interval"] = wilson(figures["approved"], figures["decided"])
-    misses = keyword_misses(conn, direction.id)
+    misses = keyword_misses(conn, direction.id, settings.min_relevance)
     return {
         "direction": direction.id, "title": direction.title,
         "decisions": len(rows), "approved": approved,
@@ -11329,11 +11332,11 @@ STRINGS = {
                          "they reject. Cohen's κ takes away the agreement chance alone would give: "
                          "0 is no better than chance, 1 is agreeing on every post, below 0 is worse "
                          "than chance.",
-        "q.misses": ("The model let in {n} post no keyword matched, {shown} of them sure enough "
-                     "(a chance of {high} or more) for the desk to show; the editors approved "
+        "q.misses": ("The model let in {n} post no keyword matched, {shown} of them on the "
+                     "desk as it opens (the rest wait under its floor); the editors approved "
                      "{approved} of the {decided} they decided.",
-                     "The model let in {n} posts no keyword matched, {shown} of them sure enough "
-                     "(a chance of {high} or more) for the desk to show; the editors approved "
+                     "The model let in {n} posts no keyword matched, {shown} of them on the "
+                     "desk as it opens (the rest wait under its floor); the editors approved "
                      "{approved} of the {decided} they decided."),
         "q.week": "What learning changed on the desk among the posts published in the last 7 days",
         "q.week_none": "Nothing: no post published in the last 7 days was shown or hidden "
@@ -11588,13 +11591,13 @@ STRINGS = {
                          "дал бы один случай: 0 — не лучше случая, 1 — согласие во всём, меньше 0 "
                          "— хуже случая.",
         "q.misses": ("Модель приняла {n} пост, в котором не нашлось ключевых слов; отбор "
-                     "показывает {shown} из них (вероятность {high} и выше); редакторы одобрили "
+                     "сразу показывает {shown} из них (остальные ждут ниже порога); редакторы одобрили "
                      "{approved} из {decided} решённых.",
                      "Модель приняла {n} поста, в которых не нашлось ключевых слов; отбор "
-                     "показывает {shown} из них (вероятность {high} и выше); редакторы одобрили "
+                     "сразу показывает {shown} из них (остальные ждут ниже порога); редакторы одобрили "
                      "{approved} из {decided} решённых.",
                      "Модель приняла {n} постов, в которых не нашлось ключевых слов; отбор "
-                     "показывает {shown} из них (вероятность {high} и выше); редакторы одобрили "
+                     "сразу показывает {shown} из них (остальные ждут ниже порога); редакторы одобрили "
                      "{approved} из {decided} решённых."),
         "q.week": "Что обучение изменило в отборе среди постов, опубликованных за последние 7 дней",
         "q.week_none": "Ничего: ни один пост, опубликованный за последние 7 дней, не показан и "
@@ -12985,8 +12988,7 @@ def card_sentences(card, say):
     model = say("q.used") if card["model_used"] else \
         say("q.unused", min=card["learn_min"], each=LEARN_EACH)
     misses = say("q.misses", n=card["keyword_misses"], decided=card["keyword_misses_decided"],
-                 approved=card["keyword_misses_approved"], shown=card["keyword_misses_shown"],
-                 high=LIKELY_HIGH)
+                 approved=card["keyword_misses_approved"], shown=card["keyword_misses_shown"])
     return [say("q.approved_of", n=n, approved=card["approved"], rate=percent(card["approval_rate"])),
             model, agrees, misses]
 
