@@ -10032,6 +10032,10 @@ class WorkerPool:
         into a line, and the line is said as they are: a worker that a stop
         leaves behind in the look-up (past the grace, `run` exits without
         it) has taken none, and the stop's line says them."""
+        if dry:
+            with self.lock:
+                if not self.stats.since(self.said).processed:
+                    self.said_dry = True        # idle, with nothing to say (see spell_begins)
         if not self.spell_due(dry or stopping):
             return
         waiting = 0 if dry else pending_count(self.db.conn())
