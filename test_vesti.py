@@ -2905,7 +2905,7 @@ def test_429_with_retry_after_defers_the_source_without_counting_an_error(home, 
     assert row["next_fetch_at"] > vesti.utc_text(time.time() + 3500)
     waited = crawl(s, db)                          # --all waits as asked, and says so
     assert len(server.sent("/feed")) == 1
-    assert waited.line() == "0 sources (0 ok, 0 failed, 0 deferred), 0 new posts; 1 more not " \
+    assert waited.line() == "0 sources (0 ok, 0 deferred, 0 failed), 0 new posts; 1 more not " \
         "due yet (see status)"
     crawl(s, db, ("source", "x"))                  # --source fetches at once
     assert len(server.sent("/feed")) == 2
@@ -4225,7 +4225,7 @@ def test_crawl_sources_queues_feeds_and_records_telegram_without_calling_the_llm
                             env=cli_env({"RSS_HOST_DELAY": "0", "OLLAMA_URL": ollama.url,
                                          "PYTHONPATH": str(ROOT)}))
     assert result.returncode == 0, result.stderr
-    assert "crawl: 3 sources (2 ok, 1 failed, 0 deferred), 5 new posts" in result.stdout
+    assert "crawl: 3 sources (2 ok, 0 deferred, 1 failed: chan), 5 new posts" in result.stdout
     conn = sqlite3.connect(home / "vesti.db")
     assert conn.execute("SELECT classified, count(*) FROM posts GROUP BY 1").fetchall() == [(0, 5)]
     assert "TG_API_ID" in conn.execute("SELECT last_error FROM sources WHERE slug = 'chan'").fetchone()[0]
@@ -9428,13 +9428,13 @@ def test_rss_command_and_its_shim_crawl_and_report(home, server):
     env = {"RSS_HOST_DELAY": "0", "PYTHONPATH": str(ROOT)}
     result = cli("rss", "--source", "lwn", "--trigger", "cron", cwd=home, env=env)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("rss: 1 source (1 ok, 0 failed, 0 deferred), 3 new posts in ")
+    assert result.stdout.startswith("rss: 1 source (1 ok, 0 deferred, 0 failed), 3 new posts in ")
     shim = subprocess.run([sys.executable, "-m", "crawler.rss_crawler", "--all", "--db",
                            str(home / "vesti.db")], cwd=home, capture_output=True, text=True,
                           env=cli_env({**env, "VESTI_SOURCES": str(home / "sources.yaml")}),
                           timeout=60)
     assert shim.returncode == 0, shim.stderr             # a failing source is not a failing run
-    assert "2 sources (1 ok, 1 failed" in shim.stdout
+    assert "2 sources (1 ok, 0 deferred, 1 failed: other)" in shim.stdout
     status = json.loads(cli("--db", "vesti.db", "status", "--json", cwd=home).stdout)
     assert status["queue"] == {"pending": 3, "processing": 0, "done_today": 0, "failed": 0}
     health = {s["slug"]: s for s in status["sources"]}

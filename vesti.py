@@ -8750,8 +8750,11 @@ class CrawlSummary:
         cut = "interrupted: " if stop is not None and stop.is_set() else ""
         sources = f"{len(self.results)} source{'' if len(self.results) == 1 else 's'}"
         waiting = f"; {self.not_due} more not due yet (see status)" if self.not_due else ""
+        failed = [r.source for r in self.results if r.status in ("error", "gone")]
+        named = ", ".join(failed[:3]) + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
         return (f"{cut}{sources} ({self.count('ok', 'not_modified', 'unchanged')} ok, "
-                f"{self.count('error', 'gone')} failed, {self.count('deferred')} deferred), "
+                f"{self.count('deferred')} deferred, {len(failed)} failed"
+                f"{f': {named}' if failed else ''}), "
                 f"{self.new_posts} new post{'' if self.new_posts == 1 else 's'}{waiting}")
 
 
