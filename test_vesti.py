@@ -8562,6 +8562,15 @@ def test_the_settings_accounts_sessions_end_when_its_password_or_name_changes(ho
     conn = web.db.conn()
     vesti.change_user(conn, "admin", "chief", "local", disabled=False)
     assert vesti.change_user(conn, "admin", "chief", "local", role="editor")["role"] == "editor"
+    # So is one an older release left marked as the settings' (disabled, never freed).
+    conn.execute("UPDATE users SET settings = 1, disabled = 1 WHERE name = 'admin'")
+    # And named in other letters, VESTI_WEB_USER's account is the same one, not a second.
+    web = closing(Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="n3w-secret",
+                                                   VESTI_WEB_USER="CHIEF"), password="n3w-secret"))
+    assert web.get("/", auth=False, headers=basic("CHIEF", "n3w-secret"))[0] == 200
+    rows = {row["name"]: row for row in vesti.list_users(conn)}
+    assert set(rows) == {"admin", "chief"} and rows["chief"]["settings"] == 1
+    assert rows["admin"]["settings"] == 0
 
 
 def test_the_settings_account_stays_an_admin_whoever_tries_to_demote_it(home, closing):

@@ -5762,20 +5762,25 @@ def keep_settings_account(conn, name, password=None, kept=None):
     new password or name ends the sessions made with the old one (a
     renamed account is disabled, an account like any other from then on),
     and it is an admin again if it was made
-    anything else. Returns its row."""
-    row = conn.execute("SELECT * FROM users WHERE name = ?", (name,)).fetchone()
+    anything else. A name is one in any letters: "Admin" is the row "admin".
+    Returns its row."""
+    row = conn.execute("""SELECT * FROM users WHERE name_key = ?
+                          ORDER BY name = ? DESC, settings DESC, name LIMIT 1""",
+                       (user_key(name), name)).fetchone()
+    name = name if row is None else row["name"]
     same = row is not None and row["settings"] and not row["disabled"] and (
         row["password_hash"] == kept if password is None else
         password_matches(password, row["password_hash"]))
     new_hash = kept if password is None else \
         password_hash(password, conn.process.password_cost)
     with transaction(conn):
-        for old in conn.execute("SELECT name FROM users WHERE settings = 1 AND name != ? "
-                                "AND disabled = 0", (name,)).fetchall():
+        for old in conn.execute("SELECT name, disabled FROM users WHERE settings = 1 "
+                                "AND name != ?", (name,)).fetchall():
             conn.execute("UPDATE users SET disabled = 1, settings = 0 WHERE name = ?", (old[0],))
-            conn.execute("DELETE FROM sessions WHERE user_name = ?", (old[0],))
-            record_event(conn, "settings", "local", "user change", f"user:{old[0]}",
-                         f"VESTI_WEB_USER is {name} now: disabled, its sessions ended")
+            if not old[1]:
+                conn.execute("DELETE FROM sessions WHERE user_name = ?", (old[0],))
+                record_event(conn, "settings", "local", "user change", f"user:{old[0]}",
+                             f"VESTI_WEB_USER is {name} now: disabled, its sessions ended")
         if same and row["role"] != "admin":
             conn.execute("UPDATE users SET role = 'admin' WHERE name = ?", (name,))
             record_event(conn, "settings", "local", "user change", f"user:{name}",
