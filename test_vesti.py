@@ -5584,6 +5584,14 @@ def test_a_send_that_may_have_arrived_counts_for_the_pace_and_publish_now_still_
     publisher.look()
     assert [row["state"] for row in publications(conn)] == ["queued", "queued", "published"]
     assert shown_titles(bot) == ["Post 2"]
+    # One sent now that may have arrived, then sent again, waits its turn as well.
+    bot.script = [("500",)]
+    vesti.act_on_publication(conn, rows[1]["id"], "now", "ed")
+    publisher.look()
+    assert publications(conn)[1]["state"] == "uncertain"
+    assert not vesti.act_on_publication(conn, rows[1]["id"], "again", "ed").hurry
+    publisher.look()
+    assert [row["state"] for row in publications(conn)] == ["queued", "queued", "published"]
 
 
 def test_an_unreachable_bot_api_or_webhook_keeps_the_post_queued_and_names_no_secret(home, closing):
@@ -5694,7 +5702,8 @@ def test_a_publisher_stopped_during_a_send_leaves_it_uncertain_and_the_target_fr
     assert "stopped during a send; it is uncertain" in stderr
     row = publications(conn)[0]
     assert row["state"] == "uncertain" and "VESTI stopped before the answer came" in row["error"]
-    assert conn.execute("SELECT sender FROM targets WHERE name = 'channel'").fetchone()[0] is None
+    target = conn.execute("SELECT sender, last_sent_at FROM targets WHERE name = 'channel'").fetchone()
+    assert target["sender"] is None and target["last_sent_at"]     # it counts for the pace
     result = cli("publish", cwd=home, env=env)
     assert "being sent by" not in result.stdout and len(bot.messages) == 1
 

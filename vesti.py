@@ -6488,13 +6488,32 @@ def doubt_publication(conn, publication_id, token, error):
                         (error, publication_id, token)).rowcount
 
 
+# A Telegram send that may have arrived counts for its target's pace (the
+# message may well be in the channel), and a target without a pace waits
+# this long before its next send: Telegram answering so is likely to do it
+# again, and an outage must not turn the whole queue uncertain at once.
+# Publish now goes ahead of the pace, as after any send.
+DOUBT_PAUSE = 60
+
+
+def count_doubtful_send(conn, target, now):
+    """A send of the target's was made uncertain (see DOUBT_PAUSE)."""
+    conn.execute(f"""UPDATE targets SET last_sent_at = ?,
+                         paused_until = CASE WHEN every > 0 THEN paused_until
+                             WHEN paused_until > ? THEN paused_until ELSE ? END
+                     WHERE name = ?""",
+                 (utc_text(now), not_before(now + DOUBT_PAUSE), not_before(now + DOUBT_PAUSE),
+                  target))
+
+
 def doubt_lost_sends(conn, target, sender=None,
-                     error="the sender stopped during the send: it may or may not have arrived"):
+                     error="the sender stopped during the send: it may or may not have arrived",
+                     now=None):
     """Sends of the target still `sending` (of one sender, or of any when
     its lease ran out or its process died) may have arrived: a Telegram
     send is uncertain; a webhook's is tried again with its key (taken back
-    meanwhile: cancelled, its receiver told). Returns how many were made
-    uncertain."""
+    meanwhile: cancelled, its receiver told), and counts for its target's
+    pace (count_doubtful_send). Returns how many were made uncertain."""
     mine = "AND substr(token, 1, ?) = ?" if sender else ""
     values = (target, *((len(sender) + 1, sender + ":") if sender else ()))
     if conn.execute("SELECT kind FROM targets WHERE name = ?", (target,)).fetchone()[0] == "webhook":
@@ -6504,10 +6523,13 @@ def doubt_lost_sends(conn, target, sender=None,
                          WHERE target = ? AND state = 'sending' {mine}""",
                      (error + "; tried again with the same Idempotency-Key", *values))
         return 0
-    return conn.execute(f"""UPDATE publications SET state = 'uncertain', error = ?,
+    lost = conn.execute(f"""UPDATE publications SET state = 'uncertain', error = ?,
                                 version = version + 1
                             WHERE target = ? AND state = 'sending' {mine}""",
                         (error, *values)).rowcount
+    if lost:
+        count_doubtful_send(conn, target, time.time() if now is None else now)
+    return lost
 
 
 # What may be deleted where it went: a message sent, or a webhook's item
@@ -6547,7 +6569,8 @@ ACTION_CHANGES = {
     "now": "hurry = 1, next_attempt_at = NULL",
     "cancel": "state = 'cancelled', token = NULL, retract = 0",
     "published": "state = 'published', sent_at = ?, error = NULL, token = NULL, retract = 0",
-    "again": "state = 'queued', attempts = 0, next_attempt_at = NULL, error = NULL, token = NULL",
+    "again": "state = 'queued', attempts = 0, next_attempt_at = NULL, error = NULL, hurry = 0, "
+             "token = NULL",
 }
 
 
@@ -10432,12 +10455,6 @@ PAUSE_MAX = 86400
 # chat, the chat itself) waits this long between tries, its posts queued:
 # once the chat is mended they go, and none is failed meanwhile.
 TARGET_PAUSE = 300
-# A Telegram send that may have arrived counts for its target's pace (the
-# message may well be in the channel), and a target without a pace waits
-# this long before its next send: Telegram answering so is likely to do it
-# again, and an outage must not turn the whole queue uncertain at once.
-# Publish now goes ahead of the pace, as after any send.
-DOUBT_PAUSE = 60
 ANSWER_BYTES = 1 << 20
 ANSWER_CHARS = 200              # of a webhook's answer, kept as its message id
 ALERT_SCAN = 5000               # posts an alert target looks at in one go
@@ -10748,7 +10765,8 @@ class Publisher:
             try:
                 with transaction(conn):
                     lost = doubt_lost_sends(conn, name, self.me, "VESTI stopped before the "
-                                            "answer came: it may or may not have arrived")
+                                            "answer came: it may or may not have arrived",
+                                            self.clock())
                     conn.execute("UPDATE targets SET sender = NULL, sender_until = NULL "
                                  "WHERE name = ? AND sender = ?", (name, self.me))
             except StorageError as e:       # its lease then runs out, as a killed sender's
@@ -10890,7 +10908,7 @@ class Publisher:
                                     (name,)).fetchone()
                 self.held[name] = (held["sender"], held["sender_until"])
                 return False
-            lost = doubt_lost_sends(conn, name)
+            lost = doubt_lost_sends(conn, name, now=now)
         self.held.pop(name, None)
         if lost:
             self.count("uncertain", lost)
@@ -10902,7 +10920,8 @@ class Publisher:
         """The target is free again; a send of this sender that did not get
         as far as its record (an error) is uncertain."""
         with transaction(conn):
-            doubt_lost_sends(conn, name, self.me, "the send stopped before it was recorded")
+            doubt_lost_sends(conn, name, self.me, "the send stopped before it was recorded",
+                             self.clock())
             conn.execute("UPDATE targets SET sender = NULL, sender_until = NULL "
                          "WHERE name = ? AND sender = ?", (name, self.me))
 
@@ -11015,19 +11034,12 @@ class Publisher:
         error = str(failure)
         telegram = target.kind != "webhook"
         kept = failure.unsure and not telegram     # a webhook's receiver may have it
-        doubt = failure.pause is None and failure.unsure and telegram
-        if failure.pause is not None:
-            paused = not_before(now + failure.pause)
-        elif doubt and not target.every:
-            paused = not_before(now + DOUBT_PAUSE)
-        else:
-            paused = target.paused_until
         with transaction(conn):
             conn.execute("UPDATE targets SET error = ?, paused_until = ? WHERE name = ?",
-                         (error, paused, target.name))
-            if doubt:
-                conn.execute("UPDATE targets SET last_sent_at = ? WHERE name = ?",
-                             (utc_text(now), target.name))
+                         (error, not_before(now + failure.pause) if failure.pause is not None
+                          else target.paused_until, target.name))
+            if failure.pause is None and failure.unsure and telegram:
+                count_doubtful_send(conn, target.name, now)
             for row in rows:
                 verdict, wait = failed_send(failure, telegram, row.attempts,
                                             self.settings.publish_attempts)
