@@ -6213,7 +6213,7 @@ def test_a_webhooks_long_text_in_cyrillic_is_saved_as_its_counter_promised(home,
     waiting = publications(conn, "cms")[1]
     assert f'data-limit="{vesti.WEBHOOK_TEXT_LIMIT}"' in web.get("/outbox")[2]
     for text in ("Ядро Linux " * (vesti.WEBHOOK_TEXT_LIMIT // 11),
-                 "内核" * (vesti.WEBHOOK_TEXT_LIMIT // 2)):
+                 "内核" * (vesti.WEBHOOK_TEXT_LIMIT // 2), "📰" * vesti.WEBHOOK_TEXT_LIMIT):
         waiting = publications(conn, "cms")[1]
         status, _, page = web.post(f"/publications/{waiting['id']}",
                                    {"token": web.token(), "action": "text", "text": text,
@@ -8533,7 +8533,7 @@ def test_behind_a_reverse_proxy_one_strangers_guesses_lock_out_only_the_stranger
     assert client("127.0.0.1", ["198.51.100.7:51234"]) == "198.51.100.7"
     assert client("127.0.0.1", ["[2001:db8::1]:443"]) == "2001:db8::1"
     assert client("127.0.0.1", ["::ffff:203.0.113.77"]) == "203.0.113.77"
-    for forged in ("nonsense", "fe80::1%\x1b[2K forged line", "1" * 20000):
+    for forged in ("nonsense", "fe80::1%\x1b[2K forged line", "::ffff:1.2.3.4%zone", "1" * 20000):
         assert client("127.0.0.1", [forged]) == "127.0.0.1"
     assert client("127.0.0.1", None) == "127.0.0.1"
     # Clients seen through IPv6 as IPv4 addresses are each their own, not one ::/64.

@@ -791,9 +791,9 @@ def plain_address(text):
         address = ipaddress.ip_address(text)
     except ValueError:
         return None
-    if address.version == 6 and address.ipv4_mapped:
-        return address.ipv4_mapped
-    return None if "%" in text else address
+    if "%" in text:
+        return None
+    return address.ipv4_mapped if address.version == 6 and address.ipv4_mapped else address
 
 
 def user_key(name):
@@ -11948,12 +11948,12 @@ PAGE_POLICY = ("default-src 'none'; script-src "
 
 PAGE_SIZE = 50
 # The body of a request a page reads; but for the outbox's text form, which
-# may carry a webhook's text of WEBHOOK_TEXT_LIMIT characters, each up to 9
-# bytes once percent-encoded (3 of UTF-8). Only an editor's is read (a
+# may carry a webhook's text of WEBHOOK_TEXT_LIMIT characters, each up to 12
+# bytes once percent-encoded (4 of UTF-8). Only an editor's is read (a
 # route's role is checked first).
 MAX_REQUEST_BODY = 64 * 1024
 LARGE_FORMS = re.compile(r"/publications/[0-9]+")
-MAX_LARGE_FORM = 9 * WEBHOOK_TEXT_LIMIT + MAX_REQUEST_BODY
+MAX_LARGE_FORM = 12 * WEBHOOK_TEXT_LIMIT + MAX_REQUEST_BODY
 
 
 def body_limit(path):
