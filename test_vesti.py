@@ -6197,10 +6197,12 @@ def test_a_digest_of_many_alerts_is_cut_on_its_items_and_telegram_takes_it(home,
     assert {row["state"] for row in publications(conn, "editors")} == {"published"}
 
 
-def test_a_webhooks_long_text_in_cyrillic_is_saved_as_its_counter_promised(home, closing):
+def test_a_webhooks_long_text_in_cyrillic_is_saved_as_its_counter_promised(home, closing,
+                                                                          browser):
     """The counter says a webhook's text may hold WEBHOOK_TEXT_LIMIT
-    characters; Cyrillic takes 6 bytes each in a form, CJK 9: a text the
-    counter allows is never refused for the size of its form."""
+    characters, counted as the server counts them (an emoji is one); Cyrillic
+    takes 6 bytes each in a form, CJK 9, an emoji 12: a text the counter
+    allows is never refused for the size of its form."""
     receiver = closing(WebhookReceiver("k"))
     s, db, lwn_id = publish_home(home, None, [{"name": "cms", "webhook": receiver.url + "/in",
                                                "every": "1h"}],
@@ -6212,6 +6214,12 @@ def test_a_webhooks_long_text_in_cyrillic_is_saved_as_its_counter_promised(home,
     vesti.Publisher(db, s).look()
     waiting = publications(conn, "cms")[1]
     assert f'data-limit="{vesti.WEBHOOK_TEXT_LIMIT}"' in web.get("/outbox")[2]
+    browser.open(web.origin + "/outbox", {"Authorization": web.auth})
+    counted = browser.evaluate("""(() => {
+        const area = document.querySelector('tr.pub-queued textarea');
+        area.value = '📰'.repeat(3) + 'Ядро'; area.dispatchEvent(new Event('input'));
+        return area.parentNode.querySelector('.counter').textContent; })()""")
+    assert counted == f"7 / {vesti.WEBHOOK_TEXT_LIMIT}"
     for text in ("Ядро Linux " * (vesti.WEBHOOK_TEXT_LIMIT // 11),
                  "内核" * (vesti.WEBHOOK_TEXT_LIMIT // 2), "📰" * vesti.WEBHOOK_TEXT_LIMIT):
         waiting = publications(conn, "cms")[1]

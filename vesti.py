@@ -11913,7 +11913,7 @@ document.addEventListener('keydown',function(e){
 OUTBOX_SCRIPT = r"""
 (function(){
 var LINK=/https?:\/\/[^\s<>"]+/gi;
-function shown(text,kind){if(kind!=='telegram')return text.length;
+function shown(text,kind){if(kind!=='telegram')return Array.from(text).length;
  return text.replace(LINK,function(url){return url.length<=%(link_max)d?url.slice(0,%(label)d):url}).length}
 function count(area){var limit=+area.dataset.limit,used=shown(area.value,area.dataset.count),
  out=area.parentNode.querySelector('.counter');out.textContent=used+' / '+limit;
