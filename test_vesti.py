@@ -7185,7 +7185,12 @@ def test_cards_explain_scores_and_hold_the_stored_text(web):
     conn.execute("UPDATE posts SET reason = 'A kernel release <b>matters</b>'")
     page = web.get("/")[2]
     card = re.search(r'<article class="post" id="post-1".*?</article>', page, re.S)[0]
-    assert "keywords: linux, kernel" in card
+    assert "keywords: linux, kernel" in card and '<span class="badge">Linux</span>' in card
+    # A word another direction's keywords matched is told apart.
+    conn.execute("UPDATE posts SET keywords = 'linux, orbit, kernel' WHERE id = 1")
+    page = web.get("/")[2]
+    card = re.search(r'<article class="post" id="post-1".*?</article>', page, re.S)[0]
+    assert "keywords: linux, kernel · other directions&#x27; keywords: orbit" in card
     assert "why: A kernel release &lt;b&gt;matters&lt;/b&gt;" in card
     assert re.search(r"<details><summary[^>]*>Stored text</summary><div class=\"text\">"
                      r"&lt;b&gt;Full&lt;/b&gt; text of the article.</div></details>", card)

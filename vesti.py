@@ -11194,7 +11194,8 @@ STRINGS = {
         "reject_shown": ("Reject the {n} post shown", "Reject all {n} shown"),
         "relevance": "relevance", "interest": "interest", "likely": "likely approved",
         "weighed": "weighed most", "let_in": "no keyword matched: the model let it in",
-        "keywords": "keywords", "reason": "why", "stored_text": "Stored text",
+        "keywords": "keywords", "keywords_other": "other directions' keywords",
+        "reason": "why", "stored_text": "Stored text",
         "more_sources": ("+{count} source", "+{count} sources"), "every_copy": "every copy",
         "adds": "its own: {sites}",
         "unsure": "the model is unsure of this one: your decision teaches it most",
@@ -11426,6 +11427,7 @@ STRINGS = {
         "reject_shown": ("Отклонить {n} показанный пост", "Отклонить все {n} показанных поста",
                          "Отклонить все {n} показанных постов"),
         "relevance": "релевантность", "interest": "интерес", "keywords": "ключевые слова",
+        "keywords_other": "ключевые слова других направлений",
         "likely": "вероятность одобрения", "weighed": "больше всего весили",
         "let_in": "ключевых слов нет: пост добавила модель",
         "reason": "почему", "stored_text": "Сохранённый текст", "older": "старше →",
@@ -12674,7 +12676,8 @@ def card_words(lang):
     return {key: said(lang, key) for key in ("untitled", "no_direction", "keywords", "reason",
                                              "stored_text", "utc", "relevance", "interest",
                                              "undated", "edit_texts", "before_edit",
-                                             "after_edit", "likely", "weighed", "let_in")}
+                                             "after_edit", "likely", "weighed", "let_in",
+                                             "keywords_other")}
 
 
 def card_time(post, words):
@@ -12738,17 +12741,19 @@ def published_where(publications):
                      and not row["retract"] and row["kind"] in ("telegram", "webhook"))
 
 
-def card_html(post, page, back, story=None, weighed=(), publications=(), unsure=False):
+def card_html(post, page, back, story=None, weighed=(), publications=(), unsure=False,
+              directions=None):
     """A post's card; `weighed`: what weighed most in its likely (see
     Model.reasons); `publications`: where it goes or went (see sent_to);
-    `unsure`: the card the desk asks about (see question_card)."""
+    `unsure`: the card the desk asks about (see question_card);
+    `directions`: the registry's (see keywords_line), for their titles."""
     words = card_words(page.lang)
     title = esc(post.title) or words["untitled"]
     link = (f'<a href="{esc(post.url)}" rel="noopener noreferrer" target="_blank">{title}</a>'
             if is_web_link(post.url) else title)
     why = []
     if post.keywords:
-        why.append(f'{words["keywords"]}: {esc(post.keywords)}')
+        why.append(keywords_line(post, words, directions))
     elif post.direction and post.likely is not None:
         why.append(words["let_in"])
     if post.reason:
@@ -12766,7 +12771,8 @@ def card_html(post, page, back, story=None, weighed=(), publications=(), unsure=
     else:
         stored = (f'<details><summary class="small">{words["stored_text"]}</summary>'
                   f'<div class="text">{esc(text)}</div></details>' if text else "")
-    direction = esc(post.direction) or words["no_direction"]
+    known = (directions or {}).get(post.direction)
+    direction = esc(known.title if known else post.direction) or words["no_direction"]
     published = published_where(publications)
     published = f' data-published="{esc(published)}"' if published else ""
     return (f'<article class="post" id="post-{post.id}" data-id="{post.id}" '
@@ -12778,6 +12784,21 @@ def card_html(post, page, back, story=None, weighed=(), publications=(), unsure=
             f'<p>{esc(post.summary)}</p>{story_line(post, story, page)}{why_html}{stored}'
             f'{outbox_line(publications, page)}{decided_line(post, page)}'
             f'{decision_form(post, page, back)}</article>')
+
+
+def keywords_line(post, words, directions):
+    """The keywords a post matched, its direction's first and those of
+    other directions apart (posts.keywords keeps them all, as one list)."""
+    index = KeywordIndex({post.direction: directions[post.direction]}) \
+        if directions and post.direction in directions else None
+    pattern = index.patterns.get(post.direction) if index else None
+    found = post.keywords.split(", ")
+    own = [w for w in found if pattern is None or pattern.fullmatch(w)]
+    other = [w for w in found if w not in own]
+    line = f'{words["keywords"]}: {esc(", ".join(own))}' if own else ""
+    if other:
+        line += f'{" · " if line else ""}{words["keywords_other"]}: {esc(", ".join(other))}'
+    return line
 
 
 def bulk_form(page, posts, back):
@@ -12957,7 +12978,7 @@ def desk_page(conn, desk, page, directions, settings, sources=None, learners=Non
     stories = {} if desk.story else story_copies(conn, posts)
     sent = sent_to(conn, [p.id for p in posts if p.status == "approved"])
     cards = "".join(card_html(p, page, here, stories.get(p.id), weighed_most(p, learners),
-                              sent.get(p.id, ()), p.id == asked)
+                              sent.get(p.id, ()), p.id == asked, directions)
                     for p in posts)
     if not cards:
         empty = "empty_filtered" if desk.direction or desk.q or desk.source or \
