@@ -12742,18 +12742,19 @@ def published_where(publications):
 
 
 def card_html(post, page, back, story=None, weighed=(), publications=(), unsure=False,
-              directions=None):
+              directions=None, keywords=None):
     """A post's card; `weighed`: what weighed most in its likely (see
     Model.reasons); `publications`: where it goes or went (see sent_to);
     `unsure`: the card the desk asks about (see question_card);
-    `directions`: the registry's (see keywords_line), for their titles."""
+    `directions`: the registry's, for their titles, and `keywords` their
+    KeywordIndex (see keywords_line)."""
     words = card_words(page.lang)
     title = esc(post.title) or words["untitled"]
     link = (f'<a href="{esc(post.url)}" rel="noopener noreferrer" target="_blank">{title}</a>'
             if is_web_link(post.url) else title)
     why = []
     if post.keywords:
-        why.append(keywords_line(post, words, directions))
+        why.append(keywords_line(post, words, keywords))
     elif post.direction and post.likely is not None:
         why.append(words["let_in"])
     if post.reason:
@@ -12786,12 +12787,11 @@ def card_html(post, page, back, story=None, weighed=(), publications=(), unsure=
             f'{decision_form(post, page, back)}</article>')
 
 
-def keywords_line(post, words, directions):
+def keywords_line(post, words, keywords):
     """The keywords a post matched, its direction's first and those of
-    other directions apart (posts.keywords keeps them all, as one list)."""
-    index = KeywordIndex({post.direction: directions[post.direction]}) \
-        if directions and post.direction in directions else None
-    pattern = index.patterns.get(post.direction) if index else None
+    other directions apart (posts.keywords keeps them all, as one list),
+    told by the directions' KeywordIndex `keywords`."""
+    pattern = keywords.patterns.get(post.direction) if keywords else None
     found = post.keywords.split(", ")
     own = [w for w in found if pattern is None or pattern.fullmatch(w)]
     other = [w for w in found if w not in own]
@@ -12977,8 +12977,9 @@ def desk_page(conn, desk, page, directions, settings, sources=None, learners=Non
         "" if v is None else str(v) for v in desk.after) if desk.after else None))
     stories = {} if desk.story else story_copies(conn, posts)
     sent = sent_to(conn, [p.id for p in posts if p.status == "approved"])
+    keywords = KeywordIndex(directions) if directions else None
     cards = "".join(card_html(p, page, here, stories.get(p.id), weighed_most(p, learners),
-                              sent.get(p.id, ()), p.id == asked, directions)
+                              sent.get(p.id, ()), p.id == asked, directions, keywords)
                     for p in posts)
     if not cards:
         empty = "empty_filtered" if desk.direction or desk.q or desk.source or \
