@@ -6890,6 +6890,29 @@ def test_a_database_of_the_last_version_counts_by_the_rule_of_this_one(tmp_path)
     assert counts_match_posts(conn) and counted(conn) == {("approved", 5): 1}
 
 
+@postgres_only
+def test_a_postgresql_database_counted_by_another_rule_is_counted_again(home, backend):
+    """Its count function was worded otherwise (the chance that lifts a post
+    over the floor, say): it is made again as this version words it, and
+    its posts counted again under it."""
+    s, db = intake(home, [])
+    conn = db.conn()
+    conn.execute("INSERT INTO sources (slug, url) VALUES ('a', 'http://a/')")
+    for k, likely in enumerate((0.9, 0.7, 0.5, 0.2), start=1):
+        desk_post(conn, 1, k, relevance=5)
+        conn.execute("UPDATE posts SET likely = ? WHERE id = ?", (likely, k))
+    vesti.catch_up_index(conn)
+    assert counts_match_posts(conn)
+    with vesti.transaction(conn):       # as an older version left it
+        conn.execute("UPDATE post_counts SET n = 0")
+        conn.execute("UPDATE post_counts SET n = 4 WHERE status = 'new' AND liked = 1")
+        conn.execute("UPDATE meta SET value = 'older' WHERE key IN "
+                     "('pg_schema', 'pg_ddl:vesti_count_posts')")
+    db.close()
+    conn = vesti.Database(backend).conn()
+    assert counts_match_posts(conn)
+
+
 @both
 def test_search_finds_words_in_any_case_in_russian_and_english(web):
     conn = web.db.conn()
