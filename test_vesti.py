@@ -2479,16 +2479,23 @@ def test_chances_stay_near_the_editors_rate_where_the_words_point_the_wrong_way(
         assert abs(model.likely(features, keywords) - 1 / 3) < 0.05
 
 
-@both
-def test_decisions_that_carry_no_signal_leave_the_desk_as_keywords_made_it(home):
+def space_desk_of_mixed_posts(home, rng):
+    """120 posts of the space direction, of missions, games and festivals
+    alike, of relevance 2 to 8, counted as a worker leaves them: (conn, the
+    posts' ids, the ids on the default desk)."""
     s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10)
     conn = db.conn()
-    rng = random.Random(7)
     texts = MISSIONS + GAMES + FESTIVALS
     posts = [desk_post(conn, wire, k, text=f"{rng.choice(texts)} Item {k}.", direction="space",
                        relevance=rng.choice((2, 3, 5, 8))) for k in range(120)]
-    vesti.index_new_posts(conn)                         # counted, as a worker leaves them
-    before = [p.id for p in vesti.desk_posts(conn, vesti.DeskQuery(direction="space"), 500)]
+    vesti.index_new_posts(conn)
+    return conn, posts, [p.id for p in vesti.desk_posts(conn, vesti.DeskQuery(direction="space"), 500)]
+
+
+@both
+def test_decisions_that_carry_no_signal_leave_the_desk_as_keywords_made_it(home):
+    rng = random.Random(7)
+    conn, posts, before = space_desk_of_mixed_posts(home, rng)
     decided = rng.sample(posts, 30)
     vesti.set_decisions(conn, decided[:18], "approved", "ed")        # 60 %, whatever they say
     vesti.set_decisions(conn, decided[18:], "rejected", "ed")
@@ -2500,6 +2507,30 @@ def test_decisions_that_carry_no_signal_leave_the_desk_as_keywords_made_it(home)
     changed = (set(before) ^ set(after)) & undecided
     assert len(changed) <= 0.15 * len(set(before) & undecided), changed
     assert counts_match_posts(conn)
+
+
+@both
+def test_an_approval_rate_alone_does_not_lift_the_desk(home):
+    """40 decisions at random, 85 % of them approved: enough for a model,
+    but its curve tells nothing apart, so it judges no post. Used, it would
+    give every post about 0.85 and lift those under the relevance floor
+    onto the desk."""
+    rng = random.Random(7)
+    conn, posts, before = space_desk_of_mixed_posts(home, rng)
+    decided = rng.sample(posts, 40)
+    vesti.set_decisions(conn, decided[:34], "approved", "ed")        # whatever they say
+    vesti.set_decisions(conn, decided[34:], "rejected", "ed")
+    learners = vesti.Learners(10).refresh(conn, now=True)
+    assert learners.ready("space") and learners.model("space") is None
+    vesti.judge_every_card(conn, learners, "space")
+    after = [p.id for p in vesti.desk_posts(conn, vesti.DeskQuery(direction="space"), 500)]
+    undecided = set(posts) - set(decided)
+    assert set(before) & undecided == set(after) & undecided
+    assert counts_match_posts(conn)
+    said = cli("learn", cwd=home, env={"VESTI_LEARN_MIN": "10"})
+    assert "; not used: the decisions do not tell posts apart beyond chance yet" in said.stdout, said
+    said = cli("quality", "--direction", "space", cwd=home, env={"VESTI_LEARN_MIN": "10"})
+    assert "they do not tell posts apart beyond chance yet" in said.stdout, said
 
 
 def test_a_chance_is_no_surer_than_the_decisions_it_rests_on(home):

@@ -4586,6 +4586,7 @@ class Model:
         self.background = Background()
         self.elsewhere = Approvals()
         self.scale, self.shift = 1.0, 0.0
+        self.separates = False          # its curve tells its decisions apart (see calibrate)
         self.calibrated_at = -RECALIBRATE     # the decisions it had when last calibrated
         self.expected = {}      # at the last calibration: see expected_by_source
 
@@ -4608,8 +4609,17 @@ class Model:
         self.rejected += not approved
 
     def ready(self, learn_min):
+        """It has the decisions a model needs, to be calibrated (see used)."""
         return self.approved + self.rejected >= learn_min and \
             min(self.approved, self.rejected) >= LEARN_EACH
+
+    def used(self, learn_min):
+        """It judges posts: it is ready, and at its last calibration its curve
+        told the editors' decisions apart beyond chance, or else their
+        approval rate is between LIKELY_LOW and LIKELY_HIGH: chances of
+        about that rate leave the desk's floor as keywords make it."""
+        rate = self.approved / max(1, self.approved + self.rejected)
+        return self.ready(learn_min) and (self.separates or LIKELY_LOW <= rate < LIKELY_HIGH)
 
     def weights(self, features, own=(0, 0)):
         """(weight, feature) of the features seen before: how much each speaks
@@ -4726,6 +4736,7 @@ class Model:
         points = [(score + self.source_weight(features, mine), approved)
                   for score, (features, _, approved), mine in zip(words, decided, own)]
         self.scale, self.shift = fit_chances(points)
+        self.separates = tells_apart(points, self.scale, self.shift)
 
     def expected_by_source(self, decided, words):
         """{source: the share of its decided posts that their words alone
@@ -4793,6 +4804,26 @@ def seen_floor(conn, direction):
 
 
 SCALE_FLOOR = 0.05
+# A model whose editors approve LIKELY_HIGH or more of their decisions (or
+# fewer than LIKELY_LOW) judges posts only once its curve, on the decided
+# posts each judged with its own decision left out, explains the decisions
+# better than that rate alone beyond chance: the likelihood-ratio statistic
+# at least SEPARATION (chi-squared, one degree of freedom, 1 %). Decisions
+# that carry no signal give every post about the editors' rate: one of 85 %
+# would lift every post over the floor; without a model the desk stays as
+# keywords made it (see Model.used).
+SEPARATION = 6.63
+
+
+def tells_apart(points, scale, shift):
+    """Whether the curve (scale, shift) tells the points [(score,
+    approved)] apart beyond chance (see SEPARATION)."""
+    approved = sum(1 for _, yes in points if yes)
+    if not 0 < approved < len(points):
+        return False
+    rate = approved / len(points)
+    alone = -approved * math.log(rate) - (len(points) - approved) * math.log(1 - rate)
+    return 2 * (alone - log_loss(points, scale, shift)) >= SEPARATION
 
 
 def fit_chances(points):
@@ -4843,7 +4874,13 @@ def fit_curve(points, scale=1.0, hold_scale=False):
 def calibration_loss(points, scale, shift):
     """What Model.calibrate makes least: the log loss of its curve on the
     points, and a pull toward no change (CALIBRATION_PULL)."""
-    loss = CALIBRATION_PULL / 2 * ((scale - 1.0) ** 2 + shift ** 2)
+    return CALIBRATION_PULL / 2 * ((scale - 1.0) ** 2 + shift ** 2) + \
+        log_loss(points, scale, shift)
+
+
+def log_loss(points, scale, shift):
+    """The log loss of the curve (scale, shift) on points [(score, approved)]."""
+    loss = 0.0
     for x, approved in points:
         z = max(-30.0, min(30.0, scale * x + shift))
         loss += math.log1p(math.exp(-z)) if approved else math.log1p(math.exp(z))
@@ -4978,9 +5015,14 @@ class Learners:
         return decided
 
     def model(self, direction):
-        """The direction's model when it is ready to be used, else None."""
+        """The direction's model when it is used (Model.used), else None."""
         model = self.models.get(direction)
-        return model if model is not None and model.ready(self.learn_min) else None
+        return model if model is not None and model.used(self.learn_min) else None
+
+    def ready(self, direction):
+        """Whether the direction has the decisions a model needs, used or not."""
+        model = self.models.get(direction)
+        return model is not None and model.ready(self.learn_min)
 
     def likely(self, direction, features, keywords=0):
         model = self.model(direction)
@@ -4988,11 +5030,11 @@ class Learners:
 
     def examples(self, conn, direction, features):
         """[(title, decision)] of the direction's latest decisions most like a
-        post of these features (words in common), when its model is used."""
-        model = self.model(direction)
-        if model is None:
+        post of these features (words in common), once it has the decisions a
+        model needs (used or not: the LLM reads them as examples)."""
+        if not self.ready(direction):
             return []
-        decided = self.latest(conn, model)
+        decided = self.latest(conn, self.models[direction])
         alike = sorted(((len(features & seen) / math.sqrt(len(features) * len(seen) or 1), k)
                         for k, (seen, _, _, _) in enumerate(decided)), reverse=True)
         return [(shorten(decided[k][1], LEARN_EXAMPLE_CHARS), decided[k][3])
@@ -7139,6 +7181,7 @@ def direction_quality(conn, direction, settings, learners):
         "approval_rate": round(approved / len(rows), 3) if rows else None,
         "minimum": {"decisions": QUALITY_MIN_DECISIONS, "held_out": QUALITY_MIN_HELD_OUT},
         "model_used": model is not None, "learn_min": settings.learn_min,
+        "model_ready": learners.ready(direction.id),
         "precision": held_out_precision(rows, learners.background) if len(rows) >= 10 else None,
         "by_relevance": approval_rates(rows, lambda row: row["relevance"]),
         "by_likely": approval_rates(rows, lambda row: None if row["likely"] is None else
@@ -11343,6 +11386,9 @@ STRINGS = {
                   "desk's floor come from it.",
         "q.unused": "No model yet: one is learned from {min} decisions, at least {each} approved "
                     "and {each} rejected; until then the desk is as keywords make it.",
+        "q.no_signal": "A model is learned from these decisions, but they do not tell posts apart "
+                       "beyond chance yet: no card's chance comes from it, and the desk is as "
+                       "keywords make it. This is checked again every {every} decisions.",
         "q.agrees": ("The desk agrees with the editors on {share} % of {n} decision, {kappa} "
                      "beyond chance (Cohen's κ).",
                      "The desk agrees with the editors on {share} % of {n} decisions, {kappa} "
@@ -11593,6 +11639,9 @@ STRINGS = {
                   "карточке и порог отбора.",
         "q.unused": "Модели пока нет: она обучается с {min} решений, среди них не меньше {each} "
                     "одобренных и {each} отклонённых; до тех пор отбор идёт по ключевым словам.",
+        "q.no_signal": "Модель обучена на этих решениях, но они пока не отличают одни посты от "
+                       "других надёжнее случая: вероятности на карточках не от неё, отбор идёт по "
+                       "ключевым словам. Это проверяется снова каждые {every} решений.",
         "q.agrees": ("Отбор согласен с редакторами в {share} % из {n} решения, на {kappa} лучше "
                      "случайного (каппа Коэна, κ).",
                      "Отбор согласен с редакторами в {share} % из {n} решений, на {kappa} лучше "
@@ -13034,6 +13083,7 @@ def card_sentences(card, say):
     else:
         agrees = say("q.agrees", n=n, share=percent(card["agreed"] / n), kappa=f"{card['kappa']:.2f}")
     model = say("q.used") if card["model_used"] else \
+        say("q.no_signal", every=RECALIBRATE) if card["model_ready"] else \
         say("q.unused", min=card["learn_min"], each=LEARN_EACH)
     misses = say("q.misses", n=card["keyword_misses"], decided=card["keyword_misses_decided"],
                  approved=card["keyword_misses_approved"], shown=card["keyword_misses_shown"])
@@ -15884,13 +15934,16 @@ def cmd_reset_dead(args, settings, process):
     return 0
 
 
-def learning_report(conn, learn_min):
-    """Each direction's model as `learn` shows it."""
+def learning_report(conn, learners):
+    """Each direction's model as `learn` shows it: `ready` once it has the
+    decisions a model needs, `used` once it also tells them apart (see
+    Model.used)."""
+    learners.refresh(conn, now=True)
     return [{"direction": row["direction"], "approved": row["approved"],
              "rejected": row["rejected"], "since": row["since"], "updated_at": row["updated_at"],
              "features": row["features"],
-             "used": row["approved"] + row["rejected"] >= learn_min
-             and min(row["approved"], row["rejected"]) >= LEARN_EACH}
+             "ready": learners.ready(row["direction"]),
+             "used": learners.model(row["direction"]) is not None}
             for row in conn.execute("""SELECT l.*, (SELECT count(*) FROM learned_words w
                                            WHERE w.direction = l.direction
                                              AND (w.approved != 0 OR w.rejected != 0)) AS features
@@ -15935,11 +15988,12 @@ def cmd_learn(args, settings, process):
     learn_owed(conn)
     if args.rebuild:
         rebuild_models(conn, settings)
-    report = learning_report(conn, settings.learn_min)
+    report = learning_report(conn, Learners(settings.learn_min))
     if not report:
         print("no decisions learned yet: approve and reject posts on the desk")
     for model in report:
         state = "used" if model["used"] else \
+            "not used: the decisions do not tell posts apart beyond chance yet" if model["ready"] else \
             f"no model yet (needs {settings.learn_min} decisions, {LEARN_EACH} of each)"
         since = f", since {model['since']} UTC" if model["since"] else ""
         print(f"{model['direction']}: {model['approved']} approved, {model['rejected']} rejected, "
