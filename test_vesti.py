@@ -7725,6 +7725,44 @@ def test_cards_from_before_the_model_are_judged_once_the_editor_pauses(home, clo
 
 
 @both
+def test_a_model_no_longer_used_takes_its_chance_off_every_card(home, closing):
+    """An undo leaves the direction short of the decisions a model needs:
+    once the editor pauses, no undecided card keeps a chance from it, the
+    oldest ones included, and the desk is as keywords make it."""
+    write_sources(home / "sources.yaml", [rss_source("wire", "http://wire.example/feed")])
+    web = closing(Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret", VESTI_LEARN_MIN=10)))
+    rescorer = web.app.rescorer
+    rescorer.first, rescorer.limit, rescorer.batch, rescorer.idle = 1, 2, 2, 0.1
+    conn = web.db.conn()
+    wire = source_row(web.db, "wire")["id"]
+    cards = [desk_post(conn, wire, k, text=text, title=text[:40], direction="space",
+                       relevance=4, minute=20 + k) for k, text in enumerate(MISSIONS + GAMES)]
+    undecided = [desk_post(conn, wire, 100 + k, text=text, title=f"Old {k}", direction="space",
+                           relevance=relevance, minute=1 + k)
+                 for k, (text, relevance) in enumerate(zip(MISSIONS + GAMES, [2, 4] * 10))]
+    for post, text in zip(cards, MISSIONS + GAMES):
+        web.post(f"/posts/{post}/status", {"status": "approved" if text in MISSIONS else "rejected",
+                                           "token": web.token()}, headers={"Accept": "application/json"})
+    web.get("/?direction=space")
+
+    def chances():
+        return web.db.conn().execute("SELECT count(*) FROM posts WHERE status = 'new' "
+                                     "AND likely IS NOT NULL").fetchone()[0]
+    wait_for(lambda: chances() == len(undecided), timeout=10)
+    by_keywords = {post for post, relevance in zip(undecided, [2, 4] * 10) if relevance >= 3}
+    assert set(card_ids(web.get("/?direction=space")[2])) != by_keywords
+    games = cards[len(MISSIONS):len(MISSIONS) + 2]
+    for game in games:          # 4 rejections left: short of a model
+        status, _, _ = web.post(f"/posts/{game}/status", {"status": "new", "token": web.token()},
+                                headers={"Accept": "application/json"})
+        assert status == 200
+    web.get("/?direction=space")
+    wait_for(lambda: chances() == 0, timeout=10)
+    assert set(card_ids(web.get("/?direction=space")[2])) == by_keywords | set(games)
+    assert counts_match_posts(web.db.conn())
+
+
+@both
 def test_a_page_after_a_bulk_decision_counts_a_few_and_the_pause_counts_the_rest(home, closing):
     """Thousands of posts rejected at once would hold the next page while
     every decision is counted into the model: the page counts a few and

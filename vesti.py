@@ -5279,6 +5279,23 @@ def unjudged_cards(conn, direction):
                         "AND direction = ? AND liked = -1", (direction,)).fetchone()[0]
 
 
+def forget_chances(conn, direction, limit=None):
+    """Take the chance off up to `limit` (JUDGE_BATCH) undecided cards of a
+    direction whose model is not used (see Model.used, judge_cards): its
+    desk is then as keywords make it. Returns how many."""
+    if not conn.execute("""SELECT 1 FROM post_counts WHERE status = 'new' AND direction = ?
+                               AND liked != -1 AND n > 0 LIMIT 1""", (direction,)).fetchone():
+        return 0
+    ids = [(row[0],) for row in conn.execute(
+        f"""SELECT p.id FROM posts p WHERE p.status = 'new' AND p.classified = {DONE}
+              AND p.direction = ? AND {card('p.')} AND p.likely IS NOT NULL LIMIT ?""",
+        (direction, limit or JUDGE_BATCH))]
+    if ids:
+        with transaction(conn):
+            conn.executemany("UPDATE posts SET likely = NULL WHERE id = ? AND status = 'new'", ids)
+    return len(ids)
+
+
 def take_in_missed(conn, learners, limit=RESCORE_LIMIT):
     """The newest undecided posts no keyword matched that a direction's model
     now wants join that direction, as the worker would classify them now
@@ -5396,12 +5413,18 @@ class Rescorer:
                 learn_owed(conn, LEARN_BATCH)
 
     def judge_unjudged(self, direction):
-        """Judge the direction's cards its model has not judged yet, a batch
-        at a time, letting a page's judging go first between batches."""
+        """Judge the direction's cards its model has not judged yet (while
+        it has no model used: take the chance off every card that has one),
+        a batch at a time, letting a page's judging go first between
+        batches."""
         after = None
         while True:
             with self.lock, self.db.lent():
                 conn = self.db.conn()
+                if self.learners.model(direction) is None:
+                    if not forget_chances(conn, direction, self.batch):
+                        return
+                    continue
                 if after is None and not unjudged_cards(conn, direction):
                     return
                 _, after = judge_cards(conn, self.learners, direction, after, self.batch,
