@@ -2904,7 +2904,7 @@ def migrate_postgres(conn):
                 conn.execute(create, None)
                 set_meta(conn, f"pg_ddl:{name}", digest)
                 # A count function replaced may have counted by another rule until now.
-                recount |= name == "vesti_count_posts" and not fresh
+                recount |= name in ("vesti_count_posts", "posts_counts") and not fresh
         if fresh:
             reindex_posts(conn)
         elif get_meta(conn, INDEXED_TO)[0] is None:
