@@ -15996,7 +15996,7 @@ def rebuild_models(conn, settings):
     progress = Progress("learn --rebuild", decided, "decisions")
     learned = rebuild_learning(conn, progress)
     learners = Learners(settings.learn_min).refresh(conn, now=True)
-    judged = sum(undecided_cards(conn, d) for d in learned if learners.model(d) is not None)
+    judged = sum(undecided_cards(conn, d) for d in learned)
     changed = sum(judge_every_card(conn, learners, direction) for direction in learned)
     joined = take_in_missed(conn, learners)
     progress.finish(f"{many(sum(a + r for a, r in learned.values()), 'decision')} counted in "
