@@ -6922,10 +6922,11 @@ def test_a_database_of_the_last_version_counts_by_the_rule_of_this_one(tmp_path)
 
 
 @postgres_only
-def test_a_postgresql_database_counted_by_another_rule_is_counted_again(home, backend):
-    """Its count function was worded otherwise (the chance that lifts a post
-    over the floor, say): it is made again as this version words it, and
-    its posts counted again under it."""
+@pytest.mark.parametrize("changed", ["vesti_count_posts", "posts_counts"])
+def test_a_postgresql_database_counted_by_another_rule_is_counted_again(home, backend, changed):
+    """Its count function or trigger was worded otherwise (the chance that
+    lifts a post over the floor, say): it is made again as this version
+    words it, and its posts counted again under it."""
     s, db = intake(home, [])
     conn = db.conn()
     conn.execute("INSERT INTO sources (slug, url) VALUES ('a', 'http://a/')")
@@ -6937,8 +6938,8 @@ def test_a_postgresql_database_counted_by_another_rule_is_counted_again(home, ba
     with vesti.transaction(conn):       # as an older version left it
         conn.execute("UPDATE post_counts SET n = 0")
         conn.execute("UPDATE post_counts SET n = 4 WHERE status = 'new' AND liked = 1")
-        conn.execute("UPDATE meta SET value = 'older' WHERE key IN "
-                     "('pg_schema', 'pg_ddl:vesti_count_posts')")
+        conn.execute("UPDATE meta SET value = 'older' WHERE key IN ('pg_schema', ?)",
+                     (f"pg_ddl:{changed}",))
     db.close()
     conn = vesti.Database(backend).conn()
     assert counts_match_posts(conn)
