@@ -2341,6 +2341,40 @@ def decided_space(conn, wire, approved, rejected):
 
 
 @both
+def test_decisions_an_older_release_counted_otherwise_or_not_at_all_are_counted_again(home):
+    """An older release counted the words themselves, not their stems, and
+    an older one still counted no decision: the first process that judges
+    by the models counts every stored decision again, as a decision now
+    would be, and nothing it judges by is of the old words."""
+    s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10)
+    conn = db.conn()
+    decided_space(conn, wire, MISSIONS, GAMES)
+    vesti.Learners(10).refresh(conn, now=True)
+
+    def learned():
+        return (sorted(tuple(r) for r in conn.execute(
+                    "SELECT direction, feature, approved, rejected FROM learned_words")),
+                sorted(tuple(r) for r in conn.execute(
+                    "SELECT direction, approved, rejected FROM learners")))
+    counted = learned()
+    assert counted[1] == [("space", 6, 6)]
+    with vesti.transaction(conn):                   # as the older release left it
+        conn.execute("UPDATE learned_words SET feature = feature || 's' WHERE feature NOT LIKE '@%'")
+        conn.execute("UPDATE meta SET value = 'words-0' WHERE key = 'learn_features'")
+    learners = vesti.Learners(10).refresh(conn, now=True)
+    assert learned() == counted
+    assert 0 < learners.likely("space", vesti.post_features(MISSIONS[0], MISSIONS[0], wire)) < 1
+    with vesti.transaction(conn):                   # decided before learning existed
+        conn.execute("DELETE FROM learned_words")
+        conn.execute("DELETE FROM learners")
+        conn.execute("UPDATE posts SET learned_as = NULL, learned_in = NULL")
+        conn.execute("DELETE FROM meta WHERE key = 'learn_features'")
+    said = cli("learn", cwd=home, env={"VESTI_LEARN_MIN": "10"})
+    assert said.returncode == 0 and "space: 6 approved, 6 rejected" in said.stdout, said
+    assert learned() == counted
+
+
+@both
 def test_a_direction_that_learned_enough_judges_its_posts_and_lifts_what_keywords_missed(home):
     s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10)
     conn = db.conn()
@@ -2583,6 +2617,7 @@ def test_a_model_keeps_a_bounded_number_of_features_however_many_are_decided(hom
     conn = db.conn()
     decided_space(conn, wire, MISSIONS, GAMES)
     again = desk_post(conn, wire, 300, text=MISSIONS[0] + " Again.", direction="space")
+    vesti.Learners(10).refresh(conn, now=True)          # the decisions counted
     noise = [("space", f"noise{k}", 0, 1, 1) for k in range(vesti.MODEL_FEATURES + 5000)]
     vesti.insert_rows(conn, "learned_words (direction, feature, approved, rejected, version)",
                       noise, "ON CONFLICT (direction, feature) DO NOTHING")

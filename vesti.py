@@ -4655,7 +4655,7 @@ class Model:
             wanted, unwanted = counted or (0, 0)
             unwanted += general + elsewhere.counts.get(feature, 0) - mine * wanted
             if counted is not None:     # one the model dropped (seen_floor) holds no decision
-                wanted, unwanted = wanted - own[0], unwanted - own[1]
+                wanted, unwanted = max(0, wanted - own[0]), max(0, unwanted - own[1])
             if wanted + unwanted <= 0:
                 continue            # never seen but in this post: it says nothing
             share = (wanted + unwanted + 1) / (everything + 2)
@@ -4910,6 +4910,7 @@ class Learners:
         self.approvals = Approvals()    # of every model this process holds
         self.decided = {}           # direction: (its model's version, latest())
         self.features = {}          # direction: {post id: features} of its latest decisions
+        self.features_checked = False   # see relearn_if_features_changed
 
     def refresh(self, conn, now=False, owed=None):
         """Read what changed, once the decisions still owed are counted (at
@@ -4918,6 +4919,9 @@ class Learners:
             if not now and time.monotonic() - self.checked < LEARN_REFRESH:
                 return self
             self.checked = time.monotonic()
+            if not self.features_checked and not conn.in_transaction:
+                relearn_if_features_changed(conn)
+                self.features_checked = True
             if not conn.in_transaction and owes_learning(conn):
                 learn_owed(conn, owed)
             rows = conn.execute("SELECT direction, approved, rejected, version, epoch, since "
@@ -5173,6 +5177,36 @@ def owes_learning(conn):
     return conn.execute("SELECT 1 FROM learn_pending LIMIT 1").fetchone() is not None
 
 
+# How a post's features are made (post_features, stems): counts made
+# another way, by an older release, are of other words. A database whose
+# meta 'learn_features' is not this one (or has none: its decisions may
+# predate learning) has every decision counted again.
+LEARN_FEATURES = "stems-1"
+
+
+def relearn_if_features_changed(conn):
+    """Once per change of LEARN_FEATURES: forget the models' counts and what
+    the news in general was counted as, and note every decided card in
+    learn_pending, to be counted as any decision is (learn_owed), a batch
+    at a time, by the processes that judge by the models."""
+    if get_meta(conn, "learn_features")[0] == LEARN_FEATURES:
+        return
+    with transaction(conn):
+        if get_meta(conn, "learn_features")[0] == LEARN_FEATURES:
+            return                  # another process did it meanwhile
+        conn.execute("DELETE FROM learned_words")
+        conn.execute("DELETE FROM learn_pending")
+        conn.execute("UPDATE learners SET approved = 0, rejected = 0, version = 0, "
+                     "epoch = epoch + 1, since = NULL")
+        conn.execute("UPDATE posts SET learned_as = NULL, learned_in = NULL "
+                     "WHERE learned_as IS NOT NULL")
+        conn.execute(f"""INSERT INTO learn_pending (post_id)
+                         SELECT p.id FROM posts p WHERE p.status IN ('approved', 'rejected')
+                           AND p.direction IS NOT NULL AND {card('p.')}""")
+        delete_meta(conn, "learn_background_counts")
+        set_meta(conn, "learn_features", LEARN_FEATURES)
+
+
 @redoable
 def rebuild_learning(conn, progress=None):
     """Count every direction's model again from the stored decisions (in one
@@ -5198,6 +5232,8 @@ def rebuild_learning(conn, progress=None):
                 progress.step(count=len(rows))
         conn.execute("""UPDATE learners SET since = (SELECT min(decided_at) FROM posts p
                             WHERE p.learned_in = learners.direction)""")
+        delete_meta(conn, "learn_background_counts")
+        set_meta(conn, "learn_features", LEARN_FEATURES)
         return {row[0]: (row[1], row[2]) for row in conn.execute(
             "SELECT direction, approved, rejected FROM learners ORDER BY direction")}
 
