@@ -4385,7 +4385,9 @@ LEARN_EXAMPLES_FROM = 300
 BACKGROUND_POSTS = 1000
 BACKGROUND_REFRESH = 600
 CALIBRATION_PULL = 0.01
-# A model's curve is fitted again once its decisions changed by this many.
+# A model's curve is fitted again whenever its decisions reach another
+# multiple of this: at the same counts in every process, so that they agree
+# on whether it is used (Model.used).
 RECALIBRATE = 5
 LEARN_SMOOTHING = 100
 # A feature's weight counts seen / (seen + WEIGHT_SHRINK) of itself, seen
@@ -4587,7 +4589,7 @@ class Model:
         self.elsewhere = Approvals()
         self.scale, self.shift = 1.0, 0.0
         self.separates = False          # its curve tells its decisions apart (see calibrate)
-        self.calibrated_at = -RECALIBRATE     # the decisions it had when last calibrated
+        self.calibrated_at = None       # the decisions it had when last calibrated
         self.expected = {}      # at the last calibration: see expected_by_source
 
     def set(self, feature, approved, rejected):
@@ -4615,11 +4617,8 @@ class Model:
 
     def used(self, learn_min):
         """It judges posts: it is ready, and at its last calibration its curve
-        told the editors' decisions apart beyond chance, or else their
-        approval rate is between LIKELY_LOW and LIKELY_HIGH: chances of
-        about that rate leave the desk's floor as keywords make it."""
-        rate = self.approved / max(1, self.approved + self.rejected)
-        return self.ready(learn_min) and (self.separates or LIKELY_LOW <= rate < LIKELY_HIGH)
+        told the editors' decisions apart beyond chance (tells_apart)."""
+        return self.ready(learn_min) and self.separates
 
     def weights(self, features, own=(0, 0)):
         """(weight, feature) of the features seen before: how much each speaks
@@ -4804,12 +4803,11 @@ def seen_floor(conn, direction):
 
 
 SCALE_FLOOR = 0.05
-# A model whose editors approve LIKELY_HIGH or more of their decisions (or
-# fewer than LIKELY_LOW) judges posts only once its curve, on the decided
-# posts each judged with its own decision left out, explains the decisions
-# better than that rate alone beyond chance: the likelihood-ratio statistic
+# A model judges posts only once its curve, on the decided posts each judged
+# with its own decision left out, explains the decisions better than the
+# editors' approval rate alone beyond chance: the likelihood-ratio statistic
 # at least SEPARATION (chi-squared, one degree of freedom, 1 %). Decisions
-# that carry no signal give every post about the editors' rate: one of 85 %
+# that carry no signal give every post about that rate, and one of 85 %
 # would lift every post over the floor; without a model the desk stays as
 # keywords made it (see Model.used).
 SEPARATION = 6.63
@@ -4935,8 +4933,9 @@ class Learners:
                 if model is None or model.epoch != row["epoch"]:
                     model = self.models[row["direction"]] = Model(row["direction"])
                     model.epoch, replaced = row["epoch"], True
-                if model.background is not self.background or \
-                        abs(row["approved"] + row["rejected"] - model.calibrated_at) >= RECALIBRATE:
+                if model.background is not self.background or model.calibrated_at is None or \
+                        (row["approved"] + row["rejected"]) // RECALIBRATE != \
+                        model.calibrated_at // RECALIBRATE:
                     recalibrate.append(model)
                 if model.version != row["version"]:
                     self.read_counts(conn, model, approvals)
@@ -11446,8 +11445,8 @@ STRINGS = {
         "q.unused": "No model yet: one is learned from {min} decisions, at least {each} approved "
                     "and {each} rejected; until then the desk is as keywords make it.",
         "q.no_signal": "A model is learned from these decisions, but they do not tell posts apart "
-                       "beyond chance yet: no card's chance comes from it, and the desk is as "
-                       "keywords make it. This is checked again every {every} decisions.",
+                       "beyond chance: no card's chance comes from it, and the desk is as keywords "
+                       "make it. This is checked again every {every} decisions.",
         "q.agrees": ("The desk agrees with the editors on {share} % of {n} decision, {kappa} "
                      "beyond chance (Cohen's κ).",
                      "The desk agrees with the editors on {share} % of {n} decisions, {kappa} "
@@ -11698,8 +11697,8 @@ STRINGS = {
                   "карточке и порог отбора.",
         "q.unused": "Модели пока нет: она обучается с {min} решений, среди них не меньше {each} "
                     "одобренных и {each} отклонённых; до тех пор отбор идёт по ключевым словам.",
-        "q.no_signal": "Модель обучена на этих решениях, но они пока не отличают одни посты от "
-                       "других надёжнее случая: вероятности на карточках не от неё, отбор идёт по "
+        "q.no_signal": "Модель обучена на этих решениях, но они не отличают одни посты от других "
+                       "надёжнее случая: вероятности на карточках не от неё, отбор идёт по "
                        "ключевым словам. Это проверяется снова каждые {every} решений.",
         "q.agrees": ("Отбор согласен с редакторами в {share} % из {n} решения, на {kappa} лучше "
                      "случайного (каппа Коэна, κ).",
@@ -16052,7 +16051,8 @@ def cmd_learn(args, settings, process):
         print("no decisions learned yet: approve and reject posts on the desk")
     for model in report:
         state = "used" if model["used"] else \
-            "not used: the decisions do not tell posts apart beyond chance yet" if model["ready"] else \
+            f"not used: its decisions do not tell posts apart beyond chance (checked every " \
+            f"{RECALIBRATE} decisions)" if model["ready"] else \
             f"no model yet (needs {settings.learn_min} decisions, {LEARN_EACH} of each)"
         since = f", since {model['since']} UTC" if model["since"] else ""
         print(f"{model['direction']}: {model['approved']} approved, {model['rejected']} rejected, "
