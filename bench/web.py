@@ -931,8 +931,8 @@ def restore_posts(db, rows):
         if "learners" in tables:
             conn.execute("DELETE FROM learners")
             conn.execute("DELETE FROM learned_words")
-            conn.executemany("UPDATE posts SET learned_as = NULL, learned_in = NULL WHERE id = ?",
-                             [(i,) for i, *_ in rows])
+            conn.execute("UPDATE posts SET learned_as = NULL, learned_in = NULL "
+                         "WHERE learned_as IS NOT NULL")
         if "learn_pending" in tables:
             conn.execute("DELETE FROM learn_pending")
         conn.execute("COMMIT")
