@@ -8741,6 +8741,16 @@ def test_the_settings_account_stays_an_admin_whoever_tries_to_demote_it(home, cl
     assert "anna: editor, 0 sessions" in listed
 
 
+def test_user_list_before_the_first_serve_says_where_the_admins_password_comes_from(home):
+    intake(home, [])
+    listed = cli("user", "list", cwd=home, env={"VESTI_WEB_PASSWORD": "s3cret"}).stdout
+    assert "admin: admin (VESTI_WEB_USER, by the settings; password: VESTI_WEB_PASSWORD's, " \
+        "taken in by the next serve or run)" in listed and "s3cret" not in listed
+    listed = cli("user", "list", cwd=home).stdout
+    assert "admin: admin (VESTI_WEB_USER, by the settings; password: none yet: serve or run " \
+        "makes one)" in listed
+
+
 def test_a_wrong_password_costs_the_same_check_whatever_the_name(web, monkeypatch):
     newsroom(web)
     checked = []

@@ -16247,8 +16247,10 @@ def cmd_user(args, settings, process):
     if args.action == "list":
         users = list_users(conn)
         if not any(user["settings"] and not user["disabled"] for user in users):
+            password = "VESTI_WEB_PASSWORD's, taken in by the next serve or run" \
+                if settings.web_password else "none yet: serve or run makes one"
             print(f"{settings.web_user}: admin (VESTI_WEB_USER, by the settings; "
-                  f"no password yet: serve or run makes one)")
+                  f"password: {password})")
         for user in users:
             print(f"{user['name']}: {user['role']}{', disabled' if user['disabled'] else ''}"
                   f"{' (VESTI_WEB_USER, by the settings)' if user['settings'] else ''}, "
