@@ -8714,6 +8714,24 @@ def test_the_settings_accounts_sessions_end_when_its_password_or_name_changes(ho
     assert rows["admin"]["settings"] == 0
 
 
+def test_an_older_releases_admin_account_keeps_its_sessions_when_its_password_is_the_settings(
+        home, closing):
+    web = closing(Web(home))
+    cookie = session_of(login(web, "admin", "s3cret")[1])
+    web.db.conn().execute("UPDATE users SET settings = 0 WHERE name = 'admin'")  # as it was left
+    web = closing(Web(home))                                    # the new release starts
+    assert web.get("/", auth=False, headers=cookie)[0] == 200
+    assert vesti.find_user(web.db.conn(), "admin")["settings"] == 1
+    web.db.conn().execute("UPDATE users SET settings = 0 WHERE name = 'admin'")
+    web = closing(Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="n3w-secret"),
+                      password="n3w-secret"))
+    assert web.get("/", auth=False, headers={**cookie, **PAGE})[0] == 303
+    said = [row[0] for row in web.db.conn().execute(
+        "SELECT detail FROM events WHERE subject = 'user:admin' ORDER BY id")]
+    assert said[-2:] == ["VESTI_WEB_USER's account now, with the password it had",
+                         "the settings' password changed; 1 session ended"], said
+
+
 def test_the_settings_account_stays_an_admin_whoever_tries_to_demote_it(home, closing):
     """SPEC: VESTI_WEB_USER remains an admin account. Not demoted by another
     admin, nor by itself under its name in other letters, nor by `user role`;

@@ -5857,6 +5857,10 @@ def add_user(conn, name, role, password, who, address):
         record_event(conn, who, address, "user add", f"user:{name}", f"role {role}")
 
 
+def sessions_ended(count):
+    return f"{count} session{'' if count == 1 else 's'} ended"
+
+
 def keep_settings_account(conn, name, password=None, kept=None):
     """The VESTI_WEB_USER account as a row like any other, an admin whose
     hash is that of the settings' password (VESTI_WEB_PASSWORD, or `kept`,
@@ -5870,10 +5874,13 @@ def keep_settings_account(conn, name, password=None, kept=None):
                           ORDER BY name = ? DESC, settings DESC, name LIMIT 1""",
                        (user_key(name), name)).fetchone()
     name = name if row is None else row["name"]
-    same = row is not None and row["settings"] and not row["disabled"] and (
+    # Its password is the settings' already (an older release's account of
+    # that name, say): its hash and sessions stay.
+    kept_password = row is not None and (
         row["password_hash"] == kept if password is None else
         password_matches(password, row["password_hash"]))
-    new_hash = kept if password is None else \
+    same = kept_password and row["settings"] and not row["disabled"]
+    new_hash = row["password_hash"] if kept_password else kept if password is None else \
         password_hash(password, conn.process.password_cost)
     with transaction(conn):
         for old in conn.execute("SELECT name, disabled FROM users WHERE settings = 1 "
@@ -5898,10 +5905,13 @@ def keep_settings_account(conn, name, password=None, kept=None):
                                 password_hash = excluded.password_hash, settings = 1,
                                 password_changed_at = excluded.password_changed_at""",
                          (name, user_key(name), new_hash, utc_text(), utc_text()))
-            if row is not None:
+            if row is not None and not kept_password:
                 ended = conn.execute("DELETE FROM sessions WHERE user_name = ?", (name,)).rowcount
                 record_event(conn, "settings", "local", "user change", f"user:{name}",
-                             f"the settings' password changed; {ended} sessions ended")
+                             f"the settings' password changed; {sessions_ended(ended)}")
+            elif row is not None:
+                record_event(conn, "settings", "local", "user change", f"user:{name}",
+                             "VESTI_WEB_USER's account now, with the password it had")
         return conn.execute("SELECT * FROM users WHERE name = ?", (name,)).fetchone()
 
 
@@ -5936,7 +5946,7 @@ def change_user(conn, name, who, address, password=None, role=None, disabled=Non
         if kept is not None or disabled:
             ended = conn.execute("DELETE FROM sessions WHERE user_name = ?", (name,)).rowcount
             if ended:
-                said.append(f"{ended} sessions ended")
+                said.append(sessions_ended(ended))
         if said:
             record_event(conn, who, address, "user change", f"user:{name}", "; ".join(said))
         return find_user(conn, name)
