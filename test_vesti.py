@@ -794,6 +794,31 @@ def wait_out_the_lock(holder, child, err):
     assert holder.wait(timeout=10) == 0
 
 
+def test_a_lock_of_a_moment_is_waited_out_without_a_warning(tmp_path, caplog):
+    """SQLite answers some statements "database is locked" at once (another
+    connection of the process switching the file to WAL as it opens): a
+    few such answers in a row are no episode to warn of; a second of them is."""
+    conn = vesti.connect(str(tmp_path / "vesti.db"))
+    answers = iter([True] * 3 + [False])
+
+    def locked_a_moment(sql, parameters):
+        if next(answers):
+            raise sqlite3.OperationalError("database is locked")
+        return "done"
+    with caplog.at_level(logging.WARNING, logger="vesti"):
+        assert conn._retrying(locked_a_moment, "SELECT 1", ()) == "done"
+    assert not [r for r in caplog.records if "is locked" in r.getMessage()]
+    until = time.monotonic() + vesti.BUSY_GRACE + 0.2
+
+    def locked_a_while(sql, parameters):
+        if time.monotonic() < until:
+            raise sqlite3.OperationalError("database is locked")
+        return "done"
+    with caplog.at_level(logging.WARNING, logger="vesti"):
+        assert conn._retrying(locked_a_while, "SELECT 1", ()) == "done"
+    assert len([r for r in caplog.records if "is locked" in r.getMessage()]) == 1
+
+
 @pytest.mark.slow
 def test_a_forever_worker_waits_out_a_database_locked_past_the_busy_timeout(home, closing):
     s, db, _ = worker_home(home, "")

@@ -1177,6 +1177,15 @@ STORAGE_MESSAGES = ("database or disk is full", "disk i/o error", "disk image is
                     "file is not a database", "readonly database",
                     "unable to open database file", "out of memory")
 
+# SQLite answers some statements "database is locked" at once, without
+# waiting out its busy timeout: another connection of the same process
+# switching the file to WAL as it opens, a read turning into a write after
+# another's write. Such a wait passes in milliseconds; one is said (as the
+# database locked by another process) only once its statement has waited
+# BUSY_GRACE seconds.
+BUSY_GRACE = 1.0
+
+
 def is_busy(error):
     """True for 'database is locked': another connection holds the lock."""
     name = getattr(error, "sqlite_errorname", None) or ""
@@ -1306,7 +1315,7 @@ class Connection(sqlite3.Connection):
         if SQL_LOG.isEnabledFor(logging.DEBUG):
             started = time.perf_counter()
             parameters = list(parameters) if many else parameters    # read again by the log
-        waiting = False
+        waiting, began = False, time.monotonic()
         try:
             while True:
                 try:
@@ -1317,7 +1326,7 @@ class Connection(sqlite3.Connection):
                     if self.process.stopping.is_set():
                         raise StorageError(f"{self.path}: {e}; stopped waiting for it "
                                            f"since the process is stopping") from None
-                    if not waiting:
+                    if not waiting and time.monotonic() - began >= BUSY_GRACE:
                         waiting = True
                         self.process.busy.enter(self.path)
                     time.sleep(0.05)
