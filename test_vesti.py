@@ -2400,6 +2400,42 @@ def test_decisions_an_older_release_counted_otherwise_or_not_at_all_are_counted_
 
 
 @both
+def test_after_an_upgrade_the_page_judges_every_card_by_the_counts_made_anew(home):
+    """An older release's chances are of its own counts: `serve` (and
+    `run`), once started, counts the decisions anew and judges every
+    undecided card by what they now say, with no decision or page asked
+    for. Meanwhile no card keeps an older chance."""
+    s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10, VESTI_WEB_PASSWORD="s3cret")
+    conn = db.conn()
+    decided_space(conn, wire, MISSIONS, GAMES)
+    for k, text in enumerate(MISSIONS + GAMES):                    # undecided, new and old
+        desk_post(conn, wire, 400 + k, text=text, title=text[:30], direction="space",
+                  minute=k if k % 2 else 600 + k)
+    learners = vesti.Learners(10).refresh(conn, now=True)
+    assert learners.model("space") is not None
+    with vesti.transaction(conn):                   # as the older release left it
+        conn.execute("UPDATE learned_words SET feature = feature || 's' WHERE feature NOT LIKE '@%'")
+        conn.execute("UPDATE meta SET value = 'words-0' WHERE key = 'learn_features'")
+        conn.execute("UPDATE posts SET likely = 0.99 WHERE status = 'new'")
+    server = vesti.start_web(db, s, registry, "127.0.0.1", 0)
+    try:
+        def chances():
+            return dict(conn.execute("SELECT id, likely FROM posts WHERE status = 'new'"))
+        wait_for(lambda: 0.99 not in chances().values() and None not in chances().values(),
+                 state=chances)
+    finally:
+        server.shutdown()
+        server.server_close()
+    fresh = vesti.Learners(10).refresh(conn, now=True)
+    for row in conn.execute("SELECT id, title, text, source_id, keywords, likely FROM posts "
+                            "WHERE status = 'new'"):
+        features = vesti.post_features(row["title"], row["text"][:vesti.LEARN_CHARS],
+                                       row["source_id"], row["id"])
+        assert row["likely"] == pytest.approx(
+            fresh.likely("space", features, vesti.keyword_count(row["keywords"])))
+
+
+@both
 def test_a_direction_that_learned_enough_judges_its_posts_and_lifts_what_keywords_missed(home):
     s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10)
     conn = db.conn()
@@ -2601,6 +2637,7 @@ def test_every_third_decision_the_desk_asks_about_the_card_the_model_is_least_su
     wire = lwn(web)
     web.settings = web.settings.replace(learn_min=10)
     decided_space(conn, wire, MISSIONS, GAMES)                # 12 decisions: 12 % 3 == 0
+    vesti.relearn_if_features_changed(conn)                 # of this release: chances kept
     cards = [desk_post(conn, wire, 600 + k, text=text, direction="space", minute=600 + k)
              for k, text in enumerate(MISSIONS + GAMES)]
     conn.execute("UPDATE posts SET likely = 0.9 WHERE id IN (%s)" % ",".join(map(str, cards[:6])))
@@ -8005,6 +8042,7 @@ def test_the_report_card_says_what_learning_changed_on_the_desk_this_week(home, 
     s, db = rocket_desk(home)
     conn = db.conn()
     wire = source_row(db, "wire")["id"]
+    vesti.relearn_if_features_changed(conn)                 # of this release: chances kept
 
     def post(k, relevance, likely, status="new", published=ago(3600)):
         post = desk_post(conn, wire, 300 + k, relevance=relevance, direction="space",

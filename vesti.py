@@ -5193,10 +5193,11 @@ LEARN_FEATURES = "stems-1"
 
 
 def relearn_if_features_changed(conn):
-    """Once per change of LEARN_FEATURES: forget the models' counts and what
-    the news in general was counted as, and note every decided card in
-    learn_pending, to be counted as any decision is (learn_owed), a batch
-    at a time, by the processes that judge by the models."""
+    """Once per change of LEARN_FEATURES: forget the models' counts, what
+    the news in general was counted as and the undecided cards' chances,
+    and note every decided card in learn_pending, to be counted as any
+    decision is (learn_owed), a batch at a time, by the processes that
+    judge by the models."""
     if get_meta(conn, "learn_features")[0] == LEARN_FEATURES:
         return
     with transaction(conn):
@@ -5208,6 +5209,9 @@ def relearn_if_features_changed(conn):
                      "epoch = epoch + 1, since = NULL")
         conn.execute("UPDATE posts SET learned_as = NULL, learned_in = NULL "
                      "WHERE learned_as IS NOT NULL")
+        # The older counts' chances: the desk is as keywords make it until
+        # the counts are made again and judge the cards (Rescorer.catch_up).
+        conn.execute("UPDATE posts SET likely = NULL WHERE status = 'new' AND likely IS NOT NULL")
         conn.execute(f"""INSERT INTO learn_pending (post_id)
                          SELECT p.id FROM posts p WHERE p.status IN ('approved', 'rejected')
                            AND p.direction IS NOT NULL AND {card('p.')}""")
@@ -5378,7 +5382,8 @@ class Rescorer:
     of its own once no decision came for `idle` seconds. Of the decisions
     owed to the models (see learn_owed), a page counts `owed` at most before
     it answers (a bulk decision of thousands would hold it a minute); the
-    rest are counted once the editor pauses, a batch at a time."""
+    rest are counted once the editor pauses, a batch at a time. As the
+    page starts, every direction is judged so (catch_up)."""
     first = 100
     owed = 100
     limit = RESCORE_LIMIT
@@ -5388,6 +5393,7 @@ class Rescorer:
     def __init__(self, db, learners):
         self.db, self.learners = db, learners
         self.stale, self.later = set(), set()
+        self.everything = False         # see catch_up
         self.last_decision, self.thread = 0.0, None
         self.lock = threading.Lock()        # one judging at a time
         self.changed = threading.Lock()     # guards the sets and the thread
@@ -5396,6 +5402,21 @@ class Rescorer:
         with self.changed:
             self.stale.update(d for d in directions if d)
             self.last_decision = time.monotonic()
+
+    def catch_up(self):
+        """As the page starts, in the thread of `run`: count the decisions
+        owed to the models (every one, after an upgrade that counts them
+        anew; those of a process stopped before it counted them) and judge
+        every direction's cards by the models as they then are."""
+        with self.changed:
+            self.everything = True
+            self.start()
+
+    def start(self):
+        """In self.changed: the thread of `run`, unless it runs already."""
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.run, name="rescore", daemon=True)
+            self.thread.start()
 
     def wait(self, direction=None):
         """Judge the newest cards of `direction` (None: of every direction)
@@ -5414,26 +5435,30 @@ class Rescorer:
             take_in_missed(conn, learners, self.first)
         with self.changed:
             self.later |= {d for d in due if d in self.learners.models}
-            if self.later and self.thread is None:
-                self.thread = threading.Thread(target=self.run, name="rescore", daemon=True)
-                self.thread.start()
+            if self.later:
+                self.start()
 
     def run(self):
         """The rest, once the editor has paused."""
         while True:
             with self.changed:
                 idle = time.monotonic() - self.last_decision
-                if not self.later:
+                if not self.later and not self.everything:
                     self.thread = None
                     return
                 if idle >= self.idle:
                     directions, self.later = sorted(self.later), set()
+                    everything, self.everything = self.everything, False
                 else:
                     directions = None
             if directions is None:
                 time.sleep(self.idle - idle)
                 continue
             try:
+                if everything:      # first what changed since the last process, if anything
+                    with self.lock, self.db.lent():
+                        self.learners.refresh(self.db.conn(), now=True, owed=0)
+                    directions = sorted(set(directions) | set(self.learners.models))
                 self.count_owed()
                 with self.lock, self.db.lent():
                     conn = self.db.conn()
@@ -15934,6 +15959,7 @@ def start_web(db, settings, registry, host=None, port=None):
     # Made once the page can be served: a port in use makes no password unseen.
     generated = app.make_password()
     threading.Thread(target=server.serve_forever, name="web", daemon=True).start()
+    app.rescorer.catch_up()
     announce_web(server, settings, generated)
     return server
 
