@@ -8978,6 +8978,35 @@ def test_user_names_are_letters_of_any_script_and_unique_whatever_their_case(web
     assert vesti.find_user(conn, "анна")["disabled"] == 1
 
 
+@both
+def test_accounts_an_older_release_let_differ_only_in_case_are_named_with_what_to_do(home):
+    """An older release let "anna" and "Anna" both be made: each still signs
+    in by its own name, and `user list` names the pair and what to do."""
+    s, db = intake(home, [])
+    conn = db.conn()
+    vesti.add_user(conn, "anna", "editor", "anna-password", "test", "local")
+    vesti.add_user(conn, "vera", "editor", "vera-password", "test", "local")
+    kept = vesti.find_user(conn, "anna")["password_hash"]
+    with vesti.transaction(conn):                   # as the older release made it
+        conn.execute("INSERT INTO users (name, name_key, role, password_hash) VALUES (?, ?, ?, ?)",
+                     ("Anna", "anna", "viewer", kept))
+    web = Web(home, settings=s)
+    try:
+        assert web.get("/", auth=False, headers=basic("anna", "anna-password"))[0] == 200
+        assert web.get("/", auth=False, headers=basic("Anna", "anna-password"))[0] == 200
+    finally:
+        web.close()
+    [first] = [name for name in ("Anna", "anna") if vesti.find_user(conn, "ANNA")["name"] == name]
+    listed = cli("user", "list", cwd=home).stdout
+    said = [line for line in listed.splitlines() if "differ only" in line]
+    assert said == [f"the accounts {', '.join(sorted({'Anna', 'anna'}, key=lambda n: n != first))} "
+                    f"differ only in how their names are written: each signs in only by its name "
+                    f"exactly as written here, any other spelling as {first}; keep one and disable "
+                    f"the others (user disable NAME)"], listed
+    cli("user", "disable", "Anna", cwd=home)
+    assert vesti.find_user(conn, "Anna")["disabled"] and not vesti.find_user(conn, "anna")["disabled"]
+
+
 def test_russian_pages_say_a_sources_state_its_runs_and_the_audit_in_russian(web):
     conn = web.db.conn()
     run = vesti.start_run(conn, lwn(web), "rss", "schedule")

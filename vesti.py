@@ -2689,6 +2689,23 @@ def plain_publication_texts(conn):
 def user_keys(conn):
     for row in conn.execute("SELECT name FROM users").fetchall():
         conn.execute("UPDATE users SET name_key = ? WHERE name = ?", (user_key(row[0]), row[0]))
+    for names in same_name_keys(conn):
+        log.warning("%s", same_names_said(names))
+
+
+def same_name_keys(conn):
+    """[[name, ...]] of accounts whose names only case (or another way of
+    writing a letter) tells apart: an older release let them be made."""
+    groups = collections.defaultdict(list)
+    for name, key in conn.execute("SELECT name, name_key FROM users ORDER BY name"):
+        groups[key].append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def same_names_said(names):
+    return (f"the accounts {', '.join(names)} differ only in how their names are written: "
+            f"each signs in only by its name exactly as written here, any other spelling as "
+            f"{names[0]}; keep one and disable the others (user disable NAME)")
 
 
 # ... once its item (the post as approved) is kept, a publication's text is
@@ -16301,6 +16318,8 @@ def cmd_user(args, settings, process):
                   f"{' (VESTI_WEB_USER, by the settings)' if user['settings'] else ''}, "
                   f"{user['sessions']} session{'' if user['sessions'] == 1 else 's'}, "
                   f"since {user['created_at'] or '-'} UTC")
+        for names in same_name_keys(conn):
+            print(same_names_said(names))
         for kind, key, until in sign_in_locks(conn):
             print(f"sign-ins refused for the {kind} {key} until {utc_text(until)} UTC "
                   f"(too many wrong passwords)")
