@@ -2283,6 +2283,14 @@ def test_words_are_learned_by_their_stems_and_function_words_not_at_all():
     assert {"see", "sure", "vote", "count"} <= cut and not {"ll", "re", "didn"} & cut
     assert vesti.reason_words(["elect", "elect result"], "The elections",
                               "Election results are in") == ["elections", "election results"]
+    # The source's name in its feed's boilerplate is the source once; the
+    # next reason takes its place among the four.
+    assert vesti.reason_words(["@3", "copi", "slashdot", "surpris", "taskbar", "dock"],
+                              "Taskbar copies", "It copies the Dock, surprising all. Read more "
+                              "of this story at Slashdot.", "Slashdot") == \
+        ["Slashdot", "copies", "surprising", "taskbar"]
+    assert vesti.reason_words(["golem", "linux"], "Linux", "Golem: Linux", "Golem.de") == \
+        ["Golem.de", "linux"]
 
 
 @both

@@ -4776,20 +4776,23 @@ class Model:
         return {source: sum(shares) / len(shares) for source, shares in chances.items()}
 
     def reasons(self, features, likely):
-        """The features that weighed most toward its verdict, heaviest first:
-        its source when that weighs more than any word."""
+        """The features that weighed most toward its verdict, heaviest first
+        (twice LEARN_REASONS of them: see reason_words): its source when
+        that weighs more than any word."""
         toward = 1 if likely >= LIKELY_FLOOR else -1
         weights = [(toward * w, f) for w, f in self.weights(features) if toward * w > 0]
         source = self.source_weight(features)
         if toward * source > 0:
             weights.append((toward * source, next(f for f in features if f[0] == "@")))
-        return [feature for _, feature in sorted(weights, reverse=True)[:LEARN_REASONS]]
+        return [feature for _, feature in sorted(weights, reverse=True)[:2 * LEARN_REASONS]]
 
 
 def reason_words(reasons, title, text, source=None):
-    """A card's reasons (Model.reasons) in the post's own words: each stem as
-    the word of the post it stands for, a pair as the two words, the source
-    by `source` (its name)."""
+    """The first LEARN_REASONS of a card's reasons (Model.reasons) in the
+    post's own words: each stem as the word of the post it stands for, a
+    pair as the two words, the source by `source` (its name), each said
+    once. The source's own name as a word ("Read more at Slashdot") is
+    the source said again."""
     lead = f"{title or ''}\n{(text or '')[:LEARN_CHARS]}".casefold()
     dropped, said = function_stems(), {}
     found = LEARN_WORD.findall(lead)[:LEARN_WORDS]
@@ -4798,8 +4801,16 @@ def reason_words(reasons, title, text, source=None):
         said.setdefault(root, word)
         if after is not None:
             said.setdefault(f"{root} {after[1]}", f"{word} {after[0]}")
-    return [source or reason if reason[0] == "@" else said.get(reason, reason)
-            for reason in reasons]
+    name = LEARN_WORD.findall((source or "").casefold())
+    long = [word for word in name if len(word) > 2]
+    named = {"".join(name), *(long if len(long) == 1 else ())}     # "Golem.de": golem
+    shown = {}
+    for reason in reasons:
+        word = said.get(reason, reason)
+        if reason[0] == "@" or word in named:
+            word = source or reason
+        shown.setdefault(word.casefold(), word)
+    return list(shown.values())[:LEARN_REASONS]
 
 
 def binomial_tail(successes, trials, rate):
