@@ -2367,11 +2367,11 @@ def space_home(home, **settings):
     return s, db, vesti.load_registry(s.sources), source_row(db, "wire")["id"]
 
 
-def decided_space(conn, wire, approved, rejected):
+def decided_space(conn, wire, approved, rejected, start=100):
     """Classified posts of direction space, decided by an editor."""
     ids = []
     for k, text in enumerate(approved + rejected):
-        ids.append(desk_post(conn, wire, 100 + k, text=text, title=text[:30], direction="space"))
+        ids.append(desk_post(conn, wire, start + k, text=text, title=text[:30], direction="space"))
     vesti.set_decisions(conn, ids[:len(approved)], "approved", "ed")
     vesti.set_decisions(conn, ids[len(approved):], "rejected", "ed")
 
@@ -7892,6 +7892,8 @@ def test_the_report_card_says_how_the_classifier_agrees_with_the_editors(home, c
     s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10, VESTI_WEB_PASSWORD="s3cret")
     conn = db.conn()
     decided_space(conn, wire, MISSIONS, GAMES)
+    decided_space(conn, wire, [m + " Again." for m in MISSIONS], [g + " Again." for g in GAMES],
+                  start=150)                     # enough to tell apart despite the game below
     add_posts(conn, 1, source_id=wire, start=500, text="Rocket League <b>esports</b> game final.")
     add_posts(conn, 1, source_id=wire, start=501, text="The space agency launched a rocket.")
     add_posts(conn, 1, source_id=wire, start=502, text="The space agency said its spacecraft "
@@ -7904,19 +7906,19 @@ def test_the_report_card_says_how_the_classifier_agrees_with_the_editors(home, c
     result = cli("quality", "--json", cwd=home, env={"VESTI_LEARN_MIN": "10"})
     assert result.returncode == 0, result.stderr
     [space] = [card for card in json.loads(result.stdout) if card["direction"] == "space"]
-    assert (space["decisions"], space["approved"], space["model_used"]) == (14, 8, True)
-    assert space["by_relevance"]["7"]["decided"] == 12
+    assert (space["decisions"], space["approved"], space["model_used"]) == (26, 14, True)
+    assert space["by_relevance"]["7"]["decided"] == 24
     assert sum(f["decided"] for f in space["by_likely"].values()) == 2
     assert space["worst"][0]["id"] == game and space["worst"][0]["likely"] < 0.5
     assert {"esports", "league"} & set(space["worst"][0]["weighed"])
     low, high = space["sources"]["wire"]["interval"]
-    assert low < 8 / 14 < high and -1 <= space["kappa"] <= 1
-    assert space["precision"]["held_out"] == 3 and space["precision"]["learned"]["p20"] is not None
-    assert space["editors"]["ed"]["decisions"] == 14
+    assert low < 14 / 26 < high and -1 <= space["kappa"] <= 1
+    assert space["precision"]["held_out"] == 6 and space["precision"]["learned"]["p20"] is not None
+    assert space["editors"]["ed"]["decisions"] == 26
     assert space["keyword_misses"] == 1                 # the Moon, not the roses
     text = cli("quality", "--direction", "space", cwd=home, env={"VESTI_LEARN_MIN": "10"})
     assert text.returncode == 0 and \
-        text.stdout.startswith("space (Space): Editors approved 8 of 14 decisions (57 %).")
+        text.stdout.startswith("space (Space): Editors approved 14 of 26 decisions (54 %).")
     web = closing(Web(home, settings=s))
     assert web.get("/quality", auth=False)[0] == 401
     status, _, page = web.get("/quality")
