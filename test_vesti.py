@@ -2521,6 +2521,39 @@ def second_source(db, slug="spam"):
 
 
 @both
+@both
+def test_decisions_counted_by_another_process_while_a_page_reads_the_models_break_nothing(
+        home, monkeypatch):
+    """Another process (serve's start after an upgrade, a worker) counts
+    decisions after a page read the models' counts and before it read the
+    latest decisions they rest on: a source five of whose posts were
+    rejected has one approved that the counts do not hold yet. The page
+    still judges, every chance between 0 and 1."""
+    s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10)
+    conn = db.conn()
+    spam = second_source(db)
+    decided_space(conn, wire, MISSIONS, GAMES)
+    rejected = [desk_post(conn, spam, 300 + k, text=f"{GAMES[k]} Update {k}.", direction="space")
+                for k in range(5)]
+    vesti.set_decisions(conn, rejected, "rejected", "ed")
+    vesti.Learners(10).refresh(conn, now=True)                     # all 17 counted
+    late = desk_post(conn, spam, 310, text=f"{GAMES[5]} Update 10.", direction="space")
+    vesti.set_decisions(conn, [late], "approved", "ed")               # owed
+    other = vesti.Database(s.db).conn()
+    latest = vesti.Learners.latest
+
+    def counted_meanwhile(self, conn, model):
+        vesti.learn_owed(other)
+        return latest(self, conn, model)
+    monkeypatch.setattr(vesti.Learners, "latest", counted_meanwhile)
+    learners = vesti.Learners(10).refresh(conn, now=True, owed=0)
+    assert learners.ready("space")
+    monkeypatch.undo()
+    card = desk_post(conn, spam, 320, text=MISSIONS[0], direction="space")
+    vesti.judge_every_card(conn, learners, "space")
+    assert 0 < post_row(conn, card)["likely"] < 1
+
+
 def test_a_source_the_editors_keep_rejecting_sinks_below_the_floor(home):
     """Ten posts of a source rejected although their words are what the
     editors approve: the source is what they reject, and its next post sinks

@@ -4705,10 +4705,13 @@ class Model:
         source = next((feature for feature in features if feature[0] == "@"), None)
         if source is None:
             return 0.0
+        # A decision another process counted after this one read the
+        # counts is left out of counts that do not hold it yet: none goes
+        # below zero.
         approved, rejected = self.counts.get(source, (0, 0))
-        approved, rejected = approved - own[0], rejected - own[1]
-        others_approved = self.approved - own[0] - approved
-        others_rejected = self.rejected - own[1] - rejected
+        approved, rejected = max(0, approved - own[0]), max(0, rejected - own[1])
+        others_approved = max(0, self.approved - own[0] - approved)
+        others_rejected = max(0, self.rejected - own[1] - rejected)
         rate = self.expected.get(source)
         if rate is None:
             rate = (others_approved + 1) / (others_approved + others_rejected + 2)
