@@ -9049,8 +9049,16 @@ def test_accounts_an_older_release_let_differ_only_in_case_are_named_with_what_t
                     f"differ only in how their names are written: each signs in only by its name "
                     f"exactly as written here, any other spelling as {first}; keep one and disable "
                     f"the others (user disable NAME)"], listed
+    # Done as said: the name is one account's again, whatever its spelling.
     cli("user", "disable", "Anna", cwd=home)
     assert vesti.find_user(conn, "Anna")["disabled"] and not vesti.find_user(conn, "anna")["disabled"]
+    assert "differ only" not in cli("user", "list", cwd=home).stdout
+    web = Web(home, settings=s)
+    try:
+        assert web.get("/", auth=False, headers=basic("ANNA", "anna-password"))[0] == 200
+        assert web.get("/", auth=False, headers=basic("Anna", "anna-password"))[0] == 401
+    finally:
+        web.close()
 
 
 def test_russian_pages_say_a_sources_state_its_runs_and_the_audit_in_russian(web):

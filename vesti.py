@@ -2694,10 +2694,12 @@ def user_keys(conn):
 
 
 def same_name_keys(conn):
-    """[[name, ...]] of accounts whose names only case (or another way of
-    writing a letter) tells apart: an older release let them be made."""
+    """[[name, ...]] of enabled accounts whose names only case (or another
+    way of writing a letter) tells apart: an older release let them be
+    made. Once all but one are disabled, the name is one account's again."""
     groups = collections.defaultdict(list)
-    for name, key in conn.execute("SELECT name, name_key FROM users ORDER BY name"):
+    for name, key in conn.execute("SELECT name, name_key FROM users WHERE disabled = 0 "
+                                  "ORDER BY name"):
         groups[key].append(name)
     return [names for names in groups.values() if len(names) > 1]
 
@@ -5909,9 +5911,11 @@ def record_event(conn, who, address, action, subject=None, detail=None):
 
 
 def find_user(conn, name):
-    """The account of this name, as written or as sign-in compares it."""
+    """The account of this name, as written or as sign-in compares it (of
+    accounts an older release let differ only in case, the first enabled
+    one: see same_name_keys)."""
     return conn.execute("SELECT * FROM users WHERE name = ?", (name,)).fetchone() or \
-        conn.execute("SELECT * FROM users WHERE name_key = ? ORDER BY name LIMIT 1",
+        conn.execute("SELECT * FROM users WHERE name_key = ? ORDER BY disabled, name LIMIT 1",
                      (user_key(name),)).fetchone()
 
 
