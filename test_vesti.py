@@ -2294,6 +2294,11 @@ def test_words_are_learned_by_their_stems_and_function_words_not_at_all():
         ["Slashdot", "copies", "surprising", "taskbar"]
     assert vesti.reason_words(["golem", "linux"], "Linux", "Golem: Linux", "Golem.de") == \
         ["Golem.de", "linux"]
+    assert vesti.reason_words(["market", "market ars", "technica", "@4", "verg"],
+                              "Market", "Market Ars Technica. The Verge", "Ars Technica") == \
+        ["market", "Ars Technica", "verge"]
+    assert vesti.reason_words(["verg", "verg market", "market"], "The Verge", "The Verge market",
+                              "The Verge") == ["The Verge", "market"]
 
 
 @both

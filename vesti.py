@@ -4796,8 +4796,8 @@ def reason_words(reasons, title, text, source=None):
     """The first LEARN_REASONS of a card's reasons (Model.reasons) in the
     post's own words: each stem as the word of the post it stands for, a
     pair as the two words, the source by `source` (its name), each said
-    once. The source's own name as a word ("Read more at Slashdot") is
-    the source said again."""
+    once. A word of the source's name ("Read more at Slashdot", "Ars
+    Technica"), alone or in a pair, is the source said again."""
     lead = f"{title or ''}\n{(text or '')[:LEARN_CHARS]}".casefold()
     dropped, said = function_stems(), {}
     found = LEARN_WORD.findall(lead)[:LEARN_WORDS]
@@ -4807,12 +4807,12 @@ def reason_words(reasons, title, text, source=None):
         if after is not None:
             said.setdefault(f"{root} {after[1]}", f"{word} {after[0]}")
     name = LEARN_WORD.findall((source or "").casefold())
-    long = [word for word in name if len(word) > 2]
-    named = {"".join(name), *(long if len(long) == 1 else ())}     # "Golem.de": golem
+    named = {"".join(name), *(word for word, root in zip(name, stems(name))
+                              if len(word) > 2 and root not in dropped)}   # "Golem.de": golem
     shown = {}
     for reason in reasons:
         word = said.get(reason, reason)
-        if reason[0] == "@" or word in named:
+        if reason[0] == "@" or named & set(word.split()):
             word = source or reason
         shown.setdefault(word.casefold(), word)
     return list(shown.values())[:LEARN_REASONS]
