@@ -2416,11 +2416,15 @@ def test_decisions_an_older_release_counted_otherwise_or_not_at_all_are_counted_
 
 
 @both
-def test_after_an_upgrade_the_page_judges_every_card_by_the_counts_made_anew(home):
-    """An older release's chances are of its own counts: `serve` (and
-    `run`), once started, counts the decisions anew and judges every
-    undecided card by what they now say, with no decision or page asked
-    for. Meanwhile no card keeps an older chance."""
+@pytest.mark.parametrize("counted", ["otherwise", "not at all"])
+def test_after_an_upgrade_the_page_judges_every_card_by_the_counts_made_anew(home, monkeypatch,
+                                                                            counted):
+    """An older release's chances are of its own counts (or of none: its
+    decisions came before learning): `serve` (and `run`), once started,
+    counts the decisions anew and judges every undecided card by what they
+    now say, with no decision or page asked for, though the posts it
+    stored last are not in the desk's counts yet. Meanwhile no card keeps
+    an older chance."""
     s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10, VESTI_WEB_PASSWORD="s3cret")
     conn = db.conn()
     decided_space(conn, wire, MISSIONS, GAMES)
@@ -2430,9 +2434,17 @@ def test_after_an_upgrade_the_page_judges_every_card_by_the_counts_made_anew(hom
     learners = vesti.Learners(10).refresh(conn, now=True)
     assert learners.model("space") is not None
     with vesti.transaction(conn):                   # as the older release left it
-        conn.execute("UPDATE learned_words SET feature = feature || 's' WHERE feature NOT LIKE '@%'")
-        conn.execute("UPDATE meta SET value = 'words-0' WHERE key = 'learn_features'")
+        if counted == "otherwise":
+            conn.execute("UPDATE learned_words SET feature = feature || 's' "
+                         "WHERE feature NOT LIKE '@%'")
+            conn.execute("UPDATE meta SET value = 'words-0' WHERE key = 'learn_features'")
+        else:
+            conn.execute("DELETE FROM learned_words")
+            conn.execute("DELETE FROM learners")
+            conn.execute("UPDATE posts SET learned_as = NULL, learned_in = NULL")
+            conn.execute("DELETE FROM meta WHERE key = 'learn_features'")
         conn.execute("UPDATE posts SET likely = 0.99 WHERE status = 'new'")
+    monkeypatch.setattr(vesti.Rescorer, "limit", 2)     # the newest 2 again, then the unjudged
     server = vesti.start_web(db, s, registry, "127.0.0.1", 0)
     try:
         def chances():

@@ -5426,8 +5426,9 @@ class Rescorer:
     of its own once no decision came for `idle` seconds. Of the decisions
     owed to the models (see learn_owed), a page counts `owed` at most before
     it answers (a bulk decision of thousands would hold it a minute); the
-    rest are counted once the editor pauses, a batch at a time. As the
-    page starts, every direction is judged so (catch_up)."""
+    rest are counted once the editor pauses, a batch at a time; a page
+    waiting to judge goes before the thread's next batch. As the page
+    starts, every direction is judged so (catch_up)."""
     first = 100
     owed = 100
     limit = RESCORE_LIMIT
@@ -5440,7 +5441,8 @@ class Rescorer:
         self.everything = False         # see catch_up
         self.last_decision, self.thread = 0.0, None
         self.lock = threading.Lock()        # one judging at a time
-        self.changed = threading.Lock()     # guards the sets and the thread
+        self.changed = threading.Lock()     # guards the sets, the thread and `pages`
+        self.pages = 0                      # pages waiting for the lock
 
     def ask(self, directions):
         with self.changed:
@@ -5450,8 +5452,9 @@ class Rescorer:
     def catch_up(self):
         """As the page starts, in the thread of `run`: count the decisions
         owed to the models (every one, after an upgrade that counts them
-        anew; those of a process stopped before it counted them) and judge
-        every direction's cards by the models as they then are."""
+        anew; those of a process stopped before it counted them), then in
+        every direction judge the newest `limit` cards again and the cards
+        the models have not judged yet (after an upgrade, every card)."""
         with self.changed:
             self.everything = True
             self.start()
@@ -5470,7 +5473,7 @@ class Rescorer:
             self.stale -= due
         if not due:
             return
-        with self.lock:
+        with self.page_turn():
             conn = self.db.conn()               # the page's own
             learners = self.learners.refresh(conn, now=True, owed=self.owed)
             for stale in sorted(due):
@@ -5481,6 +5484,31 @@ class Rescorer:
             self.later |= {d for d in due if d in self.learners.models}
             if self.later:
                 self.start()
+
+    @contextlib.contextmanager
+    def page_turn(self):
+        """The lock, for a page: the thread of `run` waits for it to have
+        its turn (a lock is not fair: the thread would take it again)."""
+        with self.changed:
+            self.pages += 1
+        try:
+            self.lock.acquire()
+        finally:
+            with self.changed:
+                self.pages -= 1
+        try:
+            yield
+        finally:
+            self.lock.release()
+
+    @contextlib.contextmanager
+    def batch_turn(self):
+        """The lock and a connection, for a batch of the thread of `run`,
+        once no page waits for the lock."""
+        while self.pages:
+            time.sleep(0.01)
+        with self.lock, self.db.lent():
+            yield self.db.conn()
 
     def run(self):
         """The rest, once the editor has paused."""
@@ -5500,13 +5528,14 @@ class Rescorer:
                 continue
             try:
                 if everything:      # first what changed since the last process, if anything
-                    with self.lock, self.db.lent():
-                        self.learners.refresh(self.db.conn(), now=True, owed=0)
-                    directions = sorted(set(directions) | set(self.learners.models))
+                    with self.batch_turn() as conn:
+                        catch_up_index(conn)        # the counts judge_unjudged reads
+                        self.learners.refresh(conn, now=True, owed=0)
                 self.count_owed()
-                with self.lock, self.db.lent():
-                    conn = self.db.conn()
+                with self.batch_turn() as conn:
                     self.learners.refresh(conn, now=True)
+                    if everything:  # the directions the decisions counted now have too
+                        directions = sorted(set(directions) | set(self.learners.models))
                     for direction in directions:
                         rescore_direction(conn, self.learners, direction, self.limit)
                     take_in_missed(conn, self.learners, self.limit)
@@ -5519,8 +5548,7 @@ class Rescorer:
         """Count the decisions still owed, a batch at a time, letting a
         page's judging go first between batches."""
         while True:
-            with self.lock, self.db.lent():
-                conn = self.db.conn()
+            with self.batch_turn() as conn:
                 if not owes_learning(conn):
                     return
                 learn_owed(conn, LEARN_BATCH)
@@ -5532,8 +5560,7 @@ class Rescorer:
         batches."""
         after = None
         while True:
-            with self.lock, self.db.lent():
-                conn = self.db.conn()
+            with self.batch_turn() as conn:
                 if self.learners.model(direction) is None:
                     if not forget_chances(conn, direction, self.batch):
                         return
