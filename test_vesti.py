@@ -2555,15 +2555,15 @@ def test_decisions_counted_by_another_process_while_a_page_reads_the_models_brea
     vesti.set_decisions(conn, rejected, "rejected", "ed")
     vesti.Learners(10).refresh(conn, now=True)                     # all 17 counted
     late = desk_post(conn, spam, 310, text=f"{GAMES[5]} Update 10.", direction="space")
-    vesti.set_decisions(conn, [late], "approved", "ed")               # owed
     other = vesti.Database(s.db).conn()
     latest = vesti.Learners.latest
 
     def counted_meanwhile(self, conn, model):
+        vesti.set_decisions(other, [late], "approved", "ed")
         vesti.learn_owed(other)
         return latest(self, conn, model)
     monkeypatch.setattr(vesti.Learners, "latest", counted_meanwhile)
-    learners = vesti.Learners(10).refresh(conn, now=True, owed=0)
+    learners = vesti.Learners(10).refresh(conn, now=True)
     assert learners.ready("space")
     monkeypatch.undo()
     card = desk_post(conn, spam, 320, text=MISSIONS[0], direction="space")

@@ -4965,7 +4965,11 @@ class Learners:
 
     def refresh(self, conn, now=False, owed=None):
         """Read what changed, once the decisions still owed are counted (at
-        most `owed` of them: a page's; the rest wait for the next)."""
+        most `owed` of them: a page's; the rest wait for the next). While
+        some are still owed after that (thousands decided at once, or every
+        decision after an upgrade), the models are not calibrated again:
+        that would be done anew for every batch; the process that counts
+        the last one does it."""
         with self.lock:
             if not now and time.monotonic() - self.checked < LEARN_REFRESH:
                 return self
@@ -4973,8 +4977,10 @@ class Learners:
             if not self.features_checked and not conn.in_transaction:
                 relearn_if_features_changed(conn)
                 self.features_checked = True
-            if not conn.in_transaction and owes_learning(conn):
+            backlog = not conn.in_transaction and owes_learning(conn)
+            if backlog:
                 learn_owed(conn, owed)
+                backlog = owed is not None and owes_learning(conn)
             rows = conn.execute("SELECT direction, approved, rejected, version, epoch, since "
                                 "FROM learners").fetchall()
             if any(row["approved"] + row["rejected"] >= self.learn_min and
@@ -5001,7 +5007,7 @@ class Learners:
                 self.approvals = Approvals(self.models.values())
                 for model in self.models.values():
                     model.elsewhere = self.approvals
-            for model in recalibrate:
+            for model in [] if backlog else recalibrate:
                 if model.ready(self.learn_min):
                     model.calibrate([(features, keywords, decision == "approved")
                                      for features, _, keywords, decision in self.latest(conn, model)])
