@@ -2571,6 +2571,22 @@ def test_decisions_counted_by_another_process_while_a_page_reads_the_models_brea
     assert 0 < post_row(conn, card)["likely"] < 1
 
 
+@both
+def test_the_report_card_asked_while_a_bulk_decision_is_counted_says_the_model_is_used(home):
+    """Thousands decided at once are counted a batch at a time; a report
+    card asked for meanwhile calibrates the model it reads once, and says
+    it is used."""
+    s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10)
+    conn = db.conn()
+    decided_space(conn, wire, MISSIONS, GAMES)
+    vesti.Learners(10).refresh(conn, now=True)
+    bulk = [desk_post(conn, wire, 500 + k, text=f"{GAMES[k % 6]} Match {k}.", direction="space")
+            for k in range(150)]
+    vesti.set_decisions(conn, bulk, "rejected", "ed")           # 150 owed, 100 counted below
+    [card] = vesti.quality_report(conn, registry.directions, s, "space", owed=100)
+    assert card["model_used"] and vesti.owes_learning(conn)
+
+
 def test_a_source_the_editors_keep_rejecting_sinks_below_the_floor(home):
     """Ten posts of a source rejected although their words are what the
     editors approve: the source is what they reject, and its next post sinks

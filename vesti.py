@@ -4967,9 +4967,9 @@ class Learners:
         """Read what changed, once the decisions still owed are counted (at
         most `owed` of them: a page's; the rest wait for the next). While
         some are still owed after that (thousands decided at once, or every
-        decision after an upgrade), the models are not calibrated again:
-        that would be done anew for every batch; the process that counts
-        the last one does it."""
+        decision after an upgrade), a model this process calibrated already
+        is not calibrated again: that would be done anew for every batch;
+        the process that counts the last one does it."""
         with self.lock:
             if not now and time.monotonic() - self.checked < LEARN_REFRESH:
                 return self
@@ -5007,8 +5007,8 @@ class Learners:
                 self.approvals = Approvals(self.models.values())
                 for model in self.models.values():
                     model.elsewhere = self.approvals
-            for model in [] if backlog else recalibrate:
-                if model.ready(self.learn_min):
+            for model in recalibrate:
+                if model.ready(self.learn_min) and not (backlog and model.calibrated_at is not None):
                     model.calibrate([(features, keywords, decision == "approved")
                                      for features, _, keywords, decision in self.latest(conn, model)])
                     model.calibrated_at = model.approved + model.rejected
