@@ -2538,7 +2538,6 @@ def second_source(db, slug="spam"):
 
 
 @both
-@both
 def test_decisions_counted_by_another_process_while_a_page_reads_the_models_break_nothing(
         home, monkeypatch):
     """Another process (serve's start after an upgrade, a worker) counts
@@ -2587,6 +2586,56 @@ def test_the_report_card_asked_while_a_bulk_decision_is_counted_says_the_model_i
     assert card["model_used"] and vesti.owes_learning(conn)
 
 
+@both
+def test_a_bulk_decision_that_fills_the_latest_decisions_does_not_turn_a_sources_weight(
+        home, monkeypatch):
+    """A source's approval rate is weighed against what its posts' words say
+    on the same decisions: once a bulk rejection of its game news fills its
+    share of the latest decisions, its earlier approvals (of missions, now
+    older than them) do not lift its next game news."""
+    monkeypatch.setattr(vesti, "LEARN_EXAMPLES_FROM", 28)
+    s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10)
+    conn = db.conn()
+    feed = second_source(db, "feed")
+    older = [desk_post(conn, feed, 300 + k, text=f"{MISSIONS[k % 6]} Flight {k}.",
+                       direction="space") for k in range(12)]
+    missions = [desk_post(conn, wire, 330 + k, text=f"{MISSIONS[k]} Launch {k}.",
+                          direction="space") for k in range(6)]
+    games = [desk_post(conn, wire, 350 + k, text=f"{GAMES[k]} Match {k}.", direction="space")
+             for k in range(6)]
+    bulk = [desk_post(conn, feed, 400 + k, text=f"{GAMES[k % 6]} Round {k}.",
+                      direction="space") for k in range(16)]
+    vesti.set_decisions(conn, older + missions, "approved", "ed")
+    vesti.set_decisions(conn, games + bulk, "rejected", "ed")
+    for k, post in enumerate(older + missions + games + bulk):
+        conn.execute("UPDATE posts SET decided_at = ? WHERE id = ?", (november(1000 + k), post))
+    learners = vesti.Learners(10).refresh(conn, now=True)
+    model = learners.model("space")
+    game = vesti.post_features("", f"{GAMES[0]} Final.", feed)
+    assert model.source_weight(game) <= 0
+    assert model.likely(game) < vesti.LIKELY_LOW
+
+
+@both
+def test_a_few_decisions_on_a_source_say_nothing_of_it(home):
+    """Two of three game posts of a podcast approved on the space desk,
+    against their words: too few to lift the podcast's next game news."""
+    s, db, registry, wire = space_home(home, VESTI_LEARN_MIN=10)
+    conn = db.conn()
+    decided_space(conn, wire, [f"{text} Report {k}." for k in range(3) for text in MISSIONS],
+                  GAMES * 3)
+    podcast = second_source(db, "podcast")
+    posts = [desk_post(conn, podcast, 300 + k, text=f"{GAMES[k]} Episode {k}.",
+                       direction="space") for k in range(3)]
+    vesti.set_decisions(conn, posts[:2], "approved", "ed")
+    vesti.set_decisions(conn, posts[2:], "rejected", "ed")
+    model = vesti.Learners(10).refresh(conn, now=True).model("space")
+    game = vesti.post_features("", f"{GAMES[3]} Episode 9.", podcast)
+    assert model.source_weight(game) == 0.0
+    assert model.likely(game) < vesti.LIKELY_LOW
+
+
+@both
 def test_a_source_the_editors_keep_rejecting_sinks_below_the_floor(home):
     """Ten posts of a source rejected although their words are what the
     editors approve: the source is what they reject, and its next post sinks

@@ -4428,11 +4428,12 @@ WEIGHT_SHRINK = 1
 MODEL_FEATURES = 50_000
 # A source's own approval rate weighs once it differs beyond chance (a
 # binomial test at SOURCE_SURE) from what its posts' words would have had
-# approved, counted from SOURCE_PRIOR decisions at that rate: a decision or
-# two on a source say nothing; five rejections running of posts whose words
-# say half sink it (see Model.source_weight).
+# approved, counted from SOURCE_PRIOR decisions at that rate: fewer than
+# SOURCE_LEAST decisions on a source say nothing; five rejections running
+# of posts whose words say half sink it (see Model.source_weight).
 SOURCE_PRIOR = 4
 SOURCE_SURE = 0.05
+SOURCE_LEAST = 5
 # A post some keyword of the direction matched has this much more evidence
 # for approval than its features alone give, and each keyword it matched
 # KEYWORD_EVIDENCE more: the editors' own words are a judgement the model
@@ -4697,28 +4698,33 @@ class Model:
     def source_weight(self, features, own=(0, 0)):
         """How much a post's source speaks for approval: the log odds of its
         posts' approval in the direction over the share their words would
-        have had approved (see expected_by_source; before the model was
-        calibrated with them, the rate of the direction's other sources),
+        have had approved, both among the latest decisions (see
+        expected_by_source; a source decided only before them: all its
+        decisions against the rate of the direction's other sources),
         smoothed toward that share by SOURCE_PRIOR decisions, once the two
-        differ beyond chance. So a source whose posts were rejected although
-        their words speak for them sinks (five rejections running where the
-        words say half, fewer where they say more); one whose posts' words
-        explain its rejections does not: they weigh already."""
+        differ beyond chance on SOURCE_LEAST decisions or more. So a source
+        whose posts were rejected although their words speak for them sinks
+        (five rejections running where the words say half); one whose
+        posts' words explain its rejections does not: they weigh already."""
         source = next((feature for feature in features if feature[0] == "@"), None)
         if source is None:
             return 0.0
+        expected = self.expected.get(source)
+        if expected is not None:    # its posts among the latest decisions, as many as were
+            rate, approved, rejected = expected
+        else:                       # decided before them: all of them, against the others
+            approved, rejected = self.counts.get(source, (0, 0))
         # A decision another process counted after this one read the
         # counts is left out of counts that do not hold it yet: none goes
         # below zero.
-        approved, rejected = self.counts.get(source, (0, 0))
         approved, rejected = max(0, approved - own[0]), max(0, rejected - own[1])
-        others_approved = max(0, self.approved - own[0] - approved)
-        others_rejected = max(0, self.rejected - own[1] - rejected)
-        rate = self.expected.get(source)
-        if rate is None:
+        if expected is None:
+            others_approved = max(0, self.approved - own[0] - approved)
+            others_rejected = max(0, self.rejected - own[1] - rejected)
             rate = (others_approved + 1) / (others_approved + others_rejected + 2)
         rate = min(max(rate, 0.02), 0.98)
-        if binomial_tail(approved, approved + rejected, rate) >= SOURCE_SURE:
+        if approved + rejected < SOURCE_LEAST or \
+                binomial_tail(approved, approved + rejected, rate) >= SOURCE_SURE:
             return 0.0
         share = (approved + SOURCE_PRIOR * rate) / (approved + rejected + SOURCE_PRIOR)
         return math.log(share / (1 - share)) - math.log(rate / (1 - rate))
@@ -4769,16 +4775,22 @@ class Model:
         self.separates = tells_apart(points, self.scale, self.shift)
 
     def expected_by_source(self, decided, words):
-        """{source: the share of its decided posts that their words alone
-        (`words`: each one's words_score) would have had approved}."""
+        """{source: (the share of its decided posts that their words alone
+        (`words`: each one's words_score) would have had approved, how many
+        of them were approved, how many rejected)}: a source's rate is
+        weighed against what its words say on the same posts, however the
+        latest decisions fell (a bulk decision of one kind fills them)."""
         scale, shift = fit_chances([(score, approved) for score, (_, _, approved)
                                     in zip(words, decided)])
         chances = collections.defaultdict(list)
-        for score, (features, _, _) in zip(words, decided):
+        for score, (features, _, approved) in zip(words, decided):
             source = next((feature for feature in features if feature[0] == "@"), None)
             if source is not None:
-                chances[source].append(chance(scale * score + shift))
-        return {source: sum(shares) / len(shares) for source, shares in chances.items()}
+                chances[source].append((chance(scale * score + shift), approved))
+        return {source: (sum(share for share, _ in posts) / len(posts),
+                         sum(1 for _, approved in posts if approved),
+                         sum(1 for _, approved in posts if not approved))
+                for source, posts in chances.items()}
 
     def reasons(self, features, likely):
         """The features that weighed most toward its verdict, heaviest first
@@ -5061,7 +5073,7 @@ class Learners:
             known = self.features.setdefault(model.direction, {})
             rows = conn.execute("""SELECT id, title, keywords, learned_as FROM posts
                                    WHERE learned_in = ? AND learned_as IS NOT NULL
-                                   ORDER BY decided_at DESC LIMIT ?""",
+                                   ORDER BY decided_at DESC, id DESC LIMIT ?""",
                                 (model.direction, LEARN_EXAMPLES_FROM)).fetchall()
             missing = [row["id"] for row in rows if row["id"] not in known]
             for among, values in conn.dialect.among("id", missing):
