@@ -342,8 +342,7 @@ class Web:
         return self.app.token()
 
     def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        vesti.stop_web(self.server)
 
 
 @pytest.fixture

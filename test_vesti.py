@@ -2452,8 +2452,7 @@ def test_after_an_upgrade_the_page_judges_every_card_by_the_counts_made_anew(hom
         wait_for(lambda: 0.99 not in chances().values() and None not in chances().values(),
                  state=chances)
     finally:
-        server.shutdown()
-        server.server_close()
+        vesti.stop_web(server)
     fresh = vesti.Learners(10).refresh(conn, now=True)
     for row in conn.execute("SELECT id, title, text, source_id, keywords, likely FROM posts "
                             "WHERE status = 'new'"):
@@ -7982,7 +7981,7 @@ def test_a_page_after_a_bulk_decision_counts_a_few_and_the_pause_counts_the_rest
     web = closing(Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret",
                                                    VESTI_LEARN_MIN=10)))
     rescorer = web.app.rescorer
-    rescorer.owed, rescorer.idle = 5, 0.1
+    rescorer.owed, rescorer.idle = 5, 3.0   # the pause: 3 s after the decision
     conn = web.db.conn()
     wire = source_row(web.db, "wire")["id"]
     posts = [desk_post(conn, wire, k, text=f"{GAMES[k % 6]} Round {k}.", direction="space",
@@ -7997,7 +7996,25 @@ def test_a_page_after_a_bulk_decision_counts_a_few_and_the_pause_counts_the_rest
     assert owed() == 30
     assert web.get("/api/posts?direction=space")[0] == 200
     assert owed() == 25                                     # the page counted five
-    wait_for(lambda: owed() == 0, timeout=10)               # the pause, the rest
+    wait_for(lambda: owed() == 0, timeout=15)               # the pause, the rest
+    assert tuple(web.db.conn().execute(
+        "SELECT approved, rejected FROM learners WHERE direction = 'space'").fetchone()) == (0, 30)
+
+
+def test_a_bulk_decision_from_a_script_is_counted_though_no_page_follows(home, closing):
+    write_sources(home / "sources.yaml", [rss_source("wire", "http://wire.example/feed")])
+    web = closing(Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret",
+                                                   VESTI_LEARN_MIN=10)))
+    web.app.rescorer.idle = 0.1
+    conn = web.db.conn()
+    wire = source_row(web.db, "wire")["id"]
+    posts = [desk_post(conn, wire, k, text=f"{GAMES[k % 6]} Round {k}.", direction="space",
+                       relevance=4, minute=k) for k in range(30)]
+    status, _, body = web.post("/posts/status", {"ids": ",".join(map(str, posts)),
+                                                 "status": "rejected", "token": web.token()},
+                               headers={"Accept": "application/json"})
+    assert status == 200 and json.loads(body)["changed"] == 30
+    wait_for(lambda: not vesti.owes_learning(web.db.conn()), timeout=10)
     assert tuple(web.db.conn().execute(
         "SELECT approved, rejected FROM learners WHERE direction = 'space'").fetchone()) == (0, 30)
 
@@ -9165,10 +9182,7 @@ def test_the_page_listens_on_ipv6(home, request):
         pytest.skip(f"no IPv6 loopback here: {e}")
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
 
-    def stop():
-        server.shutdown()
-        server.server_close()
-    request.addfinalizer(stop)
+    request.addfinalizer(lambda: vesti.stop_web(server))
     conn = http.client.HTTPConnection("::1", server.server_address[1], timeout=10)
     conn.request("GET", "/", headers=basic("admin", "s3cret"))
     assert conn.getresponse().status == 200

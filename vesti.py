@@ -5433,6 +5433,10 @@ def take_in_missed(conn, learners, limit=RESCORE_LIMIT):
     return len(joined)
 
 
+class Stopped(Exception):
+    """The page is stopping: the thread that judges in the background ends."""
+
+
 class Rescorer:
     """After decisions, the undecided cards of their directions are judged
     again (rescore_direction) by the model they changed. Not at once, so a
@@ -5461,11 +5465,20 @@ class Rescorer:
         self.lock = threading.Lock()        # one judging at a time
         self.changed = threading.Lock()     # guards the sets, the thread and `pages`
         self.pages = 0                      # pages waiting for the lock
+        self.stopped = False                # see stop
+        self.stopping = threading.Event()   # wakes the thread of `run` from its pause
 
     def ask(self, directions):
+        """Decisions changed these directions' models: the next page of
+        each judges its newest cards (wait), and the thread of `run` the
+        rest once the editor pauses, a page asked for or not (a script's
+        decisions are counted too)."""
         with self.changed:
             self.stale.update(d for d in directions if d)
+            self.later.update(d for d in directions if d)
             self.last_decision = time.monotonic()
+            if self.later:
+                self.start()
 
     def catch_up(self):
         """As the page starts, in the thread of `run`: count the decisions
@@ -5477,9 +5490,18 @@ class Rescorer:
             self.everything = True
             self.start()
 
+    def stop(self, timeout=5.0):
+        """No more judging: the thread of `run` ends after its batch (waited
+        for up to `timeout` seconds), and starts no more."""
+        with self.changed:
+            self.stopped, thread = True, self.thread
+        self.stopping.set()
+        if thread is not None:
+            thread.join(timeout)
+
     def start(self):
         """In self.changed: the thread of `run`, unless it runs already."""
-        if self.thread is None:
+        if self.thread is None and not self.stopped:
             self.thread = threading.Thread(target=self.run, name="rescore", daemon=True)
             self.thread.start()
 
@@ -5522,10 +5544,12 @@ class Rescorer:
     @contextlib.contextmanager
     def batch_turn(self):
         """The lock and a connection, for a batch of the thread of `run`,
-        once no page waits for the lock."""
+        once no page waits for the lock; Stopped once stopped."""
         while self.pages:
             time.sleep(0.01)
         with self.lock, self.db.lent():
+            if self.stopped:
+                raise Stopped
             yield self.db.conn()
 
     def run(self):
@@ -5533,7 +5557,7 @@ class Rescorer:
         while True:
             with self.changed:
                 idle = time.monotonic() - self.last_decision
-                if not self.later and not self.everything:
+                if self.stopped or (not self.later and not self.everything):
                     self.thread = None
                     return
                 if idle >= self.idle:
@@ -5542,12 +5566,12 @@ class Rescorer:
                 else:
                     directions = None
             if directions is None:
-                time.sleep(self.idle - idle)
+                self.stopping.wait(self.idle - idle)
                 continue
             try:
-                if everything:      # first what changed since the last process, if anything
-                    with self.batch_turn() as conn:
-                        catch_up_index(conn)        # the counts judge_unjudged reads
+                with self.batch_turn() as conn:
+                    catch_up_index(conn)    # the counts judge_unjudged reads
+                    if everything:          # first what changed since the last process
                         self.learners.refresh(conn, now=True, owed=0)
                 self.count_owed()
                 with self.batch_turn() as conn:
@@ -5559,6 +5583,8 @@ class Rescorer:
                     take_in_missed(conn, self.learners, self.limit)
                 for direction in directions:
                     self.judge_unjudged(direction)
+            except Stopped:
+                continue            # ends at the top of the loop
             except Exception as e:  # noqa: BLE001 - the page goes on; the worker judges anew
                 log.warning("judging undecided posts again failed: %s", e)
 
@@ -16055,14 +16081,20 @@ def start_web(db, settings, registry, host=None, port=None):
     return server
 
 
+def stop_web(server):
+    """The page stops answering and judging (see Rescorer.stop)."""
+    server.shutdown()
+    server.app.rescorer.stop()
+    server.server_close()
+
+
 def cmd_serve(args, settings, process):
     stop = threading.Event()
     with stop_on_signals(stop, process):
         registry, db = open_intake(settings, process)
         server = start_web(db, settings, registry, args.host, args.port)
         stop.wait()
-    server.shutdown()
-    server.server_close()
+    stop_web(server)
     return 0
 
 
@@ -16093,8 +16125,7 @@ def cmd_run(args, settings, process):
                                               quiet=True)
         finally:
             stop.set()
-            server.shutdown()
-            server.server_close()
+            stop_web(server)
     if stats is not None:
         print(f"worker: {stats.line()}", flush=True)
     crawls.join(settings.stop_grace)
