@@ -7973,6 +7973,45 @@ def test_a_model_no_longer_used_takes_its_chance_off_every_card(home, closing):
 
 
 @both
+def test_after_a_bulk_decision_every_card_is_judged_again_once_the_editor_pauses(home, closing):
+    """A decision on many posts at once (or its undo) moves a model far: once
+    the editor pauses, every undecided card of the direction is judged
+    again, the oldest included, not only the newest."""
+    write_sources(home / "sources.yaml", [rss_source("wire", "http://wire.example/feed")])
+    web = closing(Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret",
+                                                   VESTI_LEARN_MIN=10)))
+    rescorer = web.app.rescorer
+    rescorer.first, rescorer.limit, rescorer.batch, rescorer.idle, rescorer.whole = 1, 2, 3, 0.1, 6
+    conn = web.db.conn()
+    wire = source_row(web.db, "wire")["id"]
+    decided_space(conn, wire, MISSIONS, GAMES)
+    cards = [desk_post(conn, wire, 200 + k, text=f"{text} Later {k}.", direction="space",
+                       minute=1 + k) for k, text in enumerate(MISSIONS + GAMES)]
+    vesti.judge_every_card(conn, vesti.Learners(10).refresh(conn, now=True), "space")
+    before = dict(conn.execute("SELECT id, likely FROM posts WHERE status = 'new'"))
+    bulk = [desk_post(conn, wire, 300 + k, text=f"{MISSIONS[k]} Orbit {k}.", direction="space",
+                      minute=100 + k) for k in range(6)]
+    status, _, _ = web.post("/posts/status", {"ids": ",".join(map(str, bulk)), "status": "approved",
+                                              "token": web.token()},
+                            headers={"Accept": "application/json"})
+    assert status == 200
+
+    def judged():
+        learners = vesti.Learners(10).refresh(web.db.conn(), now=True)
+        return {row["id"]: (row["likely"], learners.likely(
+                    "space", vesti.post_features(row["title"], row["text"][:vesti.LEARN_CHARS],
+                                                 row["source_id"], row["id"]),
+                    vesti.keyword_count(row["keywords"])))
+                for row in web.db.conn().execute(
+                    "SELECT id, title, text, source_id, keywords, likely FROM posts "
+                    "WHERE status = 'new'")}
+    wait_for(lambda: all(now == pytest.approx(wanted) for now, wanted in judged().values()),
+             timeout=10)
+    assert all(judged()[post][0] is not None for post in cards)
+    assert sum(before[post] != judged()[post][0] for post in cards) > rescorer.limit
+
+
+@both
 def test_a_page_after_a_bulk_decision_counts_a_few_and_the_pause_counts_the_rest(home, closing):
     """Thousands of posts rejected at once would hold the next page while
     every decision is counted into the model: the page counts a few and

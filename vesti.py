@@ -5456,10 +5456,12 @@ class Rescorer:
     limit = RESCORE_LIMIT
     batch = JUDGE_BATCH
     idle = 2.0
+    whole = 50          # decided at once, this many posts have every card judged again
 
     def __init__(self, db, learners):
         self.db, self.learners = db, learners
         self.stale, self.later = set(), set()
+        self.every_card = set()         # directions whose every card is to be judged again
         self.everything = False         # see catch_up
         self.last_decision, self.thread = 0.0, None
         self.lock = threading.Lock()        # one judging at a time
@@ -5468,14 +5470,18 @@ class Rescorer:
         self.stopped = False                # see stop
         self.stopping = threading.Event()   # wakes the thread of `run` from its pause
 
-    def ask(self, directions):
-        """Decisions changed these directions' models: the next page of
-        each judges its newest cards (wait), and the thread of `run` the
-        rest once the editor pauses, a page asked for or not (a script's
-        decisions are counted too)."""
+    def ask(self, directions, count=1):
+        """Decisions on `count` posts changed these directions' models: the
+        next page of each judges its newest cards (wait), and the thread of
+        `run` the rest once the editor pauses, a page asked for or not (a
+        script's decisions are counted too); every card, once `whole` or
+        more were decided at once (a bulk decision, or its undo, moves a
+        model far)."""
         with self.changed:
             self.stale.update(d for d in directions if d)
             self.later.update(d for d in directions if d)
+            if count >= self.whole:
+                self.every_card.update(d for d in directions if d)
             self.last_decision = time.monotonic()
             if self.later:
                 self.start()
@@ -5562,6 +5568,7 @@ class Rescorer:
                     return
                 if idle >= self.idle:
                     directions, self.later = sorted(self.later), set()
+                    every_card, self.every_card = self.every_card, set()
                     everything, self.everything = self.everything, False
                 else:
                     directions = None
@@ -5582,7 +5589,7 @@ class Rescorer:
                         rescore_direction(conn, self.learners, direction, self.limit)
                     take_in_missed(conn, self.learners, self.limit)
                 for direction in directions:
-                    self.judge_unjudged(direction)
+                    self.judge_unjudged(direction, every=direction in every_card)
             except Stopped:
                 continue            # ends at the top of the loop
             except Exception as e:  # noqa: BLE001 - the page goes on; the worker judges anew
@@ -5597,11 +5604,11 @@ class Rescorer:
                     return
                 learn_owed(conn, LEARN_BATCH)
 
-    def judge_unjudged(self, direction):
-        """Judge the direction's cards its model has not judged yet (while
-        it has no model used: take the chance off every card that has one),
-        a batch at a time, letting a page's judging go first between
-        batches."""
+    def judge_unjudged(self, direction, every=False):
+        """Judge the direction's cards its model has not judged yet (with
+        `every`, every card again; while it has no model used: take the
+        chance off every card that has one), a batch at a time, letting a
+        page's judging go first between batches."""
         after = None
         while True:
             with self.batch_turn() as conn:
@@ -5609,10 +5616,10 @@ class Rescorer:
                     if not forget_chances(conn, direction, self.batch):
                         return
                     continue
-                if after is None and not unjudged_cards(conn, direction):
+                if after is None and not every and not unjudged_cards(conn, direction):
                     return
                 _, after = judge_cards(conn, self.learners, direction, after, self.batch,
-                                       unjudged=True)
+                                       unjudged=not every)
             if after is None:
                 return
 
@@ -14790,7 +14797,7 @@ class DeskRoutes:
             self.conflict(request, form, str(e), {
                 "X-Vesti-Conflict": "decided", "X-Vesti-Status": e.status,
                 "X-Vesti-Decided-By": urllib.parse.quote(e.by or "")})
-        self.rescorer.ask(decided_directions(self.db.conn(), ids))
+        self.rescorer.ask(decided_directions(self.db.conn(), ids), len(ids))
         return found
 
     def conflict(self, request, form, text, headers=None):
