@@ -822,6 +822,28 @@ def test_a_lock_of_a_moment_is_waited_out_without_a_warning(tmp_path, caplog):
     assert len([r for r in caplog.records if "is locked" in r.getMessage()]) == 1
 
 
+def test_a_stopping_process_waits_out_a_lock_of_a_moment_and_gives_up_on_a_longer_one(tmp_path):
+    """A stop's last writes (a send marked uncertain) are not lost to
+    another thread's moment of writing; a lock held longer is not waited
+    for, so the stop is not held up."""
+    conn = vesti.connect(str(tmp_path / "vesti.db"))
+    conn.process.stopping.set()
+    answers = iter([True] * 3 + [False])
+
+    def locked_a_moment(sql, parameters):
+        if next(answers):
+            raise sqlite3.OperationalError("database is locked")
+        return "done"
+    assert conn._retrying(locked_a_moment, "UPDATE x", ()) == "done"
+
+    def locked(sql, parameters):
+        raise sqlite3.OperationalError("database is locked")
+    started = time.monotonic()
+    with pytest.raises(vesti.StorageError, match="since the process is stopping"):
+        conn._retrying(locked, "UPDATE x", ())
+    assert time.monotonic() - started < vesti.BUSY_GRACE + 1
+
+
 @pytest.mark.slow
 def test_a_forever_worker_waits_out_a_database_locked_past_the_busy_timeout(home, closing):
     s, db, _ = worker_home(home, "")
@@ -8020,7 +8042,7 @@ def test_a_page_after_a_bulk_decision_counts_a_few_and_the_pause_counts_the_rest
     web = closing(Web(home, settings=make_settings(home, VESTI_WEB_PASSWORD="s3cret",
                                                    VESTI_LEARN_MIN=10)))
     rescorer = web.app.rescorer
-    rescorer.owed, rescorer.idle = 5, 3.0   # the pause: 3 s after the decision
+    rescorer.owed, rescorer.idle = 5, 1.5   # the pause: 1.5 s after the decision
     conn = web.db.conn()
     wire = source_row(web.db, "wire")["id"]
     posts = [desk_post(conn, wire, k, text=f"{GAMES[k % 6]} Round {k}.", direction="space",

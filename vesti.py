@@ -1182,7 +1182,9 @@ STORAGE_MESSAGES = ("database or disk is full", "disk i/o error", "disk image is
 # switching the file to WAL as it opens, a read turning into a write after
 # another's write. Such a wait passes in milliseconds; one is said (as the
 # database locked by another process) only once its statement has waited
-# BUSY_GRACE seconds.
+# BUSY_GRACE seconds, and a process that is stopping waits that long too
+# before it gives up (a stop's last writes, as a send marked uncertain, are
+# not lost to another thread's moment of writing).
 BUSY_GRACE = 1.0
 
 
@@ -1323,7 +1325,8 @@ class Connection(sqlite3.Connection):
                 except sqlite3.OperationalError as e:
                     if not is_busy(e) or many:
                         raise
-                    if self.process.stopping.is_set():
+                    if self.process.stopping.is_set() and \
+                            time.monotonic() - began >= BUSY_GRACE:
                         raise StorageError(f"{self.path}: {e}; stopped waiting for it "
                                            f"since the process is stopping") from None
                     if not waiting and time.monotonic() - began >= BUSY_GRACE:
@@ -5553,6 +5556,8 @@ class Rescorer:
         once no page waits for the lock; Stopped once stopped."""
         while self.pages:
             time.sleep(0.01)
+        if self.stopped:
+            raise Stopped
         with self.lock, self.db.lent():
             if self.stopped:
                 raise Stopped
