@@ -5490,11 +5490,18 @@ class Rescorer:
                 self.start()
 
     def catch_up(self):
-        """As the page starts, in the thread of `run`: count the decisions
-        owed to the models (every one, after an upgrade that counts them
-        anew; those of a process stopped before it counted them), then in
-        every direction judge the newest `limit` cards again and the cards
-        the models have not judged yet (after an upgrade, every card)."""
+        """As the page starts, when the database owes the models decisions
+        (every one, after an upgrade that counts them anew; those of a
+        process stopped before it counted them), in the thread of `run`:
+        count them, then in every direction judge the newest `limit` cards
+        again and the cards the models have not judged yet (after an
+        upgrade, every card)."""
+        conn = self.db.conn()
+        if not owes_learning(conn) and not (
+                get_meta(conn, "learn_features")[0] != LEARN_FEATURES and conn.execute(
+                    "SELECT 1 FROM posts WHERE status IN ('approved', 'rejected') "
+                    "LIMIT 1").fetchone()):
+            return
         with self.changed:
             self.everything = True
             self.start()
